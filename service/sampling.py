@@ -1,0 +1,113 @@
+"""Choosing the next token from what the wafer returns: its top-k (ids, logits) and the log-sum-exp.
+
+The semantics follow Hugging Face's `generate` and TGI: the repetition penalty first (positive logits
+of tokens already seen are divided by it, negative ones multiplied), then temperature, top-k and
+top-p. Sampling is on when asked for (`do_sample`) or implied by a warper (temperature != 1, top_k,
+top_p < 1), as in TGI; otherwise the choice is greedy.
+
+The candidates are the wafer's top-k only (the full vocabulary never leaves the wafer), so top-p and
+sampling renormalise over those k. The reported logprob is the model's own, unaffected by the
+penalty or the warpers: logit - logsumexp over the whole vocabulary.
+
+Each request owns a `Sampler` with its own seeded generator, so a seed gives the same tokens whatever
+else shares the batch.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from wafer.executor import TokenScores
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be > 0, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+
+    @property
+    def sampling(self) -> bool:
+        """Sample (rather than take the argmax) when asked or when a warper implies it (TGI's rule)."""
+        return (
+            self.do_sample
+            or self.temperature != 1.0
+            or self.top_k is not None
+            or (self.top_p is not None and self.top_p < 1.0)
+        )
+
+
+class Sampler:
+    """One request's token chooser. `seed` is the seed in use (None when greedy)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.seed: int | None = None
+        if params.sampling:
+            self.seed = params.seed if params.seed is not None else secrets.randbits(64)
+            self._rng = np.random.default_rng(self.seed)
+
+    def distribution(self, scores: TokenScores, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(candidate ids, their probabilities) after penalty and warpers; greedy gives one candidate."""
+        p = self.params
+        ids = np.asarray(scores.topk_ids, dtype=np.int64)
+        logits = penalize(
+            np.asarray(scores.topk_logits, dtype=np.float64), ids, history, p.repetition_penalty
+        )
+        order = np.argsort(-logits, kind="stable")  # the penalty may reorder the candidates
+        ids, logits = ids[order], logits[order]
+        if not p.sampling:
+            return ids[:1], np.ones(1)
+
+        logits = logits / p.temperature
+        if p.top_k is not None:
+            ids, logits = ids[: p.top_k], logits[: p.top_k]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        if p.top_p is not None and p.top_p < 1.0:
+            # Keep a candidate while the mass of the candidates above it is below top_p (HF's rule:
+            # the smallest head of the distribution whose mass reaches top_p; never empty).
+            mass_above = np.cumsum(probs) - probs
+            keep = mass_above < p.top_p
+            ids, probs = ids[keep], probs[keep] / probs[keep].sum()
+        return ids, probs
+
+    def choose(self, scores: TokenScores, history: Sequence[int]) -> tuple[int, float]:
+        """(next token, its logprob under the model's raw distribution)."""
+        ids, probs = self.distribution(scores, history)
+        if len(ids) == 1:
+            token = int(ids[0])
+        else:
+            # One uniform draw per token: the stream of draws depends on the seed alone.
+            index = int(np.searchsorted(np.cumsum(probs), self._rng.random() * probs.sum(), side="right"))
+            token = int(ids[min(index, len(ids) - 1)])
+        raw_logit = float(scores.topk_logits[int(np.flatnonzero(scores.topk_ids == token)[0])])
+        return token, scores.logprob(raw_logit)
+
+
+def penalize(logits: np.ndarray, ids: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:
+    """HF's repetition penalty on the candidates that already occur in `history`."""
+    if penalty == 1.0 or not len(history):
+        return logits
+    seen = np.isin(ids, np.asarray(list(set(history)), dtype=np.int64))
+    penalized = np.where(logits > 0, logits / penalty, logits * penalty)
+    return np.where(seen, penalized, logits)

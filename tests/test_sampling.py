@@ -1,0 +1,146 @@
+"""The sampler on hand-computed cases: greedy, temperature, top-k, top-p, repetition penalty, seeds."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from service.sampling import Sampler, SamplingParams
+from wafer.executor import TokenScores
+
+# A head answer whose top-4 probabilities (over the whole vocabulary) are 0.5, 0.3, 0.15, 0.05:
+# logsumexp 0, logits = log(p), ids in best-first order.
+PROBS = np.array([0.5, 0.3, 0.15, 0.05])
+SCORES = TokenScores(
+    topk_ids=np.array([40, 10, 30, 20], dtype=np.int32),
+    topk_logits=np.log(PROBS).astype(np.float32),
+    logsumexp=0.0,
+)
+
+
+def dist(params: SamplingParams, scores: TokenScores = SCORES, history=()) -> dict[int, float]:
+    ids, probs = Sampler(params).distribution(scores, list(history))
+    assert probs.sum() == pytest.approx(1.0)
+    return {int(i): float(p) for i, p in zip(ids, probs, strict=True)}
+
+
+def test_greedy_by_default_and_logprob_is_the_models():
+    sampler = Sampler(SamplingParams())
+    assert sampler.seed is None
+    token, logprob = sampler.choose(SCORES, [])
+    assert token == 40
+    assert logprob == pytest.approx(math.log(0.5), abs=1e-6)
+
+
+def test_sampling_switches_on_like_tgi():
+    assert not SamplingParams().sampling
+    assert not SamplingParams(top_p=1.0).sampling
+    assert SamplingParams(do_sample=True).sampling
+    assert SamplingParams(temperature=0.7).sampling
+    assert SamplingParams(top_k=5).sampling
+    assert SamplingParams(top_p=0.9).sampling
+
+
+def test_plain_sampling_renormalises_over_the_top_k():
+    assert dist(SamplingParams(do_sample=True)) == pytest.approx({40: 0.5, 10: 0.3, 30: 0.15, 20: 0.05})
+
+
+def test_temperature():
+    # T = 2: p_i ∝ p_i^(1/2).
+    roots = np.sqrt(PROBS) / np.sqrt(PROBS).sum()
+    assert dist(SamplingParams(temperature=2.0)) == pytest.approx(
+        dict(zip([40, 10, 30, 20], roots, strict=True))
+    )
+
+
+def test_top_k():
+    assert dist(SamplingParams(top_k=2)) == pytest.approx({40: 0.5 / 0.8, 10: 0.3 / 0.8})
+    assert dist(SamplingParams(top_k=100)) == pytest.approx({40: 0.5, 10: 0.3, 30: 0.15, 20: 0.05})
+
+
+@pytest.mark.parametrize(
+    ("top_p", "expected"),
+    [
+        (0.4, {40: 1.0}),  # the best token alone already holds 0.5 >= 0.4
+        (0.75, {40: 0.5 / 0.8, 10: 0.3 / 0.8}),  # 0.5 < 0.75, 0.5 + 0.3 >= 0.75
+        (0.85, {40: 0.5 / 0.95, 10: 0.3 / 0.95, 30: 0.15 / 0.95}),
+        (0.99, {40: 0.5, 10: 0.3, 30: 0.15, 20: 0.05}),
+    ],
+)
+def test_top_p(top_p, expected):
+    assert dist(SamplingParams(top_p=top_p)) == pytest.approx(expected)
+
+
+def test_top_p_applies_after_temperature_and_top_k():
+    # top_k=3 leaves 0.5, 0.3, 0.15 -> renormalised 0.526, 0.316, 0.158; top_p=0.8 keeps the first two.
+    assert dist(SamplingParams(top_k=3, top_p=0.8)) == pytest.approx({40: 0.5 / 0.8, 10: 0.3 / 0.8})
+
+
+def test_repetition_penalty_hf_semantics():
+    scores = TokenScores(
+        topk_ids=np.array([7, 8, 9], dtype=np.int32),
+        topk_logits=np.array([2.0, 1.5, -1.0], dtype=np.float32),
+        logsumexp=3.0,
+    )
+    # Penalty 2 on tokens 7 (positive: 2.0 / 2 = 1.0) and 9 (negative: -1.0 * 2 = -2.0); 8 untouched.
+    token, logprob = Sampler(SamplingParams(repetition_penalty=2.0)).choose(scores, [7, 9, 7])
+    assert token == 8
+    assert logprob == pytest.approx(1.5 - 3.0)  # the model's logprob, not the penalised one
+    logits = np.array([1.0, 1.5, -2.0])
+    expected = np.exp(logits) / np.exp(logits).sum()
+    got = dist(SamplingParams(do_sample=True, repetition_penalty=2.0), scores, [7, 9])
+    assert got == pytest.approx(dict(zip([7, 8, 9], expected, strict=True)))
+    # Without history the penalty changes nothing.
+    assert Sampler(SamplingParams(repetition_penalty=2.0)).choose(scores, [])[0] == 7
+
+
+def test_samples_follow_the_distribution():
+    sampler = Sampler(SamplingParams(top_p=0.85, seed=1))
+    draws = [sampler.choose(SCORES, [])[0] for _ in range(4000)]
+    counts = {token: draws.count(token) / len(draws) for token in set(draws)}
+    assert set(counts) == {40, 10, 30}  # 20 is cut by top_p
+    for token, p in {40: 0.5 / 0.95, 10: 0.3 / 0.95, 30: 0.15 / 0.95}.items():
+        assert counts[token] == pytest.approx(p, abs=0.03)
+
+
+def test_same_seed_same_tokens_whatever_else_runs():
+    params = SamplingParams(do_sample=True, seed=1234)
+    alone = Sampler(params)
+    first = [alone.choose(SCORES, [])[0] for _ in range(50)]
+    # The same request again, this time interleaved with other requests drawing from their own samplers.
+    again, others = Sampler(params), [Sampler(SamplingParams(do_sample=True, seed=s)) for s in range(3)]
+    second = []
+    for _ in range(50):
+        for other in others:
+            other.choose(SCORES, [])
+        second.append(again.choose(SCORES, []))
+    assert [token for token, _ in second] == first
+    different = Sampler(SamplingParams(do_sample=True, seed=4321))
+    assert [different.choose(SCORES, [])[0] for _ in range(50)] != first
+
+
+def test_unseeded_sampling_reports_its_seed():
+    sampler = Sampler(SamplingParams(do_sample=True))
+    assert isinstance(sampler.seed, int)
+    replay = Sampler(SamplingParams(do_sample=True, seed=sampler.seed))
+    assert [sampler.choose(SCORES, [])[0] for _ in range(20)] == [
+        replay.choose(SCORES, [])[0] for _ in range(20)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 0.0),
+        ("top_k", 0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("seed", -1),
+    ],
+)
+def test_invalid_params(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

@@ -1,0 +1,86 @@
+"""The contract between the serving engine and whatever runs the model.
+
+One `step` is one trip of a batch of token items through the model (on the wafer: through the
+layer pipeline). Items of one slot in one step are consecutive positions of that slot, in order
+(prefill is token streaming); items of different slots are independent. After a step, every item's
+K/V is in its slot's cache at its position, so a later item of that slot attends to it.
+
+Implemented by `wafer.host.WaferGPT2` (simulator and SDK backends) and `wafer.reference_executor`
+(the NumPy reference forward pass, for tests that isolate the service).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepItem:
+    slot: int
+    position: int
+    token: int
+    want_scores: bool = True  # False for prompt tokens whose next-token scores nobody needs
+    target: int | None = None  # also return the logit of this token id (prompt logprobs, scoring)
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """What the head region sends back for one item: never the full vocabulary."""
+
+    topk_ids: np.ndarray  # int32 [k], best first
+    topk_logits: np.ndarray  # float32 [k]
+    logsumexp: float  # over the whole vocabulary: logprob(i) = logit(i) - logsumexp
+    target_logit: float | None = None
+
+    def logprob(self, logit: float) -> float:
+        return float(logit) - self.logsumexp
+
+
+class ExecutorError(RuntimeError):
+    """The executor could not run a step (a bad item, or a failure of the backend)."""
+
+
+class Executor(Protocol):
+    num_slots: int
+    context_length: int
+    vocab_size: int
+    top_k: int
+
+    def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
+        """Run one step; the result has one entry per item (None where want_scores is False)."""
+        ...
+
+    def free_slot(self, slot: int) -> None:
+        """Forget a slot's cache (its positions may be overwritten by the next user)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every slot."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def validate_items(items: Sequence[StepItem], num_slots: int, context_length: int, vocab_size: int) -> None:
+    """The checks every executor makes before touching its cache: bad items never reach the wafer."""
+    last_position: dict[int, int] = {}
+    for index, item in enumerate(items):
+        if not 0 <= item.slot < num_slots:
+            raise ExecutorError(f"item {index}: slot {item.slot} outside 0..{num_slots - 1}")
+        if not 0 <= item.position < context_length:
+            raise ExecutorError(f"item {index}: position {item.position} outside 0..{context_length - 1}")
+        if not 0 <= item.token < vocab_size:
+            raise ExecutorError(f"item {index}: token {item.token} outside 0..{vocab_size - 1}")
+        if item.target is not None and not 0 <= item.target < vocab_size:
+            raise ExecutorError(f"item {index}: target {item.target} outside 0..{vocab_size - 1}")
+        previous = last_position.get(item.slot)
+        if previous is not None and item.position != previous + 1:
+            raise ExecutorError(
+                f"item {index}: slot {item.slot} positions in one step must be consecutive "
+                f"({previous} then {item.position})"
+            )
+        last_position[item.slot] = item.position

@@ -1,0 +1,176 @@
+"""How one operation is cut into per-PE pieces: the shared vocabulary of plan, cost, sim and CSL.
+
+A tiling says what each PE of a region holds and in what order partial results are combined.
+The planner chooses tilings (`wafer.plan`), the cost model prices them (`wafer.cost`), the
+simulator executes them (`wafer.sim`) and the CSL programs (`kernels/`) receive them as params.
+
+Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
+- GEMV `y[N] = x[K] @ W[K, N]`: the region has `rows` PEs along the reduction (K) axis and `cols`
+  along the output (N) axis. PE (r, c) holds W[r*tile_k:(r+1)*tile_k, c*tile_n:(c+1)*tile_n]
+  (zero-padded at the ragged edge). With `n_split` = s > 1 (c_attn: s = 3 for q | k | v) N is s equal
+  segments and output column c holds the c-th slice of every segment, so one column carries q, k and v
+  of the same heads: `column_order()` lists the N index of every tiled output (-1 for padding). The input chunk x[r*tile_k:...] is multicast to every PE of
+  reduction index r; partial sums are combined over r (chain: r = 0, 1, ..., rows-1 in order;
+  tree: pairwise, as `tree_order` says). `orientation` says which fabric axis is the K axis:
+  "k_along_y" puts r on y (rows of PEs) and c on x, "k_along_x" the transpose. Consecutive GEMVs
+  alternate orientation, so the output of one leaves along the axis the next one takes as input.
+  Tree rounds (`tree_rounds(n)`): round j adds index r + 2^j into r for r a multiple of 2^(j+1).
+- Attention for one layer: `head_groups` PEs across heads, `chain` PEs along positions. PE (g, p)
+  holds K and V of heads [g*heads_per_pe, ...) for positions [p*positions_per_pe, ...) of every slot.
+  Per-PE partial (max, sum, weighted V) are merged with log-sum-exp over p: chain p = 0, 1, ... in
+  order, or tree (`reduction`, rounds of `tree_order()`). On the fabric a head group's chain is folded
+  into `fold` rows of `chain // fold` PEs (row-major, snake order), so the region is
+  (chain // fold) x (head_groups * fold) PEs.
+- LayerNorm over C values: `pes` PEs each hold `chunk` values; partial sums are combined over the PEs
+  (chain in PE order, or tree: `reduction`), then every PE normalises its chunk. `axis` is the fabric
+  axis the strip lies along.
+- Head: the LM head is a GEMV with K = C, N = vocab on `wte` transposed; each output column of PEs
+  also keeps its local top-k and (max, sum-exp) which are merged across the columns (chain in column
+  order, or tree: `merge`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Orientation = Literal["k_along_y", "k_along_x"]
+Reduction = Literal["chain", "tree"]
+Axis = Literal["x", "y"]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tree_rounds(n: int) -> list[list[tuple[int, int]]]:
+    """Pairwise reduction of indices 0..n-1 into 0: rounds of (dst, src) pairs, dst += src."""
+    rounds, stride = [], 1
+    while stride < n:
+        rounds.append([(r, r + stride) for r in range(0, n, 2 * stride) if r + stride < n])
+        stride *= 2
+    return rounds
+
+
+@dataclass(frozen=True)
+class GemvTiling:
+    k: int
+    n: int
+    rows: int  # PEs along K (the reduction axis)
+    cols: int  # PEs along N
+    orientation: Orientation = "k_along_y"
+    reduction: Reduction = "chain"
+    n_split: int = 1  # N = n_split equal segments; column c holds slice c of each (q | k | v)
+
+    @property
+    def tile_k(self) -> int:
+        return ceil_div(self.k, self.rows)
+
+    @property
+    def segment_tile(self) -> int:
+        """Outputs of one segment held by one column (tile_n when n_split == 1)."""
+        return ceil_div(self.n // self.n_split, self.cols)
+
+    @property
+    def tile_n(self) -> int:
+        if self.n_split == 1:
+            return ceil_div(self.n, self.cols)
+        return self.n_split * self.segment_tile
+
+    def column_order(self) -> list[int]:
+        """The N index of output j of column c at position c * tile_n + j; -1 where zero-padded."""
+        if self.n_split == 1:
+            return [i if i < self.n else -1 for i in range(self.cols * self.tile_n)]
+        seg, st = self.n // self.n_split, self.segment_tile
+        order = []
+        for c in range(self.cols):
+            for s in range(self.n_split):
+                order.extend(s * seg + i if i < seg else -1 for i in range(c * st, (c + 1) * st))
+        return order
+
+    @property
+    def pes(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def grid_wh(self) -> tuple[int, int]:
+        """(w, h) of the rectangle on the fabric."""
+        return (self.cols, self.rows) if self.orientation == "k_along_y" else (self.rows, self.cols)
+
+    def tree_order(self) -> list[list[tuple[int, int]]]:
+        """For reduction == 'tree': rounds of (dst, src) reduction indices, dst += src."""
+        rounds, stride = [], 1
+        while stride < self.rows:
+            rounds.append(
+                [(r, r + stride) for r in range(0, self.rows, 2 * stride) if r + stride < self.rows]
+            )
+            stride *= 2
+        return rounds
+
+
+@dataclass(frozen=True)
+class AttentionTiling:
+    n_head: int
+    head_dim: int
+    slots: int
+    context: int
+    head_groups: int
+    chain: int
+    fold: int = 1  # fabric rows per head group (the chain folded in a snake)
+    reduction: Reduction = "chain"  # how the per-PE (max, sum, acc) partials are merged
+
+    @property
+    def heads_per_pe(self) -> int:
+        return ceil_div(self.n_head, self.head_groups)
+
+    @property
+    def positions_per_pe(self) -> int:
+        return ceil_div(self.context, self.chain)
+
+    @property
+    def pes(self) -> int:
+        return self.head_groups * self.chain
+
+    @property
+    def grid_wh(self) -> tuple[int, int]:
+        return (ceil_div(self.chain, self.fold), self.head_groups * self.fold)
+
+    def tree_order(self) -> list[list[tuple[int, int]]]:
+        """For reduction == 'tree': rounds of (dst, src) chain indices p, dst merges src."""
+        return tree_rounds(self.chain)
+
+
+@dataclass(frozen=True)
+class NormTiling:
+    dim: int
+    pes: int
+    reduction: Reduction = "chain"  # how the per-PE partial sums (pass 1 and pass 2) are combined
+    axis: Axis = "x"  # the fabric axis the strip of PEs lies along
+
+    @property
+    def chunk(self) -> int:
+        return ceil_div(self.dim, self.pes)
+
+    @property
+    def grid_wh(self) -> tuple[int, int]:
+        return (self.pes, 1) if self.axis == "x" else (1, self.pes)
+
+    def tree_order(self) -> list[list[tuple[int, int]]]:
+        return tree_rounds(self.pes)
+
+
+@dataclass(frozen=True)
+class HeadTiling:
+    vocab: int
+    dim: int
+    gemv: GemvTiling  # K = dim, N = vocab
+    top_k: int = 64
+    merge: Reduction = "chain"  # how the per-column (top-k, max, sum-exp) are merged across columns
+
+    @property
+    def pes(self) -> int:
+        return self.gemv.pes
+
+    def tree_order(self) -> list[list[tuple[int, int]]]:
+        """For merge == 'tree': rounds of (dst, src) output columns, dst merges src."""
+        return tree_rounds(self.gemv.cols)
