@@ -5,10 +5,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
+# The sdk-appliance client (PyPI cerebras-sdk) ships cp311 wheels only and pins numpy 1.25, so it gets
+# its own environment; the repository goes on its PYTHONPATH (docs/kernels.md, "Appliance").
+PYTHON311 ?= python3.11
+APPLIANCE_VENV ?= .venv-appliance
+APPLIANCE_STAMP := $(APPLIANCE_VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# `make loadtest`: locust against a server on the simulator (loadtest/run.py); reports in out/loadtest/.
+LOADTEST_DURATION ?= 60s
+LOADTEST_USERS ?= 16
 
-.PHONY: serve test lint format generate clean
+.PHONY: serve test lint format generate clean appliance-venv loadtest
 
 $(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +33,7 @@ serve: $(RUN_STAMP)
 generate: $(RUN_STAMP)
 	$(VENV)/bin/wafer-gpt2 generate "The meaning of life is"
 
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) $(APPLIANCE_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest
@@ -38,5 +46,15 @@ format: $(TEST_STAMP)
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
+loadtest: $(TEST_STAMP) $(APPLIANCE_STAMP)
+	$(PY) loadtest/run.py --duration $(LOADTEST_DURATION) --users $(LOADTEST_USERS) --out out/loadtest
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(APPLIANCE_VENV) .pytest_cache build *.egg-info out
+
+appliance-venv: $(APPLIANCE_STAMP)
+
+$(APPLIANCE_STAMP):
+	test -x $(APPLIANCE_VENV)/bin/python || $(PYTHON311) -m venv $(APPLIANCE_VENV)
+	$(APPLIANCE_VENV)/bin/pip install -q cerebras-sdk==2.10.0 cerebras-appliance==2.10.0
+	touch $@

@@ -12,7 +12,13 @@ import sys
 
 # Subcommand modules, in the order `--help` lists them.
 COMMANDS = [
+    "serve",
     "generate",
+    "compile",
+    "plan",
+    "cost",
+    "bench",
+    "report",
 ]
 
 

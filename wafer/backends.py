@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from wafer.executor import Executor
 from weights.params import GPT2Params
 
-BACKENDS = ("sim", "reference")
+BACKENDS = ("sim", "reference", "sdk-container", "sdk-appliance")
 DEFAULT_BACKEND = "sim"
 
 
@@ -19,6 +19,7 @@ class ExecutorOptions:
     dtype: str = "fp16"  # fp16 (hardware default) or fp32; the reference is always fp32
     top_k: int = 64
     arch: str = "wse2"
+    replicas: int = 1  # pipeline replicas on the wafer (sim / SDK); slots are divided among them
 
 
 def build_executor(backend: str, params: GPT2Params, options: ExecutorOptions | None = None) -> Executor:
@@ -27,4 +28,42 @@ def build_executor(backend: str, params: GPT2Params, options: ExecutorOptions | 
         from wafer.reference_executor import ReferenceExecutor
 
         return ReferenceExecutor(params, slots=options.slots, context=options.context, top_k=options.top_k)
+    if backend == "sim":
+        return build_sim_executor(params, options)
+    if backend == "sdk-container":
+        from wafer import sdk_container
+
+        return sdk_container.build_executor(params, options)
+    if backend == "sdk-appliance":
+        from wafer import sdk_appliance
+
+        return sdk_appliance.build_executor(params, options)
     raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+
+
+def build_sim_executor(params: GPT2Params, options: ExecutorOptions, progress: bool = False) -> Executor:
+    """Plan the wafer for this model, start the embedded simulator on the plan, upload the weights."""
+    from wafer.host import WaferGPT2
+    from wafer.plan import build_plan
+    from wafer.sim import SimRuntime
+
+    if options.replicas < 1 or options.slots % options.replicas:
+        raise ValueError(
+            f"slots ({options.slots}) must be a positive multiple of replicas ({options.replicas}): "
+            "every replica holds the same number of slots"
+        )
+    plan = build_plan(
+        params.config,
+        arch=options.arch,
+        dtype=options.dtype,
+        slots=options.slots // options.replicas,
+        context=options.context,
+        replicas=options.replicas,
+        top_k=options.top_k,
+    )
+    runtime = SimRuntime(plan)
+    try:
+        return WaferGPT2(plan, runtime, params, progress=progress)
+    except BaseException:
+        runtime.stop()
+        raise

@@ -9,10 +9,12 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
   along the output (N) axis. PE (r, c) holds W[r*tile_k:(r+1)*tile_k, c*tile_n:(c+1)*tile_n]
   (zero-padded at the ragged edge). With `n_split` = s > 1 (c_attn: s = 3 for q | k | v) N is s equal
   segments and output column c holds the c-th slice of every segment, so one column carries q, k and v
-  of the same heads: `column_order()` lists the N index of every tiled output (-1 for padding). The input chunk x[r*tile_k:...] is multicast to every PE of
-  reduction index r; partial sums are combined over r (chain: r = 0, 1, ..., rows-1 in order;
-  tree: pairwise, as `tree_order` says). `orientation` says which fabric axis is the K axis:
-  "k_along_y" puts r on y (rows of PEs) and c on x, "k_along_x" the transpose. Consecutive GEMVs
+  of the same heads: `column_order()` lists the N index of every tiled output (-1 for padding).
+  The input chunk x[r*tile_k:...] is multicast to every PE of reduction index r; partial sums are
+  combined over r (chain: r = 0, 1, ..., rows-1 in order; tree: pairwise, as `tree_order` says;
+  `scatter` > 1: the tree's last rounds reduce-scatter, same pairs, result spread over PEs).
+  `orientation` says which fabric axis is the K axis: "k_along_y" puts r on y (rows of PEs) and c
+  on x, "k_along_x" the transpose. Consecutive GEMVs
   alternate orientation, so the output of one leaves along the axis the next one takes as input.
   Tree rounds (`tree_rounds(n)`): round j adds index r + 2^j into r for r a multiple of 2^(j+1).
 - Attention for one layer: `head_groups` PEs across heads, `chain` PEs along positions. PE (g, p)
@@ -26,7 +28,9 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
   axis the strip lies along.
 - Head: the LM head is a GEMV with K = C, N = vocab on `wte` transposed; each output column of PEs
   also keeps its local top-k and (max, sum-exp) which are merged across the columns (chain in column
-  order, or tree: `merge`).
+  order, or tree: `merge`). With `gemv.scatter` = s > 1 a column's logits end on s PEs (piece i holds
+  its outputs [i * tile_n / s, ...)); the pieces of a column are merged first (tree_rounds(s)), then
+  the columns.
 """
 
 from __future__ import annotations
@@ -61,6 +65,10 @@ class GemvTiling:
     orientation: Orientation = "k_along_y"
     reduction: Reduction = "chain"
     n_split: int = 1  # N = n_split equal segments; column c holds slice c of each (q | k | v)
+    # tree only: the last log2(scatter) rounds halve the vector each PE keeps (reduce-scatter), so a
+    # column's final sums end spread over `scatter` PEs (for the epilogue). Each sum still adds the
+    # partials in exactly the pairs of `tree_order()`, so the result is bit-identical.
+    scatter: int = 1
 
     @property
     def tile_k(self) -> int:
@@ -118,6 +126,10 @@ class AttentionTiling:
     chain: int
     fold: int = 1  # fabric rows per head group (the chain folded in a snake)
     reduction: Reduction = "chain"  # how the per-PE (max, sum, acc) partials are merged
+    # tree only: the last log2(scatter) merge rounds are reduce-scatter rounds (each side keeps half of
+    # acc, both compute the same (max, sum)), so a group's output ends on `scatter` PEs, piece i =
+    # acc[i * hpp * head_dim / scatter, ...). Every value is still merged in the pairs of tree_order().
+    scatter: int = 1
 
     @property
     def heads_per_pe(self) -> int:

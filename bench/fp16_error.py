@@ -1,0 +1,118 @@
+"""How far the simulator's fp16 mode is from its fp32 mode, on the embedded demo model.
+
+    python bench/fp16_error.py [--weights DIR] [--new-tokens 16]
+
+For each of 20 prompts: greedy continuation with the fp32 simulator; then the fp16 simulator is fed
+the same tokens (teacher forcing) and every position's scores are compared: max |logit difference|
+over the ids both top-k lists hold, max |log-sum-exp difference|, and whether the best token agrees.
+Finally the fp16 simulator generates greedily on its own: how many continuations are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from wafer.backends import ExecutorOptions, build_executor  # noqa: E402
+from wafer.executor import StepItem  # noqa: E402
+from weights import tokenizer  # noqa: E402
+from weights.checkpoint import load_checkpoint, resolve_weights  # noqa: E402
+
+PROMPTS = [
+    "The meaning of life is",
+    "A computer",
+    "Never trust a man who",
+    "Once upon a time",
+    "The best way to learn",
+    "In the beginning",
+    "My favourite food is",
+    "Today the weather",
+    "Love is",
+    "The secret of success",
+    "When I was young",
+    "Money can't buy",
+    "The cat sat on",
+    "Programming is",
+    "A friend in need",
+    "Life is short",
+    "The early bird",
+    "Knowledge is power",
+    "He who laughs last",
+    "Time flies",
+]
+
+
+def teacher_forced(executor, tokens: list[int]) -> list:
+    items = [StepItem(0, i, t) for i, t in enumerate(tokens)]
+    executor.reset()
+    return executor.step(items)
+
+
+def greedy(executor, prompt: list[int], new_tokens: int) -> list[int]:
+    executor.reset()
+    scores = executor.step(
+        [StepItem(0, i, t, want_scores=i == len(prompt) - 1) for i, t in enumerate(prompt)]
+    )[-1]
+    out: list[int] = []
+    for step in range(new_tokens):
+        out.append(int(scores.topk_ids[0]))
+        if step + 1 < new_tokens:
+            (scores,) = executor.step([StepItem(0, len(prompt) + step, out[-1])])
+    return out
+
+
+def measure(weights: str | None, new_tokens: int) -> dict:
+    params = load_checkpoint(resolve_weights(weights), progress=False)
+    context = max(len(tokenizer.encode(p)) for p in PROMPTS) + new_tokens
+    options = {dtype: ExecutorOptions(slots=1, context=context, dtype=dtype) for dtype in ("fp32", "fp16")}
+    fp32, fp16 = (build_executor("sim", params, options[d]) for d in ("fp32", "fp16"))
+    worst_logit = worst_lse = 0.0
+    positions = agree = identical = 0
+    try:
+        for prompt_text in PROMPTS:
+            prompt = tokenizer.encode(prompt_text)
+            continuation = greedy(fp32, prompt, new_tokens)
+            tokens = prompt + continuation[:-1]
+            for a, b in zip(teacher_forced(fp32, tokens), teacher_forced(fp16, tokens), strict=True):
+                common, ia, ib = np.intersect1d(a.topk_ids, b.topk_ids, return_indices=True)
+                worst_logit = max(worst_logit, float(np.abs(a.topk_logits[ia] - b.topk_logits[ib]).max()))
+                worst_lse = max(worst_lse, abs(a.logsumexp - b.logsumexp))
+                agree += int(a.topk_ids[0] == b.topk_ids[0])
+                positions += 1
+            identical += int(greedy(fp16, prompt, new_tokens) == continuation)
+    finally:
+        fp32.close()
+        fp16.close()
+    return {
+        "prompts": len(PROMPTS),
+        "positions": positions,
+        "max_abs_logit_diff": worst_logit,
+        "max_abs_lse_diff": worst_lse,
+        "top1_agreement": agree / positions,
+        "identical_greedy_continuations": identical,
+        "new_tokens": new_tokens,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--weights", help="checkpoint (default: the embedded demo model)")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    args = parser.parse_args()
+    r = measure(args.weights, args.new_tokens)
+    print(
+        f"fp16 vs fp32 simulator over {r['prompts']} prompts ({r['positions']} positions, measured): "
+        f"max |logit diff| {r['max_abs_logit_diff']:.4g}, max |lse diff| {r['max_abs_lse_diff']:.4g}, "
+        f"top-1 agreement {100 * r['top1_agreement']:.1f}%, identical greedy continuations of "
+        f"{r['new_tokens']} tokens: {r['identical_greedy_continuations']}/{r['prompts']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

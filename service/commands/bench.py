@@ -1,0 +1,207 @@
+"""`wafer-gpt2 bench sim`: the embedded simulator against Hugging Face `transformers`, on this CPU.
+
+Both run GPT-2 124M with the same random weights, the same prompt and the same number of new tokens
+(greedy). The peer is `GPT2LMHeadModel` in fp32 with its KV cache, one sequence, driven by a plain
+forward loop (no `generate` overhead). The simulator runs through the whole host path
+(`wafer.backends.build_executor("sim")`: plan, SimRuntime, WaferGPT2, memcpy streams) at batch 1 and
+with B concurrent sequences. Runs alternate and each figure is the median of `--reps`; the machine
+is shared, so the ratios (measured in the same run) are the result, not the absolute rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from service.cli import UserError
+from service.commands import bench_service
+from wafer.backends import ExecutorOptions, build_executor
+from wafer.executor import StepItem
+from weights.config import PRESETS
+from weights.params import GPT2Params
+
+GOAL_BATCH1 = 0.7  # simulator / transformers at batch 1
+GOAL_BATCHED = 5.0  # simulator total at B sequences / transformers at batch 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure the simulator's tokens/s against Hugging Face transformers on this CPU",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument(
+        "target",
+        choices=("sim", "service"),
+        help="what to benchmark: sim (the embedded simulator against transformers) or service "
+        "(HTTP service against direct executor steps, service/commands/bench_service.py)",
+    )
+    parser.add_argument(
+        "--model", default="gpt2", choices=sorted(PRESETS), help="GPT-2 size, random weights (gpt2)"
+    )
+    parser.add_argument("--batch", default="1,16", help="comma-separated concurrent sequences (1,16)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=32, metavar="N", help="tokens generated per sequence (32)"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=16, metavar="P", help="prompt length in tokens (16)"
+    )
+    parser.add_argument(
+        "--dtype", choices=("fp16", "fp32"), default="fp16", help="simulator precision (fp16)"
+    )
+    parser.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported (3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for both (torch.set_num_threads; the simulator's BLAS follows OPENBLAS_NUM_THREADS, "
+        "which bench/bench_sim.py --threads sets before NumPy loads)",
+    )
+    bench_service.add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.target == "service":
+        return bench_service.run(args)
+    try:
+        batches = sorted({int(part) for part in args.batch.split(",")})
+    except ValueError:
+        raise UserError(f"--batch must be comma-separated integers, got {args.batch!r}") from None
+    if not batches or batches[0] < 1:
+        raise UserError(f"--batch sizes must be positive, got {args.batch!r}")
+    for flag, value in (
+        ("--new-tokens", args.new_tokens),
+        ("--prompt-tokens", args.prompt_tokens),
+        ("--reps", args.reps),
+    ):
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    config = PRESETS[args.model]
+    if args.prompt_tokens + args.new_tokens > config.n_positions:
+        raise UserError(
+            f"prompt + new tokens ({args.prompt_tokens + args.new_tokens}) exceed the context {config.n_positions}"
+        )
+    try:
+        import torch
+        from transformers import GPT2Config as HFConfig
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        raise UserError("the peer needs torch and transformers: pip install -e '.[test]'") from None
+
+    threads = "library defaults"
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+        blas = os.environ.get("OPENBLAS_NUM_THREADS")
+        if blas != str(args.threads):
+            print(
+                f"note: the simulator's BLAS uses OPENBLAS_NUM_THREADS={blas or 'default'}; set it to "
+                f"{args.threads} before starting (bench/bench_sim.py --threads does)",
+                file=sys.stderr,
+            )
+        threads = f"{args.threads} thread(s)"
+    params = GPT2Params.random(config, seed=args.seed)
+    prompt = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.prompt_tokens).tolist()
+    context = args.prompt_tokens + args.new_tokens
+
+    print(
+        f"bench sim: {config.name} random weights, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens "
+        f"per sequence, greedy, simulator {args.dtype}, {threads}, median of {args.reps}",
+        file=sys.stderr,
+    )
+    hf = GPT2LMHeadModel(HFConfig(**config.to_hf_dict())).eval()
+    hf.load_state_dict(_hf_state_dict(params, torch), strict=False)
+    executor = build_executor(
+        "sim", params, ExecutorOptions(slots=max(batches), context=context, dtype=args.dtype)
+    )
+
+    hf_runs: list[tuple[float, float]] = []
+    sim_runs: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
+    hf_tokens = sim_tokens = None
+    try:
+        for _ in range(args.reps):
+            wall, cpu, hf_tokens = _run_transformers(hf, torch, prompt, args.new_tokens)
+            hf_runs.append((wall, cpu))
+            for batch in batches:
+                wall, cpu, tokens = _run_simulator(executor, prompt, args.new_tokens, batch)
+                sim_runs[batch].append((wall, cpu))
+                sim_tokens = sim_tokens or tokens
+    finally:
+        executor.close()
+
+    # Rates: generated tokens per wall-clock second, and per CPU-second of this process (steadier
+    # on a shared machine, comparable when both sides use the same number of threads).
+    hf_wall, hf_cpu = (statistics.median(run[i] for run in hf_runs) for i in (0, 1))
+    print(f"transformers   batch  1: {hf_wall:8.1f} tokens/s, {hf_cpu:8.1f} per CPU-second (measured)")
+    parts = []
+    for batch in batches:
+        wall, cpu = (statistics.median(run[i] for run in sim_runs[batch]) for i in (0, 1))
+        ratio, cpu_ratio = wall / hf_wall, cpu / hf_cpu
+        print(
+            f"simulator      batch {batch:2d}: {wall:8.1f} tokens/s, {cpu:8.1f} per CPU-second (measured); "
+            f"{ratio:.2f}x transformers batch 1 ({cpu_ratio:.2f}x per CPU-second)"
+        )
+        goal = GOAL_BATCH1 if batch == 1 else GOAL_BATCHED
+        parts.append(
+            f"batch {batch} {wall:.1f} tok/s = {ratio:.2f}x (goal >= {goal}x: {'met' if ratio >= goal else 'MISSED'}; "
+            f"{cpu_ratio:.2f}x per CPU-second)"
+        )
+    same = "identical" if hf_tokens == sim_tokens else "different"
+    print(
+        f"greedy tokens of simulator and transformers: {same} ({args.dtype} simulator vs fp32 transformers)"
+    )
+    print(f"bench sim summary: transformers batch 1 {hf_wall:.1f} tok/s; simulator " + "; ".join(parts))
+    return 0
+
+
+def _hf_state_dict(params: GPT2Params, torch) -> dict:
+    """Our parameters under HF's names (Conv1D keeps [in, out], as we do); the LM head is tied."""
+    return {
+        f"transformer.{name}": torch.from_numpy(np.ascontiguousarray(value))
+        for name, value in params.to_tensors().items()
+    }
+
+
+def _run_transformers(model, torch, prompt: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+    """One sequence: prefill the prompt, then one forward per new token with the KV cache."""
+    tokens: list[int] = []
+    with torch.no_grad():
+        start, start_cpu = time.perf_counter(), time.process_time()
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for step in range(new_tokens):
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            if step + 1 < new_tokens:
+                out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    return new_tokens / elapsed, new_tokens / cpu, tokens
+
+
+def _run_simulator(
+    executor, prompt: list[int], new_tokens: int, batch: int
+) -> tuple[float, float, list[int]]:
+    """`batch` sequences in slots 0..batch-1: every prompt in one step, then one step per new token."""
+    executor.reset()
+    n = len(prompt)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    items = [
+        StepItem(slot, pos, tok, want_scores=pos == n - 1)
+        for slot in range(batch)
+        for pos, tok in enumerate(prompt)
+    ]
+    scores = [s for s in executor.step(items) if s is not None]
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    for step in range(new_tokens):
+        for slot in range(batch):
+            generated[slot].append(int(scores[slot].topk_ids[0]))
+        if step + 1 < new_tokens:
+            scores = executor.step([StepItem(slot, n + step, generated[slot][-1]) for slot in range(batch)])
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    return batch * new_tokens / elapsed, batch * new_tokens / cpu, generated[0]

@@ -1,0 +1,78 @@
+"""`wafer-gpt2 compile`: build the CSL program for a model and compile it with cslc (or print how)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from service.cli import UserError
+from wafer.arch import ARCHS
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "compile",
+        help="lay out the CSL program for a model and compile it with cslc",
+        description=(
+            "Plan the model onto the wafer, write the kernel sources and the plan's tables to OUT/src, and "
+            "compile OUT/src/layout.csl with cslc into OUT/bin (cslc must be on PATH: the Cerebras SDK "
+            "container). --dry-run prints the command instead. The CSL is unverified until cslc compiles it."
+        ),
+    )
+    parser.add_argument(
+        "--model", default="gpt2", help="a preset (gpt2, gpt2-medium, ...) or a config.json / HF dir"
+    )
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="wse2", help="target wafer (wse2)")
+    parser.add_argument("--out", default="build/csl", help="output directory (build/csl)")
+    parser.add_argument("--dtype", choices=("fp16", "fp32"), default="fp16", help="wafer precision (fp16)")
+    parser.add_argument("--slots", type=int, default=16, help="KV-cache slots per replica (16)")
+    parser.add_argument("--context", type=int, help="positions per slot (default: the model's n_positions)")
+    parser.add_argument("--top-k", type=int, default=64, help="top-k the head reports per token (64)")
+    parser.add_argument("--replicas", type=int, default=1, help="pipeline replicas side by side (1)")
+    parser.add_argument("--channels", type=int, default=1, help="memcpy I/O channels, 1..16 (1)")
+    parser.add_argument(
+        "--simfabric",
+        action="store_true",
+        help="size the fabric for the SDK simulator instead of the whole wafer",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="write the sources, print the cslc command, stop"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kernels.program import ProgramError
+    from wafer.compile import CompileError, compile_program, prepare_sources
+    from wafer.plan import PlanError, build_plan
+    from weights.config import resolve_config
+
+    config = resolve_config(args.model)
+    for name in ("slots", "top_k", "replicas"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    try:
+        plan = build_plan(
+            config,
+            arch=args.arch,
+            dtype=args.dtype,
+            slots=args.slots,
+            context=args.context or config.n_positions,
+            replicas=args.replicas,
+            top_k=args.top_k,
+        )
+        job = prepare_sources(plan, args.out, simfabric=args.simfabric, channels=args.channels)
+    except (PlanError, ProgramError, CompileError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    print(job.shell())
+    print(f"sources and plan tables in {Path(job.src_dir)}", file=sys.stderr)
+    if args.dry_run:
+        print("dry run: cslc not started (the CSL is unverified until cslc compiles it)", file=sys.stderr)
+        return 0
+    try:
+        compile_program(job)
+    except CompileError as exc:
+        raise UserError(str(exc)) from None
+    print(f"compiled into {job.bin_dir}", file=sys.stderr)
+    return 0

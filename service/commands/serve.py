@@ -1,0 +1,208 @@
+"""`wafer-gpt2 serve`: the HTTP service (TGI and OpenAI APIs) over a long-lived wafer worker.
+
+The checkpoint is loaded and checked before the server starts, so a bad one ends here with one error
+line and a non-zero exit, never a server answering with garbage. The port then opens at once; the
+worker uploads the model to the backend (/health answers 503 until it is done). If that upload fails,
+the server stops with exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from service.cli import UserError
+from service.settings import ServerSettings
+from wafer.backends import BACKENDS, DEFAULT_BACKEND, ExecutorOptions, build_executor, build_sim_executor
+from weights.checkpoint import load_checkpoint, resolve_weights
+
+API_KEY_ENV = "WAFER_GPT2_API_KEY"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    defaults = ServerSettings()
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the model over HTTP (TGI- and OpenAI-compatible)",
+        description="Serve GPT-2 over HTTP: POST /generate, /generate_stream, /, /v1/completions; "
+        "GET /health, /info, /metrics, /v1/models.",
+    )
+    parser.add_argument("--host", default=defaults.host, help=f"address to bind ({defaults.host})")
+    parser.add_argument("--port", type=int, default=defaults.port, help=f"port ({defaults.port})")
+    parser.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND, help="what runs the model")
+    parser.add_argument(
+        "--weights", help="an HF GPT-2 directory or an llm.c .bin (default: the embedded demo model)"
+    )
+    parser.add_argument(
+        "--model",
+        "--served-model-name",
+        dest="model",
+        help="the name clients use for the model (/info, /v1/models, OpenAI `model`); default: the checkpoint's",
+    )
+    parser.add_argument("--dtype", choices=("fp16", "fp32"), default=defaults.dtype, help="wafer precision")
+    parser.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=defaults.max_concurrent_requests,
+        metavar="N",
+        help=f"KV slots on the wafer = requests in the running batch ({defaults.max_concurrent_requests})",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=defaults.max_queue,
+        metavar="N",
+        help=f"requests that may wait for a slot; beyond that the answer is 429 ({defaults.max_queue})",
+    )
+    parser.add_argument(
+        "--context", type=int, metavar="T", help="KV positions per slot (default: the model's n_positions)"
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=defaults.top_k,
+        metavar="K",
+        help=f"candidates the wafer returns per token ({defaults.top_k})",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="R",
+        help="pipeline replicas on the wafer; --max-concurrent slots are shared among them (1)",
+    )
+    parser.add_argument(
+        "--step-token-budget",
+        type=int,
+        default=defaults.step_token_budget,
+        metavar="N",
+        help=f"token items per engine step; prompts are chunked to fit ({defaults.step_token_budget})",
+    )
+    parser.add_argument(
+        "--max-input-tokens", type=int, metavar="N", help="longest prompt (default: context - 1)"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, metavar="N", help="largest max_new_tokens (default: context - 1)"
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=defaults.request_timeout_s,
+        metavar="S",
+        help="seconds a request may take, queue included",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=defaults.shutdown_timeout_s,
+        metavar="S",
+        help="seconds running requests may take to finish at shutdown",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=defaults.max_body_bytes,
+        metavar="B",
+        help="largest request body",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; unset: no authentication)",
+    )
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSettings:
+    optional = (args.context, args.max_input_tokens, args.max_new_tokens)
+    for flag, value, minimum in (
+        ("--port", args.port, 0),
+        ("--max-concurrent", args.max_concurrent, 1),
+        ("--replicas", args.replicas, 1),
+        ("--max-queue", args.max_queue, 0),
+        ("--top-k", args.top_k, 1),
+        ("--step-token-budget", args.step_token_budget, 1),
+        ("--max-body-bytes", args.max_body_bytes, 1),
+        ("--context", optional[0], 2),  # one prompt token and one new token
+        ("--max-input-tokens", optional[1], 1),
+        ("--max-new-tokens", optional[2], 1),
+    ):
+        if value is not None and value < minimum:
+            raise UserError(f"{flag} must be at least {minimum}, got {value}")
+    for flag, value in (
+        ("--request-timeout", args.request_timeout),
+        ("--shutdown-timeout", args.shutdown_timeout),
+    ):
+        if not value > 0:
+            raise UserError(f"{flag} must be positive, got {value}")
+    return ServerSettings(
+        host=args.host,
+        port=args.port,
+        backend=args.backend,
+        model_id=model_id,
+        dtype=args.dtype,
+        max_concurrent_requests=args.max_concurrent,
+        max_queue=args.max_queue,
+        context_length=args.context,
+        top_k=args.top_k,
+        step_token_budget=args.step_token_budget,
+        max_input_tokens=args.max_input_tokens,
+        max_new_tokens_limit=args.max_new_tokens,
+        request_timeout_s=args.request_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key or None,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from service.api import create_app
+    from service.server import ServiceServer
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    weights_path = resolve_weights(args.weights)
+    params = load_checkpoint(weights_path, progress=True)
+    config = params.config
+    if args.context is not None and args.context > config.n_positions:
+        raise UserError(f"--context {args.context} exceeds the model's n_positions ({config.n_positions})")
+    if args.top_k > config.vocab_size:
+        raise UserError(f"--top-k {args.top_k} exceeds the vocabulary size ({config.vocab_size})")
+    settings = settings_from_args(args, model_id=args.model or config.name)
+
+    options = ExecutorOptions(
+        slots=settings.max_concurrent_requests,
+        context=settings.context_length,
+        dtype=settings.dtype,
+        top_k=settings.top_k,
+        replicas=args.replicas,
+    )
+
+    def build():
+        if settings.backend == "sim":  # the simulator's upload can show a progress bar
+            return build_sim_executor(params, options, progress=True)
+        return build_executor(settings.backend, params, options)
+
+    failure: list[str] = []
+    server: ServiceServer | None = None
+
+    def on_fatal(message: str) -> None:
+        failure.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    summary = {**config.as_dict(), "n_params": config.n_params, "weights": str(weights_path)}
+    app = create_app(settings, build, model_summary=summary, on_fatal=on_fatal)
+    server = ServiceServer(app, settings, log_level=args.log_level)
+    server.run()
+    if failure:
+        print(
+            f"wafer-gpt2 serve: error: the model could not be loaded on backend {settings.backend}: {failure[0]}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

@@ -1,0 +1,90 @@
+"""Delivering the engine's results to HTTP clients: waiting for results (cancelling when the
+client disconnects), queueing several requests at once, and Server-Sent Events framing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from service.engine import Engine
+from service.errors import ServiceError
+from service.sequence import ErrorEvent, FinishEvent, GenerationRequest, Sequence, TokenEvent
+from weights import tokenizer
+
+
+async def events(sequence: Sequence) -> AsyncIterator[TokenEvent | FinishEvent | ErrorEvent]:
+    while True:
+        event = await sequence.events.get()
+        yield event
+        if not isinstance(event, TokenEvent):
+            return
+
+
+async def last_event(sequence: Sequence) -> FinishEvent | ErrorEvent:
+    async for event in events(sequence):
+        if not isinstance(event, TokenEvent):
+            return event
+    raise AssertionError("unreachable")
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so only disconnects arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def wait_for_results(request: Request, engine: Engine, sequences: list[Sequence]) -> list[FinishEvent]:
+    """The final event of each request; a client that disconnects cancels them all."""
+    watcher = asyncio.create_task(client_gone(request))
+    waits = [asyncio.create_task(last_event(sequence)) for sequence in sequences]
+    try:
+        pending: set[asyncio.Task] = set(waits)
+        while pending:
+            done, pending = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                raise ClientGone()
+            pending.discard(watcher)
+        results = [task.result() for task in waits]
+    finally:
+        watcher.cancel()
+        for task in waits:
+            task.cancel()
+        for sequence in sequences:
+            engine.cancel(sequence)  # a no-op for those that finished
+    for result in results:
+        if isinstance(result, ErrorEvent):
+            raise result.error
+    return results
+
+
+def submit_all(engine: Engine, requests: list[GenerationRequest]) -> list[Sequence]:
+    """Queue every request or none (a refusal cancels the ones already queued)."""
+    sequences: list[Sequence] = []
+    try:
+        for request in requests:
+            sequences.append(engine.submit(request))
+    except ServiceError:
+        for sequence in sequences:
+            engine.cancel(sequence)
+        raise
+    return sequences
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def token_string(token: int) -> str:
+    """A token's own text (bytes that are not a whole character show as U+FFFD)."""
+    return tokenizer.decode([token])

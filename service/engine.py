@@ -1,0 +1,484 @@
+"""The engine: a long-lived worker that owns the wafer for the life of the server.
+
+The worker thread builds the executor once (for the wafer backends that is where the model is uploaded)
+and then runs steps for as long as the server lives: at each step boundary it drops cancelled and
+timed-out requests (freeing their KV slots), admits waiting requests, runs one step with the prompt
+chunks of new requests and the decode items of running ones together, samples, detokenizes, and hands
+each request's tokens to its asyncio queue. Requests that finish leave the batch at once.
+
+A step that raises fails the requests that were in flight (424, `generation`); the worker then closes
+the executor and builds a fresh one (/health answers 503 meanwhile) and goes on with the queue.
+Shutdown drains: new requests get 503 while the running ones finish, up to a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from service.detokenizer import IncrementalDetokenizer
+from service.errors import (
+    GenerationFailed,
+    RequestTimedOut,
+    RequestValidationFailed,
+    ServiceError,
+    Unavailable,
+)
+from service.kv_slots import KVSlotManager, KVUsage
+from service.metrics import ServiceMetrics
+from service.sampling import Sampler
+from service.scheduler import Scheduler, StepPlan
+from service.sequence import (
+    Alternative,
+    ErrorEvent,
+    FinishEvent,
+    FinishReason,
+    GeneratedToken,
+    GenerationRequest,
+    PromptToken,
+    Sequence,
+    State,
+    TokenEvent,
+)
+from wafer.executor import Executor, ExecutorError, TokenScores
+
+log = logging.getLogger("wafer_gpt2.engine")
+
+ExecutorFactory = Callable[[], Executor]
+RELOAD_ATTEMPTS = 3
+# What /info shows of a wafer plan (its regions and routes are for `wafer-gpt2 plan`, not for /info).
+PLAN_SUMMARY_KEYS = (
+    "version",
+    "arch",
+    "dtype",
+    "objective",
+    "slots",
+    "context",
+    "top_k",
+    "fabric",
+    "kernel",
+    "summary",
+)
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"  # the first upload of the model is under way
+    READY = "ready"
+    RELOADING = "reloading"  # after a worker failure
+    DRAINING = "draining"  # shutting down: running requests finish, new ones are refused
+    STOPPED = "stopped"
+    FAILED = "failed"  # the model could not be (re)loaded: the server cannot serve
+
+
+@dataclass(frozen=True)
+class TokenizerHooks:
+    """What the engine needs from the tokenizer: bytes per token, and which ids are special."""
+
+    token_bytes: Callable[[int], bytes]
+    eos_token_id: int
+    special_names: dict[int, str]
+
+
+def alternatives(scores: TokenScores, n: int) -> tuple[Alternative, ...]:
+    """The n best candidates the wafer returned, with the model's logprobs."""
+    return tuple(
+        Alternative(int(token), scores.logprob(logit))
+        for token, logit in zip(scores.topk_ids[:n], scores.topk_logits[:n], strict=True)
+    )
+
+
+class Engine:
+    def __init__(
+        self,
+        executor_factory: ExecutorFactory,
+        tokenizer: TokenizerHooks,
+        metrics: ServiceMetrics,
+        max_queue: int,
+        step_token_budget: int,
+        on_fatal: Callable[[str], None] | None = None,
+    ):
+        self._factory = executor_factory
+        self._tokenizer = tokenizer
+        self.metrics = metrics
+        self._max_queue = max_queue
+        self._step_token_budget = step_token_budget
+        self._on_fatal = on_fatal
+
+        self._cond = threading.Condition()
+        self._state = EngineState.LOADING
+        self._executor: Executor | None = None
+        self._scheduler: Scheduler | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None  # why the engine failed, when it did
+        self.load_seconds: float | None = None
+        self.restarts = 0
+        self.steps = 0
+        self._injected_step_faults: list[str] = []
+        self._injected_load_faults: list[str] = []
+
+    # ----- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker; it uploads the model, then serves. Returns at once (/health says when)."""
+        self._thread = threading.Thread(target=self._worker, name="wafer-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def ready(self) -> bool:
+        return self._state is EngineState.READY
+
+    def wait_ready(self, timeout: float) -> bool:
+        with self._cond:
+            loading = (EngineState.LOADING, EngineState.RELOADING)
+            self._cond.wait_for(lambda: self._state not in loading, timeout)
+            return self._state is EngineState.READY
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503) from now on; running and queued ones go on."""
+        with self._cond:
+            if self._state in (EngineState.READY, EngineState.LOADING, EngineState.RELOADING):
+                self._set_state(EngineState.DRAINING)
+
+    def wait_drained(self, timeout: float) -> bool:
+        """True once no request is queued or running (or the engine no longer runs)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._scheduler is None or not self._scheduler.has_work() or self._stop, timeout
+            )
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Drain (up to `timeout`), fail what is left with 503, stop the worker, close the executor."""
+        self.begin_drain()
+        self.wait_drained(timeout)
+        with self._cond:
+            self._stop = True  # the worker ends what is left (503) at its next step boundary
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, timeout))
+
+    def inject_fault(self, message: str = "injected worker fault", steps: int = 1, reloads: int = 0) -> None:
+        """Test hook: the next `steps` steps raise `ExecutorError(message)`, and the next `reloads`
+        executor builds after them fail too (exercises recovery and the dead-engine path)."""
+        with self._cond:
+            self._injected_step_faults.extend([message] * steps)
+            self._injected_load_faults.extend([message] * reloads)
+            self._cond.notify_all()
+
+    # ----- what the API calls (on the event loop) --------------------------------------------------
+
+    @property
+    def executor(self) -> Executor:
+        """The running executor, for its shape (slots, context length, vocabulary, top-k)."""
+        if self._executor is None:
+            raise Unavailable(self._unavailable_reason())
+        return self._executor
+
+    def submit(self, request: GenerationRequest) -> Sequence:
+        sequence = Sequence(
+            request=request,
+            detokenizer=IncrementalDetokenizer(self._tokenizer.token_bytes, request.stop_sequences),
+            sampler=Sampler(request.sampling),
+            loop=asyncio.get_running_loop(),
+        )
+        with self._cond:
+            if self._state is not EngineState.READY:
+                raise Unavailable(self._unavailable_reason())
+            if not self._scheduler.slots.fits(request.tokens_needed):  # the API checked; never trust twice
+                raise RequestValidationFailed(
+                    f"the request needs {request.tokens_needed} KV positions; a slot holds "
+                    f"{self._scheduler.slots.context_length}"
+                )
+            self._scheduler.add(sequence)
+            self.metrics.record_arrival(len(request.prompt_ids))
+            self._record_gauges()
+            self._cond.notify_all()
+        return sequence
+
+    def cancel(self, sequence: Sequence) -> None:
+        """The client went away: the request leaves at the next step boundary (its slot with it)."""
+        with self._cond:
+            if sequence.state is State.FINISHED:
+                return
+            sequence.cancelled = True
+            sequence.cancelled_at_step = self.steps
+            self._cond.notify_all()
+
+    def kv_usage(self) -> KVUsage:
+        with self._cond:
+            if self._scheduler is None:
+                return KVUsage(0, 0, 0, 0)
+            return self._scheduler.slots.usage()
+
+    def queue_sizes(self) -> tuple[int, int]:
+        """(waiting, running)."""
+        with self._cond:
+            if self._scheduler is None:
+                return 0, 0
+            return len(self._scheduler.waiting), len(self._scheduler.running)
+
+    def describe(self) -> dict:
+        """The wafer plan in brief (the wafer backends carry one; the reference backend has none)."""
+        plan = getattr(self._executor, "plan", None)
+        if plan is None or not hasattr(plan, "to_json"):
+            return {}
+        data = plan.to_json()
+        return {key: data[key] for key in PLAN_SUMMARY_KEYS if key in data}
+
+    def _unavailable_reason(self) -> str:
+        return {
+            EngineState.LOADING: "the model is still being uploaded; retry shortly",
+            EngineState.RELOADING: "the wafer worker is reloading the model after a failure; retry shortly",
+            EngineState.DRAINING: "the server is shutting down and accepts no new requests",
+            EngineState.STOPPED: "the server has shut down",
+            EngineState.FAILED: f"the engine failed and cannot serve: {self.error}",
+        }.get(self._state, "the engine is not ready")
+
+    # ----- the worker thread -----------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        try:
+            if not self._load(first=True):
+                return
+            while True:
+                plan = self._next_plan()
+                if plan is None:
+                    break
+                try:
+                    started = time.monotonic()
+                    if self._injected_step_faults:
+                        raise ExecutorError(self._injected_step_faults.pop(0))
+                    results = self._executor.step(plan.items)
+                    self.metrics.record_step(time.monotonic() - started, len(plan))
+                    with self._cond:
+                        self.steps += 1
+                        self._apply(plan, results)
+                        self._record_gauges()
+                        self._cond.notify_all()
+                except Exception as exc:  # any failure of the backend: recover, never die silently
+                    log.exception("engine step failed")
+                    if not self._recover(exc):
+                        return
+        finally:
+            self._close_executor()
+            with self._cond:
+                if self._state is not EngineState.FAILED:
+                    self._set_state(EngineState.STOPPED)
+                self._fail_all(Unavailable("the server shut down before this request finished"))
+
+    def _next_plan(self) -> StepPlan | None:
+        """Wait for work; None when the worker should stop."""
+        with self._cond:
+            while True:
+                if self._stop:
+                    return None
+                self._reap()
+                self._scheduler.admit()
+                plan = self._scheduler.build_step()
+                self._record_gauges()
+                if plan.items:
+                    return plan
+                self._cond.notify_all()  # wake wait_drained
+                self._cond.wait(timeout=1.0)
+
+    def _load(self, first: bool) -> bool:
+        """Build the executor (upload the model); on failure retry, then give up (FAILED)."""
+        attempts = 1 if first else RELOAD_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            started = time.monotonic()
+            log.info("uploading the model to the wafer backend%s", "" if first else f" (attempt {attempt})")
+            try:
+                if self._injected_load_faults:
+                    raise ExecutorError(self._injected_load_faults.pop(0))
+                executor = self._factory()
+            except Exception as exc:
+                log.error("could not build the executor: %s", exc)
+                self.error = f"{type(exc).__name__}: {exc}"
+                continue
+            with self._cond:
+                self._executor = executor
+                slots = KVSlotManager(executor.num_slots, executor.context_length)
+                self._scheduler = self._scheduler_for(slots)
+                self.load_seconds = time.monotonic() - started
+                self.error = None
+                if self._state in (EngineState.LOADING, EngineState.RELOADING):
+                    self._set_state(EngineState.READY)
+                self._record_gauges()
+            log.info(
+                "model ready in %.2f s: %d KV slots x %d positions, top-%d",
+                self.load_seconds,
+                executor.num_slots,
+                executor.context_length,
+                executor.top_k,
+            )
+            return True
+        with self._cond:
+            self._set_state(EngineState.FAILED)
+            self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}"))
+        if self._on_fatal is not None:
+            self._on_fatal(self.error or "the executor could not be built")
+        return False
+
+    def _scheduler_for(self, slots: KVSlotManager) -> Scheduler:
+        """A scheduler over fresh slots that keeps the requests still queued from before a reload."""
+        scheduler = Scheduler(slots, self._max_queue, max(self._step_token_budget, slots.num_slots))
+        if self._scheduler is not None:
+            scheduler.waiting.extend(self._scheduler.waiting)
+        return scheduler
+
+    def _recover(self, exc: Exception) -> bool:
+        """A step failed: fail the requests in flight, rebuild the executor, keep the queue."""
+        with self._cond:
+            if self._state is EngineState.READY:
+                self._set_state(EngineState.RELOADING)  # before the failures reach anyone: /health is 503
+            message = (
+                f"the wafer worker failed while running this request ({type(exc).__name__}: {exc}); "
+                "the model is being reloaded, retry the request"
+            )
+            for sequence in list(self._scheduler.running):
+                self._end(sequence, error=GenerationFailed(message))
+            self.restarts += 1
+            self.metrics.wafer_engine_restarts_total.inc()
+        self._close_executor()
+        return self._load(first=False)
+
+    def _close_executor(self) -> None:
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            try:
+                executor.close()
+            except Exception:
+                log.exception("closing the executor failed")
+
+    # ----- inside a step boundary (the lock is held) -----------------------------------------------
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for sequence in [*self._scheduler.running, *self._scheduler.waiting]:
+            if sequence.cancelled:
+                self._end(sequence, error=None)
+                self.metrics.record_failure("cancelled")
+                self.metrics.wafer_cancel_latency_steps.observe(self.steps - sequence.cancelled_at_step)
+            elif sequence.deadline is not None and now > sequence.deadline:
+                limit = sequence.request.timeout_s
+                self._end(sequence, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
+
+    def _apply(self, plan: StepPlan, results: list[TokenScores | None]) -> None:
+        if len(results) != len(plan.items):
+            raise ExecutorError(f"the executor returned {len(results)} results for {len(plan.items)} items")
+        for item, scores, sequence in zip(plan.items, results, plan.owners, strict=True):
+            if sequence.state is not State.RUNNING:
+                continue  # it finished on an earlier item of this step
+            sequence.computed = item.position + 1
+            prompt = sequence.prompt
+            if item.position < len(prompt):
+                if sequence.request.prompt_logprobs:
+                    if item.position == 0:
+                        sequence.prefill.append(PromptToken(prompt[0], None))
+                    if item.target is not None:
+                        logprob = scores.logprob(scores.target_logit)
+                        top = alternatives(scores, sequence.request.top_n_tokens)
+                        sequence.prefill.append(PromptToken(item.target, logprob, top))
+                if item.position < len(prompt) - 1:
+                    continue
+            else:
+                sequence.pending_token = None
+            self._sample(sequence, scores)
+
+    def _sample(self, sequence: Sequence, scores: TokenScores) -> None:
+        request = sequence.request
+        token, logprob = sequence.sampler.choose(scores, sequence.history())
+        now = time.monotonic()
+        first = not sequence.tokens
+        self.metrics.record_token(now - (sequence.last_token_at or sequence.arrived_at), first)
+        sequence.last_token_at = now
+
+        eos = token == self._tokenizer.eos_token_id and not request.ignore_eos
+        stop_token = token in request.stop_token_ids
+        special = token in self._tokenizer.special_names
+        if special or stop_token:
+            text, released, stop = "", "", None  # they add nothing to the text
+        else:
+            piece = sequence.detokenizer.add(token)
+            text, released, stop = piece.text, piece.released, piece.stop_sequence
+        top = alternatives(scores, request.top_n_tokens)
+        sequence.tokens.append(GeneratedToken(token, text, released, logprob, special, top))
+
+        if eos or stop_token:
+            self._end(sequence, finish=FinishReason.EOS)
+        elif stop is not None:
+            self._end(sequence, finish=FinishReason.STOP)
+        elif (
+            len(sequence.tokens) >= request.max_new_tokens
+            or sequence.computed >= self._scheduler.slots.context_length
+        ):
+            self._end(sequence, finish=FinishReason.LENGTH)
+        else:
+            sequence.pending_token = token
+            index = len(sequence.tokens)
+            prefill = tuple(sequence.prefill) if index == 1 else ()
+            sequence.emit(TokenEvent(index, sequence.tokens[-1], prefill))
+
+    def _end(
+        self, sequence: Sequence, finish: FinishReason | None = None, error: ServiceError | None = None
+    ) -> None:
+        """The one way out of the engine: release the slot (scheduler and wafer), report, notify."""
+        slot = self._scheduler.remove(sequence)
+        if slot is not None and self._executor is not None:
+            try:
+                self._executor.free_slot(slot)
+            except Exception:
+                log.exception("freeing slot %d failed", slot)
+        now = time.monotonic()
+        if finish is not None:
+            tail = sequence.detokenizer.flush() if finish is not FinishReason.STOP else ""
+            admitted = sequence.admitted_at or now
+            self.metrics.record_success(
+                "stop" if finish is not FinishReason.LENGTH else "length",
+                queue_s=admitted - sequence.arrived_at,
+                inference_s=now - admitted,
+                generated_tokens=len(sequence.tokens),
+            )
+            sequence.emit(
+                FinishEvent(
+                    finish_reason=finish,
+                    text=sequence.detokenizer.text,
+                    tail=tail,
+                    tokens=tuple(sequence.tokens),
+                    prefill=tuple(sequence.prefill),
+                    seed=sequence.sampler.seed,
+                    input_length=len(sequence.prompt),
+                    stop_sequence=sequence.detokenizer.stop_sequence,
+                )
+            )
+        elif error is not None:
+            self.metrics.record_failure(error.metric_reason)
+            error.counted = True  # the API's error handler must not count it again
+            sequence.emit(ErrorEvent(error))
+
+    def _fail_all(self, error: ServiceError) -> None:
+        if self._scheduler is None:
+            return
+        for sequence in [*self._scheduler.running, *self._scheduler.waiting]:
+            self._end(sequence, error=error)
+
+    def _set_state(self, state: EngineState) -> None:
+        self._state = state
+        self.metrics.wafer_engine_ready.set(1 if state is EngineState.READY else 0)
+        self._cond.notify_all()
+
+    def _record_gauges(self) -> None:
+        scheduler = self._scheduler
+        if scheduler is not None:
+            self.metrics.record_scheduler_state(
+                len(scheduler.waiting), len(scheduler.running), scheduler.slots.usage()
+            )

@@ -1,0 +1,73 @@
+"""The ways a request can be refused or fail, each with its HTTP status and TGI `error_type`.
+
+The engine raises or delivers these; `service.api` renders them in the schema of the route (TGI's
+`{"error", "error_type"}` or OpenAI's `{"error": {...}}`), as a response or as a stream event.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    status = 500
+    error_type = "incomplete_generation"
+    metric_reason = "internal"  # the `err` label of tgi_request_failure
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param  # the request field at fault, when there is one
+        self.counted = False  # set once tgi_request_failure has counted it
+
+
+class RequestValidationFailed(ServiceError):
+    """The request cannot be served as asked (bad field, too long for the context, ...)."""
+
+    status = 422
+    error_type = "validation"
+    metric_reason = "validation"
+
+
+class PayloadTooLarge(RequestValidationFailed):
+    status = 413
+
+
+class NotFound(ServiceError):
+    status = 404
+    error_type = "not_found"
+    metric_reason = "validation"
+
+
+class Unauthorized(ServiceError):
+    status = 401
+    error_type = "authentication"
+    metric_reason = "authentication"
+
+
+class Overloaded(ServiceError):
+    """The queue is full: try again later."""
+
+    status = 429
+    error_type = "overloaded"
+    metric_reason = "overloaded"
+
+
+class Unavailable(ServiceError):
+    """The engine is loading, reloading after a failure, shutting down, or dead."""
+
+    status = 503
+    error_type = "unavailable"
+    metric_reason = "unavailable"
+
+
+class GenerationFailed(ServiceError):
+    """The wafer worker failed while this request was running."""
+
+    status = 424
+    error_type = "generation"
+    metric_reason = "generation"
+
+
+class RequestTimedOut(ServiceError):
+    status = 504
+    error_type = "timeout"
+    metric_reason = "timeout"

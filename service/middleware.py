@@ -1,0 +1,135 @@
+"""Guards in front of every route, as plain ASGI middleware (so streaming and client-disconnect
+detection pass through untouched): a request body size limit, and the optional API key.
+
+Both answer in the error schema of the route family (OpenAI's for `/v1/...`, TGI's otherwise).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+
+from service.errors import PayloadTooLarge, ServiceError, Unauthorized
+
+ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers do not carry the key
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def openai_error_type(error: ServiceError) -> str:
+    return {
+        "validation": "invalid_request_error",
+        "authentication": "authentication_error",
+        "overloaded": "overloaded_error",
+        "unavailable": "service_unavailable_error",
+        "generation": "generation_error",
+        "timeout": "timeout_error",
+        "not_found": "not_found_error",
+    }.get(error.error_type, "internal_error")
+
+
+def error_status(error: ServiceError, path: str) -> int:
+    # OpenAI clients expect 400 for a bad request; TGI clients 422.
+    if is_openai_path(path) and error.status == 422:
+        return 400
+    return error.status
+
+
+def error_body(error: ServiceError, path: str) -> dict:
+    """The JSON body of an error in the schema of the route family."""
+    if is_openai_path(path):
+        return {
+            "error": {
+                "message": error.message,
+                "type": openai_error_type(error),
+                "param": error.param,
+                "code": error_status(error, path),
+            }
+        }
+    return {"error": error.message, "error_type": error.error_type}
+
+
+async def send_error(
+    send: Callable, error: ServiceError, path: str, extra_headers: list | None = None
+) -> None:
+    body = json.dumps(error_body(error, path)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error_status(error, path),
+            "headers": headers + (extra_headers or []),
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.api_key = api_key
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        headers = dict(scope.get("headers") or [])
+
+        if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(headers):
+            error = Unauthorized("missing or wrong API key: send the header `Authorization: Bearer <key>`")
+            await send_error(send, error, path, [(b"www-authenticate", b"Bearer")])
+            return
+
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await send_error(send, self._too_large(int(declared)), path)
+            return
+
+        # Read the body here (it is small) so a chunked body over the limit is refused too, then replay
+        # it to the app; later receive() calls go to the server (the app watches them for disconnects).
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            chunks, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    await send_error(send, self._too_large(size, at_least=True), path)
+                    return
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            body = b"".join(chunks)
+            replayed = False
+
+            async def replay() -> dict:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            await self.app(scope, replay, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, headers: dict) -> bool:
+        value = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        )
+
+    def _too_large(self, size: int, at_least: bool = False) -> PayloadTooLarge:
+        found = f"at least {size}" if at_least else str(size)
+        return PayloadTooLarge(
+            f"request body too large: {found} bytes, the limit is {self.max_body_bytes} bytes"
+        )

@@ -1,0 +1,123 @@
+"""Continuous batching: which requests run, and what each engine step carries.
+
+Requests wait in a bounded FIFO queue until a KV slot is free; admission happens at step boundaries,
+so a new request joins the running batch without waiting for the batch to finish. Each step carries:
+1. one decode item per running request that has finished its prompt (its last sampled token), then
+2. prompt tokens of requests still prefilling, in admission order, chunked to what is left of the
+   per-step token budget, so a long prompt never stalls the decodes of the others.
+
+Not thread-safe: the engine calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from service.errors import Overloaded
+from service.kv_slots import KVSlotManager
+from service.sequence import Sequence, State
+from wafer.executor import StepItem
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    items: list[StepItem]
+    owners: list[Sequence]  # owners[i] is the request of items[i]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class Scheduler:
+    def __init__(self, slots: KVSlotManager, max_queue: int, step_token_budget: int):
+        if step_token_budget < slots.num_slots:
+            raise ValueError(
+                f"step_token_budget ({step_token_budget}) must be at least the number of KV slots "
+                f"({slots.num_slots}): every running request decodes one token per step"
+            )
+        self.slots = slots
+        self.max_queue = max_queue
+        self.step_token_budget = step_token_budget
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def capacity(self) -> int:
+        """Requests the engine holds at most: one per slot running, `max_queue` more waiting."""
+        return self.slots.num_slots + self.max_queue
+
+    def add(self, sequence: Sequence) -> None:
+        if len(self.waiting) + len(self.running) >= self.capacity:
+            raise Overloaded(
+                f"the server is at capacity ({len(self.running)} requests running, {len(self.waiting)} "
+                f"queued, queue limit {self.max_queue}); retry later"
+            )
+        self.waiting.append(sequence)
+
+    def remove(self, sequence: Sequence) -> int | None:
+        """Take a request out, whatever its state; returns the KV slot it held (already released)."""
+        slot = sequence.slot
+        if sequence.state is State.WAITING:
+            self.waiting.remove(sequence)
+        elif sequence.state is State.RUNNING:
+            self.running.remove(sequence)
+            if slot is not None:
+                self.slots.free(slot)
+        sequence.state = State.FINISHED
+        sequence.slot = None
+        return slot
+
+    def admit(self) -> list[Sequence]:
+        """Give free slots to waiting requests, oldest first."""
+        admitted = []
+        while self.waiting:
+            sequence = self.waiting[0]
+            slot = self.slots.allocate(sequence.id, sequence.request.tokens_needed)
+            if slot is None:
+                break
+            self.waiting.popleft()
+            sequence.slot = slot
+            sequence.state = State.RUNNING
+            sequence.admitted_at = time.monotonic()
+            self.running.append(sequence)
+            admitted.append(sequence)
+        return admitted
+
+    def build_step(self) -> StepPlan:
+        items: list[StepItem] = []
+        owners: list[Sequence] = []
+        for sequence in self.running:
+            if not sequence.prefilling and sequence.pending_token is not None:
+                items.append(StepItem(sequence.slot, sequence.computed, sequence.pending_token))
+                owners.append(sequence)
+
+        budget = self.step_token_budget - len(items)
+        for sequence in self.running:
+            if budget <= 0:
+                break
+            if not sequence.prefilling:
+                continue
+            prompt = sequence.prompt
+            start = sequence.computed
+            stop = min(len(prompt), start + budget)
+            for position in range(start, stop):
+                last = position == len(prompt) - 1
+                wants_logprob = sequence.request.prompt_logprobs and not last
+                items.append(
+                    StepItem(
+                        slot=sequence.slot,
+                        position=position,
+                        token=prompt[position],
+                        want_scores=last or wants_logprob,
+                        # The wafer returns the exact logit of the next prompt token: its logprob.
+                        target=prompt[position + 1] if wants_logprob else None,
+                    )
+                )
+                owners.append(sequence)
+            budget -= stop - start
+        return StepPlan(items, owners)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

@@ -1,0 +1,412 @@
+"""Request and response bodies: TGI's (`/generate`, `/generate_stream`, `/`) and OpenAI's
+(`/v1/completions`, `/v1/models`), as pydantic models.
+
+The models check what a body can be checked for on its own (types, signs, ranges); limits that depend
+on the server (context length, number of stop sequences, ...) are checked in `service.api` once the
+prompt is tokenized. Field validators raise messages that name the rule and the value found.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+
+U64_MAX = 2**64 - 1
+
+
+def _json_type(value: Any) -> str:
+    names = {
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        list: "a list",
+        dict: "an object",
+    }
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+class _Body(BaseModel):
+    # Unknown fields are an error: a misspelt parameter must not be ignored silently.
+    model_config = ConfigDict(extra="forbid")
+
+
+# ----- TGI -----------------------------------------------------------------------------------------
+
+
+class TGIParameters(_Body):
+    best_of: int | None = None
+    decoder_input_details: StrictBool = False
+    details: StrictBool = False
+    do_sample: StrictBool = False
+    frequency_penalty: float | None = None
+    grammar: Any = None
+    max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    return_full_text: StrictBool | None = None
+    seed: int | None = None
+    stop: list[StrictStr] = Field(default_factory=list)
+    temperature: float | None = None
+    top_k: int | None = None
+    top_n_tokens: int | None = None
+    top_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: StrictBool = False
+    adapter_id: str | None = None
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError(f"must be strictly positive, got {value}")
+        return value
+
+    @field_validator("temperature", "repetition_penalty")
+    @classmethod
+    def _strictly_positive(cls, value: float | None) -> float | None:
+        if value is not None and not value > 0:
+            raise ValueError(f"must be strictly positive, got {value}")
+        return value
+
+    @field_validator("top_k", "truncate", "top_n_tokens")
+    @classmethod
+    def _positive_int(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError(f"must be strictly positive, got {value}")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 < value < 1.0:
+            raise ValueError(f"must be > 0.0 and < 1.0, got {value} (omit it to disable top-p)")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= U64_MAX:
+            raise ValueError(f"must be an unsigned 64-bit integer, got {value}")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError(f"best_of != 1 is not supported by this server, got {value}")
+        return value
+
+    @field_validator("typical_p", "frequency_penalty")
+    @classmethod
+    def _unsupported_float(cls, value: float | None) -> float | None:
+        if value is not None:
+            raise ValueError("is not supported by this server (the wafer returns only its top-k candidates)")
+        return value
+
+    @field_validator("watermark")
+    @classmethod
+    def _watermark(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("watermarking is not supported by this server")
+        return value
+
+    @field_validator("grammar", "adapter_id")
+    @classmethod
+    def _unsupported(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("is not supported by this server")
+        return value
+
+
+class TGIRequest(_Body):
+    inputs: Any
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    stream: StrictBool = False  # only read by the compatibility route `POST /`
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs(cls, value: Any) -> str:
+        if not isinstance(value, str):
+            raise ValueError(f"must be a string, got {_json_type(value)}")
+        if not value:
+            raise ValueError("cannot be empty")
+        return value
+
+
+class TGIToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class TGIPrefillToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+
+
+class TGIDetails(BaseModel):
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None
+    prefill: list[TGIPrefillToken]
+    tokens: list[TGIToken]
+    top_tokens: list[list[TGIToken]] | None = None
+
+
+class TGIResponse(BaseModel):
+    generated_text: str
+    details: TGIDetails | None = None
+
+
+class TGIStreamDetails(BaseModel):
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None
+    input_length: int
+
+
+class TGIStreamEvent(BaseModel):
+    index: int
+    token: TGIToken
+    top_tokens: list[TGIToken] | None = None
+    generated_text: str | None = None
+    details: TGIStreamDetails | None = None
+
+
+class TGIError(BaseModel):
+    error: str
+    error_type: str
+
+
+class TGIInfo(BaseModel):
+    model_id: str
+    model_dtype: str
+    model_device_type: str
+    backend: str
+    max_concurrent_requests: int
+    max_queue: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_new_tokens: int
+    max_stop_sequences: int
+    max_best_of: int
+    max_top_n_tokens: int
+    top_k: int
+    kv_slots: int
+    context_length: int
+    version: str
+    model_config_summary: dict = Field(default_factory=dict)
+    plan: dict = Field(default_factory=dict)
+    engine: dict = Field(default_factory=dict)
+
+    model_config = ConfigDict(protected_namespaces=())
+
+
+# ----- OpenAI --------------------------------------------------------------------------------------
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class CompletionRequest(_Body):
+    model: str | None = None
+    prompt: Any
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = None
+    echo: StrictBool = False
+    stop: Any = Field(default_factory=list)
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | list[str] | list[int] | list[list[int]]:
+        """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+
+        def is_ids(item: Any) -> bool:
+            return isinstance(item, list) and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in item
+            )
+
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("cannot be empty")
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(item, str) for item in value):
+                if not all(value):
+                    raise ValueError("cannot contain empty strings")
+                return value
+            if is_ids(value):
+                return value
+            if all(is_ids(item) for item in value):
+                if not all(value):
+                    raise ValueError("cannot contain empty token lists")
+                return value
+        raise ValueError(
+            "must be a non-empty string, a list of strings, a list of token ids or a list of lists of token "
+            f"ids, got {_json_type(value)}"
+        )
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: Any) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return value
+        raise ValueError(f"must be a string or a list of strings, got {_json_type(value)}")
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError(f"must be at least 1, got {value}")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 <= value <= 2.0:
+            raise ValueError(f"must be between 0 and 2 (0 is greedy), got {value}")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 < value <= 1.0:
+            raise ValueError(f"must be > 0 and <= 1, got {value}")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value is not None and value < -1:
+            raise ValueError(f"must be -1 or 0 (off) or a positive number of candidates, got {value}")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be at least 1, got {value}")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= 5:
+            raise ValueError(f"must be between 0 and 5, got {value}")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= U64_MAX:
+            raise ValueError(f"must be an unsigned 64-bit integer, got {value}")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, value: float | None) -> float | None:
+        if value is not None and not value > 0:
+            raise ValueError(f"must be strictly positive, got {value}")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalties(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError(f"only 0 is supported by this server, got {value} (use repetition_penalty)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict | None) -> dict | None:
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("is not supported by this server (GPT-2 has no infilling)")
+        return value
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: str | int | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "wafer-gpt2"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class OpenAIErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorBody

@@ -1,0 +1,148 @@
+"""One request's life inside the engine: what it asked for, how far it got, what it produced.
+
+`GenerationRequest` is what the API hands the engine after validation and tokenization. `Sequence` is
+the engine's per-request state (slot, positions fed to the wafer, generated tokens, detokenizer,
+sampler). Its events (`TokenEvent` per token, then one `FinishEvent` or `ErrorEvent`) travel from the
+worker thread to the request's asyncio queue on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from service.detokenizer import IncrementalDetokenizer
+from service.errors import ServiceError
+from service.sampling import Sampler, SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_sequences: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    prompt_logprobs: bool = False  # TGI `decoder_input_details`, OpenAI `echo` + `logprobs`
+    top_n_tokens: int = 0  # alternatives reported per generated token
+    timeout_s: float | None = None  # queue + generation
+
+    @property
+    def tokens_needed(self) -> int:
+        """The KV positions the request is refused without: prompt plus every token it may generate
+        (TGI's max_total_tokens rule; the last generated token is never written, which leaves no gap)."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Alternative:
+    id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    id: int
+    text: str  # what this token added to the text (complete characters only; "" for special/stop tokens)
+    released: str  # text sent to streaming clients with this token (after stop-sequence hold-back)
+    logprob: float
+    special: bool
+    top: tuple[Alternative, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptToken:
+    id: int
+    logprob: float | None  # None for the first prompt token (nothing predicts it)
+    top: tuple[Alternative, ...] = ()  # the model's best candidates at this position
+
+
+class FinishReason(enum.StrEnum):
+    LENGTH = "length"
+    EOS = "eos_token"
+    STOP = "stop_sequence"
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    index: int  # 1-based position among the generated tokens
+    token: GeneratedToken
+    prefill: tuple[PromptToken, ...] = ()  # on the first event only: the prompt logprobs, when asked
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    finish_reason: FinishReason
+    text: str  # the whole generated text, stop sequence stripped
+    tail: str  # text released only now (held back until the end)
+    tokens: tuple[GeneratedToken, ...]
+    prefill: tuple[PromptToken, ...]
+    seed: int | None
+    input_length: int
+    stop_sequence: str | None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    error: ServiceError
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_request_numbers = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: GenerationRequest
+    detokenizer: IncrementalDetokenizer
+    sampler: Sampler
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    id: str = field(default_factory=lambda: f"req-{next(_request_numbers)}")
+    state: State = State.WAITING
+    slot: int | None = None
+    computed: int = 0  # positions whose K/V are in the slot
+    pending_token: int | None = None  # sampled but not yet fed to the wafer
+    tokens: list[GeneratedToken] = field(default_factory=list)
+    prefill: list[PromptToken] = field(default_factory=list)
+    cancelled: bool = False
+    cancelled_at_step: int = 0  # the engine's step count when the cancellation arrived
+    arrived_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    @property
+    def deadline(self) -> float | None:
+        timeout = self.request.timeout_s
+        return None if timeout is None else self.arrived_at + timeout
+
+    def history(self) -> list[int]:
+        """Prompt and generated ids: what the repetition penalty looks at."""
+        return [*self.prompt, *(token.id for token in self.tokens)]
+
+    def emit(self, event: Event) -> None:
+        """Hand an event to the request's handler (called from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:
+            pass  # the event loop is gone (server stopped): nobody is listening any more

@@ -1,0 +1,60 @@
+"""Running the app under uvicorn, with a shutdown that drains instead of dropping requests.
+
+Plain uvicorn stops accepting connections as soon as it is told to exit. Here the first SIGINT/SIGTERM
+(or `begin_graceful_shutdown()`) keeps the listener open and puts the engine into draining: new
+requests get 503 while the running ones finish, up to `shutdown_timeout_s`; what is still running then
+gets a 503 error, and only then does uvicorn exit. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import uvicorn
+from fastapi import FastAPI
+
+from service.engine import Engine
+from service.settings import ServerSettings
+
+log = logging.getLogger("wafer_gpt2.server")
+
+
+class ServiceServer(uvicorn.Server):
+    def __init__(
+        self, app: FastAPI, settings: ServerSettings, log_level: str = "info", access_log: bool = True
+    ):
+        config = uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=log_level,
+            access_log=access_log,
+            timeout_graceful_shutdown=5,  # by then the engine has ended every request
+        )
+        super().__init__(config)
+        self.engine: Engine = app.state.engine
+        self.shutdown_timeout_s = settings.shutdown_timeout_s
+        self._draining = threading.Event()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._draining.is_set():
+            log.warning("second shutdown signal: exiting without waiting for running requests")
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self.begin_graceful_shutdown()
+
+    def begin_graceful_shutdown(self) -> threading.Thread:
+        """Refuse new requests (503), let running ones finish, then stop the server."""
+        self._draining.set()
+        log.info("shutting down: draining running requests (up to %.0f s)", self.shutdown_timeout_s)
+        self.engine.begin_drain()
+
+        def drain_then_exit() -> None:
+            self.engine.shutdown(self.shutdown_timeout_s)
+            self.should_exit = True
+
+        thread = threading.Thread(target=drain_then_exit, name="wafer-drain", daemon=True)
+        thread.start()
+        return thread

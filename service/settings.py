@@ -1,0 +1,38 @@
+"""Server settings: every limit the service enforces, in one place (filled by `wafer-gpt2 serve`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    # Where and what to serve.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "sim"
+    model_id: str = "gpt2"  # the name /info and /v1/models report
+    dtype: str = "fp16"
+
+    # Capacity. `max_concurrent_requests` is the number of KV slots the wafer is asked for: the running
+    # batch. `max_queue` more requests may wait; beyond that the answer is 429 at once.
+    max_concurrent_requests: int = 16
+    max_queue: int = 64
+    context_length: int | None = None  # None: the model's n_positions
+    top_k: int = 64  # candidates the wafer returns per token (the sampler's top_k may not exceed it)
+    step_token_budget: int = 256  # items per step: decodes first, prefill chunks fill the rest
+
+    # Request limits.
+    max_input_tokens: int | None = None  # None: context_length - 1
+    max_new_tokens_default: int = 100  # TGI route when the request does not say
+    max_new_tokens_limit: int | None = None  # None: context_length - 1
+    max_stop_sequences: int = 4
+    max_stop_length: int = 200  # characters per stop sequence
+    max_top_n_tokens: int = 5
+    max_n: int = 8  # OpenAI `n` x number of prompts per request
+    max_body_bytes: int = 1_000_000
+    request_timeout_s: float = 600.0  # queue + generation; the request fails with 504 beyond it
+
+    # Lifecycle.
+    shutdown_timeout_s: float = 30.0  # how long in-flight requests may finish after a shutdown signal
+    api_key: str | None = None  # when set, generation routes need `Authorization: Bearer <key>`

@@ -1,0 +1,136 @@
+"""TGI's protocol: a `/generate` body to an engine request, and the engine's results to TGI's
+response, stream events and details.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from service.delivery import events, sse, token_string
+from service.engine import Engine, TokenizerHooks
+from service.middleware import error_body
+from service.schemas import (
+    TGIDetails,
+    TGIPrefillToken,
+    TGIRequest,
+    TGIResponse,
+    TGIStreamDetails,
+    TGIStreamEvent,
+    TGIToken,
+)
+from service.sequence import Alternative, FinishEvent, GeneratedToken, GenerationRequest, Sequence, TokenEvent
+from service.settings import ServerSettings
+from service.validation import TGI_FIELDS, Limits, check_request, sampling_params
+from weights import tokenizer
+
+
+def tgi_generation_request(body: TGIRequest, limits: Limits, settings: ServerSettings) -> GenerationRequest:
+    p = body.parameters
+    prompt_ids = tokenizer.encode(body.inputs)
+    if p.truncate is not None:
+        prompt_ids = prompt_ids[-p.truncate :]
+    max_new = p.max_new_tokens
+    if max_new is None:
+        # TGI's default, shortened to what the context leaves (never below 1: check_request reports it).
+        max_new = max(1, min(settings.max_new_tokens_default, limits.context_length - len(prompt_ids)))
+    sampling = sampling_params(
+        do_sample=p.do_sample,
+        temperature=p.temperature if p.temperature is not None else 1.0,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
+        seed=p.seed,
+    )
+    request = GenerationRequest(
+        prompt_ids=tuple(prompt_ids),
+        max_new_tokens=max_new,
+        sampling=sampling,
+        stop_sequences=tuple(p.stop),
+        prompt_logprobs=p.decoder_input_details and p.details,
+        top_n_tokens=p.top_n_tokens or 0,
+        timeout_s=settings.request_timeout_s,
+    )
+    return check_request(request, limits, TGI_FIELDS)
+
+
+def tgi_json(response: TGIResponse) -> dict:
+    """TGI leaves out `details` (and `top_tokens`) when not asked for, but keeps null logprobs."""
+    data = response.model_dump()
+    if data["details"] is None:
+        del data["details"]
+    elif data["details"]["top_tokens"] is None:
+        del data["details"]["top_tokens"]
+    return data
+
+
+def tgi_token(token: GeneratedToken, text: str | None = None) -> TGIToken:
+    """`text` defaults to what the token added to the text (a special token shows its name)."""
+    if text is None:
+        text = token_string(token.id) if token.special else token.text
+    return TGIToken(id=token.id, text=text, logprob=token.logprob, special=token.special)
+
+
+def tgi_alternatives(alternatives: tuple[Alternative, ...], special_ids: dict[int, str]) -> list[TGIToken]:
+    return [
+        TGIToken(id=a.id, text=token_string(a.id), logprob=a.logprob, special=a.id in special_ids)
+        for a in alternatives
+    ]
+
+
+def tgi_response(body: TGIRequest, final: FinishEvent, hooks: TokenizerHooks) -> TGIResponse:
+    p = body.parameters
+    text = (body.inputs + final.text) if p.return_full_text else final.text
+    if not p.details:
+        return TGIResponse(generated_text=text)
+    prefill = [TGIPrefillToken(id=t.id, text=token_string(t.id), logprob=t.logprob) for t in final.prefill]
+    details = TGIDetails(
+        finish_reason=final.finish_reason.value,
+        generated_tokens=len(final.tokens),
+        seed=final.seed,
+        prefill=prefill,
+        tokens=[tgi_token(token) for token in final.tokens],
+        top_tokens=[tgi_alternatives(t.top, hooks.special_names) for t in final.tokens]
+        if p.top_n_tokens
+        else None,
+    )
+    return TGIResponse(generated_text=text, details=details)
+
+
+async def tgi_stream(
+    engine: Engine, sequence: Sequence, body: TGIRequest, hooks: TokenizerHooks, path: str
+) -> AsyncIterator[bytes]:
+    p = body.parameters
+    finished = False
+    try:
+        async for event in events(sequence):
+            if isinstance(event, TokenEvent):
+                top = tgi_alternatives(event.token.top, hooks.special_names)
+                out = TGIStreamEvent(
+                    index=event.index, token=tgi_token(event.token, event.token.released), top_tokens=top
+                )
+                yield sse(out.model_dump())
+            elif isinstance(event, FinishEvent):
+                finished = True
+                last = event.tokens[-1]
+                details = None
+                if p.details:
+                    details = TGIStreamDetails(
+                        finish_reason=event.finish_reason.value,
+                        generated_tokens=len(event.tokens),
+                        seed=event.seed,
+                        input_length=event.input_length,
+                    )
+                out = TGIStreamEvent(
+                    index=len(event.tokens),
+                    token=tgi_token(last, last.released + event.tail),
+                    top_tokens=tgi_alternatives(last.top, hooks.special_names),
+                    generated_text=(body.inputs + event.text) if p.return_full_text else event.text,
+                    details=details,
+                )
+                yield sse(out.model_dump())
+            else:
+                finished = True
+                yield sse(error_body(event.error, path))
+    finally:
+        if not finished:
+            engine.cancel(sequence)  # the client went away mid-stream: free the slot now

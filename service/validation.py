@@ -1,0 +1,133 @@
+"""Request checks that need the server's limits: what a request may ask for, and the messages that
+say which field broke which rule (the route-independent part; pydantic checks each body on its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.errors import RequestValidationFailed
+from service.sampling import SamplingParams
+from service.sequence import GenerationRequest
+from service.settings import ServerSettings
+from wafer.executor import Executor
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask for, from the settings and the executor's shape."""
+
+    context_length: int
+    max_input_tokens: int
+    max_new_tokens: int
+    max_stop_sequences: int
+    max_stop_length: int
+    top_k: int  # candidates per token the wafer returns
+    max_top_n_tokens: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, settings: ServerSettings, executor: Executor) -> Limits:
+        context = executor.context_length
+        return cls(
+            context_length=context,
+            max_input_tokens=min(settings.max_input_tokens or context - 1, context - 1),
+            max_new_tokens=min(settings.max_new_tokens_limit or context - 1, context - 1),
+            max_stop_sequences=settings.max_stop_sequences,
+            max_stop_length=settings.max_stop_length,
+            top_k=executor.top_k,
+            max_top_n_tokens=min(settings.max_top_n_tokens, executor.top_k),
+            vocab_size=executor.vocab_size,
+        )
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """How each route calls the fields a validation message names."""
+
+    prompt: str
+    max_new_tokens: str
+    top_n: str
+
+
+TGI_FIELDS = FieldNames(prompt="inputs", max_new_tokens="max_new_tokens", top_n="top_n_tokens")
+OPENAI_FIELDS = FieldNames(prompt="prompt", max_new_tokens="max_tokens", top_n="logprobs")
+
+
+def check_request(request: GenerationRequest, limits: Limits, names: FieldNames) -> GenerationRequest:
+    """Every limit a request must meet before it is queued; RequestValidationFailed names the first miss."""
+
+    def fail(message: str, param: str) -> None:
+        raise RequestValidationFailed(message, param=param)
+
+    n_prompt, n_new = len(request.prompt_ids), request.max_new_tokens
+    if n_prompt == 0:
+        fail(f"`{names.prompt}` must contain at least one token", names.prompt)
+    if n_prompt > limits.max_input_tokens:
+        fail(
+            f"`{names.prompt}` must have at most {limits.max_input_tokens} tokens, given {n_prompt}",
+            names.prompt,
+        )
+    bad_ids = [t for t in request.prompt_ids if not 0 <= t < limits.vocab_size]
+    if bad_ids:
+        fail(f"`{names.prompt}` token id {bad_ids[0]} is outside 0..{limits.vocab_size - 1}", names.prompt)
+    if not 0 < n_new <= limits.max_new_tokens:
+        fail(
+            f"`{names.max_new_tokens}` must be between 1 and {limits.max_new_tokens}, given {n_new}",
+            names.max_new_tokens,
+        )
+    if n_prompt + n_new > limits.context_length:
+        fail(
+            f"`{names.prompt}` tokens + `{names.max_new_tokens}` must be <= {limits.context_length} (the KV "
+            f"capacity of a slot), given {n_prompt} `{names.prompt}` tokens and {n_new} `{names.max_new_tokens}`",
+            names.max_new_tokens,
+        )
+    stops = request.stop_sequences
+    if len(stops) > limits.max_stop_sequences:
+        fail(f"`stop` accepts at most {limits.max_stop_sequences} stop sequences, given {len(stops)}", "stop")
+    if any(not stop for stop in stops):
+        fail("`stop` sequences cannot be empty strings", "stop")
+    longest = max((len(stop) for stop in stops), default=0)
+    if longest > limits.max_stop_length:
+        fail(f"`stop` sequences may be at most {limits.max_stop_length} characters, given {longest}", "stop")
+    top_k = request.sampling.top_k
+    if top_k is not None and top_k > limits.top_k:
+        fail(
+            f"`top_k` must be <= {limits.top_k} (the candidates the wafer returns per token), given {top_k}",
+            "top_k",
+        )
+    if request.top_n_tokens > limits.max_top_n_tokens:
+        fail(
+            f"`{names.top_n}` must be <= {limits.max_top_n_tokens}, given {request.top_n_tokens}", names.top_n
+        )
+    bad_stop_ids = [t for t in request.stop_token_ids if not 0 <= t < limits.vocab_size]
+    if bad_stop_ids:
+        fail(f"`stop_token_ids` id {bad_stop_ids[0]} is outside 0..{limits.vocab_size - 1}", "stop_token_ids")
+    return request
+
+
+def sampling_params(**kwargs) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise RequestValidationFailed(str(exc)) from None
+
+
+def format_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic's errors as one line: `field: problem; field: problem`."""
+    parts, first_param = [], None
+    for error in errors:
+        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+        if error.get("type") == "json_invalid":
+            reason = (error.get("ctx") or {}).get("error", "")
+            parts.append(
+                f"request body is not valid JSON ({reason})" if reason else "request body is not valid JSON"
+            )
+            continue
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        if error.get("type") == "extra_forbidden":
+            message = "unknown field"
+        field = ".".join(loc) or "body"
+        first_param = first_param or field
+        parts.append(f"{field}: {message}")
+    return "; ".join(parts), first_param

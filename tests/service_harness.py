@@ -1,0 +1,167 @@
+"""Real servers for the service tests: the app under uvicorn on 127.0.0.1 (a free port), in a thread.
+
+`SlowExecutor` wraps a real executor and sleeps before each step: it makes step timing predictable on
+a busy machine for the tests that need time to act mid-generation (shutdown, timeouts, faults).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import httpx
+
+from service.api import create_app
+from service.engine import Engine
+from service.server import ServiceServer
+from service.settings import ServerSettings
+from wafer.backends import ExecutorOptions, build_executor
+from wafer.executor import Executor, StepItem
+from wafer.reference_executor import ReferenceExecutor
+from weights.params import GPT2Params
+
+
+@dataclass
+class RunningServer:
+    url: str
+    server: ServiceServer
+    engine: Engine
+    thread: threading.Thread
+    fatal: list[str]
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 60.0), **kwargs)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no request is queued or running and no KV slot is held."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.engine.queue_sizes() == (0, 0) and self.engine.kv_usage().slots_used == 0:
+                return
+            time.sleep(0.01)
+        raise AssertionError(
+            f"engine not idle: queue {self.engine.queue_sizes()}, kv {self.engine.kv_usage()}"
+        )
+
+
+def executor_factory(
+    backend: str,
+    params: GPT2Params,
+    slots: int,
+    context: int | None = None,
+    top_k: int = 64,
+    dtype: str = "fp32",
+):
+    options = ExecutorOptions(slots=slots, context=context, top_k=top_k, dtype=dtype)
+    return lambda: build_executor(backend, params, options)
+
+
+class SlowExecutor:
+    """A real executor whose steps take at least `delay_s` (for tests that act mid-generation)."""
+
+    def __init__(self, inner: Executor, delay_s: float):
+        self.inner = inner
+        self.delay_s = delay_s
+        self.num_slots = inner.num_slots
+        self.context_length = inner.context_length
+        self.vocab_size = inner.vocab_size
+        self.top_k = inner.top_k
+
+    def step(self, items):
+        time.sleep(self.delay_s)
+        return self.inner.step(items)
+
+    def free_slot(self, slot: int) -> None:
+        self.inner.free_slot(slot)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@contextmanager
+def running_server(
+    settings: ServerSettings, factory: Callable[[], Executor], wait_ready: bool = True
+) -> Iterator[RunningServer]:
+    fatal: list[str] = []
+    app = create_app(settings, factory, model_summary={"name": "test"}, on_fatal=fatal.append)
+    server = ServiceServer(app, replace(settings, port=0), log_level="warning", access_log=False)
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    running = RunningServer(f"http://127.0.0.1:{port}", server, app.state.engine, thread, fatal)
+    if wait_ready:
+        assert running.engine.wait_ready(30), (
+            f"engine not ready: {running.engine.state} {running.engine.error}"
+        )
+    try:
+        yield running
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def sse_events(response: httpx.Response) -> Iterator[dict | str]:
+    """The `data:` payloads of a Server-Sent Events response (JSON decoded, `[DONE]` as a string)."""
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            payload = line[len("data:") :].strip()
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def reference_greedy(params, prompt: list[int], n_new: int) -> tuple[list[int], list[float], list[float]]:
+    """Greedy tokens, their logprobs and the prompt logprobs, straight from the reference forward pass."""
+    executor = ReferenceExecutor(params, slots=1, context=len(prompt) + n_new, top_k=64)
+    items = [
+        StepItem(0, p, t, target=prompt[p + 1] if p + 1 < len(prompt) else None) for p, t in enumerate(prompt)
+    ]
+    scores = executor.step(items)
+    prompt_logprobs = [s.logprob(s.target_logit) for s in scores[:-1]]
+    tokens, logprobs, last = [], [], scores[-1]
+    for i in range(n_new):
+        token = int(last.topk_ids[0])
+        tokens.append(token)
+        logprobs.append(last.logprob(last.topk_logits[0]))
+        if i < n_new - 1:
+            (last,) = executor.step([StepItem(0, len(prompt) + i, token)])
+    return tokens, logprobs, prompt_logprobs
+
+
+def run_concurrently(calls) -> list:
+    results = [None] * len(calls)
+
+    def run(i, call):
+        results[i] = call()
+
+    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (for servers started as subprocesses)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,128 @@
+"""The SDK appliance protocol end to end on 127.0.0.1: the real `cerebras.sdk.client` against
+`wafer.appliance_server`, which executes on the embedded simulator.
+
+Both sides run in .venv-appliance (`make appliance-venv`: Python 3.11, cerebras-sdk and
+cerebras-appliance 2.10.0, numpy 1.25) with the repository on PYTHONPATH; this test drives them as
+subprocesses and skips when that environment is missing. The client compiles a tiny GPT-2 through the
+worker (SdkCompiler), uploads the artifact, creates and starts a runtime (SdkRuntime), round-trips
+memcpy (blocking and non-blocking), runs the host program's steps and compares them with the
+simulator run locally, and launches `clear_slot` on the wafer program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_PYTHON = REPO / ".venv-appliance" / "bin" / "python"
+
+pytestmark = pytest.mark.skipif(
+    not VENV_PYTHON.exists(), reason="no .venv-appliance (build it with `make appliance-venv`)"
+)
+
+
+def appliance_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """The loopback worker on a free port; stopped (by its own process) after the module."""
+    root = tmp_path_factory.mktemp("worker")
+    process = subprocess.Popen(
+        [str(VENV_PYTHON), "-m", "wafer.appliance_server", "--port", "0", "--root", str(root)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=appliance_env(), cwd=REPO,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    line = ""
+    while time.monotonic() < deadline and not line.startswith("listening on"):
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            pytest.fail(f"the worker exited with {process.returncode} before listening")
+    if not line.startswith("listening on"):
+        process.kill()
+        pytest.fail("the worker did not start listening within 60 s")
+    yield line.split("listening on", 1)[1].strip()
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def run_client(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VENV_PYTHON), *args], capture_output=True, text=True, timeout=300,
+                          env=appliance_env(), cwd=tmp_path)  # fmt: skip
+
+
+def test_the_sdk_client_runs_the_host_flow_on_the_loopback_worker(worker, tmp_path):
+    result = run_client(
+        ["-m", "wafer.sdk_appliance", "check", "--address", worker, "--work", str(tmp_path)], tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["memcpy_round_trip"] and report["memcpy_nonblock_round_trip"]
+    assert report["steps_match_local_simulator"], report
+    assert [len(step) for step in report["top1"]] == [8, 2, 1]  # every item that asked for scores
+    assert report["clear_slot_zeroed_slot_1"]
+    assert any(
+        p.name.endswith(".tar.gz") for p in (tmp_path / "artifact").iterdir()
+    )  # SdkCompiler's artifact
+
+
+CLIENT_ERRORS = r"""
+import json, shutil, sys
+from pathlib import Path
+from wafer.compile import appliance_compile, prepare_sources
+from wafer.plan import build_plan
+from wafer.sdk_appliance import ApplianceRuntime
+from weights.config import GPT2Config
+
+address, work = sys.argv[1], Path(sys.argv[2])
+plan = build_plan(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16, name="t"), slots=2, context=16, top_k=8)
+job = prepare_sources(plan, work / "csl", simfabric=True)
+out = {}
+tables = job.src_dir / "plan_params.csl"
+tables.write_text(tables.read_text().replace("const n_regions", "const n_regions_edited", 1))
+try:
+    appliance_compile(job, work / "bad", grpc_address=address, simulator=True)
+except Exception as exc:
+    out["tampered_tables"] = str(exc)
+prepare_sources(plan, work / "csl", simfabric=True)
+artifact = appliance_compile(job, work / "good", grpc_address=address, simulator=True)
+runtime = ApplianceRuntime(artifact, simulator=True, grpc_address=address)
+runtime.load()
+runtime.run()
+try:
+    runtime.get_id("no_such_symbol")
+except Exception as exc:
+    out["unknown_symbol"] = str(exc)
+runtime.stop()
+print(json.dumps(out))
+"""
+
+
+def test_worker_errors_reach_the_client_with_their_reason(worker, tmp_path):
+    result = run_client(["-c", CLIENT_ERRORS, worker, str(tmp_path)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    # The client logs the compiler's output and raises a generic error, as it does with cslc's.
+    assert "compile() failed" in out["tampered_tables"]
+    assert "plan_params.csl is not what kernels/program.py writes" in result.stderr
+    assert "no symbol named 'no_such_symbol'" in out["unknown_symbol"]
+
+
+def test_without_the_appliance_environment_the_backend_says_what_to_do():
+    if sys.version_info[:2] == (3, 11) and "cerebras" in sys.modules:
+        pytest.skip("cerebras-sdk importable here")
+    from wafer.sdk_appliance import ApplianceUnavailableError, import_client
+
+    with pytest.raises(ApplianceUnavailableError, match="make appliance-venv"):
+        import_client()

@@ -1,0 +1,126 @@
+"""The cycle model's formulas on small cases computed by hand (constants: 1 cycle per hop, 7 router to
+PE, 20 per task activation, 20 per exp, fp16 SIMD 4 on WSE-2 and 8 on WSE-3, fp32 1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from wafer import cost
+from wafer.arch import ARCHS
+from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
+
+
+def test_constants_are_the_published_ones() -> None:
+    assert cost.CLOCK_HZ == 1.1e9 and cost.SDK_CLOCK_HZ == 0.85e9
+    assert (cost.WAVELETS_PER_LINK_PER_CYCLE, cost.HOP_CYCLES, cost.ROUTER_TO_PE_CYCLES) == (1, 1, 7)
+    assert ARCHS["wse2"].macs_per_cycle("fp16") == 4 and ARCHS["wse3"].macs_per_cycle("fp16") == 8
+    assert ARCHS["wse2"].macs_per_cycle("fp32") == ARCHS["wse3"].macs_per_cycle("fp32") == 1
+    assert ARCHS["wse2"].usable_colors == 21 and ARCHS["wse2"].pe_sram_bytes == 48 * 1024
+    assert cost.cycles_to_us(1100) == pytest.approx(1.0) and cost.cycles_to_us(
+        850, cost.SDK_CLOCK_HZ
+    ) == pytest.approx(1.0)
+
+
+def test_streams_and_reductions() -> None:
+    assert cost.stream_cycles(5, 3) == 3 + 7 + 5
+    assert cost.chain_reduce_cycles(3, 4) == 3 * (1 + 7 + 1) + 4
+    assert cost.chain_reduce_cycles(0, 4) == 0
+    assert cost.tree_reduce_cycles(4, 4) == (1 + 7 + 4) + (2 + 7 + 4)
+    assert cost.tree_reduce_cycles(5, 8) == (1 + 7 + 8) + (2 + 7 + 8) + (4 + 7 + 8)
+    # scatter 2: the last round is a reduce-scatter round and moves half the words
+    assert cost.tree_reduce_cycles(4, 4, scatter=2) == (1 + 7 + 4) + (2 + 7 + 2)
+    assert cost.allreduce_cycles("chain", 4, 1) == (3 * 9 + 1) + (3 + 7 + 1)
+    assert cost.allreduce_cycles("tree", 4, 1) == (1 + 7 + 1) + (2 + 7 + 1)
+    assert cost.allreduce_cycles("tree", 1, 1) == 0
+    assert cost.best_reduction(64, 1) == "tree" and cost.best_reduction(3, 64) == "chain"
+
+
+def test_gemv_cost_by_hand() -> None:
+    small = GemvTiling(4, 4, 2, 2)  # tile 2x2, chain over 2 rows
+    c = cost.gemv_cost(small, "wse2", "fp16")
+    assert c.phases == {
+        "input multicast": 1 + 7,
+        "tile FMAC": 2,
+        "chain reduction": 9 + 2,
+        "bias + epilogue": 2,
+    }
+    assert c.cycles == 23
+    assert cost.gemv_cost(small, "wse2", "fp32").cycles == 23 - 2 + 4  # 2 inputs x 2 outputs, 1 per cycle
+    wide = GemvTiling(64, 64, 4, 1)  # tile 16x64
+    assert cost.gemv_cost(wide, "wse2", "fp16").cycles == 7 + 16 * 16 + (3 * 9 + 64) + 64
+    assert cost.gemv_cost(wide, "wse3", "fp16").cycles == 7 + 16 * 8 + (3 * 9 + 64) + 64
+    scattered = GemvTiling(64, 64, 4, 1, reduction="tree", scatter=2)
+    c = cost.gemv_cost(scattered, "wse2", "fp16", epilogue_cycles_per_output=cost.GELU_CYCLES)
+    assert c.phases["tree reduction (scatter 2)"] == (1 + 7 + 64) + (2 + 7 + 32)
+    assert c.phases["bias + epilogue"] == 32 * (1 + cost.GELU_CYCLES)
+    assert c.phases["gather pieces"] == 2 + 7 + 64
+
+
+def test_norm_cost_by_hand() -> None:
+    tree = cost.norm_cost(NormTiling(16, 4, reduction="tree"))
+    assert tree.cycles == (7 + 4) + 4 + 19 + 8 + 19 + 10 + 16
+    chain = cost.norm_cost(NormTiling(16, 4, reduction="chain"))
+    assert chain.cycles == (7 + 4) + 4 + 39 + 8 + 39 + 10 + 16
+
+
+def test_attention_cost_by_hand() -> None:
+    t = AttentionTiling(
+        n_head=2, head_dim=8, slots=1, context=8, head_groups=2, chain=4, fold=1, reduction="chain"
+    )
+    # 4 PEs x 2 positions; per position 2 * ceil(8 / 4) FMAC cycles + one exp.
+    c = cost.attention_cost(t, "wse2", "fp16")
+    assert c.phases["q multicast"] == 3 + 7 + 8
+    assert c.phases["k/v to the owner (not hidden)"] == 0  # 16 words arrive while it works on 1 position (24)
+    assert (c.phases["scores q.k"], c.phases["exp"], c.phases["weighted V"]) == (2 * 2 + 20, 2 * 20, 2 * 2)
+    assert c.phases["LSE chain merge"] == 3 * (1 + 7 + 20 + 20) + (8 + 2)
+    assert (c.phases["normalise"], c.phases["to the O rows"]) == (10 + 8, 3 + 7 + 8)
+    assert c.cycles == 276
+    tree = AttentionTiling(**{**vars(t), "reduction": "tree", "scatter": 2})
+    c = cost.attention_cost(tree, "wse2", "fp16")
+    assert c.phases["LSE tree merge"] == (1 + 7 + 40 + 2 + 8) + (2 + 7 + 40 + 2 + 4)
+    assert c.phases["normalise"] == 10 + 4
+    assert c.cycles == 231
+    # The first token: only the owner works, and it waits for its k and v.
+    first = cost.attention_cost(t, "wse2", "fp16", positions=1)
+    assert first.phases["k/v to the owner (not hidden)"] == 16 and first.phases["LSE chain merge"] == 0
+    assert first.cycles == 18 + 16 + 22 + 20 + 2 + 0 + 18 + 18
+
+
+def test_head_cost_by_hand() -> None:
+    head = HeadTiling(vocab=8, dim=4, gemv=GemvTiling(4, 8, 2, 2, "k_along_x"), top_k=2, merge="chain")
+    c = cost.head_cost(head, "wse2", "fp16")
+    merge_step = 1 + 7 + 20 + (2 * 2 + 2) + 20 + 2 * 2
+    assert c.phases == {
+        "input multicast": 8,
+        "tile FMAC": 2,
+        "chain reduction": 9 + 4,
+        "local max + exp-sum": 4 * 21,
+        "local top-k": 4 * 2 + 2 * 1 * 2,
+        "top-k/LSE chain merge": merge_step,
+    }
+    assert c.cycles == 177
+
+
+def test_best_choices_are_the_cheapest() -> None:
+    t = GemvTiling(768, 3072, 32, 96, "k_along_x")
+    best = cost.best_gemv_reduction(t, ARCHS["wse2"], "fp16", cost.GELU_CYCLES)
+    chain = GemvTiling(**{**vars(t), "reduction": "chain"})
+    assert (
+        cost.gemv_cost(best, "wse2", "fp16", cost.GELU_CYCLES).cycles
+        <= cost.gemv_cost(chain, "wse2", "fp16", cost.GELU_CYCLES).cycles
+    )
+    assert best.reduction == "tree" and best.scatter > 1  # GELU on fewer values per PE pays for the gather
+
+
+def test_standalone_gemv() -> None:
+    c = cost.standalone_gemv_cost("wse2", 2, 2, 4, 4, "fp16")
+    # tree (10) beats chain (11) for a 2-long reduction of 2 words; injection = 7 + tile_k.
+    assert c.name == "tree reduction"
+    assert c.phases == {
+        "input injection": 9,
+        "input multicast": 8,
+        "tile FMAC": 2,
+        "tree reduction": 10,
+        "bias + epilogue": 2,
+    }
+    assert c.cycles == 31

@@ -1,0 +1,141 @@
+"""The host program: weights land where the layout says, the CLI drives the simulator, the bench runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.cli import main
+from wafer.backends import ExecutorOptions, build_executor
+from wafer.runtime import MemcpyDataType, from_wire
+from wafer.tiling import ceil_div
+
+
+@pytest.fixture(scope="module")
+def sim16(small_params):
+    sim = build_executor("sim", small_params, ExecutorOptions(slots=2, dtype="fp16", context=32))
+    yield sim
+    sim.close()
+
+
+def read_pe(sim, region, symbol: str) -> np.ndarray:
+    """One symbol of every PE of a region, read back with memcpy_d2h: (h, w, elems) values."""
+    spec = region.symbols[symbol]
+    bits = MemcpyDataType.MEMCPY_16BIT if spec.dtype == "f16" else MemcpyDataType.MEMCPY_32BIT
+    words = np.zeros(region.w * region.h * spec.elems, dtype=np.uint32)
+    sim.runtime.memcpy_d2h(
+        words, sim.runtime.get_id(symbol), region.x, region.y, region.w, region.h, spec.elems, data_type=bits
+    )
+    return from_wire(words, np.float16 if spec.dtype == "f16" else np.float32).reshape(
+        region.h, region.w, spec.elems
+    )
+
+
+def pe_at(region, **indices: int) -> tuple[int, int]:
+    """(y, x) inside the region of the PE with these tiling indices, from the region's `axes`
+    ("+x": counted from the west edge, "-x": from the east edge; y likewise)."""
+    where = {"y": 0, "x": 0}  # a strip has only one index
+    for name, index in indices.items():
+        sign, axis = region.axes[name]
+        extent = region.w if axis == "x" else region.h
+        where[axis] = index if sign == "+" else extent - 1 - index
+    return where["y"], where["x"]
+
+
+def test_upload_puts_each_tile_on_its_pe(sim16, small_params):
+    """Check a few PEs against the layout's definition, computed here from the tensors directly."""
+    plan = sim16.plan
+    # qkv: PE (r, c) holds rows r*tk.. of columns c*st.. of each of q, k and v.
+    qkv = plan.region("L1.qkv")
+    t = qkv.tiling
+    memory = read_pe(sim16, qkv, "w")
+    c_dim = small_params.config.n_embd
+    for r, c in ((0, 0), (t.rows - 1, t.cols - 1), (1, 2)):
+        tile = memory[pe_at(qkv, k=r, n=c)].reshape(t.tile_k, t.tile_n)
+        st = t.segment_tile
+        for s in range(3):
+            want = small_params.layers[1].attn_w[
+                r * t.tile_k : (r + 1) * t.tile_k, s * c_dim + c * st : s * c_dim + (c + 1) * st
+            ]
+            np.testing.assert_array_equal(
+                tile[: want.shape[0], s * st : s * st + want.shape[1]], want.astype(np.float16)
+            )
+    # proj: PE (0, 1) holds the first tile_k rows of the second tile_n columns.
+    proj = plan.region("L1.proj")
+    t = proj.tiling
+    memory = read_pe(sim16, proj, "w")
+    tile = memory[pe_at(proj, k=0, n=1)].reshape(t.tile_k, t.tile_n)
+    np.testing.assert_array_equal(
+        tile, small_params.layers[1].proj_w[: t.tile_k, t.tile_n : 2 * t.tile_n].astype(np.float16)
+    )
+    # ln_f: PE i holds chunk i of the gain (fp32 in every mode).
+    ln_f = plan.region("ln_f")
+    gain = read_pe(sim16, ln_f, "gain")
+    chunk = ln_f.tiling.chunk
+    np.testing.assert_array_equal(gain[pe_at(ln_f, i=1)][:chunk], small_params.ln_f_g[chunk : 2 * chunk])
+    # wpe: PE (x = i, y = j) holds positions j*ppp.. of dims i*tk.., row-major.
+    embed = plan.region("embed")
+    tk = ceil_div(c_dim, embed.w)
+    ppp = embed.symbols["wpe"].elems // tk
+    wpe = read_pe(sim16, embed, "wpe")
+    tile = wpe[pe_at(embed, position=0, k=2)].reshape(ppp, tk)
+    np.testing.assert_array_equal(tile[:3], small_params.wpe[:3, 2 * tk : 3 * tk].astype(np.float16))
+
+
+def test_upload_refuses_a_checkpoint_of_another_shape(sim16, gpt2_params):
+    with pytest.raises(ValueError, match="does not match the plan"):
+        sim16.upload(gpt2_params)
+
+
+def test_generate_on_the_simulator_matches_the_reference(small_params, tmp_path, capsys):
+    from weights.hf_format import save_hf
+
+    checkpoint = save_hf(small_params, tmp_path / "small", dtype="float32")
+    outputs = {}
+    for backend in ("reference", "sim"):
+        argv = [
+            "generate",
+            "The wafer",
+            "--weights",
+            str(checkpoint),
+            "--backend",
+            backend,
+            "--dtype",
+            "fp32",
+            "--greedy",
+            "--max-new-tokens",
+            "10",
+            "--ignore-eos",
+        ]
+        assert main(argv) == 0
+        captured = capsys.readouterr()
+        outputs[backend] = captured.out
+        assert f"measured on backend {backend}" in captured.err
+    assert outputs["sim"] == outputs["reference"] and outputs["sim"].strip()
+
+
+@pytest.mark.slow  # builds GPT-2 124M twice (simulator and transformers): about 20 s
+def test_bench_command_reports_both_rates(capsys):
+    code = main(
+        [
+            "bench",
+            "sim",
+            "--model",
+            "gpt2",
+            "--batch",
+            "1,2",
+            "--new-tokens",
+            "2",
+            "--prompt-tokens",
+            "2",
+            "--reps",
+            "1",
+            "--dtype",
+            "fp32",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "transformers   batch  1:" in out and "simulator      batch  2:" in out
+    assert "greedy tokens of simulator and transformers: identical" in out
+    assert out.strip().splitlines()[-1].startswith("bench sim summary: transformers batch 1")

@@ -1,0 +1,188 @@
+"""The planner's limits hold for every GPT-2 size on both wafers, and the plan hangs together:
+regions inside the kernel and disjoint, per-PE memory and colors within the architecture's limits,
+every hand-off between touching regions (or over a route) with matching index orders, and the
+modeled targets of the issue reached."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from wafer.arch import ARCHS
+from wafer.plan import Plan, Region, build_plan, exit_dirs
+from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
+from weights.config import PRESETS, GPT2Config
+
+LAYER_OPS = ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
+_plans: dict[tuple, Plan] = {}
+
+
+def plan_for(model: str, arch: str, **kwargs) -> Plan:
+    key = (model, arch, tuple(sorted(kwargs.items())))
+    if key not in _plans:
+        _plans[key] = build_plan(PRESETS[model], arch, **kwargs)
+    return _plans[key]
+
+
+def touching(a: Region, b: Region) -> str | None:
+    """The side of a on which b lies when they share a border segment, else None."""
+    overlap_y = min(a.y + a.h, b.y + b.h) - max(a.y, b.y)
+    overlap_x = min(a.x + a.w, b.x + b.w) - max(a.x, b.x)
+    if overlap_y > 0 and b.x == a.x + a.w:
+        return "east"
+    if overlap_y > 0 and a.x == b.x + b.w:
+        return "west"
+    if overlap_x > 0 and b.y == a.y + a.h:
+        return "south"
+    if overlap_x > 0 and a.y == b.y + b.h:
+        return "north"
+    return None
+
+
+def check_plan(plan: Plan) -> None:
+    arch, config = plan.arch, plan.config
+    # Inside the kernel, no overlaps (an occupancy grid counts every PE once).
+    grid = np.zeros((arch.kernel_h, arch.kernel_w), dtype=np.int32)
+    for r in plan.regions:
+        assert r.x >= 0 and r.y >= 0 and r.x + r.w <= arch.kernel_w and r.y + r.h <= arch.kernel_h, r.name
+        grid[r.y : r.y + r.h, r.x : r.x + r.w] += 1
+    assert grid.max() == 1, "regions overlap"
+    assert plan.pes_used == int(grid.sum())
+    # Memory and colors.
+    assert arch.sram_reserve_bytes == 8 * 1024 and arch.data_bytes_per_pe == 40 * 1024
+    for r in plan.regions:
+        assert 0 < r.max_pe_bytes <= arch.data_bytes_per_pe, (r.name, r.max_pe_bytes)
+        assert 0 < r.colors <= arch.usable_colors == 21, (r.name, r.colors)
+    assert plan.max_pe_bytes <= arch.data_bytes_per_pe and plan.colors_used <= arch.usable_colors
+
+    for replica in range(plan.replicas):
+        by = {r.name: r for r in plan.regions if r.replica == replica}
+        routes = {rt.name: rt for rt in plan.routes if rt.replica == replica}
+        assert {"io.in", "io.out", "embed", "head", "ln_f"} <= set(by)
+        assert {"embed.out", "final", "scores"} <= set(routes)
+        for rt in routes.values():
+            assert rt.src in by and rt.dst in by and rt.hops >= 1
+        for layer in range(config.n_layer):
+            ops = {op: by[f"L{layer}.{op}"] for op in LAYER_OPS}
+            chain = list(ops.values())
+            # Each operation hands off to a region that touches it.
+            for a, b in zip(chain, chain[1:], strict=False):
+                if a.name.endswith("ln_1"):
+                    continue  # ln_1 feeds qkv from below/above: checked with the orientation below
+                assert touching(a, b) is not None, (a.name, b.name)
+            assert touching(ops["ln_1"], ops["qkv"]) in ("north", "south")
+            check_orders(ops)
+            # The next layer sits next to this one (or the band turn route connects them).
+            if layer + 1 < config.n_layer:
+                nxt = by[f"L{layer + 1}.ln_1"]
+                if touching(ops["res_2"], nxt) is None:
+                    assert f"turn.{layer}" in routes, f"no hand-off from L{layer} to L{layer + 1}"
+                assert ops["res_2"].axes["i"] == nxt.axes["i"], "stream order changes between layers"
+        last = by[f"L{config.n_layer - 1}.res_2"]
+        assert last.axes["i"] == by["ln_f"].axes["i"] == by["head"].axes["k"]
+
+
+def check_orders(ops: dict[str, Region]) -> None:
+    """Producer output order == consumer input order, and each reduction ends at the exit edge."""
+    qkv, attn, o, fc, proj = ops["qkv"], ops["attn"], ops["attn_proj"], ops["fc"], ops["proj"]
+    assert ops["ln_1"].axes["i"] == qkv.axes["k"]
+    assert qkv.axes["n"] == attn.axes["head_group"] == o.axes["k"]
+    assert o.axes["n"] == ops["res_1"].axes["i"] == ops["ln_2"].axes["i"] == fc.axes["k"]
+    assert fc.axes["n"] == proj.axes["k"]
+    assert proj.axes["n"] == ops["res_2"].axes["i"]
+    for gemv, nxt in ((qkv, attn), (o, ops["res_1"]), (fc, proj), (proj, ops["res_2"])):
+        t: GemvTiling = gemv.tiling
+        assert gemv.axes["k"] == exit_dirs(t.reduction, touching(gemv, nxt)), gemv.name
+        # The grid on the fabric is the tiling's grid.
+        along_x = gemv.axes["k"][1] == "x"
+        assert (gemv.w, gemv.h) == ((t.rows, t.cols) if along_x else (t.cols, t.rows)), gemv.name
+        assert t.orientation == ("k_along_x" if along_x else "k_along_y")
+    a: AttentionTiling = attn.tiling
+    assert (attn.w, attn.h) == a.grid_wh
+
+
+def check_tilings(plan: Plan) -> None:
+    c = plan.config.n_embd
+    for lp in plan.layers:
+        assert (lp.qkv.k, lp.qkv.n, lp.qkv.n_split) == (c, 3 * c, 3)
+        assert (lp.attn_proj.k, lp.attn_proj.n) == (c, c) and (lp.fc.k, lp.fc.n) == (c, 4 * c)
+        assert (lp.proj.k, lp.proj.n) == (4 * c, c)
+        r = lp.ln_1.pes
+        assert lp.qkv.rows == lp.attn_proj.cols == lp.fc.rows == lp.proj.cols == r
+        # q, k and v of one head group leave qkv on the rows of that group in the attention region.
+        rows = lp.attn.head_groups * lp.attn.fold
+        assert lp.qkv.cols == lp.attn_proj.rows == rows
+        assert lp.qkv.segment_tile * rows == c and lp.attn_proj.tile_k * rows == c
+        assert lp.fc.cols == lp.proj.rows and lp.fc.tile_n == lp.proj.tile_k
+        assert lp.attn.chain * lp.attn.positions_per_pe >= plan.context
+        assert lp.attn.slots == plan.slots
+    h: HeadTiling = plan.head
+    assert (h.gemv.k, h.gemv.n, h.top_k) == (c, plan.config.vocab_size, plan.top_k)
+    assert isinstance(plan.ln_f, NormTiling) and plan.ln_f.dim == c
+
+
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+@pytest.mark.parametrize("model", list(PRESETS))
+def test_every_size_fits_with_16_slots_of_1024(model: str, arch: str) -> None:
+    plan = plan_for(model, arch)
+    assert (plan.slots, plan.context, plan.dtype) == (16, 1024, "fp16")
+    check_plan(plan)
+    check_tilings(plan)
+    assert plan.imbalance >= 1.0
+    summary = plan.to_json()["summary"]
+    assert summary["pes_used"] == plan.pes_used and summary["replicas"] == 1
+
+
+def test_gpt2_small_latency_target_on_wse2() -> None:
+    """The issue's target: 124M, batch 1, WSE-2, fp16, modeled <= 50 us per token at 1.1 GHz, with the
+    whole critical path (injection, every layer, LM head, top-k, return) at full context."""
+    plan = plan_for("gpt2", "wse2")
+    m = plan.modeled()
+    assert m["decode_latency_us"] <= 50.0
+    assert m["tokens_per_s_single_stream"] >= 20_000
+    names = [s.name for s in plan.stage_costs]
+    assert names[0] == "io.in" and names[1] == "embed" and names[-2:] == ["head", "io.out"]
+    assert all(f"L{i}.{op}" in names for i in range(12) for op in LAYER_OPS)
+    assert plan.decode_cycles == sum(s.cycles for s in plan.stage_costs)
+
+
+def test_fp32_and_throughput_replicas() -> None:
+    fp32 = build_plan(PRESETS["gpt2"], "wse2", "fp32", slots=8)
+    check_plan(fp32)
+    assert fp32.max_pe_bytes <= fp32.arch.data_bytes_per_pe
+    wide = build_plan(PRESETS["gpt2"], "wse2", slots=4, context=256, objective="throughput", replicas="auto")
+    check_plan(wide)
+    assert wide.replicas >= 2
+    one = build_plan(PRESETS["gpt2"], "wse2", slots=4, context=256, objective="throughput", replicas=1)
+    assert wide.modeled()["tokens_per_s_total"] > one.modeled()["tokens_per_s_total"]
+    fixed = build_plan(PRESETS["gpt2"], "wse2", slots=4, context=256, objective="throughput", replicas=3)
+    assert fixed.replicas == 3
+    assert {r.replica for r in fixed.regions} == {0, 1, 2}
+    assert len(fixed.io) == 3 and all(i.kind == o.kind == "io" for i, o in fixed.io)
+
+
+def test_custom_small_config_and_regions_of() -> None:
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=128, name="small")
+    plan = build_plan(config, slots=4)
+    check_plan(plan)
+    check_tilings(plan)
+    assert [r.name for r in plan.regions_of(layer=1)] == [
+        f"L1.{op}" for op in ("qkv", "attn", "attn_proj", "ln_1", "res_1", "ln_2", "fc", "proj", "res_2")
+    ]
+    assert [r.name for r in plan.regions_of(kind="embed_head")] == ["head"]
+    assert plan.io_ports() == (plan.region("io.in"), plan.region("io.out"))
+    for region in plan.regions:
+        assert region.symbols["cycles"].nbytes == 16
+    attn = plan.regions_of(layer=0, kind="attention")[0]
+    t = attn.tiling
+    assert attn.symbols["k_cache"].elems == t.slots * t.positions_per_pe * t.heads_per_pe * t.head_dim
+    assert attn.symbols["k_cache"].dtype == "f16"
+
+
+@pytest.mark.parametrize("model", ["gpt2", "gpt2-xl"])
+def test_planning_is_fast(model: str) -> None:
+    start = time.perf_counter()
+    build_plan(PRESETS[model], ARCHS["wse3"])
+    assert time.perf_counter() - start < 5.0

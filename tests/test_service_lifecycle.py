@@ -1,0 +1,253 @@
+"""The server's life: loading, worker failure and recovery, timeouts, graceful shutdown, `serve`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from service_harness import SlowExecutor, executor_factory, running_server, sse_events, wait_until
+
+from service.cli import main
+from service.engine import EngineState
+from service.settings import ServerSettings
+
+PROMPT = "Once upon a time"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def slow_factory(params, delay_s: float, slots: int = 2, build_delays=()):
+    """Executors whose steps take `delay_s`; the i-th build first sleeps build_delays[i] (if given)."""
+    builds = []
+
+    def build():
+        if len(builds) < len(build_delays):
+            time.sleep(build_delays[len(builds)])
+        builds.append(1)
+        return SlowExecutor(executor_factory("reference", params, slots=slots)(), delay_s)
+
+    build.builds = builds
+    return build
+
+
+def test_health_is_503_while_the_model_uploads(small_params):
+    settings = ServerSettings(backend="reference", max_concurrent_requests=2)
+    factory = slow_factory(small_params, 0.0, build_delays=(0.6,))
+    with running_server(settings, factory, wait_ready=False) as running, running.client() as c:
+        health = c.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {"error": "unhealthy", "error_type": "healthcheck", "state": "loading"}
+        refused = c.post("/generate", json={"inputs": PROMPT})
+        assert refused.status_code == 503 and "still being uploaded" in refused.json()["error"]
+        assert running.engine.wait_ready(10)
+        assert c.get("/health").status_code == 200
+        assert (
+            c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).status_code
+            == 200
+        )
+        assert len(factory.builds) == 1  # uploaded once, not per request
+
+
+def test_a_failed_step_fails_the_requests_in_flight_then_the_worker_recovers(small_params):
+    settings = ServerSettings(backend="reference", max_concurrent_requests=2)
+    factory = slow_factory(small_params, 0.01, build_delays=(0.0, 0.5))  # the reload takes 0.5 s
+    with running_server(settings, factory) as running, running.client() as c:
+        result = {}
+
+        def non_streaming():
+            body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 100}}
+            result["response"] = httpx.post(running.url + "/generate", json=body, timeout=30)
+
+        other = threading.Thread(target=non_streaming)
+        other.start()
+        wait_until(lambda: running.engine.queue_sizes() == (0, 1))  # it runs before the fault comes
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 100}}
+        with c.stream("POST", "/generate_stream", json=body) as response:
+            events = []
+            for event in sse_events(response):
+                events.append(event)
+                if len(events) == 3:
+                    running.engine.inject_fault("simulated fabric error")
+        other.join(30)
+        assert "error" in events[-1] and events[-1]["error_type"] == "generation"
+        assert "simulated fabric error" in events[-1]["error"]
+        failed = result["response"]
+        assert failed.status_code == 424 and failed.json()["error_type"] == "generation"
+
+        health = c.get("/health")  # the reload takes 0.5 s
+        assert health.status_code == 503 and health.json()["state"] == "reloading"
+        assert running.engine.wait_ready(10)
+        assert c.get("/health").status_code == 200
+        ok = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}})
+        assert ok.status_code == 200
+        assert len(factory.builds) == 2
+        metrics = c.get("/metrics").text
+        assert "wafer_engine_restarts_total 1" in metrics
+        assert 'tgi_request_failure{err="generation"} 2' in metrics
+        running.wait_idle()
+
+
+def test_an_engine_that_cannot_reload_reports_itself_dead(small_params):
+    settings = ServerSettings(backend="reference", max_concurrent_requests=1)
+    with (
+        running_server(settings, executor_factory("reference", small_params, slots=1)) as running,
+        running.client() as c,
+    ):
+        running.engine.inject_fault("wafer lost", steps=1, reloads=3)
+        failed = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 5}})
+        assert failed.status_code == 424
+        wait_until(lambda: running.engine.state is EngineState.FAILED)
+        health = c.get("/health")
+        assert health.status_code == 503 and "wafer lost" in health.json()["reason"]
+        refused = c.post("/generate", json={"inputs": PROMPT})
+        assert refused.status_code == 503 and "cannot serve" in refused.json()["error"]
+        assert running.fatal and "wafer lost" in running.fatal[0]
+
+
+def test_a_failed_first_upload_is_fatal(small_params):
+    def broken():
+        raise ValueError("the plan needs 900 x 900 PEs; the fabric has 757 x 996")
+
+    settings = ServerSettings(backend="reference")
+    with running_server(settings, broken, wait_ready=False) as running, running.client() as c:
+        wait_until(lambda: running.engine.state is EngineState.FAILED)
+        assert running.fatal == ["ValueError: the plan needs 900 x 900 PEs; the fabric has 757 x 996"]
+        assert c.get("/health").status_code == 503
+
+
+def test_a_request_past_its_timeout_fails_and_frees_its_slot(small_params):
+    settings = ServerSettings(backend="reference", max_concurrent_requests=1, request_timeout_s=0.3)
+    with (
+        running_server(settings, slow_factory(small_params, 0.02, slots=1)) as running,
+        running.client() as c,
+    ):
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 100}}
+        late = c.post("/generate", json=body)
+        assert late.status_code == 504 and late.json()["error_type"] == "timeout"
+        assert "within 0.3 s" in late.json()["error"]
+        with c.stream(
+            "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 100, "stream": True}
+        ) as response:
+            events = list(sse_events(response))
+        assert events[-2]["error"]["type"] == "timeout_error" and events[-1] == "[DONE]"
+        running.wait_idle()
+
+
+def test_graceful_shutdown_finishes_running_requests_and_refuses_new_ones(small_params):
+    settings = ServerSettings(backend="reference", max_concurrent_requests=2, shutdown_timeout_s=20)
+    with running_server(settings, slow_factory(small_params, 0.02)) as running, running.client() as c:
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 30, "details": True}}
+        with c.stream("POST", "/generate_stream", json=body) as response:
+            events = []
+            for event in sse_events(response):
+                events.append(event)
+                if len(events) == 1:
+                    running.server.begin_graceful_shutdown()
+                    refused = httpx.post(running.url + "/generate", json=body, timeout=10)
+                    assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
+                    assert "shutting down" in refused.json()["error"]
+                    refused = httpx.post(running.url + "/v1/completions", json={"prompt": PROMPT}, timeout=10)
+                    assert refused.status_code == 503
+                    assert httpx.get(running.url + "/health", timeout=10).status_code == 503
+        assert len(events) == 30 and events[-1]["details"]["finish_reason"] == "length"
+        running.thread.join(10)
+        assert not running.thread.is_alive()  # the server exited by itself once drained
+
+
+def test_shutdown_timeout_ends_what_is_still_running(small_params):
+    settings = ServerSettings(backend="reference", max_concurrent_requests=2, shutdown_timeout_s=0.3)
+    with running_server(settings, slow_factory(small_params, 0.02)) as running, running.client() as c:
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 120}}
+        with c.stream("POST", "/generate_stream", json=body) as response:
+            events = []
+            for event in sse_events(response):
+                events.append(event)
+                if len(events) == 1:
+                    running.server.begin_graceful_shutdown()
+        assert events[-1]["error_type"] == "unavailable"
+        assert "shut down before this request finished" in events[-1]["error"]
+        running.thread.join(10)
+        assert not running.thread.is_alive()
+
+
+# ----- the `serve` command -------------------------------------------------------------------------
+
+
+def test_serve_refuses_a_bad_checkpoint_with_one_line(tmp_path, capsys):
+    assert main(["serve", "--weights", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "missing: no such file or directory" in err
+
+    corrupt = tmp_path / "model.bin"
+    corrupt.write_bytes(b"\x00" * 64)
+    assert main(["serve", "--weights", str(corrupt)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "bad magic" in err
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_command_serves_and_exits_cleanly_on_sigterm(small_params, write_checkpoint):
+    checkpoint = write_checkpoint(small_params, "safetensors")
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--weights",
+        str(checkpoint),
+        "--backend",
+        "reference",
+    ]
+    command += ["--port", str(port), "--max-concurrent", "2", "--model", "tiny", "--log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            assert process.poll() is None, process.communicate()[1]
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(healthy, timeout=60)
+        info = httpx.get(url + "/info").json()
+        assert info["model_id"] == "tiny" and info["kv_slots"] == 2
+        assert info["model_config_summary"]["n_layer"] == small_params.config.n_layer
+        response = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
+        assert response.status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-concurrent", "0"], "--max-concurrent must be at least 1, got 0"),
+        (["--context", "4096"], "--context 4096 exceeds the model's n_positions"),
+    ],
+)
+def test_serve_rejects_bad_options(small_params, write_checkpoint, capsys, flags, message):
+    checkpoint = write_checkpoint(small_params, "safetensors")
+    assert main(["serve", "--weights", str(checkpoint), *flags]) == 2
+    assert message in capsys.readouterr().err

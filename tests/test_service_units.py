@@ -1,0 +1,239 @@
+"""The service's parts on their own: detokenizer, KV slots, scheduler, metrics, request checks."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from service.detokenizer import IncrementalDetokenizer
+from service.errors import Overloaded, RequestValidationFailed
+from service.kv_slots import KVSlotManager, SlotError
+from service.metrics import ServiceMetrics
+from service.sampling import Sampler, SamplingParams
+from service.scheduler import Scheduler
+from service.sequence import GenerationRequest, Sequence
+from service.validation import OPENAI_FIELDS, TGI_FIELDS, Limits, check_request
+from weights import tokenizer
+
+# ----- detokenizer ---------------------------------------------------------------------------------
+
+
+def stream(text: str, stops=()) -> tuple[list[str], IncrementalDetokenizer]:
+    detok = IncrementalDetokenizer(tokenizer.token_bytes, stops)
+    released = []
+    for token in tokenizer.encode(text):
+        piece = detok.add(token)
+        released.append(piece.released)
+        if piece.stop_sequence:
+            return released, detok
+    released.append(detok.flush())
+    return released, detok
+
+
+def test_multibyte_character_split_across_tokens_is_held_until_complete():
+    # "🙂" is two tokens, b"\xf0\x9f" and b"\x99\x82": nothing may be released after the first.
+    released, detok = stream("🙂 ok")
+    assert released == ["", "🙂", " ok", ""]
+    assert detok.text == "🙂 ok"
+    chinese, _ = stream("你好世界")  # eight tokens, each character split in two
+    assert all("\ufffd" not in piece for piece in chinese)
+    assert "".join(chinese) == "你好世界"
+
+
+def test_unfinished_character_at_the_end_is_dropped_not_sent_broken():
+    detok = IncrementalDetokenizer(tokenizer.token_bytes)
+    assert detok.add(tokenizer.encode("🙂")[0]).released == ""
+    assert detok.flush() == ""
+    assert detok.text == ""
+
+
+def test_stop_sequence_ending_inside_a_token_is_cut_and_never_released():
+    # " END" is one token; the stop "EN" ends inside it.
+    released, detok = stream("the END of it", stops=["EN"])
+    assert "".join(released) == "the "
+    assert detok.text == "the "
+    assert detok.stop_sequence == "EN"
+
+
+def test_stop_sequence_spanning_tokens_is_held_back_then_dropped():
+    released, detok = stream(" hello\n\nworld", stops=["\n\n"])
+    assert released == [" hello", "", ""]  # the first "\n" is held: it may begin the stop
+    assert detok.text == " hello"
+
+
+def test_text_that_only_looks_like_a_stop_prefix_is_released_later():
+    released, detok = stream("the END of it", stops=["END!"])
+    assert released[1] == " "  # " END" could begin "END!": "END" is held
+    assert "".join(released) == "the END of it"
+    assert detok.stop_sequence is None
+
+
+def test_earliest_stop_wins():
+    _, detok = stream("the END of it", stops=["of", "END"])
+    assert detok.text == "the " and detok.stop_sequence == "END"
+
+
+# ----- KV slots ------------------------------------------------------------------------------------
+
+
+def test_slots_allocate_free_and_report_usage():
+    slots = KVSlotManager(num_slots=2, context_length=100)
+    a = slots.allocate("a", 30)
+    b = slots.allocate("b", 50)
+    assert {a, b} == {0, 1}
+    assert slots.allocate("c", 10) is None
+    usage = slots.usage()
+    assert (usage.slots_used, usage.tokens_reserved, usage.tokens_capacity, usage.fraction) == (
+        2,
+        80,
+        200,
+        1.0,
+    )
+    slots.free(a)
+    assert slots.usage().slots_used == 1
+    with pytest.raises(SlotError, match="slot 0 is not held"):
+        slots.free(a)
+    with pytest.raises(SlotError, match="needs 101 positions; a slot holds 100"):
+        slots.allocate("d", 101)
+    assert slots.free_all() == [b]
+    assert slots.usage().slots_used == 0
+
+
+# ----- scheduler -----------------------------------------------------------------------------------
+
+
+LOOP = asyncio.new_event_loop()  # a Sequence's events go to a loop; none runs in these tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def close_loop():
+    yield
+    LOOP.close()
+
+
+def make_sequence(prompt_len: int, max_new: int = 4, prompt_logprobs: bool = False) -> Sequence:
+    request = GenerationRequest(
+        prompt_ids=tuple(range(100, 100 + prompt_len)),
+        max_new_tokens=max_new,
+        prompt_logprobs=prompt_logprobs,
+    )
+    return Sequence(
+        request=request,
+        detokenizer=IncrementalDetokenizer(tokenizer.token_bytes),
+        sampler=Sampler(SamplingParams()),
+        loop=LOOP,
+    )
+
+
+def test_step_carries_decodes_first_and_chunks_prefill_to_the_budget():
+    scheduler = Scheduler(KVSlotManager(3, 64), max_queue=1, step_token_budget=8)
+    running = make_sequence(3)
+    scheduler.add(running)
+    scheduler.admit()
+    running.computed, running.pending_token = 3, 7  # prefilled, with a sampled token to feed
+
+    long_prompt = make_sequence(20, prompt_logprobs=True)
+    scheduler.add(long_prompt)
+    assert scheduler.admit() == [long_prompt]
+    plan = scheduler.build_step()
+
+    assert plan.items[0].slot == running.slot and plan.items[0].position == 3 and plan.items[0].token == 7
+    prefill = plan.items[1:]
+    assert len(prefill) == 7  # the budget of 8 minus the decode
+    assert [item.position for item in prefill] == list(range(7))
+    assert all(item.target == long_prompt.prompt[item.position + 1] for item in prefill)
+    assert plan.owners == [running] + [long_prompt] * 7
+
+
+def test_only_the_last_prompt_token_wants_scores_without_prompt_logprobs():
+    scheduler = Scheduler(KVSlotManager(1, 64), max_queue=0, step_token_budget=64)
+    sequence = make_sequence(5)
+    scheduler.add(sequence)
+    scheduler.admit()
+    plan = scheduler.build_step()
+    assert [item.want_scores for item in plan.items] == [False] * 4 + [True]
+    assert all(item.target is None for item in plan.items)
+
+
+def test_queue_is_bounded_and_refuses_at_once():
+    scheduler = Scheduler(KVSlotManager(1, 64), max_queue=1, step_token_budget=8)
+    scheduler.add(make_sequence(2))
+    scheduler.add(make_sequence(2))
+    with pytest.raises(Overloaded, match="queue limit 1"):
+        scheduler.add(make_sequence(2))
+
+
+def test_remove_releases_the_slot_in_every_state():
+    scheduler = Scheduler(KVSlotManager(1, 64), max_queue=2, step_token_budget=8)
+    first, second = make_sequence(2), make_sequence(2)
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.admit()
+    assert scheduler.remove(second) is None  # still waiting: no slot
+    assert scheduler.remove(first) == 0
+    assert scheduler.slots.usage().slots_used == 0 and not scheduler.has_work()
+
+
+# ----- request checks ------------------------------------------------------------------------------
+
+LIMITS = Limits(
+    context_length=64,
+    max_input_tokens=63,
+    max_new_tokens=63,
+    max_stop_sequences=4,
+    max_stop_length=20,
+    top_k=16,
+    max_top_n_tokens=5,
+    vocab_size=50257,
+)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"prompt_ids": ()}, "`inputs` must contain at least one token"),
+        ({"prompt_ids": (1,) * 64}, "`inputs` must have at most 63 tokens, given 64"),
+        ({"max_new_tokens": 64}, "`max_new_tokens` must be between 1 and 63, given 64"),
+        ({"prompt_ids": (1,) * 40, "max_new_tokens": 30}, "`inputs` tokens + `max_new_tokens` must be <= 64"),
+        ({"stop_sequences": ("a", "b", "c", "d", "e")}, "at most 4 stop sequences, given 5"),
+        ({"sampling": SamplingParams(top_k=17)}, "`top_k` must be <= 16"),
+        ({"top_n_tokens": 6}, "`top_n_tokens` must be <= 5, given 6"),
+        ({"prompt_ids": (50257,)}, "token id 50257 is outside 0..50256"),
+    ],
+)
+def test_check_request_names_the_limit(changes, message):
+    request = GenerationRequest(**{"prompt_ids": (1, 2), "max_new_tokens": 4, **changes})
+    with pytest.raises(RequestValidationFailed, match=re.escape(message)):
+        check_request(request, LIMITS, TGI_FIELDS)
+
+
+def test_openai_field_names_in_messages():
+    request = GenerationRequest(prompt_ids=(1,) * 60, max_new_tokens=10)
+    with pytest.raises(
+        RequestValidationFailed, match=re.escape("`prompt` tokens + `max_tokens` must be <= 64")
+    ):
+        check_request(request, LIMITS, OPENAI_FIELDS)
+
+
+# ----- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_exposition_format():
+    metrics = ServiceMetrics("gpt2")
+    metrics.record_arrival(12)
+    metrics.record_token(0.02, first=True)
+    metrics.record_success("length", queue_s=0.01, inference_s=0.2, generated_tokens=4)
+    metrics.record_failure("overloaded")
+    text = metrics.render()
+    assert "# TYPE tgi_request_failure counter" in text
+    assert 'tgi_request_failure{err="overloaded"} 1' in text
+    assert 'vllm:request_success_total{model_name="gpt2",finished_reason="length"} 1' in text
+    assert 'vllm:time_to_first_token_seconds_bucket{model_name="gpt2",le="0.025"} 1' in text
+    assert 'vllm:time_to_first_token_seconds_count{model_name="gpt2"} 1' in text
+    assert "tgi_request_input_length_sum 12" in text
+    # Every sample line is `name{labels} value` with a valid metric name.
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            assert re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? [-+0-9.eInf]+", line), line

@@ -1,0 +1,105 @@
+"""The simulator's pieces: reduction orders, top-k, the PE memory layout and the per-PE memory limit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from wafer import memory_layout
+from wafer.plan import Symbol, build_plan
+from wafer.sim import SimRuntime, kernels
+from wafer.sim.memory import PlanMemoryError
+from wafer.tiling import AttentionTiling, GemvTiling, tree_rounds
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 13, 48])
+def test_reductions_follow_the_tiling_order_bit_for_bit(n):
+    rng = np.random.default_rng(n)
+    partials = (rng.standard_normal((n, 3, 7)) * 10.0 ** rng.integers(-3, 4, (n, 1, 1))).astype(np.float32)
+    chain = partials[0].copy()
+    for r in range(1, n):
+        chain = chain + partials[r]
+    assert np.array_equal(kernels.combine(partials.copy(), "chain"), chain)
+    tree = partials.copy()
+    for pairs in tree_rounds(n):
+        for dst, src in pairs:
+            tree[dst] = tree[dst] + tree[src]
+    assert np.array_equal(kernels.combine(partials.copy(), "tree"), tree[0])
+
+
+def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
+    rng = np.random.default_rng(0)
+    k, n = 40, 48
+    weight = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    for tiling in (
+        GemvTiling(k, n, 3, 5),
+        GemvTiling(k, n, 6, 4, "k_along_x", "tree"),
+        GemvTiling(k, n, 4, 4, "k_along_x", "chain", n_split=3),
+    ):
+        cache = kernels.gemv_weight_cache(memory_layout.gemv_weight_tiles(weight, tiling), tiling)
+        np.testing.assert_allclose(
+            kernels.gemv_region(x, cache, tiling, fp16=False), x @ weight, rtol=1e-5, atol=1e-5
+        )
+        bias = rng.standard_normal(n).astype(np.float32)
+        assert np.array_equal(
+            kernels.gemv_bias_cache(memory_layout.gemv_bias_tiles(bias, tiling), tiling), bias
+        )
+
+
+def test_top_k_breaks_ties_by_lower_id():
+    logits = np.array([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.5]], dtype=np.float32)
+    ids, values = kernels.top_k(logits, 4)
+    assert ids.tolist() == [[1, 3, 2, 4]] and values.tolist() == [[3.0, 3.0, 2.0, 2.0]]
+
+
+def test_layout_round_trips_through_mirrored_axes_and_the_attention_snake(small_config):
+    plan = build_plan(small_config, "wse2", "fp32", slots=2, context=64)
+    for reg in plan.regions:
+        if reg.tiling is None and reg.kind != "embed":
+            continue
+        ys, xs = memory_layout.pe_coords(reg)
+        assert ys.size == len(set(zip(ys.ravel().tolist(), xs.ravel().tolist(), strict=True)))  # one PE each
+    attn = replace(plan.region("L0.attn"), axes={"position": "+x", "head_group": "+y"})
+    tiling: AttentionTiling = attn.tiling
+    ys, xs = memory_layout.pe_coords(attn)
+    row = tiling.chain // tiling.fold
+    assert (ys[0, :row] == 0).all() and xs[0, 0] == 0 and xs[0, row - 1] == row - 1
+    if tiling.fold > 1:  # the chain turns back on the next row
+        assert ys[0, row] == 1 and xs[0, row] == row - 1
+    mirrored = replace(attn, axes={"position": "-x", "head_group": "+y"})
+    assert memory_layout.pe_coords(mirrored)[1][0, 0] == attn.w - 1
+    proj = replace(plan.region("L0.proj"), axes={"k": "-y", "n": "+x"})
+    ys, xs = memory_layout.pe_coords(proj)
+    assert ys[0, 0] == proj.h - 1 and xs[0, 1] == 1  # reduction index 0 sits on the south edge
+
+
+def test_a_plan_over_the_pe_memory_is_refused_naming_pe_and_symbol(small_config):
+    plan = build_plan(small_config, "wse2", "fp32", slots=2, context=32)
+    qkv = plan.region("L0.qkv")
+    budget = plan.arch.data_bytes_per_pe
+    qkv.symbols = {**qkv.symbols, "w": Symbol("f32", budget // 4 + 1)}
+    with pytest.raises(PlanMemoryError, match=rf"PE \({qkv.x}, {qkv.y}\) of region 'L0.qkv'.*at symbol 'w'"):
+        SimRuntime(plan)
+
+
+def test_clear_slot_zeroes_only_that_slot(small_params):
+    from wafer.backends import ExecutorOptions, build_executor
+    from wafer.executor import StepItem
+
+    sim = build_executor("sim", small_params, ExecutorOptions(slots=2, dtype="fp32", context=16))
+    try:
+        sim.step([StepItem(0, i, 10 + i) for i in range(3)] + [StepItem(1, i, 20 + i) for i in range(3)])
+        attn = next(m for m in sim.runtime.memory.regions if m.region.name == "L0.attn")
+        cache = attn.arrays["k_cache"].reshape(attn.region.h, attn.region.w, 2, -1)
+        assert np.abs(cache[:, :, 0]).max() > 0 and np.abs(cache[:, :, 1]).max() > 0
+        sim.free_slot(0)
+        assert np.abs(cache[:, :, 0]).max() == 0 and np.abs(cache[:, :, 1]).max() > 0
+        cycles = sim.last_step_cycles()
+        assert (
+            cycles["L0.attn"] > 0 and cycles["head"] > 0 and set(cycles) == {r.name for r in sim.plan.regions}
+        )
+    finally:
+        sim.close()

@@ -1,0 +1,349 @@
+"""Cycle model of the wafer program: every figure it produces is *modeled*, never measured.
+
+A stage's cost is the cycles from the first wavelet of its input reaching the stage to the last
+wavelet of its output leaving it, for one token item, built from named constants with public sources
+(/work/shared/csl-notes.md and /work/shared/design.md section 7). Where no public figure exists the
+constant says "assumption" and why that value.
+
+Conventions: one wavelet carries one 32-bit word (an fp16 value travels alone in the low half, as
+memcpy does); a stream of n wavelets over a path of h hops delivers its last wavelet at
+h * HOP_CYCLES + ROUTER_TO_PE_CYCLES + n cycles after the first left (one wavelet per link per cycle,
+pipelined through the routers). Reductions built from asynchronous DSD operations (fabric in ->
+add -> fabric out) need no task per element; steps that need scalar control (log-sum-exp rescale,
+top-k merge) pay a task activation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from wafer.arch import Arch, resolve_arch
+from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, ceil_div
+
+# --- Named constants --------------------------------------------------------------------------------
+# Clock: 1.1 GHz is the figure of the architecture talks; the SDK examples convert cycles at 0.85 GHz.
+CLOCK_HZ = 1.1e9
+SDK_CLOCK_HZ = 0.85e9
+# "One 32-bit wavelet per link per cycle per direction" (csl-notes, Hardware facts).
+WAVELETS_PER_LINK_PER_CYCLE = 1
+# "Router to router 1 cycle" (csl-notes; design.md section 7: about one cycle per router hop).
+HOP_CYCLES = 1
+# "Router to processor about 7 cycles" (csl-notes): paid once by every wavelet that stops at a PE.
+ROUTER_TO_PE_CYCLES = 7
+# Task activation: no public figure. Assumption: 20 cycles from a wavelet or @activate to the first
+# instruction of the task (hardware task pick plus a short prologue). Paid where a step needs control.
+TASK_ACTIVATION_CYCLES = 20
+# fp32 add / multiply / FMAC: one element per cycle (csl-notes: "fp32 FMAC about one element per cycle").
+FP32_OPS_PER_CYCLE = 1
+# exp in software (the CSL math library has exp, no tanh). Assumption: 20 cycles per fp32 element (a
+# range reduction and a short polynomial, each step one fp32 op per cycle).
+EXP_CYCLES = 20
+# GELU tanh form = exp + reciprocal + 8 fp32 mul/add (kernels/gelu.csl). Assumption: 20 + 10 + 8.
+GELU_CYCLES = EXP_CYCLES + 18
+# reciprocal square root / division in software. Assumption: 10 cycles (Newton steps on fp32).
+RSQRT_CYCLES = 10
+# A step of a sorted-list merge (compare, select, store). Assumption: 2 cycles per output element.
+MERGE_CYCLES_PER_ELEMENT = 2
+# Local top-k selection: scan each value against the current k-th best. Assumption: 2 cycles per value;
+# the kept values are then sorted (2 cycles per compare-and-move step, k log2 k steps).
+TOPK_SCAN_CYCLES = 2
+
+
+def cycles_to_us(cycles: float, clock_hz: float = CLOCK_HZ) -> float:
+    return cycles / clock_hz * 1e6
+
+
+def stream_cycles(wavelets: int, hops: int) -> int:
+    """Last wavelet of a stream of `wavelets` words arriving at a PE `hops` routers away."""
+    return hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES + ceil_div(wavelets, WAVELETS_PER_LINK_PER_CYCLE)
+
+
+def chain_reduce_cycles(steps: int, words: int) -> int:
+    """A pipelined add chain over `steps` + 1 PEs of `words`-long fp32 vectors: every step adds one
+    hop, one router-to-PE crossing and one fp32 add of latency; the vector streams through once."""
+    if steps <= 0:
+        return 0
+    return steps * (HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE) + ceil_div(
+        words, FP32_OPS_PER_CYCLE
+    )
+
+
+def tree_reduce_cycles(n: int, words: int, scatter: int = 1) -> int:
+    """Pairwise tree over n PEs (`tiling.tree_rounds`): round j sends a vector 2^j PEs; the
+    receiver's add streams with the arrival, but a round starts only when the previous one ended.
+    With scatter = 2^m the last m rounds are reduce-scatter rounds: each PE sends half of what it
+    still holds, so those rounds move words/2, words/4, ..."""
+    rounds = math.ceil(math.log2(n)) if n > 1 else 0
+    halving_from = rounds - int(math.log2(scatter))
+    total = 0
+    for j in range(rounds):
+        moved = words if j < halving_from else ceil_div(words, 2 ** (j - halving_from + 1))
+        total += 2**j * HOP_CYCLES + ROUTER_TO_PE_CYCLES + ceil_div(moved, FP32_OPS_PER_CYCLE)
+    return total
+
+
+def reduce_cycles(kind: str, n: int, words: int, scatter: int = 1) -> int:
+    return chain_reduce_cycles(n - 1, words) if kind == "chain" else tree_reduce_cycles(n, words, scatter)
+
+
+def allreduce_cycles(kind: str, n: int, words: int) -> int:
+    """Every one of n PEs ends with the sum. Chain: reduce to the last PE, then multicast the result
+    back along the strip. Tree: recursive doubling (round j: PE r exchanges with r XOR 2^j and both
+    add), the same pairs as `tree_rounds`, so no broadcast is needed and every PE's sum is the tree's."""
+    if n <= 1:
+        return 0
+    if kind == "chain":
+        return chain_reduce_cycles(n - 1, words) + (n - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
+    return tree_reduce_cycles(n, words)
+
+
+def best_reduction(n: int, words: int) -> str:
+    """Chain or tree, whichever the model says is faster for n PEs and `words` per partial."""
+    return "tree" if tree_reduce_cycles(n, words) < chain_reduce_cycles(n - 1, words) else "chain"
+
+
+@dataclass
+class StageCost:
+    """Modeled cycles of one stage, phase by phase (phases run one after the other)."""
+
+    name: str
+    phases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def cycles(self) -> int:
+        return sum(self.phases.values())
+
+    def add(self, phase: str, cycles: int) -> StageCost:
+        self.phases[phase] = self.phases.get(phase, 0) + int(cycles)
+        return self
+
+
+# --- GEMV ------------------------------------------------------------------------------------------
+
+
+def gemv_compute_cycles(tiling: GemvTiling, arch: Arch, dtype: str) -> int:
+    """One PE's tile: for each of tile_k inputs, tile_n FMACs at the SIMD width (fp32 accumulate)."""
+    return tiling.tile_k * ceil_div(tiling.tile_n, arch.macs_per_cycle(dtype))
+
+
+def gemv_cost(
+    tiling: GemvTiling, arch: Arch | str, dtype: str, epilogue_cycles_per_output: int = 0, name: str = "gemv"
+) -> StageCost:
+    """y = x @ W on the tiling's grid, from the input chunks at the region's edge to the output
+    chunks leaving the far edge.
+
+    1. multicast: chunk r (tile_k words) streams along the `cols` PEs of reduction index r; each PE
+       starts its FMACs on the first word and, since every word needs ceil(tile_n / SIMD) >= 1 cycles,
+       finishes tile_k * ceil(tile_n / SIMD) cycles later (the farthest PE starts cols - 1 hops late).
+    2. reduction of the fp32 partials (tile_n words) over the `rows` PEs: chain or tree.
+    3. bias (+ epilogue, e.g. GELU) on the last PE of each output column, one output after another.
+    """
+    arch = resolve_arch(arch)
+    cost = StageCost(name)
+    cost.add("input multicast", (tiling.cols - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES)
+    cost.add("tile FMAC", max(tiling.tile_k, gemv_compute_cycles(tiling, arch, dtype)))
+    label = f"{tiling.reduction} reduction" + (f" (scatter {tiling.scatter})" if tiling.scatter > 1 else "")
+    cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n, tiling.scatter))
+    per_pe = ceil_div(tiling.tile_n, tiling.scatter)
+    cost.add("bias + epilogue", per_pe * (FP32_OPS_PER_CYCLE + epilogue_cycles_per_output))
+    if tiling.scatter > 1:  # the pieces stream to the exit edge one after another
+        cost.add("gather pieces", stream_cycles(tiling.tile_n, tiling.rows - tiling.rows // tiling.scatter))
+    return cost
+
+
+@lru_cache(maxsize=8192)
+def best_gemv_reduction(
+    tiling: GemvTiling, arch: Arch | str, dtype: str, epilogue_cycles_per_output: int = 0
+):
+    """The tiling with the reduction (chain, or tree with the best scatter) the model finds fastest."""
+    options = [GemvTiling(**{**vars(tiling), "reduction": "chain", "scatter": 1})]
+    scatter = 1
+    while scatter <= min(tiling.rows, tiling.tile_n):
+        options.append(GemvTiling(**{**vars(tiling), "reduction": "tree", "scatter": scatter}))
+        scatter *= 2
+    return min(options, key=lambda t: gemv_cost(t, arch, dtype, epilogue_cycles_per_output).cycles)
+
+
+# --- LayerNorm -------------------------------------------------------------------------------------
+
+
+def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
+    """Two-pass LayerNorm over a strip (kernels/layernorm.csl): per pass every PE sums its chunk and
+    the scalars are all-reduced over the strip (`allreduce_cycles`); then every PE writes
+    ((x - mean) * rstd) * g + b (4 fp32 ops per value)."""
+    cost = StageCost(name)
+    cost.add("input", ROUTER_TO_PE_CYCLES + tiling.chunk)
+    for label, per_value in (("mean", 1), ("variance", 2)):
+        cost.add(f"{label}: local sums", tiling.chunk * per_value)
+        cost.add(f"{label}: {tiling.reduction} all-reduce", allreduce_cycles(tiling.reduction, tiling.pes, 1))
+    cost.add("rsqrt", RSQRT_CYCLES)
+    cost.add("normalise", 4 * tiling.chunk)
+    return cost
+
+
+def residual_cost(chunk: int, name: str = "residual") -> StageCost:
+    """Add the residual stream chunk to the arriving chunk and pass it on (fp32, streamed)."""
+    return StageCost(name).add("add + forward", HOP_CYCLES + ROUTER_TO_PE_CYCLES + chunk)
+
+
+# --- Attention -------------------------------------------------------------------------------------
+
+
+def attention_cost(
+    tiling: AttentionTiling,
+    arch: Arch | str,
+    dtype: str,
+    positions: int | None = None,
+    name: str = "attention",
+) -> StageCost:
+    """One decode item attending to `positions` cached positions (default: the whole context).
+
+    1. q of a head group enters the group's rows and is multicast over its block (every PE needs all
+       of q); k and v follow on the same lanes and are kept by the PE that owns the new position, which
+       meanwhile works on its older positions (only the excess over that work delays it).
+    2. each PE: scores q.k over its positions (SIMD FMAC), exp, then exp-weighted V.
+    3. log-sum-exp merge of (max, sum, acc[hpp * head_dim]) over the PEs that hold visible positions:
+       each step is a task (one exp per head rescales the side with the smaller max), then the incoming
+       acc streams in and is folded with one FMAC per word. With `scatter` the last rounds are
+       reduce-scatter rounds (each side keeps half of acc), so they move half the words each time.
+    4. 1/sum on each piece and the hand-off of the pieces to their rows of the O GEMV.
+    """
+    arch = resolve_arch(arch)
+    positions = tiling.context if positions is None else max(1, min(positions, tiling.context))
+    macs = arch.macs_per_cycle(dtype)
+    width, _ = tiling.grid_wh
+    hpp, dim = tiling.heads_per_pe, tiling.head_dim
+    used = ceil_div(positions, tiling.positions_per_pe)  # chain PEs holding visible positions
+    local = min(tiling.positions_per_pe, positions)
+    per_position = hpp * (2 * ceil_div(dim, macs) + EXP_CYCLES)
+    cost = StageCost(name)
+    cost.add("q multicast", stream_cycles(hpp * dim, (width - 1) + (tiling.fold - 1)))
+    cost.add("k/v to the owner (not hidden)", max(0, 2 * hpp * dim - (local - 1) * per_position))
+    cost.add("scores q.k", local * hpp * ceil_div(dim, macs) + TASK_ACTIVATION_CYCLES)
+    cost.add("exp", local * hpp * EXP_CYCLES)
+    cost.add("weighted V", local * hpp * ceil_div(dim, macs))
+    step = TASK_ACTIVATION_CYCLES + hpp * EXP_CYCLES
+    pieces = 1
+    if tiling.reduction == "chain":
+        merge = (used - 1) * (HOP_CYCLES + ROUTER_TO_PE_CYCLES + step) + (hpp * (dim + 2) if used > 1 else 0)
+    else:
+        rounds = math.ceil(math.log2(used)) if used > 1 else 0
+        halving_from = rounds - min(rounds, int(math.log2(tiling.scatter)))
+        merge = 0
+        for j in range(rounds):
+            if j >= halving_from:
+                pieces *= 2
+            words = hpp * 2 + ceil_div(hpp * dim, pieces)
+            merge += _fold_distance(2**j, width) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step + words
+    cost.add(f"LSE {tiling.reduction} merge", merge)
+    piece = ceil_div(hpp * dim, pieces)
+    cost.add("normalise", hpp * RSQRT_CYCLES + piece)
+    # The pieces sit at chain indices that start rows of the group (or at p = 0): to the O rows.
+    # O row j needs hpp * head_dim / fold words: from several pieces in turn, or a slice of one piece.
+    cost.add(
+        "to the O rows",
+        stream_cycles(ceil_div(hpp * dim, min(pieces, tiling.fold)), width - 1 + tiling.fold - 1),
+    )
+    return cost
+
+
+@lru_cache(maxsize=4096)
+def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> AttentionTiling:
+    """The attention tiling (chain, or tree with the best scatter) the model finds fastest."""
+    options = [AttentionTiling(**{**vars(tiling), "reduction": "chain", "scatter": 1})]
+    scatter = 1
+    while scatter <= min(tiling.chain, tiling.heads_per_pe * tiling.head_dim):
+        options.append(AttentionTiling(**{**vars(tiling), "reduction": "tree", "scatter": scatter}))
+        scatter *= 2
+    return min(options, key=lambda t: attention_cost(t, arch, dtype).cycles)
+
+
+def _fold_distance(stride: int, row_len: int) -> int:
+    """Hops between chain indices p and p + stride in a snake of rows of `row_len` PEs (at most)."""
+    return min(stride, row_len) + stride // max(row_len, 1)
+
+
+# --- Head: final LayerNorm is priced by norm_cost; here the LM head GEMV, top-k and log-sum-exp -----
+
+
+def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "head") -> StageCost:
+    """logits = h @ wte^T, then on the last PE of every output column: (max, sum of exp) over its
+    tile_n logits and its local top-k; the (top-k ids, top-k logits, max, sum) records are merged
+    across the columns (chain or tree), and the result leaves for the output port."""
+    arch = resolve_arch(arch)
+    gemv = gemv_cost(tiling.gemv, arch, dtype, name=name)
+    cost = StageCost(
+        name, {k: v for k, v in gemv.phases.items() if k not in ("bias + epilogue", "gather pieces")}
+    )
+    g, k = tiling.gemv, tiling.top_k
+    piece = ceil_div(g.tile_n, g.scatter)  # logits on one PE after the reduction
+    kept = min(k, piece)
+    cost.add("local max + exp-sum", piece * (1 + EXP_CYCLES))
+    # Scan against the running k-th best, then sort what was kept (k log k compare-and-move steps).
+    cost.add("local top-k", piece * TOPK_SCAN_CYCLES + kept * max(1, math.ceil(math.log2(max(kept, 2)))) * 2)
+    # Merge: first the pieces of a column (tree along the reduction axis, g.rows / s PEs apart), then
+    # the columns. A record is (ids, logits) of the list so far plus (max, sum); lists grow up to k.
+    steps = [g.rows // g.scatter * 2**j for j in range(int(math.log2(g.scatter)))]
+    if tiling.merge == "tree":
+        steps += [2**j for j in range(math.ceil(math.log2(g.cols)) if g.cols > 1 else 0)]
+    merge, length = 0, kept
+    for hops in steps:
+        merge += _merge_step(hops, length, k)
+        length = min(k, 2 * length)
+    if tiling.merge == "chain":  # columns one after another, each adds its list to the running one
+        merge += (g.cols - 1) * _merge_step(1, min(k, length), k)
+    cost.add(f"top-k/LSE {tiling.merge} merge", merge)
+    return cost
+
+
+def _merge_step(hops: int, length: int, k: int) -> int:
+    """Receive a partner's (ids, logits, max, sum) record and merge it into the local one."""
+    record = 2 * length + 2
+    return (
+        hops * HOP_CYCLES
+        + ROUTER_TO_PE_CYCLES
+        + TASK_ACTIVATION_CYCLES
+        + record
+        + EXP_CYCLES
+        + min(k, 2 * length) * MERGE_CYCLES_PER_ELEMENT
+    )
+
+
+@lru_cache(maxsize=4096)
+def best_head(tiling: HeadTiling, arch: Arch | str, dtype: str) -> HeadTiling:
+    """The head tiling (GEMV reduction, scatter, merge kind) the model finds fastest."""
+    options = []
+    for merge in ("chain", "tree"):
+        options.append(
+            HeadTiling(
+                **{
+                    **vars(tiling),
+                    "merge": merge,
+                    "gemv": GemvTiling(**{**vars(tiling.gemv), "reduction": "chain", "scatter": 1}),
+                }
+            )
+        )
+        scatter = 1
+        while scatter <= min(tiling.gemv.rows, tiling.gemv.tile_n):
+            gemv = GemvTiling(**{**vars(tiling.gemv), "reduction": "tree", "scatter": scatter})
+            options.append(HeadTiling(**{**vars(tiling), "merge": merge, "gemv": gemv}))
+            scatter *= 2
+    return min(options, key=lambda t: head_cost(t, arch, dtype).cycles)
+
+
+def route_cost(words: int, hops: int, name: str) -> StageCost:
+    """A hand-off of `words` words over `hops` routers (a bus on one color)."""
+    return StageCost(name).add("route", stream_cycles(words, hops))
+
+
+def standalone_gemv_cost(arch: Arch | str, rows: int, cols: int, k: int, n: int, dtype: str) -> StageCost:
+    """The `cost gemv` command: one GEMV on a rows x cols grid (rows PEs along K), the input chunks
+    injected at the grid's edge, the outputs leaving the far edge; the reduction (chain, or tree with
+    its best scatter) is the one the model finds fastest. The stage name says which."""
+    tiling = best_gemv_reduction(GemvTiling(k, n, rows, cols), resolve_arch(arch), dtype)
+    how = tiling.reduction + (f", scatter {tiling.scatter}" if tiling.scatter > 1 else "")
+    cost = gemv_cost(tiling, arch, dtype, name=f"{how} reduction")
+    cost.phases = {"input injection": ROUTER_TO_PE_CYCLES + tiling.tile_k, **cost.phases}
+    return cost

@@ -1,0 +1,53 @@
+"""The performance report: `generate_report(out_dir)` writes `performance.md` and its PNGs.
+
+data.py gathers the modeled figures from the planner, peers.py holds the published and computed
+comparisons, measured.py runs the benchmarks (only with `measure=True`), plots.py draws, markdown.py
+writes. `wafer-gpt2 report --out DIR` is the command line for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from wafer.report.data import ReportSettings, collect
+from wafer.report.markdown import FIGURE_DIR, render
+from wafer.report.plots import Figure, draw_all
+
+
+@dataclass(frozen=True)
+class Report:
+    markdown_path: Path
+    figures: list[Figure]
+
+
+def generate_report(
+    out_dir: str | Path,
+    settings: ReportSettings | None = None,
+    measure: bool = False,
+    command: str | None = None,
+    progress=None,
+) -> Report:
+    """Write <out_dir>/performance.md and <out_dir>/performance/*.png; return where they went."""
+    out_dir = Path(out_dir)
+    settings = settings or ReportSettings()
+    command = command or default_command(out_dir, settings)
+    data = collect(settings, progress)
+    if measure:
+        from wafer.report.measured import measure_all
+
+        data.measured = measure_all(progress)
+    figures = draw_all(data, out_dir / FIGURE_DIR, command)
+    markdown_path = out_dir / "performance.md"
+    markdown_path.write_text(render(data, figures, command))
+    return Report(markdown_path, figures)
+
+
+def default_command(out_dir: Path, settings: ReportSettings) -> str:
+    """The command line that regenerates the report with these settings."""
+    words = ["wafer-gpt2", "report", "--out", str(out_dir)]
+    defaults = ReportSettings()
+    for name in ("model", "arch", "dtype", "slots"):
+        if getattr(settings, name) != getattr(defaults, name):
+            words += [f"--{name}", str(getattr(settings, name))]
+    return " ".join(words)

@@ -1,0 +1,319 @@
+"""The numbers of the performance report, gathered from the planner and its cycle model.
+
+Everything here is *modeled* (`wafer.plan` + `wafer.cost`); the measured figures come from
+`wafer.report.measured`. This module only asks the planner and regroups its answers: where the
+cycles of a token go, what the planner's other candidates would cost, how throughput grows with the
+streams in flight and the replicas, and how full the PEs are.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from wafer import plan as planner
+from wafer.arch import resolve_arch
+from wafer.plan import Plan, build_plan
+from wafer.report.peers import GPUS, PUBLISHED, BandwidthFloor, PublishedFigure, bandwidth_floor
+from weights.config import PRESETS, GPT2Config, resolve_config
+
+# The operations of one layer, in the order a token meets them (the names `wafer.plan` gives them).
+LAYER_OPS = ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
+SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# What a phase of a stage spends its cycles on, by the words `wafer.cost` names its phases with.
+PHASE_CLASSES = ("data movement", "compute", "reduction / merge")
+_REDUCTION_WORDS = ("reduction", "reduce", "merge")
+_MOVEMENT_WORDS = ("multicast", "hand-off", "broadcast", "route", "input", "memcpy", "gather", " to ")
+
+
+def phase_class(phase: str) -> str:
+    if any(word in phase for word in _REDUCTION_WORDS):
+        return "reduction / merge"
+    if any(word in phase for word in _MOVEMENT_WORDS) or phase.startswith("to "):
+        return "data movement"
+    return "compute"
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    model: str = "gpt2"  # the model the detailed figures are about (a preset or a config path)
+    arch: str = "wse2"
+    dtype: str = "fp16"
+    slots: int = 16
+    top_k: int = 64
+    sizes: tuple[str, ...] = SIZES  # the presets compared side by side
+    replica_counts: tuple[int | str, ...] = (1, 2, 4, "auto")  # "auto": as many as fit
+
+
+@functools.lru_cache(maxsize=64)
+def cached_plan(
+    config: GPT2Config,
+    arch: str,
+    dtype: str,
+    slots: int,
+    objective: str = "latency",
+    replicas: int | str = 1,
+    top_k: int = 64,
+) -> Plan:
+    """`build_plan` once per distinct request: several figures read the same plan."""
+    return build_plan(
+        config, arch=arch, dtype=dtype, slots=slots, objective=objective, replicas=replicas, top_k=top_k
+    )
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """A pipeline with `slots` streams in flight per replica. `modeled` *is* `Plan.modeled`, so the
+    throughput formula (streams / latency, capped by the slowest stage) lives in one place."""
+
+    decode_cycles: int
+    bottleneck_cycles: int
+    slots: int
+    replicas: int = 1
+
+    modeled = Plan.modeled
+
+    @classmethod
+    def of(cls, plan: Plan, streams: int) -> OperatingPoint:
+        return cls(plan.decode_cycles, plan.bottleneck_cycles, streams, plan.replicas)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Where the time of a token goes
+
+
+def time_by_part(plan: Plan) -> dict[str, int]:
+    """Critical-path cycles of one token grouped into the parts of the model: each layer operation
+    summed over all layers, and the stages outside the layers (I/O, embedding, routes, head)."""
+    parts: dict[str, int] = defaultdict(int)
+    for stage in plan.stage_costs:
+        name = stage.name
+        if name.startswith("L") and "." in name and name.split(".", 1)[0][1:].isdigit():
+            parts[f"{name.split('.', 1)[1]} (x{plan.config.n_layer})"] += stage.cycles
+        elif name.startswith("band turn") or name == "to ln_f":
+            parts["routes between bands"] += stage.cycles
+        elif name in ("io.in", "io.out"):
+            parts["memcpy I/O"] += stage.cycles
+        elif name == "head":
+            parts["LM head + top-k"] += stage.cycles
+        else:
+            parts[name] += stage.cycles
+    return dict(parts)
+
+
+def time_by_layer(plan: Plan) -> list[tuple[str, dict[str, int]]]:
+    """(label, {operation: cycles}) in pipeline order: embed, L0 .. L{n-1} (with the band turn that
+    follows a layer, if any), ln_f + head. The sums add up to `plan.decode_cycles`."""
+    rows: list[tuple[str, dict[str, int]]] = [("in + embed", {})]
+    for stage in plan.stage_costs:
+        name = stage.name
+        prefix, _, op = name.partition(".")
+        if prefix.startswith("L") and prefix[1:].isdigit() and op:
+            if rows[-1][0] != prefix:
+                rows.append((prefix, {}))
+            rows[-1][1][op] = stage.cycles
+        elif name.startswith("band turn"):
+            rows[-1][1]["route"] = stage.cycles
+        elif name in ("io.in", "embed"):
+            rows[0][1][name] = stage.cycles
+        else:
+            if rows[-1][0] != "head + out":
+                rows.append(("head + out", {}))
+            rows[-1][1][name] = stage.cycles
+    return rows
+
+
+def layer_phases(plan: Plan) -> dict[str, dict[str, int]]:
+    """One layer: {operation: {phase class: cycles}} from the stage costs the planner priced."""
+    out: dict[str, dict[str, int]] = {}
+    for stage in plan.layer_stage_costs:
+        op = stage.name.split(".", 1)[1]
+        classes = dict.fromkeys(PHASE_CLASSES, 0)
+        for phase, cycles in stage.phases.items():
+            classes[phase_class(phase)] += cycles
+        out[op] = classes
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The trade-off the planner navigates
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One feasible candidate of the planner's search (before its color check), with its cost."""
+
+    knobs: planner.Knobs
+    pes_per_layer: int
+    footprint_pes: int  # width x height of the replica's rectangle
+    point: OperatingPoint
+
+    @property
+    def latency_us(self) -> float:
+        return self.point.modeled()["decode_latency_us"]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.point.modeled()["tokens_per_s_per_replica"]
+
+
+def explore_candidates(config: GPT2Config, arch: str, dtype: str, slots: int, top_k: int) -> list[Candidate]:
+    """Price every candidate size the planner considers for one replica: the steps of `build_plan`'s
+    search (memory check, geometry, critical path) without keeping only the best.
+    TODO(plan owner): expose this as a public `wafer.plan` function; it mirrors the search loop."""
+    arch_obj = resolve_arch(arch)
+    context = config.n_positions
+    out = []
+    for knobs in planner._candidate_knobs(config, arch_obj, dtype, slots, context):
+        tilings = planner._layer_tilings(config, knobs, slots, context, arch_obj, dtype)
+        head = planner._head_tiling(config, knobs.stream_pes, knobs.head_cols, top_k, arch_obj, dtype)
+        if planner._memory_over(tilings, head, dtype, arch_obj) is not None:
+            continue
+        geo = planner._geometry(config, knobs, arch_obj, dtype, planner._Dirs.of(tilings, head))
+        if not isinstance(geo, planner._Geometry):
+            continue
+        layer_stages = planner._cached_layer_stages(tilings, arch_obj, dtype)
+        outer = planner._outer_stages(config, geo, tilings, head, tilings.ln, arch_obj, dtype, 0)
+        stages = planner._critical_path(config, layer_stages, outer)
+        point = OperatingPoint(sum(s.cycles for s in stages), max(s.cycles for s in stages), slots)
+        layer_pes = sum(geo.layer_rect(0, op)[3] * geo.layer_rect(0, op)[4] for op in LAYER_OPS)
+        out.append(Candidate(knobs, layer_pes, geo.width * geo.height, point))
+    return out
+
+
+def pes_per_layer(plan: Plan) -> int:
+    return sum(r.pes for r in plan.regions_of(layer=0))
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (x, y) points no other point beats on both (smaller x and smaller y are better)."""
+    front, best_y = [], float("inf")
+    for x, y in sorted(points):
+        if y < best_y:
+            front.append((x, y))
+            best_y = y
+    return front
+
+
+# ----------------------------------------------------------------------------------------------------
+# SRAM
+
+
+SYMBOL_CLASSES = ("weights", "KV cache", "working buffers")
+_WEIGHT_SYMBOLS = {"w", "b", "wpe", "gain", "bias"}  # the arrays `wafer.plan` fills from the checkpoint
+
+
+def symbol_class(name: str) -> str:
+    if name in _WEIGHT_SYMBOLS:
+        return "weights"
+    if "cache" in name:
+        return "KV cache"
+    return "working buffers"
+
+
+def sram_per_pe(plan: Plan) -> list[tuple[str, dict[str, int]]]:
+    """(region, {symbol class: bytes on its fullest PE}) for the regions outside the layers and those
+    of layer 0 (every layer is laid out alike), largest first."""
+    regions = [r for r in plan.regions_of() if r.layer in (None, 0) and r.kind != "io"]
+    regions.sort(key=lambda r: r.max_pe_bytes, reverse=True)
+    out = []
+    for r in regions:
+        classes = dict.fromkeys(SYMBOL_CLASSES, 0)
+        for name, symbol in r.symbols.items():
+            classes[symbol_class(name)] += symbol.nbytes
+        out.append((r.name, classes))
+    return out
+
+
+def sram_by_part(plan: Plan) -> dict[str, dict[str, int]]:
+    """Planned bytes of all replicas by part (each layer operation summed over the layers) and by
+    symbol class, largest part first. The sums add up to `plan.sram_bytes_used`."""
+    parts: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(SYMBOL_CLASSES, 0))
+    for r in plan.regions:
+        name = r.name.split(".", 1)[1] if r.layer is not None else r.name
+        for symbol_name, symbol in r.symbols.items():
+            parts[name][symbol_class(symbol_name)] += symbol.nbytes * r.pes
+    return dict(sorted(parts.items(), key=lambda kv: -sum(kv[1].values())))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Everything the report shows
+
+
+@dataclass
+class ReplicaCurve:
+    label: str  # e.g. "4 replicas"
+    plan: Plan
+    streams: list[int]
+    tokens_per_s: list[float]  # total over the replicas, at `streams` in flight per replica
+
+
+@dataclass
+class ReportData:
+    settings: ReportSettings
+    config: GPT2Config
+    plan: Plan  # the focus model's default (latency) plan
+    sizes: dict[str, Plan]
+    candidates: list[Candidate]
+    replica_curves: list[ReplicaCurve]
+    floors: list[BandwidthFloor]
+    published: tuple[PublishedFigure, ...] = PUBLISHED
+    measured: object | None = None  # wafer.report.measured.Measured when --measure ran
+    size_notes: list[str] = field(default_factory=list)  # sizes no plan could meet, and why
+    replica_notes: list[str] = field(default_factory=list)  # replica counts no plan could meet, and why
+
+
+def replica_curves(config: GPT2Config, settings: ReportSettings, notes: list[str]) -> list[ReplicaCurve]:
+    curves = []
+    for count in settings.replica_counts:
+        try:
+            plan = cached_plan(
+                config, settings.arch, settings.dtype, settings.slots, "throughput", count, settings.top_k
+            )
+        except planner.PlanError as exc:
+            notes.append(f"replicas={count}: no plan ({exc})")
+            continue
+        if any(c.plan.replicas == plan.replicas for c in curves):
+            continue  # "auto" may land on a count already shown
+        streams = list(range(1, plan.slots + 1))
+        totals = [OperatingPoint.of(plan, n).modeled()["tokens_per_s_total"] for n in streams]
+        label = f"{plan.replicas} replica" + ("s" if plan.replicas > 1 else "")
+        if count == "auto":
+            label += " (as many as fit)"
+        curves.append(ReplicaCurve(label, plan, streams, totals))
+    return curves
+
+
+def collect(settings: ReportSettings | None = None, progress=None) -> ReportData:
+    """Build every plan the report needs (a few seconds each) and regroup their figures."""
+    settings = settings or ReportSettings()
+    say = progress or (lambda message: None)
+    config = resolve_config(settings.model)
+    say(f"planning {config.name} ({settings.arch}, {settings.dtype}, {settings.slots} slots)")
+    plan = cached_plan(config, settings.arch, settings.dtype, settings.slots, top_k=settings.top_k)
+    sizes, size_notes, replica_notes = {}, [], []
+    for name in settings.sizes:
+        say(f"planning {name}")
+        try:
+            sizes[name] = cached_plan(
+                PRESETS[name], settings.arch, settings.dtype, settings.slots, top_k=settings.top_k
+            )
+        except planner.PlanError as exc:
+            size_notes.append(f"{name}: no plan ({exc})")
+    say(f"pricing every candidate size of {config.name}")
+    candidates = explore_candidates(config, settings.arch, settings.dtype, settings.slots, settings.top_k)
+    say("planning replicas")
+    curves = replica_curves(config, settings, replica_notes)
+    floors = [bandwidth_floor(PRESETS[name], gpu) for name in sizes for gpu in GPUS]
+    return ReportData(
+        settings,
+        config,
+        plan,
+        sizes,
+        candidates,
+        curves,
+        floors,
+        size_notes=size_notes,
+        replica_notes=replica_notes,
+    )

@@ -1,0 +1,377 @@
+"""What each kind of region computes, vectorised over its PEs: the numerics the CSL kernels follow.
+
+Every function takes the tiling (`wafer.tiling`) that says what each PE holds and combines partial
+results in the order the tiling fixes. They work on a batch of B token items at once; the
+per-PE work is done for all PEs by one NumPy call (no Python loop over PEs).
+
+Precision (`fp16=True` is the hardware default, `fp16=False` the all-fp32 mode):
+- Stored values (weights, biases, LayerNorm gains, the KV cache) carry the dtype of the PE symbol
+  that holds them; a float16 symbol rounds once, when the value is written.
+- A GEMV input vector is rounded to fp16 where it enters the GEMV region (the multicast carries fp16
+  wavelets) and each PE accumulates its tile's products in fp32 (`@fmachs`). fp16 x fp16 products are
+  exact in fp32, so an fp32 BLAS matmul over fp16-valued operands is that same arithmetic.
+- Partial sums, biases, residuals, LayerNorm, GELU, softmax and the log-sum-exp are fp32.
+- Attention scores: q is rounded to fp16 in fp16 mode and dotted with the fp16 K cache with fp32
+  accumulation; the softmax weights stay fp32 and multiply the (fp16) V cache in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from wafer.memory_layout import tiled_positions
+from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, ceil_div
+
+F32 = np.float32
+
+
+def round_fp16(x: np.ndarray) -> np.ndarray:
+    """The value an fp32 vector has after the CSL converts it to fp16 (round to nearest even)."""
+    return x.astype(np.float16).astype(F32)
+
+
+def chain_sum(partials: np.ndarray) -> np.ndarray:
+    """Sum over axis 0 in chain order: ((p0 + p1) + p2) + ... (NumPy reduces a leading axis in order)."""
+    return np.add.reduce(partials, axis=0)
+
+
+def tree_sum(partials: np.ndarray) -> np.ndarray:
+    """Sum over axis 0 in the rounds of `wafer.tiling.tree_rounds`: round j adds index r + 2^j into r
+    for every r that is a multiple of 2^(j+1). Consumes `partials` (adds in place)."""
+    n, stride = partials.shape[0], 1
+    while stride < n:
+        np.add(
+            partials[0 : n - stride : 2 * stride],
+            partials[stride : n : 2 * stride],
+            out=partials[0 : n - stride : 2 * stride],
+        )
+        stride *= 2
+    return partials[0]
+
+
+def combine(partials: np.ndarray, reduction: str) -> np.ndarray:
+    """Sum over axis 0 in the tiling's order (chain or tree). May overwrite `partials`."""
+    return chain_sum(partials) if reduction == "chain" else tree_sum(partials)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GEMV: y[N] = x[K] @ W[K, N]; PE (r, c) holds W tile (r, c) as a row-major [tile_k, tile_n] block.
+# The tiling-indexed arrays come from `wafer.memory_layout.gather` of the region's memory image.
+
+
+def gemv_weight_cache(tiles: np.ndarray, tiling: GemvTiling) -> np.ndarray:
+    """[rows, cols, tile_k * tile_n] tiles -> [rows, tile_k, N] float32 with the outputs in N order: the
+    layout one batched matmul needs. A compute cache, rebuilt whenever the host writes the symbol;
+    moving output columns around changes no arithmetic (each output sums its own column of tiles)."""
+    tk, tn = tiling.tile_k, tiling.tile_n
+    tiled = tiles.reshape(tiling.rows, tiling.cols, tk, tn).transpose(0, 2, 1, 3).reshape(tiling.rows, tk, -1)
+    return np.ascontiguousarray(tiled[:, :, tiled_positions(tiling)], dtype=F32)
+
+
+def gemv_bias_cache(tiles: np.ndarray, tiling: GemvTiling) -> np.ndarray:
+    """[rows, cols, tile_n] bias slices -> [N] float32, as held by the PEs that end the reduction
+    (reduction index rows - 1) and add it."""
+    return np.ascontiguousarray(tiles[-1].reshape(-1)[tiled_positions(tiling)], dtype=F32)
+
+
+# The partial sums are formed `group` reduction indices at a time over blocks of output columns, so a
+# group's [group, B, block] partials stay in cache while they are combined (few NumPy calls when B is
+# small, cache-sized pieces when it is large). A group is a power of two: an aligned block of the tree,
+# whose sum is one node of it.
+GEMV_CACHE_ELEMS = 1 << 18
+GEMV_GROUP_BLOCK = 512  # grow the group while its blocks stay at least this wide
+GEMV_MIN_BLOCK = 128
+
+
+def gemv_region(x: np.ndarray, weight_cache: np.ndarray, tiling: GemvTiling, fp16: bool) -> np.ndarray:
+    """x [B, K] -> y [B, N] (no bias): every PE's fp32 partial sum of its tile, combined over the
+    reduction index in the tiling's order (chain or tree)."""
+    batch, tk = x.shape[0], tiling.tile_k
+    xp = np.zeros((batch, tiling.rows * tk), dtype=F32)
+    xp[:, : tiling.k] = round_fp16(x) if fp16 else x  # the multicast into the region carries fp16
+    chunks = np.ascontiguousarray(xp.reshape(batch, tiling.rows, tk).transpose(1, 0, 2))  # chunk r to row r
+    group = 8
+    while group < tiling.rows and 2 * group * batch * GEMV_GROUP_BLOCK <= GEMV_CACHE_ELEMS:
+        group *= 2
+    n = weight_cache.shape[2]
+    block = max(GEMV_MIN_BLOCK, GEMV_CACHE_ELEMS // (group * batch))
+    out = np.empty((batch, n), dtype=F32)
+    for start in range(0, n, block):
+        columns = weight_cache[:, :, start : start + block]
+        out[:, start : start + block] = _reduce_columns(chunks, columns, tiling.reduction, group)
+    return out
+
+
+def _reduce_columns(chunks: np.ndarray, weights: np.ndarray, reduction: str, group: int) -> np.ndarray:
+    """sum over r of chunks[r] @ weights[r], in chain or tree order, `group` rows per matmul."""
+    rows = chunks.shape[0]
+    if reduction == "chain":
+        running = None
+        for g in range(0, rows, group):
+            partials = np.matmul(chunks[g : g + group], weights[g : g + group])  # [G, B, block]
+            if running is not None:
+                partials[0] += running  # the running sum arriving from PE g - 1 (a + b == b + a)
+            running = chain_sum(partials)
+        return running
+    nodes = [
+        tree_sum(np.matmul(chunks[g : g + group], weights[g : g + group])) for g in range(0, rows, group)
+    ]
+    return nodes[0] if len(nodes) == 1 else tree_sum(np.stack(nodes))
+
+
+# ----------------------------------------------------------------------------------------------------
+# LayerNorm over C values: PE p holds x[p*chunk:(p+1)*chunk] and the same chunk of gain and bias.
+# The strip lies along x ((h, w) = (1, pes)) or along y ((pes, 1)); either way PE p is element p.
+
+
+def norm_cache(tiles: np.ndarray, tiling: NormTiling) -> np.ndarray:
+    """[pes, chunk] gain or bias -> [C] float32."""
+    return np.ascontiguousarray(tiles.reshape(-1)[: tiling.dim], dtype=F32)
+
+
+def layernorm_region(
+    x: np.ndarray, gain: np.ndarray, bias: np.ndarray, tiling: NormTiling, eps: float
+) -> np.ndarray:
+    """Two-pass statistics, as kernels/layernorm.csl: each PE sums its chunk, the sums are chained in
+    PE order -> mean; each PE sums (x - mean)^2 over its chunk, chained again -> variance; every PE
+    then writes ((x - mean) * rstd) * g + b for its chunk. All fp32."""
+    batch = x.shape[0]
+    xp = np.zeros((batch, tiling.pes * tiling.chunk), dtype=F32)
+    xp[:, : tiling.dim] = x
+    chunks = xp.reshape(batch, tiling.pes, tiling.chunk)
+    mean = combine(np.ascontiguousarray(chunks.sum(axis=2).T), tiling.reduction) / F32(tiling.dim)  # [B]
+    centred = x - mean[:, None]
+    cp = np.zeros((batch, tiling.pes * tiling.chunk), dtype=F32)
+    cp[:, : tiling.dim] = np.square(centred)  # padding stays 0, so it adds nothing
+    squares = np.ascontiguousarray(cp.reshape(batch, tiling.pes, tiling.chunk).sum(axis=2).T)
+    var = combine(squares, tiling.reduction) / F32(tiling.dim)
+    rstd = F32(1) / np.sqrt(var + F32(eps))
+    return (centred * rstd[:, None]) * gain + bias
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GPT-2's GELU, tanh form, fp32, in the operation order of kernels/gelu.csl: the CSL math library
+    has exp but no tanh, so tanh(u) = 1 - 2 / (exp(2u) + 1) (saturates correctly at +-inf)."""
+    inner = F32(math.sqrt(2.0 / math.pi)) * (x + F32(0.044715) * (x * x * x))
+    with np.errstate(over="ignore"):
+        tanh = F32(1) - F32(2) / (np.exp(F32(2) * inner) + F32(1))
+    return F32(0.5) * x * (F32(1) + tanh)
+
+
+def residual_add(y: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    """The out port of attn_proj / proj adds the residual stream element by element (fp32)."""
+    return y + residual
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention. PE (g, p) of the layer's attention region holds, for every slot, the K and V of heads
+# [g*hpp, (g+1)*hpp) at positions [p*ppp, (p+1)*ppp): its `k_cache` and `v_cache` symbols are laid out
+# [slot][position in PE][head in PE][head_dim]. Where PE (g, p) sits in the region's rectangle is the
+# plan's business (a chain may be folded into several rows); the kernels get it as two [G, P] index
+# arrays (`pe_y`, `pe_x`) into the (h, w, elems) memory image.
+
+
+def kv_elems(tiling: AttentionTiling) -> int:
+    return tiling.slots * tiling.positions_per_pe * tiling.heads_per_pe * tiling.head_dim
+
+
+def _kv_view(memory_hwl: np.ndarray, tiling: AttentionTiling) -> np.ndarray:
+    """(h, w, elems) -> a view (h, w, slots, ppp, hpp, head_dim) of the same memory."""
+    h, w, _ = memory_hwl.shape
+    return memory_hwl.reshape(
+        h, w, tiling.slots, tiling.positions_per_pe, tiling.heads_per_pe, tiling.head_dim
+    )
+
+
+def write_kv(
+    memory_hwl: np.ndarray,
+    values: np.ndarray,
+    slots: np.ndarray,
+    positions: np.ndarray,
+    tiling: AttentionTiling,
+    pe_y: np.ndarray,
+    pe_x: np.ndarray,
+) -> None:
+    """values [B, C] (one token's K or V per item) -> the PE that owns each item's position, for every
+    head group. The memory's dtype rounds (an fp16 cache in fp16 mode)."""
+    batch = values.shape[0]
+    heads = np.zeros((batch, tiling.head_groups * tiling.heads_per_pe, tiling.head_dim), dtype=F32)
+    heads[:, : tiling.n_head] = values.reshape(batch, tiling.n_head, tiling.head_dim)
+    per_group = heads.reshape(batch, tiling.head_groups, tiling.heads_per_pe, tiling.head_dim).transpose(
+        1, 0, 2, 3
+    )
+    owner = positions // tiling.positions_per_pe
+    view = _kv_view(memory_hwl, tiling)
+    view[pe_y[:, owner], pe_x[:, owner], slots[None, :], (positions % tiling.positions_per_pe)[None, :]] = (
+        per_group
+    )
+
+
+def attention_region(
+    q: np.ndarray,
+    k_memory: np.ndarray,
+    v_memory: np.ndarray,
+    slots: np.ndarray,
+    positions: np.ndarray,
+    tiling: AttentionTiling,
+    pe_y: np.ndarray,
+    pe_x: np.ndarray,
+    fp16: bool,
+) -> np.ndarray:
+    """q [B, C] -> attention output [B, C] for items whose K/V are already in the stores.
+
+    Item b attends to positions 0..positions[b] of its slot. Each PE of the chain computes a partial
+    (max, sum of exp, exp-weighted V) over its own positions; the partials are merged along the chain
+    with the log-sum-exp rule. Items are processed in groups of slots (see `_segments`)."""
+    out = np.empty((q.shape[0], tiling.n_head * tiling.head_dim), dtype=F32)
+    q = round_fp16(q) if fp16 else q
+    for group_slots, rows in _segments(slots):
+        out_rows = _attend_group(q, k_memory, v_memory, group_slots, rows, positions, tiling, pe_y, pe_x)
+        valid = rows >= 0
+        out[rows[valid]] = out_rows[valid]
+    return out
+
+
+def _segments(slots: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Group the batch for vectorised attention: all single-item slots together, each longer run alone.
+
+    Returns (slots [S], rows [S, n]) pairs; rows index into the batch, -1 pads short runs."""
+    runs: list[tuple[int, list[int]]] = []
+    for row, slot in enumerate(slots.tolist()):
+        if runs and runs[-1][0] == slot:
+            runs[-1][1].append(row)
+        else:
+            runs.append((slot, [row]))
+    singles = [(slot, rows) for slot, rows in runs if len(rows) == 1]
+    groups = []
+    if singles:
+        groups.append((np.array([s for s, _ in singles]), np.array([r for _, r in singles])))
+    for slot, rows in runs:
+        if len(rows) > 1:
+            groups.append((np.array([slot]), np.array([rows])))
+    return groups
+
+
+def _attend_group(
+    q: np.ndarray,
+    k_memory: np.ndarray,
+    v_memory: np.ndarray,
+    group_slots: np.ndarray,
+    rows: np.ndarray,
+    positions: np.ndarray,
+    tiling: AttentionTiling,
+    pe_y: np.ndarray,
+    pe_x: np.ndarray,
+) -> np.ndarray:
+    n_slots, n_items = rows.shape
+    heads, dim, ppp = tiling.n_head, tiling.head_dim, tiling.positions_per_pe
+    safe_rows = np.where(rows >= 0, rows, rows.max())
+    item_pos = positions[safe_rows]  # [S, n]
+    used = int(item_pos.max()) // ppp + 1  # chain PEs holding any visible position (the rest add nothing)
+    span = used * ppp
+
+    def gather(memory: np.ndarray) -> np.ndarray:  # -> [S, heads, span, dim] fp32
+        view = _kv_view(memory, tiling)
+        part = view[
+            pe_y[None, :, :used], pe_x[None, :, :used], group_slots[:, None, None]
+        ]  # [S, G, used, ppp, hpp, D]
+        part = part.transpose(0, 1, 4, 2, 3, 5).astype(F32)  # one copy: heads before positions, widened
+        return part.reshape(n_slots, -1, span, dim)[:, :heads]
+
+    keys, values = gather(k_memory), gather(v_memory)
+    qh = q[safe_rows].reshape(n_slots, n_items, heads, dim).transpose(0, 2, 1, 3)  # [S, H, n, D]
+    scores = np.matmul(qh, keys.transpose(0, 1, 3, 2)) * F32(1.0 / math.sqrt(dim))  # [S, H, n, span]
+    visible = np.arange(span)[None, None, :] <= item_pos[:, :, None]  # [S, n, span]
+    scores = np.where(visible[:, None], scores, F32(-np.inf))
+
+    # Per chain PE p: local max m_p and sum s_p of exp(score - m_p) over its ppp positions.
+    per_pe = scores.reshape(n_slots, heads, n_items, used, ppp)
+    local_max = per_pe.max(axis=4)  # [S, H, n, used]; -inf where the PE holds nothing visible
+    finite_max = np.where(np.isfinite(local_max), local_max, F32(0))
+    weights = np.exp(per_pe - finite_max[..., None])  # 0 at masked positions
+    local_sum = weights.sum(axis=4)
+    # Merge along the chain: every PE's partials are rescaled to the global max (log-sum-exp rule).
+    global_max = local_max.max(axis=3)  # position 0 is always visible, so this is finite
+    rescale = np.exp(local_max - global_max[..., None])  # [S, H, n, used]; 0 for empty PEs
+    total = combine(
+        np.ascontiguousarray(np.moveaxis(local_sum * rescale, 3, 0)), tiling.reduction
+    )  # [S, H, n]
+    # Each PE's exp-weighted V sum, rescaled and summed along the chain, folded into one matmul
+    # (the same terms; only the fp32 rounding order of that sum differs from a PE-by-PE chain).
+    scaled = (weights * rescale[..., None]).reshape(n_slots, heads, n_items, span)
+    out = np.matmul(scaled, values) / total[..., None]  # [S, H, n, D]
+    return out.transpose(0, 2, 1, 3).reshape(n_slots, n_items, heads * dim)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Head: logits = h @ wte^T on the head's GEMV tiling; each column of PEs keeps its local top-k and
+# (max, sum of exp), which are merged along the columns. The embedding reads rows of the same tiles.
+
+
+def embed(token: np.ndarray, head_cache: np.ndarray, head: HeadTiling) -> np.ndarray:
+    """wte rows [B, C] from the head's tiles (in fp16 mode the fp16-stored rows)."""
+    weights = head_cache.reshape(head.gemv.rows * head.gemv.tile_k, -1)  # [C padded, V padded]
+    return np.ascontiguousarray(weights[: head.dim, token].T)
+
+
+def head_scores(
+    hidden: np.ndarray, head_cache: np.ndarray, head: HeadTiling, targets: np.ndarray, fp16: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """hidden [B, C] (after ln_f) -> (top-k ids [B, k], top-k logits [B, k], lse [B], target logit [B]).
+
+    Target logit is NaN where targets[b] < 0. Ties in the top-k go to the lower token id."""
+    tiling = head.gemv
+    logits = gemv_region(hidden, head_cache, tiling, fp16)  # [B, V]
+    ids, best = top_k(logits, head.top_k)
+
+    # log-sum-exp: every piece of a column of PEs (the column itself, or its `scatter` pieces) keeps
+    # (max, sum of exp) over its logits; pieces merge within the column (tree), then the columns merge.
+    batch = logits.shape[0]
+    pieces = getattr(tiling, "scatter", 1)
+    chunks = _column_pieces(logits, tiling, pieces)  # [B, cols, pieces, ceil(tile_n / pieces)]
+    by_index = np.ascontiguousarray(np.moveaxis(chunks, 3, 0))  # a piece's j-th logits, for every piece
+    chunk_max = np.maximum.reduce(by_index, axis=0)  # -inf for a piece past the vocabulary's end
+    finite_max = np.where(np.isfinite(chunk_max), chunk_max, F32(0))
+    chunk_sum = chain_sum(np.exp(by_index - finite_max))  # each piece sums its exps in index order
+    peak = chunk_max.max(axis=(1, 2))
+    rescaled = chunk_sum * np.exp(chunk_max - peak[:, None, None])  # [B, cols, pieces]
+    per_column = combine(np.ascontiguousarray(rescaled.transpose(2, 1, 0)), "tree")  # [cols, B]
+    lse = peak + np.log(combine(np.ascontiguousarray(per_column), head.merge))
+
+    target_logit = np.where(targets >= 0, logits[np.arange(batch), np.maximum(targets, 0)], F32(np.nan))
+    return ids, best, lse.astype(F32), target_logit.astype(F32)
+
+
+def _column_pieces(logits: np.ndarray, tiling: GemvTiling, pieces: int) -> np.ndarray:
+    """[B, N] -> [B, cols, pieces, piece_n]: column c's tile_n logits cut into `pieces`, -inf padded."""
+    batch = logits.shape[0]
+    tiled = np.full((batch, tiling.cols * tiling.tile_n), -np.inf, dtype=F32)
+    tiled[:, : tiling.n] = logits
+    if pieces == 1:
+        return tiled.reshape(batch, tiling.cols, 1, tiling.tile_n)
+    piece_n = ceil_div(tiling.tile_n, pieces)
+    columns = np.full((batch, tiling.cols, pieces * piece_n), -np.inf, dtype=F32)
+    columns[:, :, : tiling.tile_n] = tiled.reshape(batch, tiling.cols, tiling.tile_n)
+    return columns.reshape(batch, tiling.cols, pieces, piece_n)
+
+
+def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest logits per row, best first; equal logits are ordered by lower id.
+
+    The same set and order as per-column top-k lists merged along the columns with that rule."""
+    batch, vocab = logits.shape
+    k = min(k, vocab)
+    candidates = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    threshold = np.take_along_axis(logits, candidates, axis=1).min(axis=1, keepdims=True)
+    above = (logits > threshold).sum(axis=1)
+    tied = (logits == threshold).sum(axis=1)
+    for b in np.flatnonzero(above + tied != k):
+        # A tie straddles the cut: keep every id above it and the lowest ids at it.
+        row = logits[b]
+        at = np.flatnonzero(row == threshold[b])[: k - above[b]]
+        candidates[b] = np.concatenate([np.flatnonzero(row > threshold[b]), at])
+    values = np.take_along_axis(logits, candidates, axis=1)
+    order = np.lexsort((candidates, -values), axis=1)
+    return np.take_along_axis(candidates, order, axis=1), np.take_along_axis(values, order, axis=1)
