@@ -6,8 +6,11 @@ timed-out requests (freeing their KV slots), admits waiting requests, runs one s
 chunks of new requests and the decode items of running ones together, samples, detokenizes, and hands
 each request's tokens to its asyncio queue. Requests that finish leave the batch at once.
 
-A step that raises fails the requests that were in flight (424, `generation`); the worker then closes
-the executor and builds a fresh one (/health answers 503 meanwhile) and goes on with the queue.
+A step that raises (anything but an interrupt: `SystemExit` from deep inside a backend counts as a
+fault too) fails the requests that were in flight (424, `generation`); the worker then closes the
+executor and builds a fresh one (/health answers 503 meanwhile) and goes on with the queue. If the
+worker itself dies (an error outside a step, or an interrupt), the engine never sits silently
+stopped: it ends every request, /health answers 503 and `on_fatal` tells the server to exit non-zero.
 Shutdown drains: new requests get 503 while the running ones finish, up to a timeout.
 """
 
@@ -119,8 +122,8 @@ class Engine:
         self.load_seconds: float | None = None
         self.restarts = 0
         self.steps = 0
-        self._injected_step_faults: list[str] = []
-        self._injected_load_faults: list[str] = []
+        self._injected_step_faults: list[BaseException] = []
+        self._injected_load_faults: list[BaseException] = []
 
     # ----- lifecycle -------------------------------------------------------------------------------
 
@@ -166,12 +169,18 @@ class Engine:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(5.0, timeout))
 
-    def inject_fault(self, message: str = "injected worker fault", steps: int = 1, reloads: int = 0) -> None:
-        """Test hook: the next `steps` steps raise `ExecutorError(message)`, and the next `reloads`
-        executor builds after them fail too (exercises recovery and the dead-engine path)."""
+    def inject_fault(
+        self,
+        message: str = "injected worker fault",
+        steps: int = 1,
+        reloads: int = 0,
+        error: type[BaseException] = ExecutorError,
+    ) -> None:
+        """Test hook: the next `steps` steps raise `error(message)`, and the next `reloads` executor
+        builds after them fail too (exercises recovery and the dead-engine path)."""
         with self._cond:
-            self._injected_step_faults.extend([message] * steps)
-            self._injected_load_faults.extend([message] * reloads)
+            self._injected_step_faults.extend(error(message) for _ in range(steps))
+            self._injected_load_faults.extend(error(message) for _ in range(reloads))
             self._cond.notify_all()
 
     # ----- what the API calls (on the event loop) --------------------------------------------------
@@ -246,6 +255,7 @@ class Engine:
     # ----- the worker thread -----------------------------------------------------------------------
 
     def _worker(self) -> None:
+        death: BaseException | None = None  # what ended the worker when nobody asked it to stop
         try:
             if not self._load(first=True):
                 return
@@ -256,7 +266,7 @@ class Engine:
                 try:
                     started = time.monotonic()
                     if self._injected_step_faults:
-                        raise ExecutorError(self._injected_step_faults.pop(0))
+                        raise self._injected_step_faults.pop(0)
                     results = self._executor.step(plan.items)
                     self.metrics.record_step(time.monotonic() - started, len(plan))
                     with self._cond:
@@ -264,16 +274,39 @@ class Engine:
                         self._apply(plan, results)
                         self._record_gauges()
                         self._cond.notify_all()
-                except Exception as exc:  # any failure of the backend: recover, never die silently
+                except KeyboardInterrupt:
+                    raise  # an interrupt ends the worker (below), it is no backend fault to recover from
+                except BaseException as exc:  # any failure of the backend, SystemExit too: recover
                     log.exception("engine step failed")
                     if not self._recover(exc):
                         return
+        except BaseException as exc:  # the worker itself cannot go on: never leave a silent engine
+            death = exc
+            if isinstance(exc, KeyboardInterrupt):
+                log.warning("the wafer worker was interrupted: the engine stops")
+            else:
+                log.exception("the wafer worker died")
         finally:
             self._close_executor()
-            with self._cond:
+            self._end_worker(death)
+
+    def _end_worker(self, death: BaseException | None) -> None:
+        """The worker is ending: fail what is left, and when it ended on its own, tell the server."""
+        fatal = None
+        with self._cond:
+            if death is not None and not isinstance(death, KeyboardInterrupt):
+                self.error = f"the wafer worker died ({type(death).__name__}: {death})"
+                self._set_state(EngineState.FAILED)
+                self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}"))
+                fatal = self.error
+            else:
                 if self._state is not EngineState.FAILED:
                     self._set_state(EngineState.STOPPED)
                 self._fail_all(Unavailable("the server shut down before this request finished"))
+                if death is not None:
+                    fatal = "the wafer worker was interrupted (KeyboardInterrupt); the server stops"
+        if fatal is not None and self._on_fatal is not None:
+            self._on_fatal(fatal)  # the server exits non-zero rather than answer 503 forever
 
     def _next_plan(self) -> StepPlan | None:
         """Wait for work; None when the worker should stop."""
@@ -298,7 +331,7 @@ class Engine:
             log.info("uploading the model to the wafer backend%s", "" if first else f" (attempt {attempt})")
             try:
                 if self._injected_load_faults:
-                    raise ExecutorError(self._injected_load_faults.pop(0))
+                    raise self._injected_load_faults.pop(0)
                 executor = self._factory()
             except Exception as exc:
                 log.error("could not build the executor: %s", exc)
@@ -325,7 +358,9 @@ class Engine:
             self._set_state(EngineState.FAILED)
             self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}"))
         if self._on_fatal is not None:
-            self._on_fatal(self.error or "the executor could not be built")
+            self._on_fatal(
+                f"the model could not be loaded: {self.error or 'the executor could not be built'}"
+            )
         return False
 
     def _scheduler_for(self, slots: KVSlotManager) -> Scheduler:
@@ -335,7 +370,7 @@ class Engine:
             scheduler.waiting.extend(self._scheduler.waiting)
         return scheduler
 
-    def _recover(self, exc: Exception) -> bool:
+    def _recover(self, exc: BaseException) -> bool:
         """A step failed: fail the requests in flight, rebuild the executor, keep the queue."""
         with self._cond:
             if self._state is EngineState.READY:

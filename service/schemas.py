@@ -8,11 +8,28 @@ prompt is tokenized. Field validators raise messages that name the rule and the 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 U64_MAX = 2**64 - 1
+
+
+def _unsigned_64(value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= U64_MAX:
+        raise ValueError(f"must be an unsigned 64-bit integer, got {value}")
+    return value
+
+
+def _strictly_positive(value: float | None) -> float | None:
+    if value is not None and not value > 0:
+        raise ValueError(f"must be strictly positive, got {value}")
+    return value
+
+
+# Fields both APIs check alike (each model's own rules are its field validators).
+Seed = Annotated[int | None, AfterValidator(_unsigned_64)]
+StrictlyPositive = Annotated[float | None, AfterValidator(_strictly_positive)]
 
 
 def _json_type(value: Any) -> str:
@@ -43,11 +60,11 @@ class TGIParameters(_Body):
     frequency_penalty: float | None = None
     grammar: Any = None
     max_new_tokens: int | None = None
-    repetition_penalty: float | None = None
+    repetition_penalty: StrictlyPositive = None
     return_full_text: StrictBool | None = None
-    seed: int | None = None
+    seed: Seed = None
     stop: list[StrictStr] = Field(default_factory=list)
-    temperature: float | None = None
+    temperature: StrictlyPositive = None
     top_k: int | None = None
     top_n_tokens: int | None = None
     top_p: float | None = None
@@ -56,21 +73,7 @@ class TGIParameters(_Body):
     watermark: StrictBool = False
     adapter_id: str | None = None
 
-    @field_validator("max_new_tokens")
-    @classmethod
-    def _max_new_tokens(cls, value: int | None) -> int | None:
-        if value is not None and value <= 0:
-            raise ValueError(f"must be strictly positive, got {value}")
-        return value
-
-    @field_validator("temperature", "repetition_penalty")
-    @classmethod
-    def _strictly_positive(cls, value: float | None) -> float | None:
-        if value is not None and not value > 0:
-            raise ValueError(f"must be strictly positive, got {value}")
-        return value
-
-    @field_validator("top_k", "truncate", "top_n_tokens")
+    @field_validator("max_new_tokens", "top_k", "truncate", "top_n_tokens")
     @classmethod
     def _positive_int(cls, value: int | None) -> int | None:
         if value is not None and value <= 0:
@@ -82,13 +85,6 @@ class TGIParameters(_Body):
     def _top_p(cls, value: float | None) -> float | None:
         if value is not None and not 0.0 < value < 1.0:
             raise ValueError(f"must be > 0.0 and < 1.0, got {value} (omit it to disable top-p)")
-        return value
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= U64_MAX:
-            raise ValueError(f"must be an unsigned 64-bit integer, got {value}")
         return value
 
     @field_validator("best_of")
@@ -228,8 +224,8 @@ class CompletionRequest(_Body):
     echo: StrictBool = False
     stop: Any = Field(default_factory=list)
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    repetition_penalty: float | None = None
+    seed: Seed = None
+    repetition_penalty: StrictlyPositive = None
     ignore_eos: StrictBool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -319,20 +315,6 @@ class CompletionRequest(_Body):
     def _logprobs(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value <= 5:
             raise ValueError(f"must be between 0 and 5, got {value}")
-        return value
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= U64_MAX:
-            raise ValueError(f"must be an unsigned 64-bit integer, got {value}")
-        return value
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition_penalty(cls, value: float | None) -> float | None:
-        if value is not None and not value > 0:
-            raise ValueError(f"must be strictly positive, got {value}")
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")

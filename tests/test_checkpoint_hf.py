@@ -13,7 +13,7 @@ import pytest
 from weights import checkpoint
 from weights.checkpoint import CheckpointError, bf16_round, load_checkpoint
 from weights.config import GPT2Config
-from weights.hf_format import write_safetensors
+from weights.hf_format import save_hf, write_safetensors
 from weights.params import GPT2Params
 
 TINY = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny")
@@ -239,3 +239,40 @@ def test_pytorch_bin_without_torch_says_so(tiny_params, write_checkpoint, monkey
     directory = write_checkpoint(tiny_params, "pytorch")
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail, as if not installed
     refused(directory, "pytorch_model.bin", "needs torch")
+
+
+def spoiled(params: GPT2Params, name: str, nan: int, inf: int) -> GPT2Params:
+    """`params` with `nan` NaN and `inf` Inf values written into tensor `name`."""
+    tensors = params.to_tensors()
+    values = tensors[name].copy().reshape(-1)
+    values[:nan] = np.nan
+    values[nan : nan + inf] = np.inf
+    tensors[name] = values.reshape(tensors[name].shape)
+    return GPT2Params.from_tensors(params.config, tensors)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"dtype": "float32"},
+        {"dtype": "bfloat16", "shards": 3},
+        {"dtype": "float16", "fmt": "pytorch"},
+    ],
+    ids=["safetensors-fp32", "safetensors-bf16-sharded", "pytorch-fp16"],
+)
+def test_non_finite_weights_are_refused(tiny_params, tmp_path, options):
+    if options.get("fmt") == "pytorch":
+        pytest.importorskip("torch")
+    params = spoiled(tiny_params, "h.1.mlp.c_fc.weight", nan=3, inf=1)
+    directory = save_hf(params, tmp_path / "m", **options)
+    index = directory / "model.safetensors.index.json"
+    holder = (
+        json.loads(index.read_text())["weight_map"]["transformer.h.1.mlp.c_fc.weight"]
+        if index.is_file()
+        else next(p.name for p in directory.iterdir() if p.name != "config.json")
+    )
+    refused(
+        directory,
+        f"{directory / holder}: tensor 'transformer.h.1.mlp.c_fc.weight'",
+        "4 non-finite values (3 NaN, 1 Inf)",
+    )

@@ -117,3 +117,27 @@ def test_header_that_disagrees_with_the_body(tiny_params, tmp_path):
 def test_save_refuses_unknown_versions(tiny_params, tmp_path):
     with pytest.raises(ValueError, match="version must be 3"):
         save_llmc(tiny_params, tmp_path / "m.bin", version=4)
+
+
+@pytest.mark.parametrize("version", [3, 5])
+def test_non_finite_weights_are_refused(tiny_params, tmp_path, version):
+    tensors = tiny_params.to_tensors()
+    fc = tensors["h.1.mlp.c_fc.weight"].copy()
+    fc[0, :2], fc[1, 0] = np.nan, -np.inf
+    tensors["h.1.mlp.c_fc.weight"] = fc
+    path = save_llmc(GPT2Params.from_tensors(TINY, tensors), tmp_path / "m.bin", version=version)
+    refused(path, f"{path}: tensor 'fcw[1] (h.1.mlp.c_fc.weight)'", "3 non-finite values (2 NaN, 1 Inf)")
+
+    tensors = tiny_params.to_tensors()
+    tensors["ln_f.bias"] = np.full_like(tensors["ln_f.bias"], np.inf)
+    path = save_llmc(GPT2Params.from_tensors(TINY, tensors), tmp_path / "f.bin", version=version)
+    refused(path, "tensor 'lnfb'", "16 non-finite values (0 NaN, 16 Inf)")
+
+
+def test_non_finite_vocab_padding_is_ignored(tiny_params, tmp_path):
+    path = save_llmc(tiny_params, tmp_path / "m.bin", version=3)
+    data = bytearray(path.read_bytes())
+    padding = HEADER_BYTES + TINY.vocab_size * TINY.n_embd * 4  # the rows llm.c pads wte with
+    data[padding : padding + 8] = np.array([np.nan, np.inf], dtype="<f4").tobytes()
+    path.write_bytes(bytes(data))
+    assert np.isfinite(load_checkpoint(path, progress=False).wte).all()

@@ -36,3 +36,18 @@ def test_bad_configs_name_the_problem(tmp_path) -> None:
         resolve_config(str(tmp_path))
     with pytest.raises(ConfigError, match="unknown model 'gpt5'"):
         resolve_config("gpt5")
+
+
+def test_an_invalid_config_file_is_named(tmp_path) -> None:
+    path = tmp_path / "config.json"
+    good = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=1000, n_positions=128).to_hf_dict()
+    path.write_text(json.dumps({**good, "n_head": 5}))
+    with pytest.raises(ConfigError) as info:
+        GPT2Config.from_json_file(path)
+    assert str(info.value) == f"{path}: n_embd (64) must be divisible by n_head (5)"
+    with pytest.raises(ConfigError, match=f"^{path}: config field 'n_layer' must be a positive integer"):
+        path.write_text(json.dumps({**good, "n_layer": 0}))
+        resolve_config(str(tmp_path))
+    path.write_text(json.dumps({**good, "n_embd": "wide"}))
+    with pytest.raises(ConfigError, match=f"^{path}: field 'n_embd' must be a number, got 'wide'"):
+        GPT2Config.from_json_file(path)

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 from wafer.arch import ARCHS
-from wafer.plan import Plan, Region, build_plan, exit_dirs
+from wafer.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from weights.config import PRESETS, GPT2Config
 
-LAYER_OPS = ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
 _plans: dict[tuple, Plan] = {}
 
 
@@ -186,3 +185,20 @@ def test_planning_is_fast(model: str) -> None:
     start = time.perf_counter()
     build_plan(PRESETS[model], ARCHS["wse3"])
     assert time.perf_counter() - start < 5.0
+
+
+def test_price_candidates_is_the_search_build_plan_ranks() -> None:
+    """`build_plan` keeps the best-priced candidate that places and routes; the report reads the rest."""
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=128, name="small")
+    search = price_candidates(config, "wse2", "fp16", slots=4)
+    plan = build_plan(config, "wse2", "fp16", slots=4)
+    assert search.explored == plan.candidates_explored and search.priced
+    best = min(search.priced, key=lambda c: (c.decode_cycles * (1 + 1e-9 * c.footprint_pes), c.index))
+    assert best.knobs == plan.knobs and best.decode_cycles == plan.decode_cycles
+    assert best.layer_pes == sum(r.pes for r in plan.regions_of(layer=0))
+    for cand in search.priced[:: max(1, len(search.priced) // 20)]:
+        path = cand.critical_path()
+        assert cand.decode_cycles == sum(s.cycles for s in path)
+        assert cand.bottleneck_cycles == max(s.cycles for s in path)
+    with pytest.raises(PlanError, match="dtype 'bf16'"):
+        price_candidates(config, dtype="bf16")

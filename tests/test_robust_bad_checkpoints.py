@@ -1,7 +1,7 @@
 """Bad checkpoints at start-up: `wafer-gpt2 serve` refuses them before it ever listens.
 
 What it guarantees: given a truncated checkpoint (safetensors, llm.c .bin), one with a
-tensor of the wrong shape, a config that does not match the weights or is not valid, or a directory
+tensor of the wrong shape or with NaN values, a config that does not match the weights or is not valid, or a directory
 without weights, the real `serve` process exits with status 2 and one error line that names the file
 (and the tensor or field) at fault, and its port never accepts a connection: no server ever answers
 with a half-loaded model. A good checkpoint, started the same way, does open the port (so the probe
@@ -87,6 +87,13 @@ def bad_checkpoints(params, write_checkpoint) -> dict[str, tuple[Path, str]]:
     with open(path, "r+b") as f:
         f.write(header.tobytes())
     cases["llm.c header: one layer too many"] = (path, f"{path.name}: truncated")
+
+    directory = write_checkpoint(params, "safetensors")
+    tensors = load_file(directory / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("h.1.attn.c_proj.bias"))
+    tensors[name][:2] = np.nan  # weights that load would make every step fail
+    save_file(tensors, directory / "model.safetensors")
+    cases["NaN weights"] = (directory, f"model.safetensors: tensor {name!r} holds 2 non-finite values")
 
     directory = write_checkpoint(params, "safetensors")
     (directory / "model.safetensors").unlink()

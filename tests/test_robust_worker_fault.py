@@ -13,6 +13,9 @@ The three faults:
 - the simulated wafer goes away: its runtime is stopped under the worker (`SimRuntime.stop()`), so the
   runtime's command thread is gone and the step in flight cannot complete.
 The last two use only the runtime's public contract (`memcpy_h2d`, `stop`); no hook in the simulator.
+A step that raises `SystemExit` (not an `Exception`) is a fault like any other. When the worker itself
+cannot go on (its reload raises `SystemExit`, or it is interrupted), the engine does not sit silently
+stopped: every request ends, /health answers 503 and the server is told to exit (`on_fatal`).
 """
 
 from __future__ import annotations
@@ -193,6 +196,46 @@ def test_a_fault_inside_the_simulated_wafer_fails_the_step(server):
 
 
 def test_the_simulated_wafer_going_away_fails_the_step(server):
-    # The step in flight meets either the stopped runtime's refusal or its closed command queue.
-    stopped = r"the runtime was stopped|cannot schedule new futures after shutdown"
+    # The step in flight meets the stopped runtime's own refusal (never the thread pool's error).
+    stopped = r"the runtime was stopped; no command is accepted after stop\(\)"
     run_fault_drill(server, lambda: server.engine.executor.runtime.stop(), stopped)
+
+
+def test_a_step_raising_system_exit_is_a_fault_the_worker_recovers_from(server):
+    run_fault_drill(
+        server,
+        lambda: server.engine.inject_fault("injected: backend called exit", error=SystemExit),
+        r"SystemExit: injected: backend called exit",
+    )
+    assert server.fatal == []
+
+
+@pytest.mark.parametrize(
+    ("error", "reloads", "state", "names_it"),
+    [
+        (SystemExit, 1, "failed", "the wafer worker died (SystemExit: injected: no way back)"),
+        (KeyboardInterrupt, 0, "stopped", "interrupted (KeyboardInterrupt)"),
+    ],
+)
+def test_a_worker_that_cannot_go_on_ends_every_request_and_the_server(
+    small_params, error, reloads, state, names_it
+):
+    settings = ServerSettings(backend="reference", max_concurrent_requests=1)
+    with (
+        running_server(settings, executor_factory("reference", small_params, slots=1)) as running,
+        running.client() as c,
+    ):
+        # A SystemExit step is recovered from, but then the reload raises SystemExit too: the worker
+        # is gone. A KeyboardInterrupt ends the worker at once.
+        running.engine.inject_fault("injected: no way back", steps=1, reloads=reloads, error=error)
+        failed = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": SHORT}})
+        assert failed.status_code == (424 if reloads else 503), failed.text
+        wait_until(lambda: running.fatal, timeout=10)  # the server is told to exit
+
+        health = c.get("/health")
+        assert health.status_code == 503 and health.json()["state"] == state, health.text
+        refused = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": SHORT}})
+        assert refused.status_code == 503, refused.text
+        assert len(running.fatal) == 1 and names_it in running.fatal[0], running.fatal
+        if state == "failed":
+            assert names_it in health.json()["reason"] and names_it in refused.json()["error"]

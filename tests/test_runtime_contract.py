@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
+from service_harness import wait_until
 
 from wafer.plan import build_plan
 from wafer.runtime import (
@@ -135,6 +138,25 @@ def test_lifecycle(plan):
         rt.memcpy_d2h(buf, sym, ln.x, ln.y, ln.w, 1, ln.symbols["gain"].elems)
     with pytest.raises(WaferRuntimeError, match="after stop"):
         rt.launch("reset_cycles")
+
+
+def test_a_command_issued_while_stop_drains_the_queue_gets_the_runtimes_own_error(plan):
+    rt = SimRuntime(plan)
+    rt.load()
+    rt.run()
+    release = threading.Event()
+    # A command that holds the runtime's command thread (as a long transfer would), so that stop() is
+    # still finishing the queue when the next command is issued.
+    held = rt._submit("a long command", lambda: release.wait(10), nonblock=True)
+    stopper = threading.Thread(target=rt.stop)
+    stopper.start()
+    wait_until(lambda: not rt.running, timeout=5)  # stopped from the moment stop() is called
+    with pytest.raises(WaferRuntimeError, match="the runtime was stopped; no command is accepted after stop"):
+        rt.launch("reset_cycles", nonblock=True)
+    assert not held.done()  # the queued command still runs to its end before stop() returns
+    release.set()
+    stopper.join(10)
+    assert not stopper.is_alive() and held.done() and held.wait() is True
 
 
 def test_streams_run_in_issue_order_and_nonblocking_tasks_complete(runtime, plan):

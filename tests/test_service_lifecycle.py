@@ -118,7 +118,9 @@ def test_a_failed_first_upload_is_fatal(small_params):
     settings = ServerSettings(backend="reference")
     with running_server(settings, broken, wait_ready=False) as running, running.client() as c:
         wait_until(lambda: running.engine.state is EngineState.FAILED)
-        assert running.fatal == ["ValueError: the plan needs 900 x 900 PEs; the fabric has 757 x 996"]
+        assert running.fatal == [
+            "the model could not be loaded: ValueError: the plan needs 900 x 900 PEs; the fabric has 757 x 996"
+        ]
         assert c.get("/health").status_code == 503
 
 

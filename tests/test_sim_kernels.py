@@ -85,6 +85,18 @@ def test_a_plan_over_the_pe_memory_is_refused_naming_pe_and_symbol(small_config)
         SimRuntime(plan)
 
 
+def test_the_cycle_counter_counts_against_the_pe_budget(small_config):
+    """The plan lists `cycles` among a region's symbols; the simulator checks it like any other array."""
+    plan = build_plan(small_config, "wse2", "fp32", slots=2, context=32)
+    qkv = plan.region("L0.qkv")
+    assert list(qkv.symbols)[-1] == "cycles"
+    others = sum(s.nbytes for name, s in qkv.symbols.items() if name != "w")
+    room = plan.arch.data_bytes_per_pe - others  # bytes left for w next to every other array
+    qkv.symbols = {**qkv.symbols, "w": Symbol("f32", room // 4 + 1)}  # would fit without the counter
+    with pytest.raises(PlanMemoryError, match=r"region 'L0.qkv'.*at symbol 'cycles'"):
+        SimRuntime(plan)
+
+
 def test_clear_slot_zeroes_only_that_slot(small_params):
     from wafer.backends import ExecutorOptions, build_executor
     from wafer.executor import StepItem

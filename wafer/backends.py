@@ -43,16 +43,22 @@ def build_executor(backend: str, params: GPT2Params, options: ExecutorOptions | 
 
 def build_sim_executor(params: GPT2Params, options: ExecutorOptions, progress: bool = False) -> Executor:
     """Plan the wafer for this model, start the embedded simulator on the plan, upload the weights."""
-    from wafer.host import WaferGPT2
-    from wafer.plan import build_plan
     from wafer.sim import SimRuntime
+
+    plan = plan_for(params, options)
+    return start_model(plan, SimRuntime(plan), params, progress)
+
+
+def plan_for(params: GPT2Params, options: ExecutorOptions):
+    """The plan every wafer backend (sim and SDK) runs for these options: slots split among the replicas."""
+    from wafer.plan import build_plan
 
     if options.replicas < 1 or options.slots % options.replicas:
         raise ValueError(
             f"slots ({options.slots}) must be a positive multiple of replicas ({options.replicas}): "
             "every replica holds the same number of slots"
         )
-    plan = build_plan(
+    return build_plan(
         params.config,
         arch=options.arch,
         dtype=options.dtype,
@@ -61,7 +67,13 @@ def build_sim_executor(params: GPT2Params, options: ExecutorOptions, progress: b
         replicas=options.replicas,
         top_k=options.top_k,
     )
-    runtime = SimRuntime(plan)
+
+
+def start_model(plan, runtime, params: GPT2Params, progress: bool = False) -> Executor:
+    """The host program on a runtime: load and run the wafer program, upload the weights; if any of
+    that fails the runtime is stopped (no half-started wafer is left behind)."""
+    from wafer.host import WaferGPT2
+
     try:
         return WaferGPT2(plan, runtime, params, progress=progress)
     except BaseException:

@@ -58,6 +58,8 @@ PLAN_VERSION = 1
 DTYPES = ("fp16", "fp32")
 OBJECTIVES = ("latency", "throughput")
 SYMBOL_BYTES = {"f16": 2, "f32": 4, "i32": 4, "u32": 4}
+# The operations of one layer, in the order a token meets them (region L3.qkv is layer 3's qkv).
+LAYER_OPS = ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
 # Wafer kinds of region, in the order the map's legend lists them.
 KINDS = ("io", "embed", "embed_head", "layernorm", "gemv", "attention", "residual")
 
@@ -384,6 +386,21 @@ def _tiling_json(tiling: object | None) -> dict | None:
 # Tilings and per-PE memory of one candidate
 
 
+CYCLES_SYMBOL = "cycles"
+
+
+def with_cycles(symbols: dict[str, Symbol]) -> dict[str, Symbol]:
+    """A PE program's arrays plus the u32[4] counter every PE keeps for the host to read back: modeled
+    busy cycles of the last step and since reset (lo, hi words each). It counts against the PE's memory
+    like any other array."""
+    return {**symbols, CYCLES_SYMBOL: Symbol("u32", 4)}
+
+
+def pe_bytes(symbols: dict[str, Symbol]) -> int:
+    """Bytes a PE program with these arrays needs, its cycle counter included."""
+    return sum(s.nbytes for s in with_cycles(symbols).values())
+
+
 def weight_symbol_dtype(dtype: str) -> str:
     return "f16" if dtype == "fp16" else "f32"
 
@@ -404,7 +421,7 @@ def norm_symbols(t: NormTiling) -> dict[str, Symbol]:
         "bias": Symbol("f32", t.chunk),
         "x": Symbol("f32", 2 * t.chunk),  # the arriving chunk, double-buffered
         "y": Symbol("f32", t.chunk),
-        "stats": Symbol("f32", 4),  # partial sum, mean, partial squares, rstd
+        "stats": Symbol("f32", 4),  # pass 1: partial sum, mean; pass 2: partial sum of (x - mean)^2, rstd
     }
 
 
@@ -590,6 +607,10 @@ class _Geometry:
         return self.r + self.band_w
 
     @property
+    def layer_pes(self) -> int:
+        return sum(self.layer_rect(0, op)[3] * self.layer_rect(0, op)[4] for op in LAYER_OPS)
+
+    @property
     def strip_h(self) -> int:
         return 3 + self.embed_rows + self.head_cols
 
@@ -662,10 +683,11 @@ def _geometry(
     r = knobs.stream_pes
     t_rows = config.n_head * knobs.fold
     lc = ceil_div(knobs.attn_chain, knobs.fold)
-    wd_bytes = 2 if dtype == "fp16" else 4
     tile_k = ceil_div(config.n_embd, r)
-    # wpe: each PE of the embed strip holds a block of positions of its dim chunk (+ its x buffer).
-    positions_per_pe = max(1, (arch.data_bytes_per_pe - 8 * tile_k - CYCLES_BYTES) // (tile_k * wd_bytes))
+    # wpe: each PE of the embed strip holds a block of positions of its dim chunk (+ its fixed buffers).
+    fixed = pe_bytes(embed_symbols(0, tile_k, dtype))
+    per_position = tile_k * SYMBOL_BYTES[weight_symbol_dtype(dtype)]
+    positions_per_pe = max(1, (arch.data_bytes_per_pe - fixed) // per_position)
     embed_rows = ceil_div(config.n_positions, positions_per_pe)
     positions_per_pe = ceil_div(config.n_positions, embed_rows)  # spread evenly over the rows
     pitch = 2 * r + lc
@@ -743,7 +765,9 @@ def _place_replica(
     }
     for name, (kind, symbols, tiling, axes) in strip_content.items():
         x, y, w, h = strip[name]
-        regions.append(Region(name, kind, None, replica, ox + x, oy + y, w, h, symbols, tiling, 0, axes))
+        regions.append(
+            Region(name, kind, None, replica, ox + x, oy + y, w, h, with_cycles(symbols), tiling, 0, axes)
+        )
     content = {
         "qkv": (gemv_symbols(lt.qkv, dtype), lt.qkv),
         "attn": (attention_symbols(lt.attn, dtype), lt.attn),
@@ -758,11 +782,10 @@ def _place_replica(
     for layer in range(config.n_layer):
         for op, (symbols, tiling) in content.items():
             kind, x, y, w, h, axes = geo.layer_rect(layer, op)
+            symbols = with_cycles(symbols)
             regions.append(
                 Region(f"L{layer}.{op}", kind, layer, replica, ox + x, oy + y, w, h, symbols, tiling, 0, axes)
             )
-    for reg in regions:
-        reg.symbols = {**reg.symbols, "cycles": Symbol("u32", 4)}  # modeled busy cycles the host reads back
     routes = []
     for name, src, dst in geo.routes():
         hops, legs = geo.route_legs(src, dst)
@@ -932,11 +955,11 @@ def _outer_stages(
     return before, turns, after
 
 
-def _critical_path(config: GPT2Config, layer_stages: list[StageCost], outer) -> list[StageCost]:
+def _critical_path(n_layer: int, layer_stages: list[StageCost], outer) -> list[StageCost]:
     """Every stage one decode token passes, in order, named like the regions (L3.qkv, head, ...)."""
     before, turns, after = outer
     stages = list(before)
-    for layer in range(config.n_layer):
+    for layer in range(n_layer):
         for s in layer_stages:
             stages.append(StageCost(f"L{layer}.{s.name.split('.', 1)[1]}", dict(s.phases)))
         if f"turn.{layer}" in turns:
@@ -954,7 +977,7 @@ def _positions_per_pe_max(config: GPT2Config, arch: Arch, dtype: str, slots: int
         AttentionTiling(config.n_head, config.head_dim, slots, context, config.n_head, ceil_div(context, p))
         for p in (1, 2)
     ]
-    one, two = (sum(s.nbytes for s in attention_symbols(t, dtype).values()) + CYCLES_BYTES for t in probe)
+    one, two = (pe_bytes(attention_symbols(t, dtype)) for t in probe)
     per_position = two - one
     fixed = one - per_position
     most = (arch.data_bytes_per_pe - fixed) // per_position
@@ -996,6 +1019,81 @@ def _candidate_knobs(config: GPT2Config, arch: Arch, dtype: str, slots: int, con
     return out
 
 
+@dataclass(frozen=True)
+class PricedCandidate:
+    """One candidate that meets the per-PE memory and kernel-area limits, priced by the cycle model
+    (placement and the color check come later: `build_plan` does them for the best ones only)."""
+
+    index: int  # order of exploration: breaks ties between equal scores
+    knobs: Knobs
+    tilings: LayerTilings
+    head: HeadTiling
+    geometry: _Geometry
+    replicas_fit: int  # how many replicas of this footprint the kernel holds
+    layer_stages: list[StageCost]  # one layer's stages
+    outer: tuple[list[StageCost], dict[str, StageCost], list[StageCost]]  # see `_outer_stages`
+    decode_cycles: int  # modeled critical path of one token at full context
+    bottleneck_cycles: int  # modeled slowest stage
+
+    @property
+    def footprint_pes(self) -> int:
+        return self.geometry.width * self.geometry.height
+
+    @property
+    def layer_pes(self) -> int:
+        return self.geometry.layer_pes
+
+    def critical_path(self) -> list[StageCost]:
+        return _critical_path(self.geometry.n_layer, self.layer_stages, self.outer)
+
+
+@dataclass
+class CandidateSearch:
+    explored: int  # candidate sizes tried
+    priced: list[PricedCandidate]  # those within the memory and kernel-area limits, in explored order
+    nearest_miss: tuple[float, str] | None  # (how far over, why) of the closest candidate left out
+
+
+def price_candidates(
+    config: GPT2Config,
+    arch: str | Arch = "wse2",
+    dtype: str = "fp16",
+    slots: int = 16,
+    context: int | None = None,
+    top_k: int = 64,
+) -> CandidateSearch:
+    """Every candidate size of the planner's search, checked against the per-PE memory and the kernel
+    area and priced by the cycle model (one replica at the kernel's corner); `build_plan` picks from these."""
+    arch = resolve_arch(arch)
+    context = _check_request(config, dtype, slots, context, top_k)
+    priced = []
+    closest: tuple[float, str] | None = None
+    knobs_list = _candidate_knobs(config, arch, dtype, slots, context)
+    for index, knobs in enumerate(knobs_list):
+        lt = _layer_tilings(config, knobs, slots, context, arch, dtype)
+        head = _head_tiling(config, knobs.stream_pes, knobs.head_cols, top_k, arch, dtype)
+        over = _memory_over(lt, head, dtype, arch)
+        if over is not None:
+            closest = _closer(closest, over)
+            continue
+        geo = _geometry(config, knobs, arch, dtype, _Dirs.of(lt, head))
+        if not isinstance(geo, _Geometry):
+            closest = _closer(closest, (geo[0], f"kernel area: {geo[1]}"))
+            continue
+        fit = (arch.kernel_w // geo.width) * (arch.kernel_h // geo.height)
+        layer_stages = _cached_layer_stages(lt, arch, dtype)
+        outer = _outer_stages(config, geo, lt, head, lt.ln, arch, dtype, 0)
+        # The critical path is layer_stages n_layer times plus the outer stages (see `_critical_path`).
+        outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
+        layer_cycles = [s.cycles for s in layer_stages]
+        latency = config.n_layer * sum(layer_cycles) + sum(outer_cycles)
+        bottleneck = max(max(layer_cycles), max(outer_cycles))
+        priced.append(
+            PricedCandidate(index, knobs, lt, head, geo, fit, layer_stages, outer, latency, bottleneck)
+        )
+    return CandidateSearch(len(knobs_list), priced, closest)
+
+
 def build_plan(
     config: GPT2Config,
     arch: str | Arch = "wse2",
@@ -1008,6 +1106,48 @@ def build_plan(
 ) -> Plan:
     """The best feasible plan for the request, or PlanError naming the limit it hits."""
     arch = resolve_arch(arch)
+    context = _check_request(config, dtype, slots, context, top_k, objective)
+    if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        raise PlanError(f"replicas must be a positive integer or 'auto', got {replicas!r}")
+    _check_total_capacity(config, arch, dtype, slots, context, 1 if replicas == "auto" else replicas)
+
+    search = price_candidates(config, arch, dtype, slots, context, top_k)
+    closest = search.nearest_miss
+    most_replicas: tuple[int, str] | None = None  # the most replicas any candidate fits, when short
+    ranked = []
+    for cand in search.priced:
+        fit = cand.replicas_fit
+        wanted = fit if replicas == "auto" else replicas
+        if fit < wanted:
+            if most_replicas is None or fit > most_replicas[0]:
+                g = cand.geometry
+                most_replicas = (
+                    fit,
+                    f"kernel area: {wanted} replicas do not fit; at most {fit} replicas of "
+                    f"{g.width}x{g.height} PEs do, {wanted - fit} short",
+                )
+            continue
+        per_replica = min(slots * CLOCK_HZ / cand.decode_cycles, CLOCK_HZ / cand.bottleneck_cycles)
+        score = cand.decode_cycles if objective == "latency" else -per_replica * wanted
+        # Among near-equal candidates prefer the smaller footprint (frees room, keeps the map readable).
+        ranked.append((score * (1 + 1e-9 * cand.footprint_pes), cand.index, wanted, cand))
+    ranked.sort(key=lambda item: (item[0], item[1]))
+    for _, _, wanted, cand in ranked:
+        plan = _assemble(config, arch, dtype, slots, context, objective, wanted, top_k, cand)
+        if isinstance(plan, str):
+            closest = _closer(closest, (1.0, plan))
+            continue
+        plan.candidates_explored = search.explored
+        return plan
+    if most_replicas is not None:  # one replica fits: the replica count is the limit
+        closest = (0.0, most_replicas[1])
+    raise PlanError(_infeasible_message(config, arch, slots, context, closest))
+
+
+def _check_request(
+    config: GPT2Config, dtype: str, slots: int, context: int | None, top_k: int, objective: str = "latency"
+) -> int:
+    """The request's context (the model's n_positions when None); PlanError naming a bad argument."""
     if dtype not in DTYPES:
         raise PlanError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if objective not in OBJECTIVES:
@@ -1019,85 +1159,7 @@ def build_plan(
         raise PlanError(f"context must be 1..{config.n_positions} (the model's n_positions), got {context!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= config.vocab_size:
         raise PlanError(f"top_k must be 1..{config.vocab_size}, got {top_k!r}")
-    if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
-        raise PlanError(f"replicas must be a positive integer or 'auto', got {replicas!r}")
-    _check_total_capacity(config, arch, dtype, slots, context, 1 if replicas == "auto" else replicas)
-
-    feasible = []
-    closest: tuple[float, str] | None = None  # (how far over, why) of the nearest miss
-    most_replicas: tuple[int, str] | None = None  # the most replicas any candidate fits, when short
-    knobs_list = _candidate_knobs(config, arch, dtype, slots, context)
-    for index, knobs in enumerate(knobs_list):
-        lt = _layer_tilings(config, knobs, slots, context, arch, dtype)
-        head = _head_tiling(config, knobs.stream_pes, knobs.head_cols, top_k, arch, dtype)
-        ln_f = lt.ln
-        over = _memory_over(lt, head, dtype, arch)
-        if over is not None:
-            closest = _closer(closest, over)
-            continue
-        geo = _geometry(config, knobs, arch, dtype, _Dirs.of(lt, head))
-        if not isinstance(geo, _Geometry):
-            closest = _closer(closest, (geo[0], f"kernel area: {geo[1]}"))
-            continue
-        fit = (arch.kernel_w // geo.width) * (arch.kernel_h // geo.height)
-        wanted = fit if replicas == "auto" else replicas
-        if fit < wanted:
-            if most_replicas is None or fit > most_replicas[0]:
-                most_replicas = (
-                    fit,
-                    f"kernel area: {wanted} replicas do not fit; at most {fit} replicas of "
-                    f"{geo.width}x{geo.height} PEs do, {wanted - fit} short",
-                )
-            continue
-        layer_stages = _cached_layer_stages(lt, arch, dtype)
-        outer = _outer_stages(config, geo, lt, head, ln_f, arch, dtype, 0)
-        layer_cycles = sum(s.cycles for s in layer_stages)
-        outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
-        latency = config.n_layer * layer_cycles + sum(outer_cycles)
-        bottleneck = max(max(s.cycles for s in layer_stages), max(outer_cycles))
-        per_replica = min(slots * CLOCK_HZ / latency, CLOCK_HZ / bottleneck)
-        score = latency if objective == "latency" else -per_replica * wanted
-        # Among near-equal candidates prefer the smaller footprint (frees room, keeps the map readable).
-        feasible.append(
-            (
-                score * (1 + 1e-9 * geo.width * geo.height),
-                index,
-                knobs,
-                lt,
-                head,
-                geo,
-                wanted,
-                layer_stages,
-                outer,
-            )
-        )
-    feasible.sort(key=lambda item: (item[0], item[1]))
-    for _, _, knobs, lt, head, geo, wanted, layer_stages, outer in feasible:
-        stages = _critical_path(config, layer_stages, outer)
-        plan = _assemble(
-            config,
-            arch,
-            dtype,
-            slots,
-            context,
-            objective,
-            wanted,
-            top_k,
-            knobs,
-            lt,
-            head,
-            geo,
-            stages,
-            layer_stages,
-        )
-        if isinstance(plan, str):
-            closest = _closer(closest, (1.0, plan))
-            continue
-        plan.candidates_explored = len(knobs_list)
-        return plan
-    if most_replicas is not None:  # one replica fits: the replica count is the limit
-        closest = (0.0, most_replicas[1])
-    raise PlanError(_infeasible_message(config, arch, slots, context, closest))
+    return context
 
 
 @lru_cache(maxsize=4096)
@@ -1139,9 +1201,7 @@ def _memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> 
         "head": head_symbols(head, dtype),
         "ln": norm_symbols(lt.ln),
     }
-    worst_name, worst = max(
-        ((n, sum(s.nbytes for s in v.values()) + CYCLES_BYTES) for n, v in checks.items()), key=lambda p: p[1]
-    )
+    worst_name, worst = max(((n, pe_bytes(v)) for n, v in checks.items()), key=lambda p: p[1])
     if worst > budget:
         return (
             worst / budget,
@@ -1150,9 +1210,6 @@ def _memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> 
             f"{arch.sram_reserve_bytes // 1024} KB reserve)",
         )
     return None
-
-
-CYCLES_BYTES = 16  # the u32[4] "cycles" counter every PE keeps for the host
 
 
 def _check_total_capacity(
@@ -1174,22 +1231,18 @@ def _check_total_capacity(
 
 
 def _assemble(
-    config,
-    arch,
-    dtype,
-    slots,
-    context,
-    objective,
-    replicas,
-    top_k,
-    knobs,
-    lt,
-    head,
-    geo,
-    stages,
-    layer_stages,
+    config: GPT2Config,
+    arch: Arch,
+    dtype: str,
+    slots: int,
+    context: int,
+    objective: str,
+    replicas: int,
+    top_k: int,
+    cand: PricedCandidate,
 ) -> Plan | str:
     """Place every replica, check the geometry and the colors; a string says which check failed."""
+    lt, head, geo = cand.tilings, cand.head, cand.geometry
     per_row = arch.kernel_w // geo.width
     regions: list[Region] = []
     routes: list[Route] = []
@@ -1228,10 +1281,10 @@ def _assemble(
         ln_f=lt.ln,
         head=head,
         regions=regions,
-        knobs=knobs,
+        knobs=cand.knobs,
         routes=routes,
-        stage_costs=stages,
-        layer_stage_costs=[StageCost(s.name, dict(s.phases)) for s in layer_stages],
+        stage_costs=cand.critical_path(),
+        layer_stage_costs=[StageCost(s.name, dict(s.phases)) for s in cand.layer_stages],
         top_k=top_k,
         footprint=(geo.width, geo.height),
         colors_used=worst.colors,

@@ -137,10 +137,11 @@ class Runtime(ABC):
 
     def stop(self) -> None:
         """Finish every queued command, then stop the program; later commands are refused."""
-        if self._state == "stopped":
-            return
+        with self._lock:  # `_submit` checks the state under this lock: no command slips in after it
+            if self._state == "stopped":
+                return
+            self._state = "stopped"
         self._queue.shutdown(wait=True)
-        self._state = "stopped"
 
     @property
     def running(self) -> bool:
@@ -171,9 +172,7 @@ class Runtime(ABC):
     ) -> Task:
         """Host -> wafer: `dest` is a symbol id (copy mode) or a memcpy color (streaming mode)."""
         what = "memcpy_h2d"
-        self._check_running(what)
-        self._check_rectangle(what, px, py, w, h, elems_per_pe)
-        words = self._host_words(what, src, w * h * elems_per_pe, writable=False)
+        words = self._check_transfer(what, src, px, py, w, h, elems_per_pe, writable=False)
         hwl = flat_to_hwl(words, h, w, elems_per_pe, order).copy()  # the SDK reads src at issue time
         rect = (px, py, w, h)
         if streaming:
@@ -201,9 +200,7 @@ class Runtime(ABC):
     ) -> Task:
         """Wafer -> host: fills `dest` (w*h*elems_per_pe 32-bit elements) in place."""
         what = "memcpy_d2h"
-        self._check_running(what)
-        self._check_rectangle(what, px, py, w, h, elems_per_pe)
-        out = self._host_words(what, dest, w * h * elems_per_pe, writable=True)
+        out = self._check_transfer(what, dest, px, py, w, h, elems_per_pe, writable=True)
         rect = (px, py, w, h)
 
         def deliver(hwl: np.ndarray) -> None:
@@ -298,6 +295,14 @@ class Runtime(ABC):
                 f"{what}: an earlier command failed, the wafer state is unknown: {self._failure}"
             )
 
+    def _check_transfer(
+        self, what: str, array: np.ndarray, px: int, py: int, w: int, h: int, elems: int, writable: bool
+    ) -> np.ndarray:
+        """The checks every memcpy makes (state, rectangle, host array); the host array as uint32 words."""
+        self._check_running(what)
+        self._check_rectangle(what, px, py, w, h, elems)
+        return self._host_words(what, array, w * h * elems, writable)
+
     def _check_rectangle(self, what: str, px: int, py: int, w: int, h: int, elems: int) -> None:
         kw, kh = self.kernel_wh
         for name, value in (("px", px), ("py", py), ("w", w), ("h", h), ("elems_per_pe", elems)):
@@ -346,7 +351,10 @@ class Runtime(ABC):
                     self._failure = self._failure or exc
                 raise
 
-        task = Task(self._queue.submit(guarded), description)
+        with self._lock:  # against a concurrent stop(): refuse with our own error, not the pool's
+            self._check_running(description)
+            future = self._queue.submit(guarded)
+        task = Task(future, description)
         if not nonblock:
             task.wait()
         return task

@@ -176,21 +176,14 @@ def build_executor(params, options, artifact_path: str | Path | None = None, wor
             "simulator": True,
             **client_options,
         }
+    from wafer.backends import plan_for, start_model
     from wafer.compile import appliance_compile, prepare_sources
-    from wafer.host import WaferGPT2
-    from wafer.sdk_container import plan_for
 
     plan = plan_for(params, options)
     if artifact_path is None:
         job = prepare_sources(plan, Path(work_dir) / "csl", simfabric=client_options.get("simulator", False))
         artifact_path = appliance_compile(job, Path(work_dir) / "artifact", **client_options)
-    model = WaferGPT2(plan, ApplianceRuntime(artifact_path, **client_options))
-    try:
-        model.upload(params)
-    except BaseException:
-        model.close()
-        raise
-    return model
+    return start_model(plan, ApplianceRuntime(artifact_path, **client_options), params)
 
 
 # ----------------------------------------------------------------------------------------------------

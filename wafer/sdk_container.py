@@ -96,37 +96,11 @@ class SdkContainerRuntime:
 def build_executor(params, options, out_dir: str | Path = "build/sdk-container", cmaddr: str | None = None):
     """Plan, compile with cslc (simfabric-sized unless a cmaddr is set), load, upload the weights."""
     import_sdk()  # fail first, with the clear message, before planning or compiling
+    from wafer.backends import plan_for, start_model
     from wafer.compile import compile_program, prepare_sources
-    from wafer.host import WaferGPT2
 
     cmaddr = cmaddr if cmaddr is not None else os.environ.get("WAFER_CMADDR") or None
     plan = plan_for(params, options)
     job = prepare_sources(plan, out_dir, simfabric=cmaddr is None)
     compile_program(job)
-    model = WaferGPT2(plan, SdkContainerRuntime(job.bin_dir, cmaddr=cmaddr))
-    try:
-        model.upload(params)
-    except BaseException:
-        model.close()
-        raise
-    return model
-
-
-def plan_for(params, options):
-    """The plan the SDK backends run: the same request the sim backend plans (wafer.backends)."""
-    from wafer.plan import build_plan
-
-    if options.replicas < 1 or options.slots % options.replicas:
-        raise ValueError(
-            f"slots ({options.slots}) must be a positive multiple of replicas ({options.replicas}): "
-            "every replica holds the same number of slots"
-        )
-    return build_plan(
-        params.config,
-        arch=options.arch,
-        dtype=options.dtype,
-        slots=options.slots // options.replicas,
-        context=options.context,
-        replicas=options.replicas,
-        top_k=options.top_k,
-    )
+    return start_model(plan, SdkContainerRuntime(job.bin_dir, cmaddr=cmaddr), params)

@@ -23,9 +23,10 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
   order, or tree (`reduction`, rounds of `tree_order()`). On the fabric a head group's chain is folded
   into `fold` rows of `chain // fold` PEs (row-major, snake order), so the region is
   (chain // fold) x (head_groups * fold) PEs.
-- LayerNorm over C values: `pes` PEs each hold `chunk` values; partial sums are combined over the PEs
-  (chain in PE order, or tree: `reduction`), then every PE normalises its chunk. `axis` is the fabric
-  axis the strip lies along.
+- LayerNorm over C values: `pes` PEs each hold `chunk` values. Two passes, each a per-PE partial sum
+  combined over the PEs (chain in PE order, or tree: `reduction`): the sum of x gives the mean, then
+  the sum of (x - mean)^2 gives the variance (no one-pass sum of squares: it cancels badly in fp32).
+  Then every PE normalises its chunk. `axis` is the fabric axis the strip lies along.
 - Head: the LM head is a GEMV with K = C, N = vocab on `wte` transposed; each output column of PEs
   also keeps its local top-k and (max, sum-exp) which are merged across the columns (chain in column
   order, or tree: `merge`). With `gemv.scatter` = s > 1 a column's logits end on s PEs (piece i holds

@@ -5,9 +5,10 @@ Formats (one module each):
   sharded `model.safetensors.index.json`, or `pytorch_model.bin` (which needs torch);
 - an llm.c checkpoint (`weights.llmc_format`): one `.bin` with a 256-int32 header, magic 20240326.
 
-Every loader checks every tensor name and shape against the config before reading data, so a damaged
-checkpoint raises `CheckpointError` naming the file, the tensor and the expected vs found shape, and
-nothing half-loaded is ever returned.
+Every loader checks every tensor name and shape against the config before reading data, and every
+value as it reads it (NaN or Inf weights would make every step fail later), so a damaged checkpoint
+raises `CheckpointError` naming the file, the tensor and what is wrong with it, and nothing
+half-loaded is ever returned.
 """
 
 from __future__ import annotations
@@ -60,6 +61,19 @@ def check_shapes(
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, expected {shape} ({describe})"
             )
+
+
+def check_finite(values: np.ndarray, source: str | Path, tensor: str) -> None:
+    """Refuse NaN or Inf weights at load time: loaded, they would only make every step fail."""
+    finite = np.isfinite(values)
+    if finite.all():
+        return
+    bad = values.size - int(np.count_nonzero(finite))
+    nan = int(np.count_nonzero(np.isnan(values)))
+    raise CheckpointError(
+        f"{source}: tensor {tensor!r} holds {bad} non-finite values ({nan} NaN, {bad - nan} Inf) "
+        f"among its {values.size}: the checkpoint is damaged"
+    )
 
 
 def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:

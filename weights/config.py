@@ -60,18 +60,30 @@ class GPT2Config:
 
     @classmethod
     def from_hf_dict(cls, data: dict, name: str = "custom", source: str = "config") -> GPT2Config:
+        """The config a `config.json` describes; any ConfigError names `source` (the file)."""
+
+        def number(field: str, kind: type, default: object = None) -> int | float:
+            value = data.get(field, default)
+            if value is None:
+                raise ConfigError(f"{source}: missing field {field!r}")
+            try:
+                return kind(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{source}: field {field!r} must be a number, got {value!r}") from None
+
+        n_positions = "n_positions" if "n_positions" in data else "n_ctx"
+        fields = dict(
+            n_layer=number("n_layer", int),
+            n_head=number("n_head", int),
+            n_embd=number("n_embd", int),
+            vocab_size=number("vocab_size", int),
+            n_positions=number(n_positions, int, 1024),
+            layer_norm_epsilon=number("layer_norm_epsilon", float, 1e-5),
+        )
         try:
-            return cls(
-                n_layer=int(data["n_layer"]),
-                n_head=int(data["n_head"]),
-                n_embd=int(data["n_embd"]),
-                vocab_size=int(data["vocab_size"]),
-                n_positions=int(data.get("n_positions", data.get("n_ctx", 1024))),
-                layer_norm_epsilon=float(data.get("layer_norm_epsilon", 1e-5)),
-                name=name,
-            )
-        except KeyError as exc:
-            raise ConfigError(f"{source}: missing field {exc.args[0]!r}") from None
+            return cls(**fields, name=name)
+        except ConfigError as exc:  # the dataclass's own checks do not know which file they read
+            raise ConfigError(f"{source}: {exc}") from None
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> GPT2Config:

@@ -18,7 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from weights.checkpoint import CheckpointError, bf16_bits, check_shapes, progress_bar, to_float32
+from weights.checkpoint import (
+    CheckpointError,
+    bf16_bits,
+    check_finite,
+    check_shapes,
+    progress_bar,
+    to_float32,
+)
 from weights.config import ConfigError, GPT2Config
 from weights.params import GPT2Params
 
@@ -267,6 +274,7 @@ def load_safetensors(
             if tensor.file not in mapped:
                 mapped[tensor.file] = np.memmap(tensor.file, dtype=np.uint8, mode="r")
             tensors[name] = read_stored(tensor, mapped[tensor.file])
+            check_finite(tensors[name], tensor.file, raw)
             bar.update(tensor.end - tensor.start)
     return tensors
 
@@ -305,7 +313,11 @@ def load_pytorch(
     check_shapes(
         config, {k: v for k, v in shapes.items() if k != LM_HEAD}, str(source), str(directory / CONFIG_FILE)
     )
-    return {name: state[raw].detach().to(torch.float32).numpy().copy() for name, raw in names.items()}
+    tensors = {}
+    for name, raw in names.items():
+        tensors[name] = state[raw].detach().to(torch.float32).numpy().copy()
+        check_finite(tensors[name], source, raw)
+    return tensors
 
 
 # ----------------------------------------------------------------------------- writing

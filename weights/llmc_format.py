@@ -18,7 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from weights.checkpoint import LLMC_MAGIC, CheckpointError, bf16_bits, progress_bar, to_float32
+from weights.checkpoint import (
+    LLMC_MAGIC,
+    CheckpointError,
+    bf16_bits,
+    check_finite,
+    progress_bar,
+    to_float32,
+)
 from weights.config import ConfigError, GPT2Config
 from weights.params import GPT2Params
 
@@ -124,12 +131,15 @@ def load_llmc(path: Path, progress: bool = True) -> GPT2Params:
             offset += nbytes
             bar.update(nbytes)
             if name == "wte":
-                tensors["wte.weight"] = np.ascontiguousarray(array[: dims["V"]])
+                tensors["wte.weight"] = np.ascontiguousarray(array[: dims["V"]])  # padding rows dropped
+                check_finite(tensors["wte.weight"], path, name)
             elif name in GLOBAL_TENSORS:
                 tensors[canonical] = array
+                check_finite(array, path, name)
             else:
                 for layer in range(dims["L"]):
                     value = array[layer].T if name in MATRICES else array[layer]
+                    check_finite(value, path, f"{name}[{layer}] (h.{layer}.{canonical})")
                     tensors[f"h.{layer}.{canonical}"] = np.ascontiguousarray(value)
     return GPT2Params.from_tensors(config, tensors)
 

@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     server.run()
     if failure:
         print(
-            f"wafer-gpt2 serve: error: the model could not be loaded on backend {settings.backend}: {failure[0]}",
+            f"wafer-gpt2 serve: error: backend {settings.backend}: {failure[0]}",
             file=sys.stderr,
         )
         return 1

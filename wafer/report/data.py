@@ -13,13 +13,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from wafer import plan as planner
-from wafer.arch import resolve_arch
-from wafer.plan import Plan, build_plan
+from wafer.plan import Plan, build_plan, price_candidates
 from wafer.report.peers import GPUS, PUBLISHED, BandwidthFloor, PublishedFigure, bandwidth_floor
 from weights.config import PRESETS, GPT2Config, resolve_config
 
-# The operations of one layer, in the order a token meets them (the names `wafer.plan` gives them).
-LAYER_OPS = ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
 SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # What a phase of a stage spends its cycles on, by the words `wafer.cost` names its phases with.
 PHASE_CLASSES = ("data movement", "compute", "reduction / merge")
@@ -159,27 +156,15 @@ class Candidate:
 
 
 def explore_candidates(config: GPT2Config, arch: str, dtype: str, slots: int, top_k: int) -> list[Candidate]:
-    """Price every candidate size the planner considers for one replica: the steps of `build_plan`'s
-    search (memory check, geometry, critical path) without keeping only the best.
-    TODO(plan owner): expose this as a public `wafer.plan` function; it mirrors the search loop."""
-    arch_obj = resolve_arch(arch)
-    context = config.n_positions
-    out = []
-    for knobs in planner._candidate_knobs(config, arch_obj, dtype, slots, context):
-        tilings = planner._layer_tilings(config, knobs, slots, context, arch_obj, dtype)
-        head = planner._head_tiling(config, knobs.stream_pes, knobs.head_cols, top_k, arch_obj, dtype)
-        if planner._memory_over(tilings, head, dtype, arch_obj) is not None:
-            continue
-        geo = planner._geometry(config, knobs, arch_obj, dtype, planner._Dirs.of(tilings, head))
-        if not isinstance(geo, planner._Geometry):
-            continue
-        layer_stages = planner._cached_layer_stages(tilings, arch_obj, dtype)
-        outer = planner._outer_stages(config, geo, tilings, head, tilings.ln, arch_obj, dtype, 0)
-        stages = planner._critical_path(config, layer_stages, outer)
-        point = OperatingPoint(sum(s.cycles for s in stages), max(s.cycles for s in stages), slots)
-        layer_pes = sum(geo.layer_rect(0, op)[3] * geo.layer_rect(0, op)[4] for op in LAYER_OPS)
-        out.append(Candidate(knobs, layer_pes, geo.width * geo.height, point))
-    return out
+    """Every candidate size the planner prices for one replica (`wafer.plan.price_candidates`), not only
+    the one `build_plan` keeps."""
+    search = price_candidates(config, arch, dtype, slots, config.n_positions, top_k)
+    return [
+        Candidate(
+            c.knobs, c.layer_pes, c.footprint_pes, OperatingPoint(c.decode_cycles, c.bottleneck_cycles, slots)
+        )
+        for c in search.priced
+    ]
 
 
 def pes_per_layer(plan: Plan) -> int:

@@ -15,8 +15,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter  # noqa: E402
 
 from wafer.cost import cycles_to_us  # noqa: E402
+from wafer.plan import LAYER_OPS  # noqa: E402
 from wafer.report.data import (  # noqa: E402
-    LAYER_OPS,
     PHASE_CLASSES,
     SYMBOL_CLASSES,
     ReportData,

@@ -44,11 +44,9 @@ class WaferMemory:
         regions: Sequence[Any],
         kernel_wh: tuple[int, int],
         budget_bytes: int = SRAM_BYTES,
-        reserved_symbols: Sequence[str] = (),
     ) -> None:
         self.kernel_wh = kernel_wh
         self.budget_bytes = budget_bytes
-        self.reserved_symbols = set(reserved_symbols)
         kw, kh = kernel_wh
         self.owner = np.full((kh, kw), -1, dtype=np.int32)  # region index per PE, -1: no program
         self.regions: list[RegionMemory] = []
@@ -87,12 +85,9 @@ class WaferMemory:
         taken[...] = index
 
     def _check_budget(self, region: Any, arrays: dict[str, np.ndarray]) -> None:
-        """The planned symbols must fit the PE's data budget (48 KB less the reserve for code, stack
-        and memcpy buffers); runtime bookkeeping (`reserved_symbols`: the cycle counter) lives in that
-        reserve, so it only has to fit the whole SRAM."""
-        sizes = {
-            n: a.shape[2] * a.dtype.itemsize for n, a in arrays.items() if n not in self.reserved_symbols
-        }
+        """The planned symbols (the cycle counter too) must fit the PE's data budget: 48 KB less the
+        reserve for code, stack and memcpy buffers."""
+        sizes = {n: a.shape[2] * a.dtype.itemsize for n, a in arrays.items()}
         used = 0
         for name, size in sizes.items():
             used += size

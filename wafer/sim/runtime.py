@@ -13,10 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from wafer.plan import Symbol
 from wafer.runtime import MemcpyDataType, Runtime, WaferRuntimeError
 from wafer.sim.memory import WaferMemory
-from wafer.sim.program import CYCLES_SYMBOL, WaferProgram
+from wafer.sim.program import WaferProgram
 from wafer.wire import D2H_COLOR, H2D_COLOR, HEADER_WORDS, decode_items, message_words
 
 # Host-callable functions of the wafer program: name -> argument names (each a 16/32-bit integer).
@@ -31,8 +30,8 @@ class SimRuntime(Runtime):
         super().__init__()
         self.plan = plan
         self.kernel_wh = (plan.arch.kernel_w, plan.arch.kernel_h)
-        regions = [_with_cycles(region) for region in plan.regions]
-        self.memory = WaferMemory(regions, self.kernel_wh, plan.arch.data_bytes_per_pe, (CYCLES_SYMBOL,))
+        # The plan lists every array a PE keeps, its `cycles` counter included (`wafer.plan.with_cycles`).
+        self.memory = WaferMemory(plan.regions, self.kernel_wh, plan.arch.data_bytes_per_pe)
         self.program = WaferProgram(plan, self.memory)
         # Streams: words waiting at a PE, per (color, x, y).
         self._inbox: dict[tuple[int, int, int], list[np.ndarray]] = defaultdict(list)
@@ -147,14 +146,3 @@ class SimRuntime(Runtime):
             self.program.clear_slot(*args)
         elif name == "reset_cycles":
             self.program.reset_cycles()
-
-
-def _with_cycles(region: Any) -> Any:
-    """Every PE program keeps a `cycles` counter the host can read (like the SDK examples' timestamp
-    buffers); the simulator adds it where the plan did not list it."""
-    if CYCLES_SYMBOL in region.symbols:
-        return region
-    clone = type(region).__new__(type(region))
-    clone.__dict__.update(region.__dict__)
-    clone.symbols = {**region.symbols, CYCLES_SYMBOL: Symbol("u32", 4)}
-    return clone
