@@ -123,3 +123,76 @@ def _eval(expr: str, env: dict[str, int]) -> int:
     if not _SAFE_EXPR.match(expr):
         raise ValueError(f"not a plain integer expression: {expr!r}")
     return int(eval(expr.replace("/", "//"), {"__builtins__": {}}, env))  # noqa: S307 - checked above
+
+
+# ----------------------------------------------------------------------------------------------------
+# WSE-3 input queues
+
+# On WSE-3 an input queue is bound to one color at a time (@initialize_queue, re-bound at run time with
+# tile_config's encode_input_queue). A PE has 8 input queues, ids 0-7 (the limit issue 5 states; not
+# confirmed here against the SDK's reference), and memcpy keeps 0 and 1 on every PE ("memcpy reserves input/output queue 0 and
+# 1", SDK 2.10 tutorial topic 16), which also carry io.in's streaming channel. So a PE program may bind
+# at most 6 more, each to one module instance: the stream.csl / reduce.csl instances run concurrently.
+WSE3_INPUT_QUEUES = 8
+MEMCPY_INPUT_QUEUES = frozenset({0, 1})
+# Each instance of these modules binds exactly one input queue: the param named here (checked below,
+# so a module that grew a queue per receive, as reduce.csl once had, fails the lint).
+QUEUE_MODULES = {"stream.csl": "rx_queue", "reduce.csl": "in_queue"}
+_GET_INPUT_QUEUE = re.compile(r"@get_input_queue\(\s*([^)]*?)\s*\)")
+
+
+def input_queues(name: str, text: str | None = None) -> list[tuple[str, int]]:
+    """(who binds it, queue id) for every input queue a PE program binds on WSE-3: its own
+    `@get_input_queue(N)` and one per stream.csl / reduce.csl instance it imports. `text` replaces
+    the file's source (the lint's negative tests)."""
+    text = _COMMENT.sub("", text) if text is not None else source(name)
+    found = []
+    for m in _GET_INPUT_QUEUE.finditer(text):
+        if not m.group(1).isdigit():
+            raise ValueError(f"{name}: @get_input_queue({m.group(1)}) is not a literal queue id")
+        found.append((f"{name} @get_input_queue", int(m.group(1))))
+    for m in re.finditer(r"const\s+(\w+)\s*=\s*@import_module\(\s*\"(\w+\.csl)\"\s*,\s*\.\{", text):
+        field = QUEUE_MODULES.get(m.group(2))
+        if field is None:
+            continue
+        value = re.search(rf"\.{field}\s*=\s*(\d+)", _balanced(text, m.end() - 1))
+        if value is None:
+            raise ValueError(f"{name}: the {m.group(2)} instance `{m.group(1)}` sets no literal .{field}")
+        found.append((f"{name} {m.group(1)} ({m.group(2)})", int(value.group(1))))
+    return found
+
+
+def wse3_queue_problems(sources: dict[str, str] | None = None) -> list[str]:
+    """Why a PE program would bind more input queues than WSE-3 has, or one queue twice at once; empty
+    when every program fits. `sources` (file name -> text) replaces files' sources."""
+    sources = sources or {}
+    problems = []
+    for module, field in QUEUE_MODULES.items():
+        uses = _GET_INPUT_QUEUE.findall(
+            _COMMENT.sub("", sources[module]) if module in sources else source(module)
+        )
+        if uses != [field]:
+            problems.append(
+                f"{module} must bind exactly one input queue, @get_input_queue({field}); found {uses}"
+            )
+    programs = sorted(set(tile_code_structs()) | {"idle.csl"})
+    for program in programs:
+        bound = input_queues(program, sources.get(program))
+        owners: dict[int, list[str]] = {}
+        for who, queue in bound:
+            owners.setdefault(queue, []).append(who)
+        for queue, who in sorted(owners.items()):
+            if not 0 <= queue < WSE3_INPUT_QUEUES:
+                problems.append(
+                    f"{program}: {who[0]} binds input queue {queue}; WSE-3 has ids 0-{WSE3_INPUT_QUEUES - 1}"
+                )
+            elif queue in MEMCPY_INPUT_QUEUES and any("@get_input_queue" not in w for w in who):
+                problems.append(f"{program}: {', '.join(who)} binds input queue {queue}, which memcpy keeps")
+            elif len(who) > 1:
+                problems.append(f"{program}: input queue {queue} is bound by {len(who)} instances at once "
+                                f"({', '.join(who)}); on WSE-3 a queue holds one color")  # fmt: skip
+        total = len(set(owners) | MEMCPY_INPUT_QUEUES)
+        if total > WSE3_INPUT_QUEUES:
+            problems.append(f"{program}: a PE binds {total} input queues at once (memcpy's 2 included); "
+                            f"WSE-3 has {WSE3_INPUT_QUEUES}")  # fmt: skip
+    return problems

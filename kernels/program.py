@@ -1183,37 +1183,6 @@ def pe_routes(p: dict[str, Any], kind: int) -> tuple[set[int], set[int]]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# WSE-3: a queue binds to one color
-
-
-# The input queues of the reduce.csl instances (the PE programs' `in_queue`), and the last queue each
-# may grow to: on WSE-3 receive k of a reduction uses queue base + k.
-REDUCE_QUEUES = {K_GEMV: {"red": (4, 7)}, K_NORM: {"red": (6, 7)}, K_ATTN: {"red": (4, 7)},
-                 K_HEAD: {"red": (6, 6), "mg": (7, 7)}}  # fmt: skip
-
-
-def wse3_queue_problems(program: Program) -> list[str]:
-    """Why the program cannot run on WSE-3: a reduction whose PE receives on more colors than it has
-    input queues (WSE-3 binds each queue to one color; reusing one needs @queue_flush, which these
-    kernels do not do yet). Empty when it fits."""
-    problems = []
-    seen: set[tuple[str, int]] = set()
-    for row in program.regions:
-        for prefix, (first, last) in REDUCE_QUEUES.get(row.kind, {}).items():
-            off = row.tv(f"{prefix}_off")
-            n = row.tv("rows") if prefix == "red" and row.kind in (K_GEMV, K_HEAD) else row.tv("cols")
-            n = {K_NORM: row.tv("pes"), K_ATTN: row.tv("chain")}.get(row.kind, n)
-            most = max((len(decode_role(w)[0]) for w in program.roles[off : off + n]), default=0)
-            if first + most - 1 > last and (row.name.split(".")[-1], most) not in seen:
-                seen.add((row.name.split(".")[-1], most))
-                problems.append(
-                    f"region {row.name}: a PE of its {prefix} reduction receives on {most} colors, "
-                    f"but only {last - first + 1} input queue(s) are left for it on WSE-3"
-                )
-    return problems
-
-
-# ----------------------------------------------------------------------------------------------------
 # plan_params.csl
 
 

@@ -81,10 +81,39 @@ def test_compile_command_dry_run_on_gpt2(tmp_path, capsys):
     assert check_file(tmp_path / "src" / "plan_params.csl") == []
 
 
-def test_compile_command_explains_wse3_queues(tmp_path, capsys):
-    assert main(["compile", "--model", "gpt2", "--arch", "wse3", "--out", str(tmp_path), "--dry-run"]) == 2
-    err = capsys.readouterr().err
-    assert "WSE-3's input queues" in err and "region L0.qkv: a PE of its red reduction receives on" in err
+def test_compile_command_dry_run_on_gpt2_wse3(tmp_path, capsys):
+    """WSE-3: every reduction receives through one re-bound input queue, so the 124M plan fits."""
+    assert main(["compile", "--model", "gpt2", "--arch", "wse3", "--out", str(tmp_path), "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    argv = shlex.split(out.strip())
+    assert argv[0] == "cslc" and "--arch=wse3" in argv and "--fabric-dims=762,1172" in argv
+    assert "dry run" in err
+    tables = (tmp_path / "src" / "plan_params.csl").read_text()
+    assert '"arch": "wse3"' in tables and check_file(tmp_path / "src" / "plan_params.csl") == []
+    assert check_file(tmp_path / "src" / "reduce.csl") == []
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_tiny_config_prepares_for_wse3(tmp_path, dtype):
+    plan = build_plan(TINY, arch="wse3", slots=2, context=32, top_k=8, dtype=dtype)
+    job = prepare_sources(plan, tmp_path, simfabric=True)
+    assert "--arch=wse3" in job.argv and compile_program(job, dry_run=True) is None
+    w, h = job.params["kernel_w"], job.params["kernel_h"]
+    assert job.fabric_dims == (w + 7, h + 2) and (job.src_dir / "plan_params.csl").exists()
+
+
+def test_wse3_compile_refuses_kernels_that_overrun_the_input_queues(tmp_path, tiny_plan, monkeypatch):
+    """The driver runs the lint's queue check: a reduce.csl with a queue per receive is refused."""
+    from kernels import csl_contract
+
+    per_receive = csl_contract.source("reduce.csl").replace(
+        "@get_input_queue(in_queue)", "@get_input_queue(in_queue + k)"
+    )
+    real = csl_contract.wse3_queue_problems
+    monkeypatch.setattr(csl_contract, "wse3_queue_problems", lambda: real({"reduce.csl": per_receive}))
+    plan = build_plan(TINY, arch="wse3", slots=2, context=32, top_k=8)
+    with pytest.raises(CompileError, match="WSE-3's input queues"):
+        prepare_sources(plan, tmp_path, write=False)
 
 
 def test_sdk_backends_explain_a_missing_sdk():

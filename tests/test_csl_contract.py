@@ -353,3 +353,41 @@ def test_overlapping_regions_are_refused():
     b.y = a.y
     with pytest.raises(ProgramError, match="overlap"):
         build_program(plan)
+
+
+# -- WSE-3 input queues ---------------------------------------------------------------------------------
+
+
+def test_wse3_every_pe_program_fits_the_input_queues():
+    assert csl.wse3_queue_problems() == []
+    head = csl.input_queues("embed_head.csl")  # the busiest PE program: memcpy's 2 + 6
+    assert len({q for _, q in head} | csl.MEMCPY_INPUT_QUEUES) == csl.WSE3_INPUT_QUEUES
+
+
+def test_wse3_queue_check_fails_on_an_over_subscribed_pe():
+    text = csl.source("embed_head.csl")
+    extra = text + '\nconst spare = @import_module("stream.csl", .{ .rx_queue = 8, .tx_queue = 6 });\n'
+    problems = csl.wse3_queue_problems({"embed_head.csl": extra})
+    assert any("embed_head.csl: a PE binds 9 input queues at once" in p for p in problems), problems
+    assert any("binds input queue 8; WSE-3 has ids 0-7" in p for p in problems), problems
+
+
+def test_wse3_queue_check_fails_on_a_shared_or_reserved_queue():
+    gemv = csl.source("gemv.csl")
+    shared = gemv.replace(".in_queue = 4", ".in_queue = 2")
+    assert shared != gemv
+    assert any(
+        "input queue 2 is bound by 2 instances at once" in p
+        for p in csl.wse3_queue_problems({"gemv.csl": shared})
+    )
+    reserved = gemv.replace(".in_queue = 4", ".in_queue = 1")
+    assert any("which memcpy keeps" in p for p in csl.wse3_queue_problems({"gemv.csl": reserved}))
+
+
+def test_wse3_queue_check_fails_when_a_reduction_takes_a_queue_per_receive():
+    """The old WSE-3 scheme (receive k on queue in_queue + k) ran out of queues at a tree root."""
+    per_receive = csl.source("reduce.csl").replace(
+        "@get_input_queue(in_queue)", "@get_input_queue(in_queue + k)"
+    )
+    assert any("reduce.csl must bind exactly one input queue" in p
+               for p in csl.wse3_queue_problems({"reduce.csl": per_receive}))  # fmt: skip

@@ -25,7 +25,6 @@ from kernels.program import (
     Program,
     build_program,
     plan_params_csl,
-    wse3_queue_problems,
 )
 from wafer.arch import Arch, resolve_arch
 
@@ -112,7 +111,9 @@ def prepare_sources(plan, out_dir: str | Path, simfabric: bool = False, channels
         )
     program = program or build_program(plan)
     if plan.arch.name == "wse3":
-        problems = wse3_queue_problems(program)
+        # every reduction receives through one re-bound queue (reduce.csl), so this depends on the
+        # kernels' sources, not on the plan's tree depth
+        problems = csl_contract.wse3_queue_problems()
         if problems:
             raise CompileError("the kernels do not fit WSE-3's input queues:\n  " + "\n  ".join(problems))
     out_dir = Path(out_dir)
