@@ -467,9 +467,9 @@ def measured(data: ReportData, out_dir: Path, command: str) -> Figure | None:
     _save(fig, out_dir, "measured.png")
     return Figure(
         "measured.png",
-        "Measured here",
+        "Simulator and service against their peers",
         MEASURED,
-        "Measured in one run on the machine named above (CPU only; no wafer, no GPU). Each pair is this "
+        "One run on the machine named above (CPU only; no wafer, no GPU). Each pair is this "
         "project and its peer timed in the same run, and the ratio is the result: timings on a shared machine "
         "are noisy. The simulator executes the whole wafer program in NumPy, so its rate says how usable the "
         "simulator is for development, not how fast a wafer is. The service pair compares full decode steps "
