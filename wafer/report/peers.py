@@ -74,7 +74,7 @@ PUBLISHED = (
         one_stream=False,
     ),
     PublishedFigure(
-        "NVIDIA A100 80GB, nanoGPT baseline (PyTorch, fp32)",
+        "NVIDIA A100 80GB, nanoGPT baseline (PyTorch, fp32, no KV cache)",
         "GPT-2 XL 1558M",
         "one sequence at a time, 300 tokens, top-k sampling",
         62.03,
