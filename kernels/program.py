@@ -636,20 +636,25 @@ def _strip_to_strip(b: _Builder, src: RegionRow, dst: RegionRow, name: str) -> N
     _bus(b, src, "og", "out", dst, "in", name)
 
 
-def _norm_to_gemv(b: _Builder, ln: RegionRow, gemv: RegionRow) -> None:
-    """LayerNorm chunk i -> every PE of the GEMV's K-line i (lanes), else a bus over the GEMV."""
+def _feed_k_lines(b: _Builder, src: RegionRow, cells: list[tuple[int, int]], gemv: RegionRow) -> None:
+    """src's PE i (chunk i) -> every PE of the GEMV's K-line i: lanes when they line up, else a bus."""
     xs, ys = b.grid(gemv)
     lines = [list(zip(xs[r].tolist(), ys[r].tolist(), strict=True)) for r in range(gemv.tv("rows"))]
-    cells = _strip_cells(b, ln)
+    name = f"{src.name} -> {gemv.name}"
+    paths = _lanes(cells, lines) if len(cells) == len(lines) else None
+    if paths is None:
+        _bus(b, src, "og", "out", gemv, "in", name)
+        return
+    _lane_channel(b, name, src, "out", gemv, "in", paths)
+    src.t["out_gather"] = 0
+    gemv.t.update(in_mode=IN_LANE, in_len=gemv.tv("tile_k"))
+
+
+def _norm_to_gemv(b: _Builder, ln: RegionRow, gemv: RegionRow) -> None:
+    """LayerNorm chunk i -> the GEMV's K-line i."""
     if gemv.tv("tile_k") != ln.tv("chunk"):
         raise ProgramError(f"{ln.name} -> {gemv.name}: chunk {ln.tv('chunk')} != tile_k {gemv.tv('tile_k')}")
-    paths = _lanes(cells, lines) if len(cells) == len(lines) else None
-    if paths is not None:
-        _lane_channel(b, f"{ln.name} -> {gemv.name}", ln, "out", gemv, "in", paths)
-        ln.t["out_gather"] = 0
-        gemv.t.update(in_mode=IN_LANE, in_len=gemv.tv("tile_k"))
-        return
-    _bus(b, ln, "og", "out", gemv, "in", f"{ln.name} -> {gemv.name}")
+    _feed_k_lines(b, ln, _strip_cells(b, ln), gemv)
 
 
 def _root_line(b: _Builder, gemv: RegionRow) -> list[tuple[int, int]]:
@@ -682,17 +687,8 @@ def _gemv_to_gemv(b: _Builder, fc: RegionRow, proj: RegionRow) -> None:
         raise ProgramError(
             f"{fc.name} -> {proj.name}: tile_n {fc.tv('tile_n')} != tile_k {proj.tv('tile_k')}"
         )
-    xs, ys = b.grid(proj)
-    lines = [list(zip(xs[r].tolist(), ys[r].tolist(), strict=True)) for r in range(proj.tv("rows"))]
-    roots = _root_line(b, fc)
     fc.t["out_q16"] = fc.tv("tile_n") if b.fp16 else 0
-    paths = _lanes(roots, lines) if len(roots) == len(lines) else None
-    if paths is not None:
-        _lane_channel(b, f"{fc.name} -> {proj.name}", fc, "out", proj, "in", paths)
-        fc.t["out_gather"] = 0
-        proj.t.update(in_mode=IN_LANE, in_len=proj.tv("tile_k"))
-        return
-    _bus(b, fc, "og", "out", proj, "in", f"{fc.name} -> {proj.name}")
+    _feed_k_lines(b, fc, _root_line(b, fc), proj)
 
 
 def _centre(cells: set[tuple[int, int]]) -> tuple[float, float]:

@@ -34,6 +34,20 @@ def run_both(sim, ref, items: list[StepItem]) -> list[tuple[TokenScores | None, 
     return list(zip(sim.step(items), ref.step(items), strict=True))
 
 
+def check_prefill_then_decode(
+    sim, ref, prefill: list[StepItem], first_token: int, decode_steps: int, target: int
+) -> None:
+    """One slot's prompt in one step, then greedy decode steps (each asking for `target`'s logit):
+    every item's scores match between simulator and reference."""
+    for n, (got, want) in enumerate(run_both(sim, ref, prefill)):
+        assert_scores_match(got, want, where=f"prefill item {n}")
+    slot, token = prefill[0].slot, first_token
+    for position in range(len(prefill), len(prefill) + decode_steps):
+        ((got, want),) = run_both(sim, ref, [StepItem(slot, position, token, target=target)])
+        assert_scores_match(got, want, where=f"decode position {position}")
+        token = int(want.topk_ids[0])
+
+
 def greedy(executor, prompt: list[int], new_tokens: int, slot: int = 0) -> list[int]:
     items = [StepItem(slot, i, t, want_scores=i == len(prompt) - 1) for i, t in enumerate(prompt)]
     scores = executor.step(items)[-1]
@@ -56,14 +70,8 @@ def test_small_fp32_prefill_then_decode(small_sim, small_params):
     small_sim.reset()
     ref = ReferenceExecutor(small_params, slots=8)
     prompt = [464, 3290, 318, 257, 1332, 13, 198]
-    items = [StepItem(0, i, t, target=(t * 7) % 50257) for i, t in enumerate(prompt)]
-    for n, (got, want) in enumerate(run_both(small_sim, ref, items)):
-        assert_scores_match(got, want, where=f"prefill item {n}")
-    token = 11
-    for position in range(len(prompt), len(prompt) + 10):
-        ((got, want),) = run_both(small_sim, ref, [StepItem(0, position, token, target=50256)])
-        assert_scores_match(got, want, where=f"decode position {position}")
-        token = int(want.topk_ids[0])
+    prefill = [StepItem(0, i, t, target=(t * 7) % 50257) for i, t in enumerate(prompt)]
+    check_prefill_then_decode(small_sim, ref, prefill, first_token=11, decode_steps=10, target=50256)
 
 
 def test_small_fp32_greedy_64_tokens(small_sim, small_params):
@@ -181,15 +189,8 @@ def test_gpt2_124m_fp32_prefill_then_decode(gpt2_sim, gpt2_params):
     gpt2_sim.reset()
     ref = ReferenceExecutor(gpt2_params, slots=2, context=128)
     prompt = [464, 3290, 318, 257, 1332, 286, 262, 7209, 13]
-    for n, (got, want) in enumerate(
-        run_both(gpt2_sim, ref, [StepItem(1, i, t) for i, t in enumerate(prompt)])
-    ):
-        assert_scores_match(got, want, where=f"prefill item {n}")
-    token = 262
-    for position in range(len(prompt), len(prompt) + 4):
-        ((got, want),) = run_both(gpt2_sim, ref, [StepItem(1, position, token, target=13)])
-        assert_scores_match(got, want, where=f"decode position {position}")
-        token = int(want.topk_ids[0])
+    prefill = [StepItem(1, i, t) for i, t in enumerate(prompt)]
+    check_prefill_then_decode(gpt2_sim, ref, prefill, first_token=262, decode_steps=4, target=13)
 
 
 def test_gpt2_124m_fp32_greedy_64_tokens(gpt2_sim, gpt2_params):
