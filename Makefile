@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 # The sdk-appliance client (PyPI cerebras-sdk) ships cp311 wheels only and pins numpy 1.25, so it gets
-# its own environment; the repository goes on its PYTHONPATH (docs/kernels.md, "Appliance").
+# its own environment; the repository goes on its PYTHONPATH (docs/kernels.md, "Appliance"). The
+# loopback worker in the tests runs the simulator there too, hence threadpoolctl (wafer/sim/parallel.py).
 PYTHON311 ?= python3.11
 APPLIANCE_VENV ?= .venv-appliance
 APPLIANCE_STAMP := $(APPLIANCE_VENV)/.installed
@@ -54,7 +55,7 @@ clean:
 
 appliance-venv: $(APPLIANCE_STAMP)
 
-$(APPLIANCE_STAMP):
+$(APPLIANCE_STAMP): Makefile
 	test -x $(APPLIANCE_VENV)/bin/python || $(PYTHON311) -m venv $(APPLIANCE_VENV)
-	$(APPLIANCE_VENV)/bin/pip install -q cerebras-sdk==2.10.0 cerebras-appliance==2.10.0
+	$(APPLIANCE_VENV)/bin/pip install -q cerebras-sdk==2.10.0 cerebras-appliance==2.10.0 'threadpoolctl>=3.1'
 	touch $@

@@ -7,7 +7,8 @@ import pytest
 
 from service.cli import main
 from wafer.backends import ExecutorOptions, build_executor
-from wafer.runtime import MemcpyDataType, from_wire
+from wafer.executor import StepItem
+from wafer.runtime import MemcpyDataType, from_wire, to_wire
 from wafer.tiling import ceil_div
 
 
@@ -85,6 +86,42 @@ def test_upload_puts_each_tile_on_its_pe(sim16, small_params):
 def test_upload_refuses_a_checkpoint_of_another_shape(sim16, gpt2_params):
     with pytest.raises(ValueError, match="does not match the plan"):
         sim16.upload(gpt2_params)
+
+
+def test_attention_reads_the_kv_cache_the_pe_memory_holds(small_params):
+    """K/V the host writes into the attention PEs' memory are what the next step attends to (the
+    simulator's float32 copy of the cache is rebuilt from the memory after a host write)."""
+    options = ExecutorOptions(slots=2, dtype="fp16", context=32)
+    first, second = (build_executor("sim", small_params, options) for _ in range(2))
+    prompt, other_prompt = [5, 6, 7, 8, 9], [40, 41, 42, 43, 44]
+    try:
+        first.step([StepItem(0, pos, token) for pos, token in enumerate(prompt)])
+        regions = [r for r in first.plan.regions if r.kind == "attention"]
+        saved = {(r.name, s): read_pe(first, r, s) for r in regions for s in ("k_cache", "v_cache")}
+        expected = first.step([StepItem(0, 5, 17)])[0]
+
+        second.step([StepItem(slot, pos, token) for slot in (0, 1) for pos, token in enumerate(other_prompt)])
+        (other,) = second.step([StepItem(1, 5, 17)])  # another prompt in the cache: other scores
+        assert not np.allclose(other.topk_logits, expected.topk_logits)
+        for region in regions:
+            for symbol in ("k_cache", "v_cache"):
+                values = saved[(region.name, symbol)]
+                second.runtime.memcpy_h2d(
+                    second.runtime.get_id(symbol),
+                    to_wire(values.reshape(-1)),
+                    region.x,
+                    region.y,
+                    region.w,
+                    region.h,
+                    values.shape[2],
+                    data_type=MemcpyDataType.MEMCPY_16BIT,
+                )
+        (got,) = second.step([StepItem(0, 5, 17)])
+        np.testing.assert_array_equal(got.topk_ids, expected.topk_ids)
+        np.testing.assert_array_equal(got.topk_logits, expected.topk_logits)
+    finally:
+        first.close()
+        second.close()
 
 
 def test_generate_on_the_simulator_matches_the_reference(small_params, tmp_path, capsys):

@@ -115,3 +115,34 @@ def test_clear_slot_zeroes_only_that_slot(small_params):
         )
     finally:
         sim.close()
+
+
+@pytest.mark.parametrize(
+    "n, widest, threads, count",
+    [(50257, 2048, 2, 26), (768, 4096, 2, 2), (2304, 512, 2, 6), (100, 16, 1, 7), (7, 128, 2, 1)],
+)
+def test_column_blocks_cover_every_column_once_in_even_shares(n, widest, threads, count):
+    blocks = kernels._column_blocks(n, widest, threads)
+    assert len(blocks) == count
+    assert blocks[0][0] == 0 and blocks[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+    widths = {stop - start for start, stop in blocks[:-1]}
+    assert len(widths) <= 1 and all(w % kernels.GEMV_ALIGN == 0 and w <= widest for w in widths)
+
+
+def test_slot_parts_keep_slots_whole_ordered_and_balanced():
+    from wafer.sim.program import slot_parts
+
+    # slot 3 has 16 items (a prefill run), slots 0, 1, 2, 5 one each, slot 4 has 8
+    slots = np.array([0] + [3] * 16 + [1, 2] + [4] * 8 + [5])
+    parts = slot_parts(slots, 2)
+    assert len(parts) == 2
+    assert sorted(np.concatenate(parts).tolist()) == list(range(len(slots)))
+    for rows in parts:
+        assert np.all(np.diff(rows) > 0)  # the items keep their order
+    owners = [{int(s) for s in slots[rows]} for rows in parts]
+    assert not owners[0] & owners[1]  # a slot never straddles two parts
+    sizes = sorted(len(rows) for rows in parts)
+    assert sizes == [12, 16]  # slot 3 alone; slot 4 and the single-item slots together
+    assert [r.tolist() for r in slot_parts(slots, 1)] == [list(range(len(slots)))]
+    assert [r.tolist() for r in slot_parts(np.array([2, 2, 2]), 2)] == [[0, 1, 2]]

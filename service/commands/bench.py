@@ -11,7 +11,6 @@ is shared, so the ratios (measured in the same run) are the result, not the abso
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ from service.cli import UserError
 from service.commands import bench_service
 from wafer.backends import ExecutorOptions, build_executor
 from wafer.executor import StepItem
+from wafer.sim import parallel
 from weights.config import PRESETS
 from weights.params import GPT2Params
 
@@ -59,8 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--threads",
         type=int,
-        help="CPU threads for both (torch.set_num_threads; the simulator's BLAS follows OPENBLAS_NUM_THREADS, "
-        "which bench/bench_sim.py --threads sets before NumPy loads)",
+        help="CPU threads for both (torch.set_num_threads and the simulator's pool, WAFER_SIM_THREADS; "
+        "default: the libraries' defaults)",
     )
     bench_service.add_arguments(parser)
     parser.set_defaults(func=run)
@@ -94,19 +94,13 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise UserError("the peer needs torch and transformers: pip install -e '.[test]'") from None
 
-    threads = "library defaults"
+    threads = f"torch {torch.get_num_threads()} threads, simulator {parallel.threads()}"
     if args.threads is not None:
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-        blas = os.environ.get("OPENBLAS_NUM_THREADS")
-        if blas != str(args.threads):
-            print(
-                f"note: the simulator's BLAS uses OPENBLAS_NUM_THREADS={blas or 'default'}; set it to "
-                f"{args.threads} before starting (bench/bench_sim.py --threads does)",
-                file=sys.stderr,
-            )
-        threads = f"{args.threads} thread(s)"
+        parallel.SIM_THREADS = args.threads  # read when the simulator next splits work
+        threads = f"{args.threads} thread(s) each"
     params = GPT2Params.random(config, seed=args.seed)
     prompt = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.prompt_tokens).tolist()
     context = args.prompt_tokens + args.new_tokens

@@ -17,14 +17,12 @@ Precision (`fp16=True` is the hardware default, `fp16=False` the all-fp32 mode):
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from wafer.memory_layout import tiled_positions
+from wafer.sim import parallel
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, ceil_div
 
 F32 = np.float32
@@ -83,9 +81,14 @@ def gemv_bias_cache(tiles: np.ndarray, tiling: GemvTiling) -> np.ndarray:
 # group's [group, B, block] partials stay in cache while they are combined (few NumPy calls when B is
 # small, cache-sized pieces when it is large). A group is a power of two: an aligned block of the tree,
 # whose sum is one node of it.
-GEMV_CACHE_ELEMS = 1 << 18
-GEMV_GROUP_BLOCK = 512  # grow the group while its blocks stay at least this wide
+GEMV_CACHE_ELEMS = 1 << 20
+GEMV_GROUP_BLOCK = 2048  # grow the group while its blocks stay at least this wide
 GEMV_MIN_BLOCK = 128
+GEMV_ALIGN = 16  # block widths are a multiple of this many columns (whole SIMD vectors)
+# Below this many multiply-adds a GEMV runs on one thread: handing blocks to the pool costs more than
+# it saves (measured on 2 cores: GPT-2 124M's layer GEMVs at one item took 0.96 ms on two threads,
+# 0.52 ms on one; its attn_proj at 16 items, 9.4M MACs, was no faster on two).
+GEMV_PARALLEL_MACS = 1 << 24
 
 
 def gemv_region(x: np.ndarray, weight_cache: np.ndarray, tiling: GemvTiling, fp16: bool) -> np.ndarray:
@@ -99,50 +102,51 @@ def gemv_region(x: np.ndarray, weight_cache: np.ndarray, tiling: GemvTiling, fp1
     while group < tiling.rows and 2 * group * batch * GEMV_GROUP_BLOCK <= GEMV_CACHE_ELEMS:
         group *= 2
     n = weight_cache.shape[2]
-    block = max(GEMV_MIN_BLOCK, GEMV_CACHE_ELEMS // (group * batch))
     out = np.empty((batch, n), dtype=F32)
 
-    def reduce_block(start: int) -> None:
-        columns = weight_cache[:, :, start : start + block]
-        out[:, start : start + block] = _reduce_columns(chunks, columns, tiling.reduction, group)
+    def reduce_block(span: tuple[int, int]) -> None:
+        start, stop = span
+        columns = weight_cache[:, :, start:stop]
+        out[:, start:stop] = _reduce_columns(chunks, columns, tiling.reduction, group)
 
-    starts = range(0, n, block)
-    if len(starts) > 1 and _column_pool() is not None:
-        # Blocks of output columns are independent (as the PE columns are), so they run side by side;
-        # NumPy releases the GIL inside matmul. The arithmetic of each block is unchanged.
-        list(_column_pool().map(reduce_block, starts))
-    else:
-        for start in starts:
-            reduce_block(start)
+    # Blocks of output columns are independent (as the PE columns are), so they run side by side on
+    # the pool, as many per thread; the arithmetic of each block is unchanged.
+    widest = max(GEMV_MIN_BLOCK, GEMV_CACHE_ELEMS // (group * batch))
+    threads = parallel.threads() if batch * tiling.k * n >= GEMV_PARALLEL_MACS else 1
+    parallel.map_all(reduce_block, _column_blocks(n, widest, threads), in_place=threads == 1)
     return out
 
 
-# Threads for the column blocks of a GEMV: WAFER_SIM_THREADS, default the cores (at most 2, which is
-# what the benchmark's peer, torch, takes on the project's machines). Measured on 2 idle cores, GPT-2
-# 124M, 16 decode items per step: 135 ms per step on one thread, 111 ms on two.
-SIM_THREADS = int(os.environ.get("WAFER_SIM_THREADS", min(2, os.cpu_count() or 1)))
-
-
-@functools.cache
-def _column_pool() -> ThreadPoolExecutor | None:
-    return ThreadPoolExecutor(SIM_THREADS, thread_name_prefix="sim-gemv") if SIM_THREADS > 1 else None
+def _column_blocks(n: int, widest: int, threads: int) -> list[tuple[int, int]]:
+    """[start, stop) spans covering 0..n, at most `widest` wide, a multiple of `threads` in number
+    (when the columns allow it) and of near-equal width, so every thread gets the same work."""
+    count = ceil_div(n, widest)
+    if threads > 1:
+        count = min(ceil_div(count, threads) * threads, ceil_div(n, GEMV_ALIGN))
+    width = ceil_div(ceil_div(n, count), GEMV_ALIGN) * GEMV_ALIGN
+    return [(start, min(start + width, n)) for start in range(0, n, width)]
 
 
 def _reduce_columns(chunks: np.ndarray, weights: np.ndarray, reduction: str, group: int) -> np.ndarray:
     """sum over r of chunks[r] @ weights[r], in chain or tree order, `group` rows per matmul."""
-    rows = chunks.shape[0]
+    rows, batch = chunks.shape[:2]
+    starts = range(0, rows, group)
+    # One buffer for every group's partials and one for the results per group: reused, not
+    # re-allocated (a fresh megabyte-sized array per matmul costs page faults).
+    partials = np.empty((min(group, rows), batch, weights.shape[2]), dtype=F32)
+    nodes = np.empty((len(starts), batch, weights.shape[2]), dtype=F32)
+    for i, g in enumerate(starts):
+        size = min(group, rows - g)
+        block = np.matmul(chunks[g : g + size], weights[g : g + size], out=partials[:size])  # [G, B, block]
+        if reduction == "chain":
+            if i:
+                block[0] += nodes[i - 1]  # the running sum arriving from PE g - 1 (a + b == b + a)
+            nodes[i] = chain_sum(block)
+        else:
+            nodes[i] = tree_sum(block)
     if reduction == "chain":
-        running = None
-        for g in range(0, rows, group):
-            partials = np.matmul(chunks[g : g + group], weights[g : g + group])  # [G, B, block]
-            if running is not None:
-                partials[0] += running  # the running sum arriving from PE g - 1 (a + b == b + a)
-            running = chain_sum(partials)
-        return running
-    nodes = [
-        tree_sum(np.matmul(chunks[g : g + group], weights[g : g + group])) for g in range(0, rows, group)
-    ]
-    return nodes[0] if len(nodes) == 1 else tree_sum(np.stack(nodes))
+        return nodes[-1]
+    return nodes[0] if len(starts) == 1 else tree_sum(nodes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -233,33 +237,49 @@ def write_kv(
     )
 
 
+def kv_logical(
+    memory_hwl: np.ndarray, tiling: AttentionTiling, pe_y: np.ndarray, pe_x: np.ndarray
+) -> np.ndarray:
+    """A K or V store's (h, w, elems) memory -> float32 [slot, head, position, head_dim]: the values
+    the PEs hold, in the order attention reads them (positions past the context are padding)."""
+    held = _kv_view(memory_hwl, tiling)[pe_y, pe_x]  # [G, P, slots, ppp, hpp, D]
+    logical = held.transpose(2, 0, 4, 1, 3, 5).reshape(
+        tiling.slots, -1, tiling.chain * tiling.positions_per_pe, tiling.head_dim
+    )
+    return np.ascontiguousarray(logical[:, : tiling.n_head], dtype=F32)
+
+
 def attention_region(
     q: np.ndarray,
-    k_memory: np.ndarray,
-    v_memory: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
     slots: np.ndarray,
     positions: np.ndarray,
     tiling: AttentionTiling,
-    pe_y: np.ndarray,
-    pe_x: np.ndarray,
     fp16: bool,
 ) -> np.ndarray:
-    """q [B, C] -> attention output [B, C] for items whose K/V are already in the stores.
+    """q [B, C] -> attention output [B, C] for items whose K/V are already in the stores, given as
+    `kv_logical` arrays [slot, head, position, head_dim].
 
     Item b attends to positions 0..positions[b] of its slot. Each PE of the chain computes a partial
     (max, sum of exp, exp-weighted V) over its own positions; the partials are merged along the chain
     with the log-sum-exp rule. Items are processed in groups of slots (see `_segments`)."""
     out = np.empty((q.shape[0], tiling.n_head * tiling.head_dim), dtype=F32)
     q = round_fp16(q) if fp16 else q
-    for group_slots, rows in _segments(slots):
-        out_rows = _attend_group(q, k_memory, v_memory, group_slots, rows, positions, tiling, pe_y, pe_x)
+
+    def attend(group: tuple[np.ndarray, np.ndarray]) -> None:  # groups of slots are independent
+        group_slots, rows = group
+        out_rows = _attend_group(q, keys, values, group_slots, rows, positions, tiling)
         valid = rows >= 0
         out[rows[valid]] = out_rows[valid]
+
+    parallel.map_all(attend, _segments(slots))
     return out
 
 
 def _segments(slots: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Group the batch for vectorised attention: all single-item slots together, each longer run alone.
+    """Group the batch for vectorised attention: the single-item slots together (in two halves when
+    there are 8 or more, one per thread), each longer run alone.
 
     Returns (slots [S], rows [S, n]) pairs; rows index into the batch, -1 pads short runs."""
     runs: list[tuple[int, list[int]]] = []
@@ -270,8 +290,10 @@ def _segments(slots: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
             runs.append((slot, [row]))
     singles = [(slot, rows) for slot, rows in runs if len(rows) == 1]
     groups = []
-    if singles:
-        groups.append((np.array([s for s, _ in singles]), np.array([r for _, r in singles])))
+    half = ceil_div(len(singles), 2)
+    for part in (singles[:half], singles[half:]) if len(singles) >= 8 else (singles,):  # two for the pool
+        if part:
+            groups.append((np.array([s for s, _ in part]), np.array([r for _, r in part])))
     for slot, rows in runs:
         if len(rows) > 1:
             groups.append((np.array([slot]), np.array([rows])))
@@ -280,14 +302,12 @@ def _segments(slots: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def _attend_group(
     q: np.ndarray,
-    k_memory: np.ndarray,
-    v_memory: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
     group_slots: np.ndarray,
     rows: np.ndarray,
     positions: np.ndarray,
     tiling: AttentionTiling,
-    pe_y: np.ndarray,
-    pe_x: np.ndarray,
 ) -> np.ndarray:
     n_slots, n_items = rows.shape
     heads, dim, ppp = tiling.n_head, tiling.head_dim, tiling.positions_per_pe
@@ -295,18 +315,13 @@ def _attend_group(
     item_pos = positions[safe_rows]  # [S, n]
     used = int(item_pos.max()) // ppp + 1  # chain PEs holding any visible position (the rest add nothing)
     span = used * ppp
-
-    def gather(memory: np.ndarray) -> np.ndarray:  # -> [S, heads, span, dim] fp32
-        view = _kv_view(memory, tiling)
-        part = view[
-            pe_y[None, :, :used], pe_x[None, :, :used], group_slots[:, None, None]
-        ]  # [S, G, used, ppp, hpp, D]
-        part = part.transpose(0, 1, 4, 2, 3, 5).astype(F32)  # one copy: heads before positions, widened
-        return part.reshape(n_slots, -1, span, dim)[:, :heads]
-
-    keys, values = gather(k_memory), gather(v_memory)
+    if n_slots == 1:  # one slot: views, no copy
+        slot = int(group_slots[0])
+        k, v = keys[slot : slot + 1, :, :span], values[slot : slot + 1, :, :span]
+    else:
+        k, v = keys[group_slots, :, :span], values[group_slots, :, :span]  # [S, H, span, D]
     qh = q[safe_rows].reshape(n_slots, n_items, heads, dim).transpose(0, 2, 1, 3)  # [S, H, n, D]
-    scores = np.matmul(qh, keys.transpose(0, 1, 3, 2)) * F32(1.0 / math.sqrt(dim))  # [S, H, n, span]
+    scores = np.matmul(qh, k.transpose(0, 1, 3, 2)) * F32(1.0 / math.sqrt(dim))  # [S, H, n, span]
     visible = np.arange(span)[None, None, :] <= item_pos[:, :, None]  # [S, n, span]
     scores = np.where(visible[:, None], scores, F32(-np.inf))
 
@@ -325,7 +340,7 @@ def _attend_group(
     # Each PE's exp-weighted V sum, rescaled and summed along the chain, folded into one matmul
     # (the same terms; only the fp32 rounding order of that sum differs from a PE-by-PE chain).
     scaled = (weights * rescale[..., None]).reshape(n_slots, heads, n_items, span)
-    out = np.matmul(scaled, values) / total[..., None]  # [S, H, n, D]
+    out = np.matmul(scaled, v) / total[..., None]  # [S, H, n, D]
     return out.transpose(0, 2, 1, 3).reshape(n_slots, n_items, heads * dim)
 
 
@@ -348,11 +363,25 @@ def head_scores(
     Target logit is NaN where targets[b] < 0. Ties in the top-k go to the lower token id."""
     tiling = head.gemv
     logits = gemv_region(hidden, head_cache, tiling, fp16)  # [B, V]
-    ids, best = top_k(logits, head.top_k)
-
-    # log-sum-exp: every piece of a column of PEs (the column itself, or its `scatter` pieces) keeps
-    # (max, sum of exp) over its logits; pieces merge within the column (tree), then the columns merge.
     batch = logits.shape[0]
+    ids = np.empty((batch, min(head.top_k, tiling.n)), dtype=np.int64)
+    best = np.empty(ids.shape, dtype=F32)
+    lse = np.empty(batch, dtype=F32)
+
+    def select(rows: slice) -> None:  # items are independent: halves of the batch run side by side
+        ids[rows], best[rows] = top_k(logits[rows], head.top_k)
+        lse[rows] = _logsumexp(logits[rows], tiling, head.merge)
+
+    halves = [slice(start, start + ceil_div(batch, 2)) for start in range(0, batch, ceil_div(batch, 2))]
+    parallel.map_all(select, halves if batch >= 2 else [slice(0, batch)])
+    target_logit = np.where(targets >= 0, logits[np.arange(batch), np.maximum(targets, 0)], F32(np.nan))
+    return ids, best, lse, target_logit.astype(F32)
+
+
+def _logsumexp(logits: np.ndarray, tiling: GemvTiling, merge: str) -> np.ndarray:
+    """[B, V] -> [B]: every piece of a column of PEs (the column itself, or its `scatter` pieces) keeps
+    (max, sum of exp) over its logits; pieces merge within the column (tree), then the columns merge
+    in the head's order."""
     pieces = getattr(tiling, "scatter", 1)
     chunks = _column_pieces(logits, tiling, pieces)  # [B, cols, pieces, ceil(tile_n / pieces)]
     by_index = np.ascontiguousarray(np.moveaxis(chunks, 3, 0))  # a piece's j-th logits, for every piece
@@ -362,10 +391,7 @@ def head_scores(
     peak = chunk_max.max(axis=(1, 2))
     rescaled = chunk_sum * np.exp(chunk_max - peak[:, None, None])  # [B, cols, pieces]
     per_column = combine(np.ascontiguousarray(rescaled.transpose(2, 1, 0)), "tree")  # [cols, B]
-    lse = peak + np.log(combine(np.ascontiguousarray(per_column), head.merge))
-
-    target_logit = np.where(targets >= 0, logits[np.arange(batch), np.maximum(targets, 0)], F32(np.nan))
-    return ids, best, lse.astype(F32), target_logit.astype(F32)
+    return (peak + np.log(combine(np.ascontiguousarray(per_column), merge))).astype(F32)
 
 
 def _column_pieces(logits: np.ndarray, tiling: GemvTiling, pieces: int) -> np.ndarray:
