@@ -114,5 +114,5 @@ def test_worker_errors_reach_the_client_with_their_reason(worker, tmp_path):
     out = json.loads(result.stdout.strip().splitlines()[-1])
     # The client logs the compiler's output and raises a generic error, as it does with cslc's.
     assert "compile() failed" in out["tampered_tables"]
-    assert "plan_params.csl is not what kernels/program.py writes" in result.stderr
+    assert "plan_params.csl is not what kernels/program/ writes" in result.stderr
     assert "no symbol named 'no_such_symbol'" in out["unknown_symbol"]

@@ -1,7 +1,7 @@
 """The contract lint: the CSL program a real plan compiles to, checked without a compiler.
 
 - params: every PE program param is supplied by the layout and every module param by its importer;
-  kernels/program.py `pe_params` (the Python mirror of layout.csl) gives exactly those params;
+  kernels/program/layout_mirror.py `pe_params` (the Python mirror of layout.csl) gives exactly those params;
 - exports: the layout exports what the PE programs export, which covers every host-visible symbol;
 - indices: the layout's index formulas put every tiling index where wafer.memory_layout says;
 - routes: colors in range (memcpy's 14, 15, 21-23 never used), one setting per router and color,

@@ -209,7 +209,7 @@ def rpc_symbols() -> list[dict]:
 
 def check_compile_request(src_dir: str | Path, options: list[str]) -> dict[str, str]:
     """What the loopback appliance does instead of cslc: the uploaded sources must be this
-    repository's kernels plus the plan_params.csl kernels/program.py writes for the plan its header
+    repository's kernels plus the plan_params.csl kernels/program/ writes for the plan its header
     names, compiled with the options `prepare_sources` gives; returns the artifact's files, which
     run on the simulator. Raises ValueError naming the first difference."""
     src_dir = Path(src_dir)
@@ -229,7 +229,7 @@ def check_compile_request(src_dir: str | Path, options: list[str]) -> dict[str, 
     plan = plan_from_request(request)
     program = build_program(plan)
     if plan_params_csl(program) != tables:
-        raise ValueError("plan_params.csl is not what kernels/program.py writes for the plan it names")
+        raise ValueError("plan_params.csl is not what kernels/program/ writes for the plan it names")
     if not options or options[0] != "layout.csl":
         raise ValueError(f"the main file must be layout.csl, got {options[:1]}")
     arch = resolve_arch(request["arch"])

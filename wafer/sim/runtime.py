@@ -30,7 +30,8 @@ class SimRuntime(Runtime):
         super().__init__()
         self.plan = plan
         self.kernel_wh = (plan.arch.kernel_w, plan.arch.kernel_h)
-        # The plan lists every array a PE keeps, its `cycles` counter included (`wafer.plan.with_cycles`).
+        # The plan lists every array a PE keeps, its `cycles` counter included
+        # (`wafer.plan.symbols.with_cycles`).
         self.memory = WaferMemory(plan.regions, self.kernel_wh, plan.arch.data_bytes_per_pe)
         self.program = WaferProgram(plan, self.memory)
         # Streams: words waiting at a PE, per (color, x, y).

@@ -1,0 +1,317 @@
+"""The search: every candidate size, priced by the cycle model (`price_candidates`); the best that
+places and passes every check (`build_plan`); the most KV slots a plan fits (`largest_slots`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from wafer.arch import Arch, resolve_arch
+from wafer.cost import CLOCK_HZ, StageCost
+from wafer.plan.checks import (
+    _assign_colors,
+    _check_geometry,
+    _check_memory,
+    _check_request,
+    _check_total_capacity,
+    _memory_over,
+)
+from wafer.plan.geometry import _Dirs, _Geometry, _geometry
+from wafer.plan.model import Knobs, LayerPlan, Plan, PlanError, Region, Route
+from wafer.plan.placement import _place_replica
+from wafer.plan.stages import _critical_path, _layer_stages, _outer_stages
+from wafer.plan.symbols import attention_symbols, pe_bytes
+from wafer.plan.tilings import LayerTilings, head_tiling, layer_tilings
+from wafer.tiling import AttentionTiling, HeadTiling, ceil_div
+from weights.config import GPT2Config
+
+
+def _positions_per_pe_max(config: GPT2Config, arch: Arch, dtype: str, slots: int, context: int) -> int:
+    """How many positions (of every slot, one head) an attention PE can hold; raises when not even one."""
+    probe = [
+        AttentionTiling(config.n_head, config.head_dim, slots, context, config.n_head, ceil_div(context, p))
+        for p in (1, 2)
+    ]
+    one, two = (pe_bytes(attention_symbols(t, dtype)) for t in probe)
+    per_position = two - one
+    fixed = one - per_position
+    most = (arch.data_bytes_per_pe - fixed) // per_position
+    if most < 1:
+        per_slot = per_position // slots
+        fit = (arch.data_bytes_per_pe - fixed) // per_slot
+        raise PlanError(
+            f"{config.name} with {slots} slots does not fit {arch.name}: per-PE memory: an attention PE holds K and V "
+            f"of every slot for its positions, and one position of one head for {slots} slots takes {one:,} B with "
+            f"its buffers, {one - arch.data_bytes_per_pe:,} B over the {arch.data_bytes_per_pe:,} B usable "
+            f"(48 KB minus the {arch.sram_reserve_bytes // 1024} KB reserve); at most {fit} slots fit per replica"
+        )
+    return most
+
+
+def _candidate_knobs(config: GPT2Config, arch: Arch, dtype: str, slots: int, context: int) -> list[Knobs]:
+    """The sizes to explore: stream width, attention fold and chain, FC width, LM head width."""
+    c, dim = config.n_embd, config.head_dim
+    ppp_max = _positions_per_pe_max(config, arch, dtype, slots, context)
+    out = []
+    stream_options = sorted({r for r in (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128) if r <= c})
+    folds = [f for f in (1, 2, 4, 8, 16, 32) if dim % f == 0]
+    for r in stream_options:
+        for fold in folds:
+            # The shortest chain that holds the context; twice as long halves each PE's work but adds a
+            # merge round.
+            chain_min = ceil_div(ceil_div(context, ppp_max), fold) * fold
+            for chain in (chain_min, 2 * chain_min):
+                if chain > max(context, fold):
+                    continue
+                for tile_fc in (4, 8, 16, 32, 64, 128):
+                    f = ceil_div(4 * c, tile_fc)
+                    if not 2 <= f <= arch.kernel_h // 2:
+                        continue
+                    for head_tile in (16, 32, 64, 128, 256):
+                        hc = ceil_div(config.vocab_size, head_tile)
+                        for even in (False, True):
+                            out.append(Knobs(r, fold, chain, f, hc, even))
+    return out
+
+
+@dataclass(frozen=True)
+class PricedCandidate:
+    """One candidate that meets the per-PE memory and kernel-area limits, priced by the cycle model
+    (placement and the color check come later: `build_plan` does them for the best ones only)."""
+
+    index: int  # order of exploration: breaks ties between equal scores
+    knobs: Knobs
+    tilings: LayerTilings
+    head: HeadTiling
+    geometry: _Geometry
+    replicas_fit: int  # how many replicas of this footprint the kernel holds
+    layer_stages: list[StageCost]  # one layer's stages
+    outer: tuple[list[StageCost], dict[str, StageCost], list[StageCost]]  # see `_outer_stages`
+    decode_cycles: int  # modeled critical path of one token at full context
+    bottleneck_cycles: int  # modeled slowest stage
+
+    @property
+    def footprint_pes(self) -> int:
+        return self.geometry.width * self.geometry.height
+
+    @property
+    def layer_pes(self) -> int:
+        return self.geometry.layer_pes
+
+    def critical_path(self) -> list[StageCost]:
+        return _critical_path(self.geometry.n_layer, self.layer_stages, self.outer)
+
+
+@dataclass
+class CandidateSearch:
+    explored: int  # candidate sizes tried
+    priced: list[PricedCandidate]  # those within the memory and kernel-area limits, in explored order
+    nearest_miss: tuple[float, str] | None  # (how far over, why) of the closest candidate left out
+
+
+def price_candidates(
+    config: GPT2Config,
+    arch: str | Arch = "wse2",
+    dtype: str = "fp16",
+    slots: int = 16,
+    context: int | None = None,
+    top_k: int = 64,
+) -> CandidateSearch:
+    """Every candidate size of the planner's search, checked against the per-PE memory and the kernel
+    area and priced by the cycle model (one replica at the kernel's corner); `build_plan` picks from these."""
+    arch = resolve_arch(arch)
+    context = _check_request(config, dtype, slots, context, top_k)
+    priced = []
+    closest: tuple[float, str] | None = None
+    knobs_list = _candidate_knobs(config, arch, dtype, slots, context)
+    for index, knobs in enumerate(knobs_list):
+        lt = _layer_tilings(config, knobs, slots, context, arch, dtype)
+        head = _head_tiling(config, knobs.stream_pes, knobs.head_cols, top_k, arch, dtype)
+        over = _memory_over(lt, head, dtype, arch)
+        if over is not None:
+            closest = _closer(closest, over)
+            continue
+        geo = _geometry(config, knobs, arch, dtype, _Dirs.of(lt, head))
+        if not isinstance(geo, _Geometry):
+            closest = _closer(closest, (geo[0], f"kernel area: {geo[1]}"))
+            continue
+        fit = (arch.kernel_w // geo.width) * (arch.kernel_h // geo.height)
+        layer_stages = _cached_layer_stages(lt, arch, dtype)
+        outer = _outer_stages(config, geo, lt, head, lt.ln, arch, dtype, 0)
+        # The critical path is layer_stages n_layer times plus the outer stages (see `_critical_path`).
+        outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
+        layer_cycles = [s.cycles for s in layer_stages]
+        latency = config.n_layer * sum(layer_cycles) + sum(outer_cycles)
+        bottleneck = max(max(layer_cycles), max(outer_cycles))
+        priced.append(
+            PricedCandidate(index, knobs, lt, head, geo, fit, layer_stages, outer, latency, bottleneck)
+        )
+    return CandidateSearch(len(knobs_list), priced, closest)
+
+
+def build_plan(
+    config: GPT2Config,
+    arch: str | Arch = "wse2",
+    dtype: str = "fp16",
+    slots: int = 16,
+    context: int | None = None,
+    objective: str = "latency",
+    replicas: int | str = 1,
+    top_k: int = 64,
+) -> Plan:
+    """The best feasible plan for the request, or PlanError naming the limit it hits."""
+    arch = resolve_arch(arch)
+    context = _check_request(config, dtype, slots, context, top_k, objective)
+    if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        raise PlanError(f"replicas must be a positive integer or 'auto', got {replicas!r}")
+    _check_total_capacity(config, arch, dtype, slots, context, 1 if replicas == "auto" else replicas)
+
+    search = price_candidates(config, arch, dtype, slots, context, top_k)
+    closest = search.nearest_miss
+    most_replicas: tuple[int, str] | None = None  # the most replicas any candidate fits, when short
+    ranked = []
+    for cand in search.priced:
+        fit = cand.replicas_fit
+        wanted = fit if replicas == "auto" else replicas
+        if fit < wanted:
+            if most_replicas is None or fit > most_replicas[0]:
+                g = cand.geometry
+                most_replicas = (
+                    fit,
+                    f"kernel area: {wanted} replicas do not fit; at most {fit} replicas of "
+                    f"{g.width}x{g.height} PEs do, {wanted - fit} short",
+                )
+            continue
+        per_replica = min(slots * CLOCK_HZ / cand.decode_cycles, CLOCK_HZ / cand.bottleneck_cycles)
+        score = cand.decode_cycles if objective == "latency" else -per_replica * wanted
+        # Among near-equal candidates prefer the smaller footprint (frees room, keeps the map readable).
+        ranked.append((score * (1 + 1e-9 * cand.footprint_pes), cand.index, wanted, cand))
+    ranked.sort(key=lambda item: (item[0], item[1]))
+    for _, _, wanted, cand in ranked:
+        plan = _assemble(config, arch, dtype, slots, context, objective, wanted, top_k, cand)
+        if isinstance(plan, str):
+            closest = _closer(closest, (1.0, plan))
+            continue
+        plan.candidates_explored = search.explored
+        return plan
+    if most_replicas is not None:  # one replica fits: the replica count is the limit
+        closest = (0.0, most_replicas[1])
+    raise PlanError(_infeasible_message(config, arch, slots, context, closest))
+
+
+@lru_cache(maxsize=4096)
+def _layer_tilings(config, knobs, slots, context, arch, dtype) -> LayerTilings:
+    return layer_tilings(config, knobs, slots, context, arch, dtype)
+
+
+@lru_cache(maxsize=1024)
+def _head_tiling(config, stream_pes, head_cols, top_k, arch, dtype) -> HeadTiling:
+    return head_tiling(config, Knobs(stream_pes, 1, 1, 1, head_cols), top_k, arch, dtype)
+
+
+@lru_cache(maxsize=4096)
+def _cached_layer_stages(lt: LayerTilings, arch: Arch, dtype: str) -> list[StageCost]:
+    return _layer_stages(lt, arch, dtype)
+
+
+def _closer(closest, miss):
+    return miss if closest is None or miss[0] < closest[0] else closest
+
+
+def _infeasible_message(config, arch, slots, context, closest) -> str:
+    why = closest[1] if closest else "no candidate sizes (head_dim has no usable fold)"
+    return (
+        f"{config.name} with {slots} slots x {context} tokens does not fit {arch.name}; the nearest "
+        f"candidate fails on {why}"
+    )
+
+
+def _assemble(
+    config: GPT2Config,
+    arch: Arch,
+    dtype: str,
+    slots: int,
+    context: int,
+    objective: str,
+    replicas: int,
+    top_k: int,
+    cand: PricedCandidate,
+) -> Plan | str:
+    """Place every replica, check the geometry and the colors; a string says which check failed."""
+    lt, head, geo = cand.tilings, cand.head, cand.geometry
+    per_row = arch.kernel_w // geo.width
+    regions: list[Region] = []
+    routes: list[Route] = []
+    for rep in range(replicas):
+        row, col = divmod(rep, per_row)
+        placed, placed_routes = _place_replica(
+            config, geo, lt, head, lt.ln, dtype, rep, col * geo.width, row * geo.height
+        )
+        regions.extend(placed)
+        routes.extend(placed_routes)
+    _check_geometry(regions, arch)
+    _assign_colors(regions, routes)
+    worst = max(regions, key=lambda r: r.colors)
+    if worst.colors > arch.usable_colors:
+        return (
+            f"colors: region {worst.name} needs {worst.colors} colors on one PE, "
+            f"{worst.colors - arch.usable_colors} over the {arch.usable_colors} usable "
+            f"({arch.routable_colors} routable minus memcpy's {len(arch.memcpy_reserved_colors)})"
+        )
+    memory = _check_memory(regions, arch)
+    if memory is not None:
+        return memory
+    layers = [
+        LayerPlan(i, lt.ln, lt.qkv, lt.attn, lt.attn_proj, lt.ln, lt.fc, lt.proj)
+        for i in range(config.n_layer)
+    ]
+    return Plan(
+        config=config,
+        arch=arch,
+        dtype=dtype,
+        slots=slots,
+        context=context,
+        objective=objective,
+        replicas=replicas,
+        layers=layers,
+        ln_f=lt.ln,
+        head=head,
+        regions=regions,
+        knobs=cand.knobs,
+        routes=routes,
+        stage_costs=cand.critical_path(),
+        layer_stage_costs=[StageCost(s.name, dict(s.phases)) for s in cand.layer_stages],
+        top_k=top_k,
+        footprint=(geo.width, geo.height),
+        colors_used=worst.colors,
+    )
+
+
+def largest_slots(
+    config: GPT2Config,
+    arch: str | Arch = "wse2",
+    dtype: str = "fp16",
+    context: int | None = None,
+    limit: int = 4096,
+) -> int:
+    """The largest KV slot count (at `context` tokens, one replica) a plan fits; 0 if not even one."""
+    arch = resolve_arch(arch)
+    context = config.n_positions if context is None else context
+    lo, hi = 0, limit + 1  # lo fits (0 trivially), hi does not
+    if _fits(config, arch, dtype, limit, context):
+        return limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _fits(config, arch, dtype, mid, context):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _fits(config, arch, dtype, slots, context) -> bool:
+    try:
+        build_plan(config, arch, dtype, slots, context)
+        return True
+    except PlanError:
+        return False

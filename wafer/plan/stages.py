@@ -1,0 +1,109 @@
+"""The modeled stages of one layer and the critical path of one decode token through a replica
+(memcpy edge in to memcpy edge out), priced by `wafer.cost`."""
+
+from __future__ import annotations
+
+from wafer.arch import Arch
+from wafer.cost import (
+    GELU_CYCLES,
+    HOP_CYCLES,
+    TASK_ACTIVATION_CYCLES,
+    StageCost,
+    attention_cost,
+    gemv_cost,
+    head_cost,
+    norm_cost,
+    residual_cost,
+    stream_cycles,
+)
+from wafer.plan.geometry import _Geometry, _route_words
+from wafer.plan.tilings import LayerTilings
+from wafer.tiling import HeadTiling, NormTiling
+from wafer.wire import HEADER_WORDS, ITEM_WORDS, record_words
+from weights.config import GPT2Config
+
+HANDOFF_CYCLES = HOP_CYCLES  # the next stage's first phase pays its router-to-PE crossing
+
+
+def _layer_stages(lt: LayerTilings, arch: Arch, dtype: str) -> list[StageCost]:
+    """The modeled stages of one layer, in pipeline order (the same for every layer)."""
+    chunk = lt.ln.chunk
+    costs = [
+        norm_cost(lt.ln, "ln_1"),
+        gemv_cost(lt.qkv, arch, dtype, name="qkv"),
+        attention_cost(lt.attn, arch, dtype, name="attn"),
+        gemv_cost(lt.attn_proj, arch, dtype, name="attn_proj"),
+        residual_cost(chunk, "res_1"),
+        norm_cost(lt.ln, "ln_2"),
+        gemv_cost(lt.fc, arch, dtype, epilogue_cycles_per_output=GELU_CYCLES, name="fc"),
+        gemv_cost(lt.proj, arch, dtype, name="proj"),
+        residual_cost(chunk, "res_2"),
+    ]
+    # Every hand-off between touching regions is one hop (the receiving phase counts its ramp).
+    return [StageCost(f"layer.{c.name}", dict(c.phases)).add("hand-off", HANDOFF_CYCLES) for c in costs]
+
+
+def _edge_hops(ox: int) -> int:
+    """Routers between memcpy's west columns (three, plus the halo) and a port at kernel column ox."""
+    return ox + 4
+
+
+def _outer_stages(
+    config: GPT2Config,
+    geo: _Geometry,
+    lt: LayerTilings,
+    head: HeadTiling,
+    ln_f: NormTiling,
+    arch: Arch,
+    dtype: str,
+    ox: int,
+) -> tuple[list[StageCost], dict[str, StageCost], list[StageCost]]:
+    """(stages before layer 0, band turns by layer, stages after the last layer) of the critical path."""
+    chunk = lt.ln.chunk
+
+    def route(name: str) -> int:
+        src, dst = {n: (a, b) for n, a, b in geo.routes()}[name]
+        hops, _ = geo.route_legs(src, dst)
+        return stream_cycles(_route_words(name, config, geo, head), hops)
+
+    before = [
+        StageCost("io.in").add(
+            "memcpy edge -> input port", stream_cycles(HEADER_WORDS + ITEM_WORDS, _edge_hops(ox))
+        )
+    ]
+    # Embedding: the token id runs down the head strip to its vocab row and along it (R PEs); each PE
+    # of that row streams its wte chunk up to the position-embedding strip, which adds wpe and sends
+    # the sum to layer 0. Worst case: the last vocab row.
+    rows_down = geo.embed_rows + geo.head_cols
+    embed = StageCost("embed")
+    embed.add("token id to vocab row", stream_cycles(2, rows_down + geo.r - 1) + TASK_ACTIVATION_CYCLES)
+    embed.add("wte chunk up to wpe", stream_cycles(chunk, rows_down) + TASK_ACTIVATION_CYCLES)
+    embed.add("add wpe", chunk)
+    embed.add("to layer 0", route("embed.out"))
+    before.append(embed)
+    turns = {
+        name: StageCost(f"band turn after L{name.split('.')[1]}").add("route", route(name))
+        for name, _, _ in geo.routes()
+        if name.startswith("turn.")
+    }
+    after = [
+        StageCost("to ln_f").add("route", route("final")),
+        norm_cost(ln_f, "ln_f").add("hand-off", HANDOFF_CYCLES),
+        head_cost(head, arch, dtype, name="head"),
+        StageCost("io.out")
+        .add("scores to output port", route("scores"))
+        .add("output port -> memcpy edge", stream_cycles(record_words(head.top_k), _edge_hops(ox))),
+    ]
+    return before, turns, after
+
+
+def _critical_path(n_layer: int, layer_stages: list[StageCost], outer) -> list[StageCost]:
+    """Every stage one decode token passes, in order, named like the regions (L3.qkv, head, ...)."""
+    before, turns, after = outer
+    stages = list(before)
+    for layer in range(n_layer):
+        for s in layer_stages:
+            stages.append(StageCost(f"L{layer}.{s.name.split('.', 1)[1]}", dict(s.phases)))
+        if f"turn.{layer}" in turns:
+            stages.append(turns[f"turn.{layer}"])
+    return stages + list(after)

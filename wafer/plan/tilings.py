@@ -1,0 +1,47 @@
+"""The tilings (`wafer.tiling`) one candidate's knobs give every operation of a layer and the LM head,
+each with the reduction the cycle model finds fastest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wafer.arch import Arch
+from wafer.cost import GELU_CYCLES, allreduce_cycles, best_attention, best_gemv_reduction, best_head
+from wafer.plan.model import Knobs
+from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
+from weights.config import GPT2Config
+
+
+@dataclass(frozen=True)
+class LayerTilings:
+    ln: NormTiling
+    qkv: GemvTiling
+    attn: AttentionTiling
+    attn_proj: GemvTiling
+    fc: GemvTiling
+    proj: GemvTiling
+
+
+def layer_tilings(
+    config: GPT2Config, knobs: Knobs, slots: int, context: int, arch: Arch, dtype: str
+) -> LayerTilings:
+    c, r, heads = config.n_embd, knobs.stream_pes, config.n_head
+    t_rows = heads * knobs.fold
+    ln = NormTiling(c, r, reduction=_scalar_reduction(r), axis="x")
+    best = best_gemv_reduction
+    qkv = best(GemvTiling(c, 3 * c, r, t_rows, "k_along_x", n_split=3), arch, dtype)
+    attn = AttentionTiling(heads, config.head_dim, slots, context, heads, knobs.attn_chain, knobs.fold)
+    attn = best_attention(attn, arch, dtype)
+    o = best(GemvTiling(c, c, t_rows, r, "k_along_y"), arch, dtype)
+    fc = best(GemvTiling(c, 4 * c, r, knobs.fc_cols, "k_along_x"), arch, dtype, GELU_CYCLES)
+    proj = best(GemvTiling(4 * c, c, knobs.fc_cols, r, "k_along_y"), arch, dtype)
+    return LayerTilings(ln, qkv, attn, o, fc, proj)
+
+
+def _scalar_reduction(pes: int) -> str:
+    return "tree" if allreduce_cycles("tree", pes, 1) < allreduce_cycles("chain", pes, 1) else "chain"
+
+
+def head_tiling(config: GPT2Config, knobs: Knobs, top_k: int, arch: Arch, dtype: str) -> HeadTiling:
+    gemv = GemvTiling(config.n_embd, config.vocab_size, knobs.stream_pes, knobs.head_cols, "k_along_x")
+    return best_head(HeadTiling(config.vocab_size, config.n_embd, gemv, top_k), arch, dtype)
