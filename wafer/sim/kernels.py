@@ -201,6 +201,9 @@ def residual_add(y: np.ndarray, residual: np.ndarray) -> np.ndarray:
 # arrays (`pe_y`, `pe_x`) into the (h, w, elems) memory image.
 
 
+ATTENTION_SPLIT_SLOTS = 8  # this many single-item slots or more: two halves, one per thread
+
+
 def kv_elems(tiling: AttentionTiling) -> int:
     return tiling.slots * tiling.positions_per_pe * tiling.heads_per_pe * tiling.head_dim
 
@@ -269,34 +272,29 @@ def attention_region(
 
     def attend(group: tuple[np.ndarray, np.ndarray]) -> None:  # groups of slots are independent
         group_slots, rows = group
-        out_rows = _attend_group(q, keys, values, group_slots, rows, positions, tiling)
-        valid = rows >= 0
-        out[rows[valid]] = out_rows[valid]
+        out[rows] = _attend_group(q, keys, values, group_slots, rows, positions, tiling)
 
     parallel.map_all(attend, _segments(slots))
     return out
 
 
 def _segments(slots: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Group the batch for vectorised attention: the single-item slots together (in two halves when
-    there are 8 or more, one per thread), each longer run alone.
+    """Group the batch for vectorised attention: the runs of one slot's items that have the same
+    length go together (the single-item slots of a decode step, the equal prompts of a prefill), in
+    two halves, one per thread, when there are ATTENTION_SPLIT_SLOTS or more.
 
-    Returns (slots [S], rows [S, n]) pairs; rows index into the batch, -1 pads short runs."""
-    runs: list[tuple[int, list[int]]] = []
-    for row, slot in enumerate(slots.tolist()):
-        if runs and runs[-1][0] == slot:
-            runs[-1][1].append(row)
-        else:
-            runs.append((slot, [row]))
-    singles = [(slot, rows) for slot, rows in runs if len(rows) == 1]
+    Returns (slots [S], rows [S, n]) pairs; rows index into the batch."""
+    by_length: dict[int, list[tuple[int, list[int]]]] = {}
+    start = 0
+    for end in [*np.flatnonzero(np.diff(slots)) + 1, len(slots)]:
+        by_length.setdefault(end - start, []).append((int(slots[start]), list(range(start, end))))
+        start = end
     groups = []
-    half = ceil_div(len(singles), 2)
-    for part in (singles[:half], singles[half:]) if len(singles) >= 8 else (singles,):  # two for the pool
-        if part:
-            groups.append((np.array([s for s, _ in part]), np.array([r for _, r in part])))
-    for slot, rows in runs:
-        if len(rows) > 1:
-            groups.append((np.array([slot]), np.array([rows])))
+    for runs in by_length.values():
+        half = ceil_div(len(runs), 2)
+        for part in (runs[:half], runs[half:]) if len(runs) >= ATTENTION_SPLIT_SLOTS else (runs,):
+            if part:
+                groups.append((np.array([slot for slot, _ in part]), np.array([rows for _, rows in part])))
     return groups
 
 
@@ -311,16 +309,15 @@ def _attend_group(
 ) -> np.ndarray:
     n_slots, n_items = rows.shape
     heads, dim, ppp = tiling.n_head, tiling.head_dim, tiling.positions_per_pe
-    safe_rows = np.where(rows >= 0, rows, rows.max())
-    item_pos = positions[safe_rows]  # [S, n]
+    item_pos = positions[rows]  # [S, n]
     used = int(item_pos.max()) // ppp + 1  # chain PEs holding any visible position (the rest add nothing)
     span = used * ppp
-    if n_slots == 1:  # one slot: views, no copy
-        slot = int(group_slots[0])
-        k, v = keys[slot : slot + 1, :, :span], values[slot : slot + 1, :, :span]
+    first = int(group_slots[0])
+    if np.array_equal(group_slots, np.arange(first, first + n_slots)):  # consecutive slots: views
+        k, v = keys[first : first + n_slots, :, :span], values[first : first + n_slots, :, :span]
     else:
         k, v = keys[group_slots, :, :span], values[group_slots, :, :span]  # [S, H, span, D]
-    qh = q[safe_rows].reshape(n_slots, n_items, heads, dim).transpose(0, 2, 1, 3)  # [S, H, n, D]
+    qh = q[rows].reshape(n_slots, n_items, heads, dim).transpose(0, 2, 1, 3)  # [S, H, n, D]
     scores = np.matmul(qh, k.transpose(0, 1, 3, 2)) * F32(1.0 / math.sqrt(dim))  # [S, H, n, span]
     visible = np.arange(span)[None, None, :] <= item_pos[:, :, None]  # [S, n, span]
     scores = np.where(visible[:, None], scores, F32(-np.inf))
