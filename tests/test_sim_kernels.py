@@ -146,3 +146,23 @@ def test_slot_parts_keep_slots_whole_ordered_and_balanced():
     assert sizes == [12, 16]  # slot 3 alone; slot 4 and the single-item slots together
     assert [r.tolist() for r in slot_parts(slots, 1)] == [list(range(len(slots)))]
     assert [r.tolist() for r in slot_parts(np.array([2, 2, 2]), 2)] == [[0, 1, 2]]
+
+
+def test_kv_logical_reads_back_what_write_kv_stored(small_config):
+    """The float32 [slot, head, position, head_dim] view attention reads is the PE memory's content."""
+    plan = build_plan(small_config, "wse2", "fp16", slots=3, context=40)
+    region = next(r for r in plan.regions if r.kind == "attention" and r.replica == 0)
+    t = region.tiling
+    pe_y, pe_x = memory_layout.pe_coords(region)
+    memory = np.zeros((region.h, region.w, region.symbols["k_cache"].elems), np.float16)
+    slots, positions = np.array([0, 2, 2, 1]), np.array([5, 0, 1, 39])
+    values = np.random.default_rng(3).standard_normal((4, t.n_head * t.head_dim)).astype(np.float32)
+    kernels.write_kv(memory, values, slots, positions, t, pe_y, pe_x)
+
+    logical = kernels.kv_logical(memory, t, pe_y, pe_x)
+    assert logical.shape == (t.slots, t.n_head, t.chain * t.positions_per_pe, t.head_dim)
+    stored = values.astype(np.float16).astype(np.float32).reshape(4, t.n_head, t.head_dim)
+    np.testing.assert_array_equal(logical[slots, :, positions], stored)
+    untouched = np.ones(logical.shape[:3], dtype=bool)
+    untouched[slots, :, positions] = False
+    assert not logical[untouched].any()

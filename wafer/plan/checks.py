@@ -73,6 +73,17 @@ def _memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> 
     return None
 
 
+def _check_colors(regions: list[Region], arch: Arch) -> str | None:
+    worst = max(regions, key=lambda r: r.colors)
+    if worst.colors > arch.usable_colors:
+        return (
+            f"colors: region {worst.name} needs {worst.colors} colors on one PE, "
+            f"{worst.colors - arch.usable_colors} over the {arch.usable_colors} usable "
+            f"({arch.routable_colors} routable minus memcpy's {len(arch.memcpy_reserved_colors)})"
+        )
+    return None
+
+
 def _check_memory(regions: list[Region], arch: Arch) -> str | None:
     worst = max(regions, key=lambda r: r.max_pe_bytes)
     if worst.max_pe_bytes > arch.data_bytes_per_pe:

@@ -10,6 +10,7 @@ from wafer.arch import Arch, resolve_arch
 from wafer.cost import CLOCK_HZ, StageCost
 from wafer.plan.checks import (
     _assign_colors,
+    _check_colors,
     _check_geometry,
     _check_memory,
     _check_request,
@@ -251,16 +252,9 @@ def _assemble(
         routes.extend(placed_routes)
     _check_geometry(regions, arch)
     _assign_colors(regions, routes)
-    worst = max(regions, key=lambda r: r.colors)
-    if worst.colors > arch.usable_colors:
-        return (
-            f"colors: region {worst.name} needs {worst.colors} colors on one PE, "
-            f"{worst.colors - arch.usable_colors} over the {arch.usable_colors} usable "
-            f"({arch.routable_colors} routable minus memcpy's {len(arch.memcpy_reserved_colors)})"
-        )
-    memory = _check_memory(regions, arch)
-    if memory is not None:
-        return memory
+    problem = _check_colors(regions, arch) or _check_memory(regions, arch)
+    if problem is not None:
+        return problem
     layers = [
         LayerPlan(i, lt.ln, lt.qkv, lt.attn, lt.attn_proj, lt.ln, lt.fc, lt.proj)
         for i in range(config.n_layer)
@@ -283,7 +277,7 @@ def _assemble(
         layer_stage_costs=[StageCost(s.name, dict(s.phases)) for s in cand.layer_stages],
         top_k=top_k,
         footprint=(geo.width, geo.height),
-        colors_used=worst.colors,
+        colors_used=max(region.colors for region in regions),
     )
 
 
