@@ -31,8 +31,9 @@ CYCLES_SYMBOL = (
 
 
 # Steps of at least this many items run the layers as one part per thread, split by slot; smaller ones
-# split the work inside each region instead. Measured on 2 cores, GPT-2 124M: a 256-item prefill took
-# 0.55 s split by slot and 0.65 s split inside the regions; 16 decode items took 100 ms and 92 ms.
+# split the work inside each region instead. Measured on 2 cores, GPT-2 124M, medians of 4 in one
+# process: a 256-item prefill took 0.46-0.48 s split by slot and 0.61 s split inside the regions; a
+# 16-item decode step took 91 ms split by slot and 82 ms split inside the regions.
 LAYER_SPLIT_ITEMS = 64
 
 
