@@ -80,7 +80,8 @@ def gemv_bias_cache(tiles: np.ndarray, tiling: GemvTiling) -> np.ndarray:
 # The partial sums are formed `group` reduction indices at a time over blocks of output columns, so a
 # group's [group, B, block] partials stay in cache while they are combined (few NumPy calls when B is
 # small, cache-sized pieces when it is large). A group is a power of two: an aligned block of the tree,
-# whose sum is one node of it.
+# whose sum is one node of it. 4 MB of partials (L3, not L2, here) measured 10% faster per decode step
+# than 1 MB: fewer, larger NumPy calls.
 GEMV_CACHE_ELEMS = 1 << 20
 GEMV_GROUP_BLOCK = 2048  # grow the group while its blocks stay at least this wide
 GEMV_MIN_BLOCK = 128
@@ -131,8 +132,7 @@ def _reduce_columns(chunks: np.ndarray, weights: np.ndarray, reduction: str, gro
     """sum over r of chunks[r] @ weights[r], in chain or tree order, `group` rows per matmul."""
     rows, batch = chunks.shape[:2]
     starts = range(0, rows, group)
-    # One buffer for every group's partials and one for the results per group: reused, not
-    # re-allocated (a fresh megabyte-sized array per matmul costs page faults).
+    # One buffer for every group's partials, reused group after group, and one for the groups' sums.
     partials = np.empty((min(group, rows), batch, weights.shape[2]), dtype=F32)
     nodes = np.empty((len(starts), batch, weights.shape[2]), dtype=F32)
     for i, g in enumerate(starts):
@@ -201,11 +201,7 @@ def residual_add(y: np.ndarray, residual: np.ndarray) -> np.ndarray:
 # arrays (`pe_y`, `pe_x`) into the (h, w, elems) memory image.
 
 
-ATTENTION_SPLIT_SLOTS = 8  # this many single-item slots or more: two halves, one per thread
-
-
-def kv_elems(tiling: AttentionTiling) -> int:
-    return tiling.slots * tiling.positions_per_pe * tiling.heads_per_pe * tiling.head_dim
+ATTENTION_SPLIT_SLOTS = 8  # a group of this many slots or more runs as two halves, one per thread
 
 
 def _kv_view(memory_hwl: np.ndarray, tiling: AttentionTiling) -> np.ndarray:

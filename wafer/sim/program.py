@@ -57,11 +57,6 @@ class KernelFault(RuntimeError):
     """What would crash or corrupt the wafer program (an item outside the plan's limits)."""
 
 
-def region_op(region: Any) -> str:
-    """'L3.qkv' -> 'qkv'; 'head' -> 'head'."""
-    return region.name.rsplit(".", 1)[-1] if region.layer is not None else region.name
-
-
 @dataclass
 class Pipeline:
     """The regions of one replica, by role."""
