@@ -1,0 +1,327 @@
+"""A stand-in for the SDK's host runtime (`cerebras.sdk.runtime.sdkruntimepybind.SdkRuntime`) and
+for the compiler's output folder, so that `cslc` + `cs_python run.py` scripts run on the executor.
+
+`write_output` is what `cslc -o OUT` leaves behind: `OUT/out.json` with the `params` and `colors`
+that run.py scripts read, and an `executor` section that records the layout, options and a digest of
+every source, so that `SdkRuntime(OUT)` can rebuild the program (and refuses if a source changed).
+
+`SdkRuntime` follows the SDK's API (shared/csl-semantics.md section 5): `load()`, `run()`,
+`get_id()`, `memcpy_h2d` / `memcpy_d2h` in copy and streaming mode, `launch`, `task_wait`,
+`is_task_done`, `stop()`. Commands are serialized; `nonblock=True` returns a task at once and the
+command runs the next time the host waits. Host arrays hold 32-bit elements; 16-bit data sits in the
+low half (MEMCPY_16BIT).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from wafer.csl.errors import CslRuntimeError
+from wafer.csl.layout import CompiledLayout, Options, compile_layout
+from wafer.csl.machine import CopyCommand, LaunchCommand, Machine, StreamD2H, StreamH2D
+from wafer.csl.types import BOOL, F16, F32, IntType, PointerType
+from wafer.runtime import MemcpyDataType, MemcpyOrder
+
+OUT_JSON = "out.json"
+TRACES_JSON = "executor_traces.json"
+
+
+def _sources(compiled: CompiledLayout) -> dict[str, str]:
+    files = {compiled.layout.path}
+    for prog in compiled.programs:
+        for _key, mod in prog.modules.items():
+            if mod.file is not None:
+                files.add(mod.path)
+    return {f: hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in sorted(files)}
+
+
+def write_output(compiled: CompiledLayout, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bin").mkdir(exist_ok=True)
+    opts = compiled.options
+    meta = {
+        "params": {k: str(v) for k, v in opts.params.items()},
+        "colors": {k: str(v) for k, v in opts.colors.items()},
+        "executor": {
+            "note": "written by wafer-gpt2 cslc (the project's CSL executor), not by Cerebras cslc",
+            "layout": compiled.layout.path,
+            "options": asdict(opts),
+            "sources": _sources(compiled),
+            "rectangle": list(compiled.layout.rectangle),
+            "programs": len(compiled.programs),
+            "memory_words": {Path(p.path).name: p.memory_words for p in compiled.programs},
+        },
+    }
+    (out / OUT_JSON).write_text(json.dumps(meta, indent=2))
+    return out
+
+
+def load_output(out_dir: str | Path) -> CompiledLayout:
+    path = Path(out_dir) / OUT_JSON
+    if not path.is_file():
+        raise CslRuntimeError(f"{path}: no compiler output here (run cslc -o {out_dir} first)")
+    meta = json.loads(path.read_text())
+    ex = meta.get("executor")
+    if ex is None:
+        raise CslRuntimeError(f"{path}: written by another compiler; the executor needs its own cslc output")
+    for src, digest in ex["sources"].items():
+        if not Path(src).is_file() or hashlib.sha256(Path(src).read_bytes()).hexdigest() != digest:
+            raise CslRuntimeError(f"{src} changed since cslc compiled {out_dir}: compile again")
+    o = ex["options"]
+    options = Options(
+        arch=o["arch"],
+        fabric_dims=tuple(o["fabric_dims"]) if o["fabric_dims"] else None,
+        fabric_offsets=tuple(o["fabric_offsets"]),
+        params=o["params"],
+        colors=o["colors"],
+        memcpy=o["memcpy"],
+        channels=o["channels"],
+        width_west_buf=o["width_west_buf"],
+        width_east_buf=o["width_east_buf"],
+    )
+    return compile_layout(ex["layout"], options)
+
+
+class Task:
+    def __init__(self, runtime: SdkRuntime, cmd) -> None:
+        self.runtime = runtime
+        self.cmd = cmd
+
+    def done(self) -> bool:
+        return self.cmd.done
+
+
+class SdkRuntime:
+    """`SdkRuntime(out_dir)`: the executor's wafer behind the SDK's host API."""
+
+    def __init__(self, bindir: str | Path | CompiledLayout, cmaddr: str | None = None, **kwargs: Any) -> None:
+        if cmaddr:
+            raise CslRuntimeError(
+                f"cmaddr={cmaddr!r}: the executor runs programs in this process, not on a CS system"
+            )
+        self.bindir = None if isinstance(bindir, CompiledLayout) else Path(bindir)
+        self.compiled = bindir if isinstance(bindir, CompiledLayout) else load_output(bindir)
+        self.trace_pe = kwargs.get("trace_pe")
+        self.machine: Machine | None = None
+        self.state = "new"
+        self.symbols = list(self.compiled.layout.export_names)
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def load(self) -> None:
+        if self.state != "new":
+            raise CslRuntimeError("SdkRuntime.load() is called once, before run()")
+        self.machine = Machine(
+            self.compiled, trace_pe=self.trace_pe, log_dir=self.bindir.parent if self.bindir else None
+        )
+        self.state = "loaded"
+
+    def run(self) -> None:
+        if self.state != "loaded":
+            raise CslRuntimeError("SdkRuntime.run() needs load() first")
+        self.state = "running"
+
+    def stop(self) -> None:
+        if self.state != "running":
+            raise CslRuntimeError("SdkRuntime.stop() needs a running program")
+        m = self.machine
+        try:
+            m.run_until(
+                lambda: m.active is None and not m.commands, "the pending memcpy commands before stop()"
+            )
+        finally:
+            m.flush_log()
+            self._save_traces()
+            self.state = "stopped"
+        stats_path = os.environ.get("WAFER_CSL_STATS")
+        if stats_path:
+            s = m.stats()
+            with open(stats_path, "a") as f:
+                f.write(f"{s['cycles']} cycles, {s['wavelet_hops']} hops, {s['wall_s']:.2f} s\n")
+
+    def _save_traces(self) -> None:
+        if self.bindir is None:
+            return
+        traces = {f"{x},{y}": pe.traces for (x, y), pe in self.machine.pes.items() if pe.traces}
+        if traces:
+            (self.bindir / TRACES_JSON).write_text(json.dumps(traces))
+
+    def _running(self, what: str) -> Machine:
+        if self.state != "running":
+            raise CslRuntimeError(f"{what}: the runtime is {self.state}; call load() and run() first")
+        return self.machine
+
+    def get_id(self, name: str) -> int:
+        if name not in self.compiled.layout.export_names:
+            known = ", ".join(self.compiled.layout.export_names) or "none"
+            raise CslRuntimeError(f"get_id({name!r}): the layout exports no such name (it exports: {known})")
+        return self.symbols.index(name)
+
+    # -- memcpy --------------------------------------------------------------------------------------
+    def _rect(self, what: str, px: int, py: int, w: int, h: int) -> tuple[int, int, int, int]:
+        W, H = self.compiled.layout.rectangle
+        px, py, w, h = int(px), int(py), int(w), int(h)
+        if w <= 0 or h <= 0 or px < 0 or py < 0 or px + w > W or py + h > H:
+            raise CslRuntimeError(
+                f"{what}: rectangle {w} x {h} at ({px}, {py}) is not inside the {W} x {H} kernel"
+            )
+        return px, py, w, h
+
+    @staticmethod
+    def _array(what: str, arr: Any, n: int) -> np.ndarray:
+        if not isinstance(arr, np.ndarray):
+            raise CslRuntimeError(f"{what}: the host buffer must be a numpy array, not {type(arr).__name__}")
+        if arr.dtype.itemsize != 4:
+            raise CslRuntimeError(
+                f"{what}: memcpy moves 32-bit elements; the host array is {arr.dtype} (put 16-bit data in the "
+                "low half of a uint32 array, e.g. with sdk_utils.input_array_to_u32)"
+            )
+        if arr.size < n:
+            raise CslRuntimeError(f"{what}: the host array has {arr.size} elements, the transfer needs {n}")
+        if not arr.flags.c_contiguous:
+            raise CslRuntimeError(f"{what}: the host array must be contiguous")
+        return arr
+
+    def _symbol(self, what: str, sym: Any) -> tuple[str, Any]:
+        try:
+            name = self.symbols[int(sym)]
+        except (IndexError, ValueError, TypeError):
+            raise CslRuntimeError(f"{what}: {sym!r} is not a symbol id from get_id()") from None
+        return name, self.compiled.layout.export_names[name]
+
+    def _submit(self, cmd, nonblock: bool):
+        m = self.machine
+        m.submit(cmd)
+        task = Task(self, cmd)
+        if not nonblock:
+            m.run_until(lambda: cmd.done, cmd.describe())
+        return task
+
+    def memcpy_h2d(self, dest, src, px, py, w, h, elem_per_pe, streaming=False, data_type=None,
+                   order=None, nonblock=False):  # fmt: skip
+        return self._memcpy(True, dest, src, px, py, w, h, elem_per_pe, streaming, data_type, order, nonblock)
+
+    def memcpy_d2h(self, dest, src, px, py, w, h, elem_per_pe, streaming=False, data_type=None,
+                   order=None, nonblock=False):  # fmt: skip
+        return self._memcpy(
+            False, src, dest, px, py, w, h, elem_per_pe, streaming, data_type, order, nonblock
+        )
+
+    def _memcpy(self, to_device, target, host, px, py, w, h, elems, streaming, data_type, order, nonblock):
+        what = "memcpy_h2d" if to_device else "memcpy_d2h"
+        m = self._running(what)
+        rect = self._rect(what, px, py, w, h)
+        elems = int(elems)
+        if elems < 0:
+            raise CslRuntimeError(f"{what}: elem_per_pe must not be negative")
+        n = rect[2] * rect[3] * elems
+        arr = self._array(what, host, n)
+        if order is None:
+            raise CslRuntimeError(f"{what}: order= (MemcpyOrder.ROW_MAJOR or COL_MAJOR) is required")
+        row_major = _enum_name(order) == "ROW_MAJOR"
+        if streaming:
+            color = int(target)
+            colors = m.h2d_colors if to_device else m.d2h_colors
+            if color not in colors:
+                kind = "H2D" if to_device else "D2H"
+                raise CslRuntimeError(
+                    f"{what}: color {color} is not a memcpy {kind} streaming color of this program "
+                    f"(the layout's <memcpy/get_params> gives {sorted(colors) or 'none'})"
+                )
+            cls = StreamH2D if to_device else StreamD2H
+            cmd = cls(m, color, arr, rect, elems, row_major)
+        else:
+            if data_type is None:
+                raise CslRuntimeError(
+                    f"{what}: data_type= (MemcpyDataType.MEMCPY_32BIT or _16BIT) is required"
+                )
+            name, (ptype, mutable, _) = self._symbol(what, target)
+            if not isinstance(ptype, PointerType):
+                raise CslRuntimeError(f"{what}: {name!r} is a function, not data")
+            if to_device and not mutable:
+                raise CslRuntimeError(
+                    f"{what}: {name!r} is exported immutable: the host may read it, not write it"
+                )
+            wpe = 2 if ptype.elem.words == 2 else 1
+            want = "MEMCPY_32BIT" if wpe == 2 else "MEMCPY_16BIT"
+            if _enum_name(data_type) != want:
+                raise CslRuntimeError(f"{what}: {name!r} holds {ptype.elem.name} values: use {want}")
+            cmd = CopyCommand(m, to_device, name, arr, rect, elems, wpe, row_major)
+        return self._submit(cmd, nonblock)
+
+    # -- launch --------------------------------------------------------------------------------------
+    def launch(self, name: str, *args: Any, nonblock: bool = False):
+        m = self._running("launch")
+        if name not in self.compiled.layout.export_names:
+            raise CslRuntimeError(f"launch({name!r}): the layout exports no such function")
+        args_by_pe = {}
+        for xy, pe in m.pes.items():
+            exp = pe.program.exports.get(name)
+            if exp is None or exp.kind != "fn":
+                raise CslRuntimeError(
+                    f"launch({name!r}): PE {xy} ({Path(pe.program.path).name}) does not export it"
+                )
+            args_by_pe[xy] = (exp.fn, self._launch_args(name, exp.fn, args))
+        return self._submit(LaunchCommand(m, name, args_by_pe), nonblock)
+
+    def _launch_args(self, name: str, fn, args: tuple) -> tuple:
+        from wafer.csl.compiler import Compiler, Ctx
+
+        params = fn.decl.params
+        if len(args) != len(params):
+            raise CslRuntimeError(
+                f"launch({name!r}): the function takes {len(params)} arguments, {len(args)} given"
+            )
+        ctx = Ctx(Compiler(self.compiled.options.arch), fn.module, "comptime")
+        out = []
+        for p, a in zip(params, args, strict=True):
+            t = ctx.ctype(p.type)
+            v = a.item() if isinstance(a, np.generic) else a
+            if isinstance(t, IntType):
+                if isinstance(v, bool) or not isinstance(v, int) or not t.lo <= v <= t.hi:
+                    raise CslRuntimeError(
+                        f"launch({name!r}): argument {p.name!r} must be a {t.name}, got {a!r}"
+                    )
+            elif t in (F32, F16):
+                if not isinstance(v, (float, int)) or isinstance(v, bool):
+                    raise CslRuntimeError(
+                        f"launch({name!r}): argument {p.name!r} must be a {t.name}, got {a!r}"
+                    )
+                from wafer.csl.rt import F16 as r16
+                from wafer.csl.rt import F32 as r32
+
+                v = r32(float(v)) if t is F32 else r16(float(v))
+            elif t is BOOL:
+                v = bool(v)
+            else:
+                raise CslRuntimeError(
+                    f"launch({name!r}): parameter {p.name!r} of type {t.name} cannot come from the host"
+                )
+            out.append(v)
+        return tuple(out)
+
+    # -- tasks -----------------------------------------------------------------------------------------
+    def task_wait(self, task: Task) -> None:
+        m = self._running("task_wait")
+        m.run_until(lambda: task.cmd.done, task.cmd.describe())
+
+    def is_task_done(self, task: Task) -> bool:
+        return task.cmd.done
+
+    # -- the executor's own extras ---------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return self.machine.stats() if self.machine else {}
+
+
+def _enum_name(v: Any) -> str:
+    return getattr(v, "name", str(v)).split(".")[-1]
+
+
+__all__ = ["SdkRuntime", "MemcpyDataType", "MemcpyOrder", "Task", "write_output", "load_output"]
