@@ -19,6 +19,7 @@ COMMANDS = [
     "cost",
     "bench",
     "report",
+    "csl",
 ]
 
 

@@ -46,7 +46,9 @@ RULES = {
         output_queues=(2, 2, 6, 6, 2, 2),
         local_task_ids=range(0, 31),
         memcpy_input_queues=frozenset({0}),
-        memcpy_output_queues=frozenset({0}),
+        # memcpy's D2H uses output queue 0, which WSE-2 lets colors share: 25-pt-stencil sends its
+        # own colors through output queues 0-3 with memcpy linked (its task.csl says so).
+        memcpy_output_queues=frozenset(),
         switch_colors=None,
         fabin_per_op=None,
         color_swap=True,

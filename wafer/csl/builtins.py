@@ -33,6 +33,9 @@ from wafer.csl.types import (
     COMPTIME_STRUCT,
     CONTROL_TASK_ID,
     DATA_TASK_ID,
+    DSR_DEST,
+    DSR_SRC0,
+    DSR_SRC1,
     F16,
     F32,
     FABIN_DSD,
@@ -53,6 +56,7 @@ from wafer.csl.types import (
     Color,
     CslType,
     Dsd,
+    Dsr,
     EnumType,
     EnumValue,
     Fifo,
@@ -745,7 +749,6 @@ def _tensor_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, ta: ast.TensorAccess
             strides.append(None)
     if isinstance(elem, ArrayType):
         raise ctx.error(node, "a tensor access must reach scalar elements")
-    _check_tensor_range(ctx, node, ta, extents, address)
     if base.known and all(s is not None for s in strides) and all(e.known for e in extents):
         if kind == "mem1d":
             dsd = Dsd(
@@ -773,20 +776,6 @@ def _tensor_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, ta: ast.TensorAccess
         MEM1D_DSD,
         f"DSD.mem1d({ctx.fb.const(elem)}, {ctx.code(base)}, {ctx.code(extents[0])}, {stride_code}, 0, {wio}, {where})",
     )
-
-
-def _check_tensor_range(
-    ctx: Ctx, node: ast.Node, ta: ast.TensorAccess, extents: list[CExpr], address
-) -> None:
-    """The first and last element a tensor access reaches must lie in the array it indexes."""
-    if not all(e.known for e in extents) or any(e.value == 0 for e in extents):
-        return
-    last = [e.value - 1 for e in extents]
-    for corner in ([0] * len(extents), last):
-        inner = ctx.child()
-        for var, v in zip(ta.vars, corner, strict=True):
-            inner.scope.names[var] = CVar(v, COMPTIME_INT)
-        inner.place(ta.expr)  # raises with the CSL line when an index falls outside the array
 
 
 def _fab_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, fields: dict[str, ast.Node]) -> CExpr:
@@ -924,7 +913,7 @@ def _dsd_op(name: str):
             raise ctx.error(node, f"@{name} runs on the PE: call it from a fn or task")
         args = list(node.args)
         opts_node = None
-        if len(args) == nsrc + 2 and isinstance(args[-1], ast.StructLit):
+        if len(args) == nsrc + 2 and _is_options(ctx, args[-1]):
             opts_node = args.pop()
         if len(args) != nsrc + 1:
             raise ctx.error(node, f"@{name} takes a destination and {nsrc} source(s), found {len(args) - 1}")
@@ -953,6 +942,8 @@ def operand(ctx: Ctx, a: ast.Node, elem: str, node: ast.Node) -> tuple[str, Any]
         return (ctx.code(ce), ce.value if ce.known else t)
     if t is FIFO_T:
         return (ctx.code(ce), ce.value)
+    if t in (DSR_DEST, DSR_SRC0, DSR_SRC1):
+        return (ctx.code(ce), "dsr")
     if isinstance(ce, MemArray):
         raise ctx.error(a, "an array is not a DSD operand: wrap it in @get_dsd")
     if isinstance(t, PointerType):
@@ -978,12 +969,29 @@ def operand(ctx: Ctx, a: ast.Node, elem: str, node: ast.Node) -> tuple[str, Any]
     raise ctx.error(a, f"@{node.name}: unsupported operand of type {t.name}")
 
 
-def dsd_options(ctx: Ctx, opts_node: ast.StructLit, node: ast.Node) -> dict[str, Any]:
+def _is_options(ctx: Ctx, arg: ast.Node) -> bool:
+    """An operation's last argument is its options when it is a struct (a literal, or a named one:
+    25-pt-stencil passes `const props = .{ .async = true, ... }`)."""
+    if isinstance(arg, ast.StructLit):
+        return True
+    if isinstance(arg, ast.Ident):
+        b = ctx.scope.find(arg.name) or ctx.comp.resolve(ctx.mod, arg.name, arg)
+        value = getattr(b, "value", None)
+        return isinstance(value, Struct) and not value.is_tuple
+    return False
+
+
+def dsd_options(ctx: Ctx, opts_node: ast.Node, node: ast.Node) -> dict[str, Any]:
+    if isinstance(opts_node, ast.StructLit):
+        items = [(name, vnode, None) for name, vnode in opts_node.fields]
+    else:
+        value = ctx.need_known(ctx.cx(opts_node), opts_node, "operation options")
+        items = [(name, opts_node, v) for name, v in value.fields]
     out: dict[str, Any] = {}
-    for name, vnode in opts_node.fields:
+    for name, vnode, given in items:
         if name not in _OPT_FIELDS:
             raise ctx.error(node, f"unknown DSD operation option `.{name}`")
-        ce = ctx.cx(vnode)
+        ce = ctx.cx(vnode) if given is None else known(given)
         if name == "index":
             out["index"] = ce
             continue
@@ -1002,31 +1010,14 @@ def dsd_options(ctx: Ctx, opts_node: ast.StructLit, node: ast.Node) -> dict[str,
 
 @builtin("map")
 def _map(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
+    """@map(fn, inputs..., [output]): fn once per element; a void fn has no output operand."""
     _pe_only(ctx, node)
     if not ctx.runtime:
         raise ctx.error(node, "@map runs on the PE: call it from a fn or task")
-    if len(node.args) < 3:
-        raise ctx.error(node, "@map takes a function, its inputs and an output")
+    if len(node.args) < 2:
+        raise ctx.error(node, "@map takes a function and its operands")
     fnce = ctx.cx(node.args[0])
     from wafer.csl.libs import NativeFn
-
-    if not isinstance(fnce.value, (FnSym, NativeFn)):
-        raise ctx.error(node, "@map's first argument must be a function")
-    operands = []
-    for a in node.args[1:]:
-        ce = ctx.cx(a)
-        if ce.type in (MEM1D_DSD, MEM4D_DSD, FABIN_DSD, FABOUT_DSD, FIFO_T):
-            if ce.type is FIFO_T:
-                raise ctx.error(a, "@map cannot read or write a FIFO")
-            operands.append(("dsd", ctx.code(ce), ce.value if ce.known else None))
-        elif isinstance(ce.type, PointerType):
-            addr = str(ce.value.addr) if ce.known else ce.code
-            operands.append(("ptr", f"DSD.scalar_ptr({addr}, {ctx.fb.const(scalar_of(ce.type.elem))})", None))
-        else:
-            operands.append(("value", ctx.code(ce), ce.type))
-    if operands[-1][0] == "value":
-        raise ctx.error(node, "@map's last argument (the output) must be a DSD or a pointer")
-    from wafer.csl.dsd import MapSpec
 
     if isinstance(fnce.value, FnSym):
         fn = fnce.value
@@ -1034,17 +1025,88 @@ def _map(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
         fctx = Ctx(ctx.comp, fn.module, "comptime")
         ptypes = [fctx.ctype(p.type) for p in fn.decl.params]
         rtype = fctx.ctype(fn.decl.ret)
-        target = fn
-    else:
+        target: Any = fn
+    elif isinstance(fnce.value, NativeFn):
         ptypes, rtype = list(fnce.value.params), fnce.value.ret
         target = fnce.value
-    if len(ptypes) != len(operands) - 1:
-        raise ctx.error(node, f"@map: the function takes {len(ptypes)} inputs, {len(operands) - 1} given")
-    spec = MapSpec(target, tuple(ptypes), rtype, tuple(k for k, _, _ in operands), ctx.where(node))
-    codes = ", ".join(c for _, c, _ in operands)
+    else:
+        raise ctx.error(node, "@map's first argument must be a function")
+    operands = []
+    for a in node.args[1:]:
+        ce = ctx.cx(a)
+        if ce.type is FIFO_T:
+            raise ctx.error(a, "@map cannot read or write a FIFO")
+        if ce.type in (MEM1D_DSD, MEM4D_DSD, FABIN_DSD, FABOUT_DSD, DSR_DEST, DSR_SRC0, DSR_SRC1):
+            operands.append(("dsd", ctx.code(ce)))
+        elif isinstance(ce.type, PointerType):
+            addr = str(ce.value.addr) if ce.known else ce.code
+            operands.append(("ptr", f"DSD.scalar_ptr({addr}, {ctx.fb.const(scalar_of(ce.type.elem))})"))
+        else:
+            operands.append(("value", ctx.code(ce)))
+    has_output = rtype is not VOID_T
+    inputs = len(operands) - (1 if has_output else 0)
+    if has_output and operands[-1][0] == "value":
+        raise ctx.error(node, "@map's last argument (the output) must be a DSD or a pointer")
+    if len(ptypes) != inputs:
+        raise ctx.error(node, f"@map: the function takes {len(ptypes)} inputs, {inputs} given")
+    from wafer.csl.dsd import MapSpec
+
+    spec = MapSpec(target, tuple(ptypes), rtype, tuple(k for k, _ in operands), ctx.where(node))
+    codes = ", ".join(c for _, c in operands)
     return ctx.dyn(VOID_T, f"pe.map_op({ctx.fb.const(spec)}, ({codes},))")
 
 
-@builtin("get_dsr", "load_to_dsr")
-def _dsr(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
-    raise ctx.error(node, f"@{node.name}: DSRs are not supported by the executor yet")
+DSR_COUNT = 8  # DSR ids per file (assumption: the SDK page leaves the count to the compiler)
+
+
+@builtin("get_dsr")
+def _get_dsr(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
+    _argc(ctx, node, 2)
+    kind_t = ctx.ctype(node.args[0])
+    kind = {"dsr_dest": "dest", "dsr_src0": "src0", "dsr_src1": "src1"}.get(kind_t.name)
+    if kind is None:
+        raise ctx.error(node, f"@get_dsr takes dsr_dest, dsr_src0 or dsr_src1, not {kind_t.name}")
+    n = _int_arg(ctx, node, 1, "DSR id")
+    if not 0 <= n < DSR_COUNT:
+        raise ctx.error(node, f"DSR id {n} out of range 0-{DSR_COUNT - 1}")
+    return known(Dsr(kind, n))
+
+
+_DSR_OPTS = {"async", "activate", "unblock", "ut_id", "save_address", "single_step", "priority", "on_control"}
+
+
+@builtin("load_to_dsr")
+def _load_to_dsr(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
+    _argc(ctx, node, 2, 3)
+    _pe_only(ctx, node)
+    dsr = _known_arg(ctx, node, 0, "DSR")
+    if not isinstance(dsr, Dsr):
+        raise ctx.error(node, f"@load_to_dsr loads a DSR, not {dsr!r}")
+    d = ctx.cx(node.args[1])
+    if d.type not in (MEM1D_DSD, MEM4D_DSD, FABIN_DSD, FABOUT_DSD):
+        raise ctx.error(node, f"@load_to_dsr loads a DSD, not a {d.type.name}")
+    if d.known:
+        if d.value.kind == "fabin" and dsr.kind == "dest":
+            raise ctx.error(node, "a fabin_dsd cannot be loaded into a dsr_dest")
+        if d.value.kind == "fabout" and dsr.kind != "dest":
+            raise ctx.error(node, "a fabout_dsd can only be loaded into a dsr_dest")
+    opts: dict[str, Any] = {}
+    if len(node.args) > 2:
+        onode = node.args[2]
+        if not isinstance(onode, ast.StructLit):
+            raise ctx.error(node, "@load_to_dsr's options must be a struct literal")
+        extra = {n for n, _ in onode.fields} - _DSR_OPTS
+        if extra:
+            raise ctx.error(node, f"unknown @load_to_dsr option(s): {', '.join(sorted(extra))}")
+        save = [(n, v) for n, v in onode.fields if n in ("save_address", "single_step", "priority")]
+        rest = ast.StructLit(onode.line, None, [(n, v) for n, v in onode.fields if n not in dict(save)])
+        opts = dsd_options(ctx, rest, node)
+        for n, v in save:
+            if n != "priority":
+                opts[n] = bool(ctx.need_known(ctx.cx(v), v, f"`.{n}`"))
+    if ctx.runtime:
+        return ctx.dyn(VOID_T, f"pe.load_dsr({ctx.fb.const(dsr)}, {ctx.code(d)}, {ctx.fb.const(opts)})")
+    if not d.known:
+        raise ctx.error(node, "@load_to_dsr at comptime needs a comptime-known DSD")
+    ctx.program.startup.append(("load_dsr", (dsr, d.value, opts), ctx.where(node)))
+    return VOID_EXPR

@@ -68,6 +68,7 @@ def cslc_parser() -> argparse.ArgumentParser:
     p.add_argument("--width-west-buf", type=int, default=0)
     p.add_argument("--width-east-buf", type=int, default=0)
     p.add_argument("-o", "--output", default="out", help="output folder")
+    p.add_argument("--verbose", action="store_true", help="accepted for compatibility; no effect")
     return p
 
 
@@ -138,10 +139,13 @@ def find_examples(root: Path, arch: str) -> list[Path]:
     return sorted(p.parent for p in root.rglob(script))
 
 
-def run_example(folder: Path, arch: str, wrappers: Path, timeout: float) -> dict:
+def run_example(folder: Path, root: Path, arch: str, wrappers: Path, timeout: float) -> dict:
+    """Run one example in a fresh copy of the whole tree (examples import files beside them, e.g.
+    csl-examples' benchmark-libs), so that the checkout itself is never written to."""
     with tempfile.TemporaryDirectory(prefix="csl-example-") as tmp:
-        work = Path(tmp) / folder.name
-        shutil.copytree(folder, work)
+        copy = Path(tmp) / "tree"
+        shutil.copytree(root, copy, ignore=shutil.ignore_patterns(".git", "out"))
+        work = copy / folder.relative_to(root) if folder != root else copy
         env = dict(os.environ)
         env["PATH"] = f"{wrappers}{os.pathsep}{env.get('PATH', '')}"
         env["WAFER_CSL_STATS"] = str(Path(tmp) / "stats.txt")
@@ -184,7 +188,7 @@ def examples_main(argv: list[str] | None = None) -> int:
             for folder in find_examples(root, arch):
                 if args.only and not any(s in folder.name for s in args.only):
                     continue
-                r = run_example(folder, arch, wrappers, args.timeout)
+                r = run_example(folder, root, arch, wrappers, args.timeout)
                 rows.append(r)
                 status = "pass" if r["ok"] else "FAIL"
                 print(

@@ -32,6 +32,7 @@ from wafer.csl.types import (
     U16,
     U32,
     VOID_T,
+    ArrayType,
     ArrayValue,
     Color,
     PointerType,
@@ -100,8 +101,10 @@ class C2dPe(NativeModule):
         if not isinstance(dim, Struct) or not dim.has("axis"):
             raise ctx.error(node, "<collectives_2d/pe> needs .dim_params from collectives_2d get_params")
         queues = params.get("queues")
+        if queues is None:  # the library's defaults (SDK release notes 0.9.0): X 2, 4 and Y 3, 5
+            queues = ArrayValue(ArrayType(2, U16), [2, 4] if dim.get("axis") == "x" else [3, 5])
         if not isinstance(queues, ArrayValue) or len(queues.items) != 2:
-            raise ctx.error(node, "<collectives_2d/pe> needs .queues = [2]u16{...}")
+            raise ctx.error(node, "<collectives_2d/pe> .queues must be [2]u16{...}")
         prog = ctx.program
         reserved = prog.native_state.setdefault("reserved", {"colors": {}, "tasks": {}, "queues": {}})
         where = ctx.where(node)

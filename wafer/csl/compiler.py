@@ -165,6 +165,7 @@ class FnBuilder:
         self.temps = itertools.count()
         self.views: set[str] = set()
         self.loops: list[dict] = []
+        self.addressed: set[str] = set()  # locals whose address the function takes
         self.filename = f"<csl {path}:{name}#{next(self._serial)}>"
 
     def emit(self, code: str, line: int) -> None:
@@ -459,7 +460,9 @@ class Ctx:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 return float(v)
         elif isinstance(target, (SimpleType, FnType)):
-            if type_of_value(v) == target or (isinstance(target, FnType) and isinstance(v, FnSym)):
+            from wafer.csl.libs import NativeFn
+
+            if type_of_value(v) == target or (isinstance(target, FnType) and isinstance(v, (FnSym, NativeFn))):
                 return v
             if isinstance(v, TaskId) and target.name.endswith("task_id"):
                 kinds = {"local_task_id": "local", "data_task_id": "data", "control_task_id": "control"}
@@ -606,6 +609,8 @@ class Ctx:
         return self.cx(node)
 
     def index_place(self, base: Any, idx: CExpr, node: ast.Index) -> Any:
+        if isinstance(base, MemArray):
+            base = MemPlace(base.type, base.addr, base.var, base.var is not None and not base.var.mutable)
         if isinstance(base, CVar):
             if isinstance(base.value, ArrayValue):
                 return ArrayElemPlace(base, self.need_known(idx, node.index, "index into a comptime array"))
@@ -890,6 +895,9 @@ class Ctx:
                 "CSL has no pointer arithmetic: index the array, or move a DSD with @increment_dsd_offset",
             )
         if op in self._CMP:
+            if op in ("==", "!=") and a.known and b.known and not (is_num(a.type) and is_num(b.type)):
+                same = a.value == b.value  # colors, directions, task IDs, enum values, types
+                return known(same if op == "==" else not same, BOOL)
             if a.type is BOOL and b.type is BOOL and op in ("==", "!="):
                 return self.finish(BOOL, f"({self.code(a)} {op} {self.code(b)})", a.known and b.known)
             if not (a.type == b.type and isinstance(a.type, (EnumType, SimpleType))):
@@ -936,6 +944,10 @@ class Ctx:
             return self.cx(node.other, expect)
         a = self.cx(node.then, expect)
         b = self.cx(node.other, expect) if node.other is not None else VOID_EXPR
+        if expect is not None and is_num(expect) and a.type in (COMPTIME_INT, COMPTIME_FLOAT):
+            a = self.coerce(a, expect, node.then)
+        if expect is not None and is_num(expect) and b.type in (COMPTIME_INT, COMPTIME_FLOAT):
+            b = self.coerce(b, expect, node.other)
         t = self.peer(a, b, node)
         a, b = self.coerce(a, t, node), self.coerce(b, t, node)
         return self.dyn(t, f"({self.code(a)} if {self.code(c)} else {self.code(b)})")
@@ -1456,6 +1468,13 @@ class Ctx:
                 value = self.need_known(init, s.init, "local array initializer")
                 self.emit(f"pe.write_array({var.addr}, {self.fb.const(value)})", s.line)
             return
+        if s.name in self.fb.addressed and (t.is_numeric or t is BOOL):
+            # Its address is taken: it lives in memory (placed statically, as local arrays are).
+            var = self.comp.local_array(self, s, t)
+            self.scope.names[s.name] = LocalArray(var)
+            value = self.code(init) if init is not None else lit(self.comp.zero_value(t), self.fb)
+            self.emit(self.mem_write(CExpr(U32, var.addr), t, value, s), s.line)
+            return
         if s.kind == "const" and init is not None and init.known:
             self.scope.names[s.name] = CVar(init.value, t)
             return
@@ -1516,6 +1535,25 @@ def _evaluated_eagerly(decl: ast.Node) -> bool:
         return True
     init = getattr(decl, "init", None)
     return isinstance(init, ast.BuiltinCall) and init.name == "import_module"
+
+
+def _addressed_names(node: Any) -> set[str]:
+    """Names that appear as `&name` (or `&name[...]`) in a function body."""
+    out: set[str] = set()
+
+    def walk(n: Any) -> None:
+        if isinstance(n, ast.Unary) and n.op == "&" and isinstance(n.operand, ast.Ident):
+            out.add(n.operand.name)
+        if isinstance(n, ast.Node):
+            for value in vars(n).values():
+                if isinstance(value, list):
+                    for v in value:
+                        walk(v)
+                elif isinstance(value, ast.Node):
+                    walk(value)
+
+    walk(node)
+    return out
 
 
 def _contains(node: Any, kinds: Any) -> bool:
@@ -1911,6 +1949,7 @@ class Compiler:
             ctx.scope.names[p.name] = Local(py, pt, False)
             params.append((py, pt))
         ctx.ret_type = ctx.ctype(decl.ret)
+        fb.addressed = _addressed_names(decl.body)
         ctx.gen(decl.body.stmts)
         return self.assemble(fb, [py for py, _ in params])
 

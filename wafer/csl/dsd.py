@@ -163,11 +163,13 @@ class OpSpec:
                 raise ctx.error(node, f"@{self.name}: an asynchronous fabric operand needs `.{q}`")
 
     def runtime_opts_code(self, ctx) -> str:
+        """`.index = v` is a run-time value: it moves every operand DSD made with
+        `.wavelet_index_offset = true` by v 16-bit words (sdklayout-05 passes `2 * idx` for f32)."""
         index = self.opts.get("index")
         if index is None:
             return ""
         self.opts = {k: v for k, v in self.opts.items() if k != "index"}
-        raise ctx.error(0, f"@{self.name}: `.index` is not supported by the executor")
+        return f", {ctx.code(index)}"
 
 
 def _FABIN_T(ctx):
@@ -199,7 +201,9 @@ def mem_indices(d: Dsd | ScalarPtr, n: int, op_words: int, where: str) -> np.nda
     """Word addresses of the first n elements an operand addresses."""
     if isinstance(d, ScalarPtr):
         return np.full(n, d.addr, dtype=np.int64)
-    words = d.elem.words if d.elem is not None else op_words
+    # Offsets and strides count elements of the operation (residual's gemv moves f32 data through a
+    # DSD declared over an i16 array: "the type here doesn't matter").
+    words = op_words
     if d.kind == "mem1d":
         start = d.base + d.offset * words
         return start + np.arange(n, dtype=np.int64) * (d.stride * words)

@@ -30,8 +30,8 @@ def memcpy_view(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(view, strides=arr.strides, shape=arr.shape)
 
 
-def input_array_to_u32(arr: np.ndarray, sentinel: int | None, fast_dim_sz: int) -> np.ndarray:
-    arr = np.asarray(arr)
+def input_array_to_u32(np_arr: np.ndarray, sentinel: int | None, fast_dim_sz: int) -> np.ndarray:
+    arr = np.asarray(np_arr)
     if arr.ndim != 1:
         raise CslRuntimeError(f"input_array_to_u32: the array must be flat, not of shape {arr.shape}")
     if arr.itemsize == 4:

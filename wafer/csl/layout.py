@@ -18,7 +18,7 @@ from wafer.csl.compiler import Compiler, _freeze
 from wafer.csl.errors import CslCompileError
 from wafer.csl.parse import parse_file
 from wafer.csl.program import ColorConfig, ModuleInstance, Program
-from wafer.csl.types import COMPTIME_INT, Color, CslType, PointerType, Struct
+from wafer.csl.types import COLOR, COMPTIME_INT, Color, CslType, PointerType, Struct
 
 DIR_DELTA = {"NORTH": (0, -1), "SOUTH": (0, 1), "EAST": (1, 0), "WEST": (-1, 0)}
 OPPOSITE = {"NORTH": "SOUTH", "SOUTH": "NORTH", "EAST": "WEST", "WEST": "EAST"}
@@ -123,13 +123,17 @@ def compile_layout(layout_path: str | Path, options: Options) -> CompiledLayout:
     lp = LayoutProgram(options.arch, layout_path)
     file = parse_file(layout_path)
     declared = {d.name for d in file.decls if getattr(d, "kind", None) == "param"}
-    given = dict(options.params)
+    given: dict[str, Any] = dict(options.params)
+    types: dict[str, CslType] = {k: COMPTIME_INT for k in given}
+    for name, cid in options.colors.items():  # --colors gives a layout's `param name: color`
+        archs.check_color_id(options.arch, cid, f"{layout_path}:1: --colors {name}")
+        given[name], types[name] = Color(cid), COLOR
     for name in given:
         if name not in declared:
             raise CslCompileError(
-                f"{layout_path}:1: --params names {name!r}, which the layout does not declare"
+                f"{layout_path}:1: --params/--colors name {name!r}, which the layout does not declare"
             )
-    params = Struct(tuple(given.items()), tuple((k, COMPTIME_INT) for k in given))
+    params = Struct(tuple(given.items()), tuple(types.items()))
     mod = ModuleInstance(lp, layout_path, file, params)
     comp.evaluate_module(mod, layout=True)
     if lp.rectangle is None:

@@ -389,6 +389,21 @@ from wafer.csl.types import ArrayType as _ArrayType  # noqa: E402
 
 ArrayOf3 = _ArrayType(3, U16)
 
+class Directions(NativeModule):
+    """`<directions>`: `flip(d)` is the opposite direction."""
+
+    spec = "directions"
+
+    def __init__(self, comp, ctx: Ctx, params: Struct, node: ast.Node) -> None:
+        super().__init__(comp, ctx, params, node)
+        from wafer.csl.types import DIRECTION, DIRECTIONS
+
+        opposite = {"NORTH": "SOUTH", "SOUTH": "NORTH", "EAST": "WEST", "WEST": "EAST", "RAMP": "RAMP"}
+        self.members = {
+            "flip": NativeFn("flip", [DIRECTION], DIRECTION, fold=lambda d: DIRECTIONS[opposite[d.name]])
+        }
+
+
 LIBRARIES = {
     "memcpy/get_params": MemcpyGetParams,
     "memcpy/memcpy": Memcpy,
@@ -399,6 +414,7 @@ LIBRARIES = {
     "control": Control,
     "simprint": Simprint,
     "debug": Debug,
+    "directions": Directions,
 }
 
 

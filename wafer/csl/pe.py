@@ -20,6 +20,7 @@ or FIFO operand is involved, and activate or unblock a task when they finish.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from wafer.csl.fabric import CTRL, NO_ENTRY, Channel, entrypoint
 from wafer.csl.memory import pack_values
 from wafer.csl.program import FnSym, Program
 from wafer.csl.rt import F2H, H2F, U2F
-from wafer.csl.types import F16, F32, ArrayValue, Dsd, Fifo, IntType, Pointer, PointerType
+from wafer.csl.types import F16, F32, ArrayValue, Dsd, Dsr, Fifo, IntType, Pointer, PointerType
 
 NTASKS = 64
 
@@ -98,6 +99,7 @@ class PE:
         self.outq: dict[int, Channel] = {}
         self.out_drain: dict[int, Any] = {}
         self.fifos = [Channel(machine, f.length, f"fifo {f.index}") for f in program.fifos]
+        self.dsrs: dict[tuple[str, int], tuple[Dsd, dict]] = {}
         self.busy_queues: dict[tuple[str, int], Any] = {}
         self.micro: list[StreamOp] = []
         self.cmd_blocked = False
@@ -377,9 +379,51 @@ class PE:
         buf.append(value)
 
     # -- DSD operations --------------------------------------------------------------------------------
-    def dsd_op(self, spec: D.OpSpec, operands: tuple) -> None:
+    def load_dsr(self, dsr: Any, dsd: Dsd | None = None, opts: dict | None = None) -> None:
+        if dsd is None:  # from the program's startup list: (dsr, dsd, opts)
+            dsr, dsd, opts = dsr
+        self.dsrs[(dsr.kind, dsr.id)] = (dsd, opts or {})
+
+    def _resolve_dsrs(self, spec: D.OpSpec, operands: tuple) -> tuple[D.OpSpec, tuple, list]:
+        """DSR operands -> the DSDs they hold; options loaded with a DSR (async, activate, ...) apply
+        to the operation; `save_address` DSRs are advanced after it."""
+        out, saved, extra = [], [], {}
+        for o in operands:
+            if isinstance(o, Dsr):
+                held = self.dsrs.get((o.kind, o.id))
+                if held is None:
+                    raise CslRuntimeError(f"{spec.where}: {o} is used before any @load_to_dsr on {self}")
+                dsd, opts = held
+                extra.update({k: v for k, v in opts.items() if k not in ("save_address", "single_step")})
+                if opts.get("save_address"):
+                    saved.append(o)
+                out.append(dsd)
+            else:
+                out.append(o)
+        if extra:
+            spec = replace(spec, opts={**spec.opts, **extra})
+        return spec, tuple(out), saved
+
+    def _advance_dsrs(self, saved: list, n: int, op_words: int) -> None:
+        for o in saved:
+            dsd, opts = self.dsrs[(o.kind, o.id)]
+            if dsd.kind == "mem1d":
+                dsd = replace(dsd, base=dsd.base + n * dsd.stride * op_words)
+                self.dsrs[(o.kind, o.id)] = (dsd, opts)
+
+    def dsd_op(self, spec: D.OpSpec, operands: tuple, index: int | None = None) -> None:
         self.t += timing.DSD_SETUP
+        saved: list = []
+        if any(isinstance(o, Dsr) for o in operands):
+            spec, operands, saved = self._resolve_dsrs(spec, operands)
+        if index is not None:
+            operands = tuple(
+                replace(o, base=o.base + index) if isinstance(o, Dsd) and o.wavelet_index_offset else o
+                for o in operands
+            )
         n = D.op_length(operands)
+        if saved:
+            self._advance_dsrs(saved, n, D.WORDS[spec.dtype])
         streaming = any(
             (isinstance(o, Dsd) and o.kind in ("fabin", "fabout")) or isinstance(o, Fifo) for o in operands
         )
@@ -473,29 +517,32 @@ class PE:
                 self.schedule_pick(t)
 
     def map_op(self, spec: D.MapSpec, operands: tuple) -> None:
-        """@map: call the function once per element (inputs in order, the last operand the output)."""
+        """@map: call the function once per element (inputs in order, then the output, if any)."""
         self.t += timing.DSD_SETUP
+        saved: list = []
+        if any(isinstance(o, Dsr) for o in operands):
+            _, operands, saved = self._resolve_dsrs(D.OpSpec("map", 0, "f32", "f32", spec.where), operands)
         n = D.op_length(operands)
-        fn = spec.fn.py
-        ins = operands[:-1]
-        out = operands[-1]
-        rname = spec.ret.name
+        has_output = spec.ret.name != "void"
+        ins = operands[:-1] if has_output else operands
         readers = []
         for o, k, t in zip(ins, spec.kinds, spec.params, strict=False):
             if k == "value":
                 readers.append(lambda i, v=o: v)
             elif k == "ptr" and isinstance(t, PointerType):
-                readers.append(
-                    lambda i, a=o.addr: a
-                )  # a pointer parameter gets the address, re-read by the fn
+                readers.append(lambda i, a=o.addr: a)  # a pointer parameter gets the address itself
             else:
                 readers.append(self._element_reader(o, t.name, spec.where))
-        writer = self._element_writer(out, rname, spec.where)
+        writer = self._element_writer(operands[-1], spec.ret.name, spec.where) if has_output else None
+        fn = spec.fn.py
         native = not isinstance(spec.fn, FnSym)
         for i in range(n):
             args = [r(i) for r in readers]
             result = fn(*args) if native else fn(self, *args)
-            writer(i, result)
+            if writer is not None:
+                writer(i, result)
+        if saved:
+            self._advance_dsrs(saved, n, 2)
         self.t += n
 
     def _element_reader(self, o: Any, tname: str, where: str):

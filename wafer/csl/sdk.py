@@ -214,6 +214,29 @@ class SdkRuntime:
             False, src, dest, px, py, w, h, elem_per_pe, streaming, data_type, order, nonblock
         )
 
+    def memcpy_h2d_rowbcast(self, dest, src, px, py, w, h, elem_per_pe, streaming=False, data_type=None,
+                            order=None, nonblock=False):  # fmt: skip
+        """One column of values (h x elems): row y of the rectangle gets value y on every PE."""
+        return self._bcast(True, dest, src, px, py, w, h, elem_per_pe, streaming, data_type, order, nonblock)
+
+    def memcpy_h2d_colbcast(self, dest, src, px, py, w, h, elem_per_pe, streaming=False, data_type=None,
+                            order=None, nonblock=False):  # fmt: skip
+        """One row of values (w x elems): column x of the rectangle gets value x on every PE."""
+        return self._bcast(False, dest, src, px, py, w, h, elem_per_pe, streaming, data_type, order, nonblock)
+
+    def _bcast(self, by_row, dest, src, px, py, w, h, elems, streaming, data_type, order, nonblock):
+        what = "memcpy_h2d_rowbcast" if by_row else "memcpy_h2d_colbcast"
+        w, h, elems = int(w), int(h), int(elems)
+        n = h if by_row else w
+        arr = self._array(what, src, n * elems)
+        row_major = _enum_name(order) == "ROW_MAJOR"
+        shape = (n, 1, elems) if by_row else (1, n, elems)
+        part = arr.reshape(-1)[: n * elems].reshape(shape, order="C" if row_major else "F")
+        full = np.ascontiguousarray(np.broadcast_to(part, (h, w, elems)))
+        flat = full.reshape(-1) if row_major else full.reshape(-1, order="F")
+        return self._memcpy(True, dest, np.ascontiguousarray(flat), px, py, w, h, elems, streaming, data_type,
+                            order, nonblock)  # fmt: skip
+
     def _memcpy(self, to_device, target, host, px, py, w, h, elems, streaming, data_type, order, nonblock):
         what = "memcpy_h2d" if to_device else "memcpy_d2h"
         m = self._running(what)
@@ -308,6 +331,26 @@ class SdkRuntime:
         return tuple(out)
 
     # -- tasks -----------------------------------------------------------------------------------------
+    def call(self, name: str, args: list, nonblock: bool = False):
+        """The SDK's older RPC form: arguments as a list of 32-bit integers (an f32 argument is its
+        bits)."""
+        m = self._running("call")
+        exports = next((pe.program.exports.get(name) for pe in m.pes.values()), None)
+        if exports is None or exports.kind != "fn":
+            raise CslRuntimeError(f"call({name!r}): no PE exports such a function")
+        from wafer.csl.compiler import Compiler, Ctx
+        from wafer.csl.rt import H2F, U2F
+
+        ctx = Ctx(Compiler(self.compiled.options.arch), exports.fn.module, "comptime")
+        values = []
+        for p, a in zip(exports.fn.decl.params, list(args), strict=False):
+            t = ctx.ctype(p.type)
+            bits = int(a) & 0xFFFFFFFF
+            values.append(U2F(bits) if t is F32 else H2F[bits & 0xFFFF] if t is F16 else t.wrap(bits) if isinstance(t, IntType) else a)
+        if len(values) != len(list(args)):
+            raise CslRuntimeError(f"call({name!r}): the function takes {len(exports.fn.decl.params)} arguments")
+        return self.launch(name, *values, nonblock=nonblock)
+
     def task_wait(self, task: Task) -> None:
         m = self._running("task_wait")
         m.run_until(lambda: task.cmd.done, task.cmd.describe())

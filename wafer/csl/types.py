@@ -403,6 +403,17 @@ class EnumValue:
 
 
 @dataclass(frozen=True)
+class Dsr:
+    """A data structure register: `@get_dsr(dsr_dest, 1)`. Its contents live on each PE."""
+
+    kind: str  # "dest", "src0", "src1"
+    id: int
+
+    def __repr__(self) -> str:
+        return f"dsr_{self.kind}({self.id})"
+
+
+@dataclass(frozen=True)
 class Fifo:
     index: int  # per program
     buffer: Pointer
@@ -471,6 +482,8 @@ def type_of_value(v: Any) -> CslType:
         return v.type
     if isinstance(v, Fifo):
         return FIFO_T
+    if isinstance(v, Dsr):
+        return {"dest": DSR_DEST, "src0": DSR_SRC0, "src1": DSR_SRC1}[v.kind]
     if isinstance(v, Dsd):
         return v.type
     if isinstance(v, CslType):
