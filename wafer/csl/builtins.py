@@ -360,6 +360,16 @@ def _uses_memcpy(ctx: Ctx) -> bool:
     return bool(ctx.comp.layout_info.get("memcpy", False))
 
 
+@builtin("get_int")
+def _get_int(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
+    """The integer id of a color, task ID, queue or microthread."""
+    _argc(ctx, node, 1)
+    v = _known_arg(ctx, node, 0)
+    if isinstance(v, (Color, TaskId, Queue, UtId)):
+        return known(v.id, COMPTIME_INT)
+    raise ctx.error(node, f"@get_int takes a color, task ID, queue or microthread ID, not {v!r}")
+
+
 @builtin("get_ut_id")
 def _get_ut_id(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     _argc(ctx, node, 1)

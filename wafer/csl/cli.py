@@ -74,6 +74,7 @@ def cslc_parser() -> argparse.ArgumentParser:
 
 def cslc_main(argv: list[str] | None = None) -> int:
     args = cslc_parser().parse_args(argv)
+    args.output = args.output[1:] if args.output.startswith("=") else args.output  # `-o=out`
     if not 1 <= args.channels <= 16:
         print(f"cslc: --channels={args.channels}: expected 1-16", file=sys.stderr)
         return 2

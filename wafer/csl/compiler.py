@@ -462,7 +462,9 @@ class Ctx:
         elif isinstance(target, (SimpleType, FnType)):
             from wafer.csl.libs import NativeFn
 
-            if type_of_value(v) == target or (isinstance(target, FnType) and isinstance(v, (FnSym, NativeFn))):
+            if type_of_value(v) == target or (
+                isinstance(target, FnType) and isinstance(v, (FnSym, NativeFn))
+            ):
                 return v
             if isinstance(v, TaskId) and target.name.endswith("task_id"):
                 kinds = {"local_task_id": "local", "data_task_id": "data", "control_task_id": "control"}

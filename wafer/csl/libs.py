@@ -389,6 +389,7 @@ from wafer.csl.types import ArrayType as _ArrayType  # noqa: E402
 
 ArrayOf3 = _ArrayType(3, U16)
 
+
 class Directions(NativeModule):
     """`<directions>`: `flip(d)` is the opposite direction."""
 

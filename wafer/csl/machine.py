@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -40,6 +41,7 @@ class Machine:
         trace_pe: tuple[int, int] | None = None,
         log_dir: str | Path | None = None,
         max_cycles: int = 10**12,
+        picker: str | None = None,
     ) -> None:
         self.compiled = compiled
         self.arch = compiled.options.arch
@@ -50,6 +52,13 @@ class Machine:
         self.trace_pe = trace_pe
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.max_cycles = max_cycles
+        # The SDK leaves the order of runnable tasks open. "highest" (the default) runs the highest
+        # ID first, "lowest" the lowest, "fifo" what became runnable first. csl-examples' game-of-life
+        # deadlocks under "lowest" (12 x 12, 20 generations) and passes under "highest"; running a
+        # program under all three finds its order races.
+        self.picker = picker or os.environ.get("WAFER_CSL_PICKER", "highest")
+        if self.picker not in ("fifo", "lowest", "highest"):
+            raise CslRuntimeError(f"picker {self.picker!r}: expected fifo, lowest or highest")
         self.events = 0
         self.wall = 0.0
         self.routers: dict[tuple[int, int, int], RouterColor] = {

@@ -85,6 +85,8 @@ class PE:
         self.task_kind: list[str | None] = [None] * NTASKS
         self.task_decode: list[Any] = [None] * NTASKS
         self.active = [False] * NTASKS
+        self.active_since = [0] * NTASKS
+        self.activated: set[int] = set()
         self.blocked = [True] * NTASKS  # unbound IDs start blocked; bound IDs start unblocked
         self.data_channel: dict[int, int] = {}  # data task ID -> color
         for tid, b in program.tasks.items():
@@ -207,24 +209,24 @@ class PE:
         self.run(fn, args, t, f"task {tid}")
 
     def runnable(self, t: int) -> tuple[int, tuple] | None:
-        best: tuple[int, tuple] | None = None
-        for color, ch in self.inputs.items():
+        """The next task to run, by the machine's picker policy (see `Machine.picker`)."""
+        cands: list[tuple[int, int, str, int | None]] = []  # (stamp, id, kind, color)
+        for color, ch in list(self.inputs.items()):
             if not ch.head_ready(t):
                 continue
-            w = ch.q[0][1]
+            ready, w = ch.q[0]
             if w & CTRL:
-                chan_id = self._channel_id(color)
-                if self.blocked[chan_id]:
+                if self.blocked[self._channel_id(color)]:
                     continue
                 entry = entrypoint(w & 0xFFFFFFFF)
                 if entry == NO_ENTRY or self.task_kind[entry] != "control":
                     ch.pop(t)  # nothing to run: the CE drops the control wavelet
                     self.schedule_pick(t)
                     continue
-                if not self.blocked[entry] and (best is None or entry < best[0]):
-                    best = (entry, ("ctrl", color))
+                if not self.blocked[entry]:
+                    cands.append((ready, entry, "ctrl", color))
         for tid, color in self.data_channel.items():
-            if self.blocked[tid] or (best is not None and tid >= best[0]):
+            if self.blocked[tid]:
                 continue
             ch = self.inputs.get(color)
             if (
@@ -233,20 +235,22 @@ class PE:
                 and not ch.q[0][1] & CTRL
                 and not self._fabin_reading(color)
             ):
-                best = (tid, ("data", color))
-        for tid in range(NTASKS if best is None else best[0]):
-            if (
-                self.active[tid]
-                and not self.blocked[tid]
-                and self.task_kind[tid] in ("local", "control", None)
-            ):
-                best = (tid, ("local", None))
-                break
-        if best is None:
+                cands.append((ch.q[0][0], tid, "data", color))
+        for tid in self.activated:
+            if not self.blocked[tid]:
+                cands.append((self.active_since[tid], tid, "local", None))
+        if not cands:
             return None
-        tid, (kind, color) = best
+        policy = self.machine.picker
+        if policy == "lowest":
+            _, tid, kind, color = min(cands, key=lambda c: c[1])
+        elif policy == "highest":
+            _, tid, kind, color = max(cands, key=lambda c: c[1])
+        else:  # "fifo": what became runnable first, ties to the lowest ID
+            _, tid, kind, color = min(cands, key=lambda c: (c[0], c[1]))
         if kind == "local":
             self.active[tid] = False
+            self.activated.discard(tid)
             if self.task_kind[tid] is None:
                 raise CslRuntimeError(f"{self}: task ID {tid} is activated but no task is bound to it")
             return tid, ()
@@ -306,14 +310,20 @@ class PE:
         return tid
 
     def activate(self, tid: Any) -> None:
-        tid = self._tid(tid)
-        self.active[tid] = True
+        self._set_active(self._tid(tid), self.t)
         if not self.busy:
             self.schedule_pick(self.t)
 
+    def _set_active(self, tid: int, t: int) -> None:
+        """Activation is a flag: activating an activated task changes nothing (csl-semantics §1)."""
+        if not self.active[tid]:
+            self.active[tid] = True
+            self.active_since[tid] = t
+            self.activated.add(tid)
+
     def activate_at(self, tid: int, t: int) -> None:
         """An activation coming from outside the CE (a library's completion) at cycle t."""
-        self.active[tid] = True
+        self._set_active(tid, t)
         if not self.busy:
             self.schedule_pick(t)
 
@@ -506,8 +516,7 @@ class PE:
     def op_finished(self, spec: D.OpSpec, t: int) -> None:
         act = spec.opts.get("activate")
         if act is not None:
-            tid = self._tid(act)
-            self.active[tid] = True
+            self._set_active(self._tid(act), t)
             if not self.busy:
                 self.schedule_pick(t)
         unb = spec.opts.get("unblock")
@@ -712,6 +721,15 @@ class StreamOp:
                 pe._bounds(self.sidx[k], st, where)
         if isinstance(self.dest, Dsd) and self.dest.kind == "fabout":
             pe.output_queue(self.dest.queue if self.dest.queue is not None else 0, self.dest.color.id)
+        if pe.arch.name == "wse3":
+            for s in self.srcs:
+                if isinstance(s, Dsd) and s.kind == "fabin":
+                    bound = pe.program.queue_colors.get(("input", s.queue))
+                    if bound is None or bound[0] != s.color.id:
+                        raise CslRuntimeError(
+                            f"{where}: on WSE-3 input queue {s.queue} must be bound to color {s.color.id} "
+                            "with @initialize_queue before an operation reads it"
+                        )
         if self.done:
             self.finish(pe.t)
 

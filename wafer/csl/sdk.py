@@ -346,9 +346,19 @@ class SdkRuntime:
         for p, a in zip(exports.fn.decl.params, list(args), strict=False):
             t = ctx.ctype(p.type)
             bits = int(a) & 0xFFFFFFFF
-            values.append(U2F(bits) if t is F32 else H2F[bits & 0xFFFF] if t is F16 else t.wrap(bits) if isinstance(t, IntType) else a)
+            values.append(
+                U2F(bits)
+                if t is F32
+                else H2F[bits & 0xFFFF]
+                if t is F16
+                else t.wrap(bits)
+                if isinstance(t, IntType)
+                else a
+            )
         if len(values) != len(list(args)):
-            raise CslRuntimeError(f"call({name!r}): the function takes {len(exports.fn.decl.params)} arguments")
+            raise CslRuntimeError(
+                f"call({name!r}): the function takes {len(exports.fn.decl.params)} arguments"
+            )
         return self.launch(name, *values, nonblock=nonblock)
 
     def task_wait(self, task: Task) -> None:
