@@ -170,8 +170,12 @@ class RouterColor:
                     raise CslCompileError(
                         f"{cfg.where}: switch .pos{k} must be `.{{ .rx = D }}` or `.{{ .tx = D }}`"
                     )
-                rx = frozenset(_dirs(p.get("rx"))) if p.has("rx") else base[0]
-                tx = tuple(_dirs(p.get("tx"))) if p.has("tx") else base[1]
+                # A position sets one side; the other keeps the previous position's setting
+                # (cholesky's rows: pos1 `.tx = EAST` then pos2 `.rx = RAMP` inject eastward, never
+                # back into the sender's own RAMP).
+                prev = next(self.positions[j] for j in range(k - 1, -1, -1) if self.positions[j] is not None)
+                rx = frozenset(_dirs(p.get("rx"))) if p.has("rx") else prev[0]
+                tx = tuple(_dirs(p.get("tx"))) if p.has("tx") else prev[1]
                 self.positions[k] = (rx, tx)
             self.cur = int(sw.get("current_switch_pos", 0))
             self.ring = bool(sw.get("ring_mode", False))
@@ -287,9 +291,12 @@ class RouterColor:
         self.buf.pop(t)
         self.forwarded += 1
         out = w
+        nxt = self.cur
         if ctrl:
-            head_op, _ = commands(w & 0xFFFFFFFF)[0]
-            if self.pop_mode == "always_pop" or (self.pop_mode == "pop_on_advance" and head_op == SWITCH_ADV):
+            nxt = self._next_position(w & 0xFFFFFFFF)
+            # pop_on_advance pops when the switch actually moves: a router already at its last position
+            # (no ring mode) stays put and passes the command on (cholesky's row switches rely on it).
+            if self.pop_mode == "always_pop" or (self.pop_mode == "pop_on_advance" and nxt != self.cur):
                 out = pop_command(w & 0xFFFFFFFF) | CTRL
         for d, nb, arrive in targets:
             if d == "RAMP":
@@ -298,7 +305,7 @@ class RouterColor:
             else:
                 nb.accept(out, t + timing.HOP, arrive)
         if ctrl:
-            self._apply(w & 0xFFFFFFFF)
+            self.cur = nxt
         if q:
             self._kick(t + 1)
 
@@ -311,19 +318,24 @@ class RouterColor:
             return self.filter[0] <= idx <= self.filter[1]
         return True
 
-    def _apply(self, payload: int) -> None:
+    def _next_position(self, payload: int) -> int:
+        """The switch position after this router applies the payload's head command (after the
+        wavelet has gone through by the current position)."""
         op, _ = commands(payload)[0]
-        if op == SWITCH_ADV and any(p is not None for p in self.positions[1:]):
-            nxt = self.cur + 1
-            while nxt < 4 and self.positions[nxt] is None:
-                nxt += 1
-            if nxt >= 4:
-                nxt = 0 if self.ring else self.cur
-            self.cur = nxt
-        elif op == SWITCH_RST and any(p is not None for p in self.positions[1:]):
-            self.cur = 0
-        elif op == TEARDOWN:
+        if op == TEARDOWN:
             raise CslRuntimeError(f"{self}: teardown is not supported by the executor")
+        if not any(p is not None for p in self.positions[1:]):
+            return self.cur
+        if op == SWITCH_RST:
+            return 0
+        if op != SWITCH_ADV:
+            return self.cur
+        nxt = self.cur + 1
+        while nxt < 4 and self.positions[nxt] is None:
+            nxt += 1
+        if nxt >= 4:
+            return 0 if self.ring else self.cur
+        return nxt
 
 
 def _dirs(v: Any) -> list[str]:

@@ -206,7 +206,9 @@ class PE:
         fn = self.task_fn[tid]
         if fn is None:
             return
-        self.run(fn, args, t, f"task {tid}")
+        self.run(
+            fn, args, t, f"task {tid} ({self.program.tasks[tid].fn.name}{', ' + repr(args) if args else ''})"
+        )
 
     def runnable(self, t: int) -> tuple[int, tuple] | None:
         """The next task to run, by the machine's picker policy (see `Machine.picker`)."""

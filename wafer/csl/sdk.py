@@ -109,7 +109,7 @@ class SdkRuntime:
             )
         self.bindir = None if isinstance(bindir, CompiledLayout) else Path(bindir)
         self.compiled = bindir if isinstance(bindir, CompiledLayout) else load_output(bindir)
-        self.trace_pe = kwargs.get("trace_pe")
+        self.trace_pe = kwargs.get("trace_pe") or _trace_from_env()
         self.machine: Machine | None = None
         self.state = "new"
         self.symbols = list(self.compiled.layout.export_names)
@@ -371,6 +371,18 @@ class SdkRuntime:
     # -- the executor's own extras ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return self.machine.stats() if self.machine else {}
+
+
+def _trace_from_env() -> tuple[int, int] | None:
+    """WAFER_CSL_TRACE=x,y traces one PE (kernel coordinates) of a run started by a host script."""
+    spec = os.environ.get("WAFER_CSL_TRACE")
+    if not spec:
+        return None
+    try:
+        x, y = (int(v) for v in spec.split(","))
+    except ValueError:
+        raise CslRuntimeError(f"WAFER_CSL_TRACE={spec!r}: expected X,Y") from None
+    return x, y
 
 
 def _enum_name(v: Any) -> str:

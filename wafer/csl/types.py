@@ -70,7 +70,7 @@ class IntType(CslType):
         mask = (1 << self.bits) - 1
         if self.signed:
             half = 1 << (self.bits - 1)
-            return f"((({code}) + {half}) & {mask}) - {half}"
+            return f"((((({code}) + {half}) & {mask}) - {half}))"
         return f"(({code}) & {mask})"
 
 
