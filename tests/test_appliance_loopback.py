@@ -88,8 +88,8 @@ address, work = sys.argv[1], Path(sys.argv[2])
 plan = build_plan(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16, name="t"), slots=2, context=16, top_k=8)
 job = prepare_sources(plan, work / "csl", simfabric=True)
 out = {}
-tables = job.src_dir / "plan_params.csl"
-tables.write_text(tables.read_text().replace("const n_regions", "const n_regions_edited", 1))
+layout = job.src_dir / "layout.csl"
+layout.write_text(layout.read_text().replace("@set_rectangle(", "@set_rectangle(1 + ", 1))
 try:
     appliance_compile(job, work / "bad", grpc_address=address, simulator=True)
 except Exception as exc:
@@ -114,5 +114,5 @@ def test_worker_errors_reach_the_client_with_their_reason(worker, tmp_path):
     out = json.loads(result.stdout.strip().splitlines()[-1])
     # The client logs the compiler's output and raises a generic error, as it does with cslc's.
     assert "compile() failed" in out["tampered_tables"]
-    assert "plan_params.csl is not what kernels/program/ writes" in result.stderr
+    assert "layout.csl is not what kernels/program/ writes" in result.stderr
     assert "no symbol named 'no_such_symbol'" in out["unknown_symbol"]

@@ -25,14 +25,17 @@ def test_streams_and_reductions() -> None:
     assert cost.stream_cycles(5, 3) == 3 + 7 + 5
     assert cost.chain_reduce_cycles(3, 4) == 3 * (1 + 7 + 1) + 4
     assert cost.chain_reduce_cycles(0, 4) == 0
-    assert cost.tree_reduce_cycles(4, 4) == (1 + 7 + 4) + (2 + 7 + 4)
-    assert cost.tree_reduce_cycles(5, 8) == (1 + 7 + 8) + (2 + 7 + 8) + (4 + 7 + 8)
-    # scatter 2: the last round is a reduce-scatter round and moves half the words
-    assert cost.tree_reduce_cycles(4, 4, scatter=2) == (1 + 7 + 4) + (2 + 7 + 2)
+    # two_level, runs of 3 over 6 PEs: both runs chain (2 steps + one pass of the words), then the
+    # runs' ends, 3 hops apart, chain theirs (1 step + a second pass)
+    assert cost.two_level_reduce_cycles(6, 4, 3) == (2 * 9 + 4) + (3 + 7 + 1) + 4
+    assert cost.two_level_reduce_cycles(4, 1, 2) == (9 + 1) + (2 + 7 + 1) + 1
+    assert cost.reduce_cycles("two_level", 6, 4, 3) == cost.two_level_reduce_cycles(6, 4, 3)
     assert cost.allreduce_cycles("chain", 4, 1) == (3 * 9 + 1) + (3 + 7 + 1)
-    assert cost.allreduce_cycles("tree", 4, 1) == (1 + 7 + 1) + (2 + 7 + 1)
-    assert cost.allreduce_cycles("tree", 1, 1) == 0
-    assert cost.best_reduction(64, 1) == "tree" and cost.best_reduction(3, 64) == "chain"
+    assert cost.allreduce_cycles("two_level", 4, 1, 2) == 21 + (3 + 7 + 1)
+    assert cost.allreduce_cycles("two_level", 1, 1, 2) == 0
+    kind, group = cost.best_reduction(64, 1)
+    assert kind == "two_level" and 2 <= group < 64 and cost.best_reduction(3, 64) == ("chain", 0)
+    assert cost.reduction_options(4) == [("chain", 0), ("two_level", 2), ("two_level", 3)]
 
 
 def test_gemv_cost_by_hand() -> None:
@@ -49,16 +52,15 @@ def test_gemv_cost_by_hand() -> None:
     wide = GemvTiling(64, 64, 4, 1)  # tile 16x64
     assert cost.gemv_cost(wide, "wse2", "fp16").cycles == 7 + 16 * 16 + (3 * 9 + 64) + 64
     assert cost.gemv_cost(wide, "wse3", "fp16").cycles == 7 + 16 * 8 + (3 * 9 + 64) + 64
-    scattered = GemvTiling(64, 64, 4, 1, reduction="tree", scatter=2)
-    c = cost.gemv_cost(scattered, "wse2", "fp16", epilogue_cycles_per_output=cost.GELU_CYCLES)
-    assert c.phases["tree reduction (scatter 2)"] == (1 + 7 + 64) + (2 + 7 + 32)
-    assert c.phases["bias + epilogue"] == 32 * (1 + cost.GELU_CYCLES)
-    assert c.phases["gather pieces"] == 2 + 7 + 64
+    two = GemvTiling(64, 64, 4, 1, reduction="two_level", group=2)
+    c = cost.gemv_cost(two, "wse2", "fp16", epilogue_cycles_per_output=cost.GELU_CYCLES)
+    assert c.phases["two_level reduction (runs of 2)"] == (9 + 64) + (2 + 7 + 1) + 64
+    assert c.phases["bias + epilogue"] == 64 * (1 + cost.GELU_CYCLES)
 
 
 def test_norm_cost_by_hand() -> None:
-    tree = cost.norm_cost(NormTiling(16, 4, reduction="tree"))
-    assert tree.cycles == (7 + 4) + 4 + 19 + 8 + 19 + 10 + 16
+    two = cost.norm_cost(NormTiling(16, 4, reduction="two_level", group=2))
+    assert two.cycles == (7 + 4) + 4 + 32 + 8 + 32 + 10 + 16
     chain = cost.norm_cost(NormTiling(16, 4, reduction="chain"))
     assert chain.cycles == (7 + 4) + 4 + 39 + 8 + 39 + 10 + 16
 
@@ -75,15 +77,16 @@ def test_attention_cost_by_hand() -> None:
     assert c.phases["LSE chain merge"] == 3 * (1 + 7 + 20 + 20) + (8 + 2)
     assert (c.phases["normalise"], c.phases["to the O rows"]) == (10 + 8, 3 + 7 + 8)
     assert c.cycles == 276
-    tree = AttentionTiling(**{**vars(t), "reduction": "tree", "scatter": 2})
-    c = cost.attention_cost(tree, "wse2", "fp16")
-    assert c.phases["LSE tree merge"] == (1 + 7 + 40 + 2 + 8) + (2 + 7 + 40 + 2 + 4)
-    assert c.phases["normalise"] == 10 + 4
-    assert c.cycles == 231
-    # The first token: only the owner works, and it waits for its k and v.
+    two = AttentionTiling(**{**vars(t), "reduction": "two_level", "group": 2})
+    c = cost.attention_cost(two, "wse2", "fp16")
+    # runs of 2: one step and a pass of the record, then the ends (2 hops apart) one step and a pass
+    assert c.phases["LSE two_level merge"] == (1 + 7 + 40) + 10 + (2 + 7 + 40) + 10
+    assert c.cycles == 276 - 154 + 117
+    # The first token: only the owner works, and it waits for its k and v; the merge still runs the
+    # whole chain (the empty PEs pass (-inf, 0, 0) on).
     first = cost.attention_cost(t, "wse2", "fp16", positions=1)
-    assert first.phases["k/v to the owner (not hidden)"] == 16 and first.phases["LSE chain merge"] == 0
-    assert first.cycles == 18 + 16 + 22 + 20 + 2 + 0 + 18 + 18
+    assert first.phases["k/v to the owner (not hidden)"] == 16 and first.phases["LSE chain merge"] == 154
+    assert first.cycles == 18 + 16 + 22 + 20 + 2 + 154 + 18 + 18
 
 
 def test_head_cost_by_hand() -> None:
@@ -109,18 +112,21 @@ def test_best_choices_are_the_cheapest() -> None:
         cost.gemv_cost(best, "wse2", "fp16", cost.GELU_CYCLES).cycles
         <= cost.gemv_cost(chain, "wse2", "fp16", cost.GELU_CYCLES).cycles
     )
-    assert best.reduction == "tree" and best.scatter > 1  # GELU on fewer values per PE pays for the gather
+    assert best.reduction == "two_level" and 2 <= best.group < 32  # 32 rows: runs beat one chain
 
 
 def test_standalone_gemv() -> None:
     c = cost.standalone_gemv_cost("wse2", 2, 2, 4, 4, "fp16")
-    # tree (10) beats chain (11) for a 2-long reduction of 2 words; injection = 7 + tile_k.
-    assert c.name == "tree reduction"
+    # two rows: only the chain (a two-level reduction needs runs of at least 2 and two runs); injection
+    # = 7 + tile_k.
+    assert c.name == "chain reduction"
     assert c.phases == {
         "input injection": 9,
         "input multicast": 8,
         "tile FMAC": 2,
-        "tree reduction": 10,
+        "chain reduction": 11,
         "bias + epilogue": 2,
     }
-    assert c.cycles == 31
+    assert c.cycles == 32
+    wide = cost.standalone_gemv_cost("wse2", 16, 4, 64, 64, "fp16")
+    assert wide.name.startswith("two_level, runs of")

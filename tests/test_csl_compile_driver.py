@@ -1,4 +1,5 @@
-"""The compile driver and `wafer-gpt2 compile --dry-run`: sources, plan tables and the cslc command."""
+"""The compile driver and `wafer-gpt2 compile`: the sources, the generated layout.csl, the cslc command,
+and a compile on the project's CSL executor."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import shlex
 
 import pytest
 
-from kernels.csl_syntax import check_file
+from kernels.program import LAYOUT_HEADER
 from service.cli import main
 from wafer.compile import CompileError, compile_program, prepare_sources
 from wafer.plan import build_plan
@@ -21,37 +22,43 @@ def tiny_plan():
     return build_plan(TINY, slots=2, context=32, top_k=8)
 
 
-def test_prepare_sources_writes_kernels_tables_and_command(tmp_path, tiny_plan):
+def test_prepare_sources_writes_the_kernels_layout_and_command(tmp_path, tiny_plan):
     job = prepare_sources(tiny_plan, tmp_path, simfabric=True)
-    names = {p.name for p in job.src_dir.iterdir()}
+    names = {p.relative_to(job.src_dir).as_posix() for p in job.src_dir.rglob("*.csl")}
     assert {
         "layout.csl",
-        "gemv.csl",
-        "attention.csl",
-        "embed_head.csl",
-        "reduce.csl",
-        "plan_params.csl",
+        "pe/gemv.csl",
+        "pe/attention.csl",
+        "pe/head.csl",
+        "comm/chain.csl",
+        "lib/topk.csl",
     } <= names
-    assert check_file(job.src_dir / "plan_params.csl") == []
+    layout = (job.src_dir / "layout.csl").read_text()
+    request = json.loads(
+        next(line for line in layout.splitlines() if line.startswith(LAYOUT_HEADER))[len(LAYOUT_HEADER) :]
+    )
+    assert request["arch"] == "wse2" and request["model"]["n_embd"] == 16
     argv = job.argv
     assert argv[:2] == ["cslc", str(job.src_dir / "layout.csl")]
     assert "--arch=wse2" in argv and "--memcpy" in argv and "--fabric-offsets=4,1" in argv
-    w, h = job.params["kernel_w"], job.params["kernel_h"]
-    assert f"--fabric-dims={w + 7},{h + 2}" in argv
+    w, h = job.fabric_dims
+    assert (w - 7, h - 2) == (
+        max(r.x + r.w for r in tiny_plan.regions),
+        max(r.y + r.h for r in tiny_plan.regions),
+    )
     assert argv[-2:] == ["-o", str(job.bin_dir)]
     assert shlex.split(job.shell()) == argv
     params = dict(
         p.split(":") for p in next(a for a in argv if a.startswith("--params=")).split("=", 1)[1].split(",")
     )
-    assert params == {"kernel_w": str(w), "kernel_h": str(h), "MEMCPYH2D_DATA_1_ID": "14",
-                      "MEMCPYD2H_DATA_1_ID": "15", "use_fp16": "1"}  # fmt: skip
+    assert params == {"MEMCPYH2D_DATA_1_ID": "14", "MEMCPYD2H_DATA_1_ID": "15"}
     assert json.loads((tmp_path / "compile.json").read_text())["argv"] == argv
 
 
 def test_hardware_fabric_is_the_whole_wafer(tmp_path):
     plan = build_plan(TINY, slots=2, context=32, dtype="fp32")
     job = prepare_sources(plan, tmp_path, write=False)
-    assert job.fabric_dims == (757, 996) and job.params["use_fp16"] == 0
+    assert job.fabric_dims == (757, 996)
 
 
 def test_bad_options_name_the_problem(tmp_path, tiny_plan):
@@ -69,51 +76,52 @@ def test_without_cslc_the_error_says_what_to_do(tmp_path, tiny_plan):
         compile_program(job)
 
 
-def test_compile_command_dry_run_on_gpt2(tmp_path, capsys):
-    """The real 124M plan: the command prints the full cslc line and writes the tables."""
-    assert main(["compile", "--model", "gpt2", "--out", str(tmp_path), "--dry-run"]) == 0
-    out, err = capsys.readouterr()
-    argv = shlex.split(out.strip())
-    assert argv[0] == "cslc" and "--arch=wse2" in argv and "--fabric-dims=757,996" in argv
-    assert "dry run" in err
-    tables = (tmp_path / "src" / "plan_params.csl").read_text()
-    assert "const n_regions: u16 = 113;" in tables and "const rect_color = [" in tables
-    assert check_file(tmp_path / "src" / "plan_params.csl") == []
-
-
-def test_compile_command_dry_run_on_gpt2_wse3(tmp_path, capsys):
-    """WSE-3: every reduction receives through one re-bound input queue, so the 124M plan fits."""
-    assert main(["compile", "--model", "gpt2", "--arch", "wse3", "--out", str(tmp_path), "--dry-run"]) == 0
+def test_compile_command_dry_run_prints_the_whole_wafer_command(tmp_path, capsys):
+    """Without --simfabric the fabric is the whole wafer; the program itself is the plan's (the GPT-2
+    124M program's scale is measured in tests/test_csl_defects.py)."""
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps({"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 60, "n_positions": 16})
+    )
+    args = ["compile", "--model", str(config), "--arch", "wse3", "--slots", "2", "--top-k", "4", "--out",
+            str(tmp_path / "out"), "--dry-run"]  # fmt: skip
+    assert main(args) == 0
     out, err = capsys.readouterr()
     argv = shlex.split(out.strip())
     assert argv[0] == "cslc" and "--arch=wse3" in argv and "--fabric-dims=762,1172" in argv
     assert "dry run" in err
-    tables = (tmp_path / "src" / "plan_params.csl").read_text()
-    assert '"arch": "wse3"' in tables and check_file(tmp_path / "src" / "plan_params.csl") == []
-    assert check_file(tmp_path / "src" / "reduce.csl") == []
+    assert '"arch": "wse3"' in (tmp_path / "out" / "src" / "layout.csl").read_text()
 
 
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
-def test_tiny_config_prepares_for_wse3(tmp_path, dtype):
-    plan = build_plan(TINY, arch="wse3", slots=2, context=32, top_k=8, dtype=dtype)
+def test_tiny_config_compiles_on_the_executor(tmp_path, arch, dtype):
+    plan = build_plan(TINY, arch=arch, slots=2, context=32, top_k=8, dtype=dtype)
     job = prepare_sources(plan, tmp_path, simfabric=True)
-    assert "--arch=wse3" in job.argv and compile_program(job, dry_run=True) is None
-    w, h = job.params["kernel_w"], job.params["kernel_h"]
-    assert job.fabric_dims == (w + 7, h + 2) and (job.src_dir / "plan_params.csl").exists()
+    assert f"--arch={arch}" in job.argv and compile_program(job, dry_run=True) is None
+    compile_program(job, executor=True)
+    out = json.loads((job.bin_dir / "out.json").read_text())
+    assert out["params"] == {"MEMCPYH2D_DATA_1_ID": "14", "MEMCPYD2H_DATA_1_ID": "15"}
 
 
-def test_wse3_compile_refuses_kernels_that_overrun_the_input_queues(tmp_path, tiny_plan, monkeypatch):
-    """The driver runs the lint's queue check: a reduce.csl with a queue per receive is refused."""
-    from kernels import csl_contract
-
-    per_receive = csl_contract.source("reduce.csl").replace(
-        "@get_input_queue(in_queue)", "@get_input_queue(in_queue + k)"
+def test_compile_command_on_the_executor(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps({"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 60, "n_positions": 16})
     )
-    real = csl_contract.wse3_queue_problems
-    monkeypatch.setattr(csl_contract, "wse3_queue_problems", lambda: real({"reduce.csl": per_receive}))
-    plan = build_plan(TINY, arch="wse3", slots=2, context=32, top_k=8)
-    with pytest.raises(CompileError, match="WSE-3's input queues"):
-        prepare_sources(plan, tmp_path, write=False)
+    args = ["compile", "--model", str(config), "--slots", "2", "--top-k", "4", "--objective", "compact",
+            "--simfabric", "--executor", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(args) == 0
+    assert "compiled with the CSL executor (not cslc)" in capsys.readouterr().err
+    assert (tmp_path / "out" / "bin" / "out.json").is_file()
+
+
+def test_a_program_the_executor_refuses_is_a_compile_error(tmp_path, tiny_plan):
+    job = prepare_sources(tiny_plan, tmp_path, simfabric=True)
+    layout = job.src_dir / "layout.csl"
+    layout.write_text(layout.read_text().replace("@set_rectangle(", "@set_rectangle(1 + ", 1))
+    with pytest.raises(CompileError, match="the CSL executor refused the program: .*layout.csl:"):
+        compile_program(job, executor=True)
 
 
 def test_sdk_backends_explain_a_missing_sdk():

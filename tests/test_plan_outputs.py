@@ -64,9 +64,9 @@ def test_plan_command_reports_limits_in_one_line(capsys: pytest.CaptureFixture) 
 def test_cost_gemv_prints_the_total_last(capsys: pytest.CaptureFixture) -> None:
     assert main(["cost", "gemv", "--arch", "wse2", "--grid", "2x2", "--shape", "4x4", "--dtype", "fp16"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert "modeled" in lines[0] and "tree reduction" in lines[0]
+    assert "modeled" in lines[0] and "chain reduction" in lines[0]
     assert all("(modeled)" in line for line in lines[1:-1])
-    assert lines[-1].startswith("modeled total: 31 cycles")
+    assert lines[-1].startswith("modeled total: 32 cycles")
     assert main(["cost", "gemv", "--grid", "16x", "--shape", "4x4"]) == 2
     assert "--grid must look like PxQ" in capsys.readouterr().err
     assert main(["cost", "gemv", "--grid", "8x8", "--shape", "4x4"]) == 2

@@ -52,9 +52,9 @@ def test_layer_phases_keep_every_cycle(plan):
 
 
 def test_phase_classes():
-    assert phase_class("tree reduction (scatter 16)") == "reduction / merge"
-    assert phase_class("LSE tree merge") == "reduction / merge"
-    assert phase_class("mean: tree all-reduce") == "reduction / merge"
+    assert phase_class("two_level reduction (runs of 16)") == "reduction / merge"
+    assert phase_class("LSE two_level merge") == "reduction / merge"
+    assert phase_class("mean: two_level all-reduce") == "reduction / merge"
     assert phase_class("input multicast") == "data movement"
     assert phase_class("hand-off") == "data movement"
     assert phase_class("tile FMAC") == "compute"

@@ -11,7 +11,7 @@ from wafer import memory_layout
 from wafer.plan import Symbol, build_plan
 from wafer.sim import SimRuntime, kernels
 from wafer.sim.memory import PlanMemoryError
-from wafer.tiling import AttentionTiling, GemvTiling, tree_rounds
+from wafer.tiling import AttentionTiling, GemvTiling
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8, 13, 48])
@@ -22,11 +22,17 @@ def test_reductions_follow_the_tiling_order_bit_for_bit(n):
     for r in range(1, n):
         chain = chain + partials[r]
     assert np.array_equal(kernels.combine(partials.copy(), "chain"), chain)
-    tree = partials.copy()
-    for pairs in tree_rounds(n):
-        for dst, src in pairs:
-            tree[dst] = tree[dst] + tree[src]
-    assert np.array_equal(kernels.combine(partials.copy(), "tree"), tree[0])
+    # two_level, runs of 3: each run chained, then the runs' sums chained in run order
+    sums = []
+    for start in range(0, n, 3):
+        run = partials[start].copy()
+        for r in range(start + 1, min(start + 3, n)):
+            run = run + partials[r]
+        sums.append(run)
+    total = sums[0]
+    for run in sums[1:]:
+        total = total + run
+    assert np.array_equal(kernels.combine(partials.copy(), "two_level", 3), total)
 
 
 def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
@@ -36,7 +42,7 @@ def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
     x = rng.standard_normal((3, k)).astype(np.float32)
     for tiling in (
         GemvTiling(k, n, 3, 5),
-        GemvTiling(k, n, 6, 4, "k_along_x", "tree"),
+        GemvTiling(k, n, 6, 4, "k_along_x", "two_level", group=4),
         GemvTiling(k, n, 4, 4, "k_along_x", "chain", n_split=3),
     ):
         cache = kernels.gemv_weight_cache(memory_layout.gemv_weight_tiles(weight, tiling), tiling)

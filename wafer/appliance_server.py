@@ -15,7 +15,7 @@ cerebras-appliance 2.10.0, numpy 1.25) with the repository on PYTHONPATH.
 What it does with each call:
 - sdk_upload_files: stores the files under ROOT/<compile hash>/; a .tar.gz is unpacked into ROOT.
 - sdk_compile: "compiles" the uploaded CSL: the sources must be this repository's kernels and the
-  uploaded plan_params.csl must be exactly what kernels/program/ writes for the plan its header
+  uploaded layout.csl must be exactly what kernels/program/ writes for the plan its header
   names, with the cslc options wafer/compile.py would pass. No CSL is compiled: the artifact it
   writes (`.csl_bin_name`, `out/bin/out_rpc.json`, `out/bin/plan.json`) runs on the simulator.
 - sdk_runtime_create / start / stop: a SimRuntime for the artifact's plan.

@@ -1,5 +1,6 @@
 """Choose what executes the model: `reference` (NumPy oracle), `sim` (embedded wafer simulator),
-`sdk-container` / `sdk-appliance` (the Cerebras SDK). Every backend returns an `Executor`."""
+`csl` (the generated CSL on the project's CSL executor), `sdk-container` / `sdk-appliance` (the
+Cerebras SDK). Every backend returns an `Executor`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 from wafer.executor import Executor
 from weights.params import GPT2Params
 
-BACKENDS = ("sim", "reference", "sdk-container", "sdk-appliance")
+BACKENDS = ("sim", "reference", "csl", "sdk-container", "sdk-appliance")
 DEFAULT_BACKEND = "sim"
 
 
@@ -20,6 +21,7 @@ class ExecutorOptions:
     top_k: int = 64
     arch: str = "wse2"
     replicas: int = 1  # pipeline replicas on the wafer (sim / SDK); slots are divided among them
+    objective: str | None = None  # the plan's objective; None: latency, compact for the csl backend
 
 
 def build_executor(backend: str, params: GPT2Params, options: ExecutorOptions | None = None) -> Executor:
@@ -30,6 +32,10 @@ def build_executor(backend: str, params: GPT2Params, options: ExecutorOptions | 
         return ReferenceExecutor(params, slots=options.slots, context=options.context, top_k=options.top_k)
     if backend == "sim":
         return build_sim_executor(params, options)
+    if backend == "csl":
+        from wafer import csl_backend
+
+        return csl_backend.build_executor(params, options)
     if backend == "sdk-container":
         from wafer import sdk_container
 
@@ -66,6 +72,7 @@ def plan_for(params: GPT2Params, options: ExecutorOptions):
         context=options.context,
         replicas=options.replicas,
         top_k=options.top_k,
+        objective=options.objective or "latency",
     )
 
 

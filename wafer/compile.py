@@ -1,12 +1,13 @@
-"""Compile the wafer program for a plan: the `cslc` command line, or the appliance's `SdkCompiler` call.
+"""Compile the wafer program for a plan: the `cslc` command line, the executor, or the appliance's
+`SdkCompiler` call.
 
-`prepare_sources` copies the kernel library (`kernels/*.csl`) into `OUT/src` and writes the plan's
-tables next to it (`plan_params.csl`, from `kernels.program`); `CompileJob.argv` is the command line
-that compiles `OUT/src/layout.csl` into `OUT/bin`; `compile_program` runs it when `cslc` is on PATH
-(inside the Cerebras SDK container). On a Wafer-Scale Cluster, `appliance_compile` hands the same
-sources and options to `cerebras.sdk.client.SdkCompiler`.
-
-The CSL is unverified until a real `cslc` compiles it (docs/kernels.md).
+`prepare_sources` copies the PE programs and their libraries (`kernels/pe`, `kernels/comm`,
+`kernels/lib`) into `OUT/src` and writes the plan's `layout.csl` beside them (`kernels.program`);
+`CompileJob.argv` is the command line that compiles it into `OUT/bin`. `compile_program` runs it:
+with Cerebras `cslc` when it is on PATH (inside the Cerebras SDK container), or with the project's
+CSL executor (`wafer.csl`, `executor=True`), which checks the program as a compiler would and runs
+it, but is not `cslc`. On a Wafer-Scale Cluster, `appliance_compile` hands the same sources and
+options to `cerebras.sdk.client.SdkCompiler`.
 """
 
 from __future__ import annotations
@@ -18,24 +19,15 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels import csl_contract
-from kernels.program import (
-    MEMCPY_D2H,
-    MEMCPY_H2D,
-    Program,
-    build_program,
-    plan_params_csl,
-)
+from kernels.program import HOST_FUNCTION_ARGS, LAYOUT_HEADER, build_program, layout_csl, layout_params
+from kernels.program.build import Program
 from wafer.arch import Arch, resolve_arch
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
-# The host-callable functions every PE program exports (layout.csl's @export_name of type fn):
-# name -> (argument name, type) in order, as cslc lists them in out_rpc.json.
-HOST_FUNCTIONS = {
-    "clear_slot": (("replica_id", "u16"), ("slot_id", "u16")),
-    "reset_cycles": (),
-}
-PLAN_REQUEST_PREFIX = "// plan request: "
+SOURCE_DIRS = ("pe", "comm", "lib")  # what a compile needs besides the generated layout.csl
+# The host-callable functions every PE program exports: name -> (argument name, type) in order, as
+# cslc lists them in out_rpc.json.
+HOST_FUNCTIONS = HOST_FUNCTION_ARGS
 # memcpy takes three columns west and two east of the kernel plus a one-PE halo: offsets 4,1 and a
 # fabric at least 7 wider and 2 taller than the kernel (csl-notes.md, "Compile and run").
 FABRIC_OFFSETS = (4, 1)
@@ -76,60 +68,58 @@ class CompileJob:
         return shlex.join(self.argv)
 
 
-def layout_params(program: Program, dtype: str) -> dict[str, int]:
-    """The `param`s layout.csl declares, in its order."""
-    if dtype not in ("fp16", "fp32"):
-        raise ValueError(f"dtype must be fp16 or fp32, got {dtype!r}")
-    return {
-        "kernel_w": program.kernel_w,
-        "kernel_h": program.kernel_h,
-        "MEMCPYH2D_DATA_1_ID": MEMCPY_H2D,
-        "MEMCPYD2H_DATA_1_ID": MEMCPY_D2H,
-        "use_fp16": int(dtype == "fp16"),
-    }
-
-
 def fabric_dims(program: Program, arch: Arch, simfabric: bool) -> tuple[int, int]:
     """The whole wafer on hardware; the smallest fabric that holds the kernel on the simulator."""
-    if program.kernel_w > arch.kernel_w or program.kernel_h > arch.kernel_h:
+    if program.width > arch.kernel_w or program.height > arch.kernel_h:
         raise CompileError(
-            f"the program needs a {program.kernel_w}x{program.kernel_h} kernel; {arch.name} allows at most "
+            f"the program needs a {program.width}x{program.height} kernel; {arch.name} allows at most "
             f"{arch.kernel_w}x{arch.kernel_h}"
         )
     if simfabric:
-        return (program.kernel_w + FABRIC_MARGIN[0], program.kernel_h + FABRIC_MARGIN[1])
+        return (program.width + FABRIC_MARGIN[0], program.height + FABRIC_MARGIN[1])
     return (arch.fabric_w, arch.fabric_h)
+
+
+def plan_request(plan) -> dict:
+    """What `plan_from_request` needs to build the same plan again (build_plan is deterministic)."""
+    c = plan.config
+    return {
+        "model": {"n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "vocab_size": c.vocab_size,
+                  "n_positions": c.n_positions, "layer_norm_epsilon": c.layer_norm_epsilon, "name": c.name},
+        "arch": plan.arch.name, "dtype": plan.dtype, "slots": plan.slots, "context": plan.context,
+        "objective": plan.objective, "replicas": plan.replicas, "top_k": plan.top_k,
+    }  # fmt: skip
+
+
+def write_sources(src_dir: Path, layout: str) -> None:
+    """OUT/src: the kernel library as it is in the repository, and the generated layout.csl."""
+    src_dir.mkdir(parents=True, exist_ok=True)
+    for name in SOURCE_DIRS:
+        shutil.rmtree(src_dir / name, ignore_errors=True)
+        shutil.copytree(KERNEL_DIR / name, src_dir / name)
+    (src_dir / "layout.csl").write_text(layout)
 
 
 def prepare_sources(plan, out_dir: str | Path, simfabric: bool = False, channels: int = 1, write: bool = True,
                     program: Program | None = None) -> CompileJob:  # fmt: skip
-    """Lay out OUT/src (kernel sources + plan_params.csl) and describe the compile of `plan`
+    """Lay out OUT/src (the PE programs + the plan's layout.csl) and describe the compile of `plan`
     (its architecture, dtype and top-k). `program` saves rebuilding it when the caller has it."""
     if not 1 <= channels <= 16:
         raise ValueError(
             f"--channels must be 1..16 (the memcpy I/O channels a program may ask for), got {channels}"
         )
     program = program or build_program(plan)
-    if plan.arch.name == "wse3":
-        # every reduction receives through one re-bound queue (reduce.csl), so this depends on the
-        # kernels' sources, not on the plan's tree depth
-        problems = csl_contract.wse3_queue_problems()
-        if problems:
-            raise CompileError("the kernels do not fit WSE-3's input queues:\n  " + "\n  ".join(problems))
     out_dir = Path(out_dir)
     job = CompileJob(
         arch=plan.arch.name,
         src_dir=out_dir / "src",
         bin_dir=out_dir / "bin",
         fabric_dims=fabric_dims(program, plan.arch, simfabric),
-        params=layout_params(program, plan.dtype),
+        params=layout_params(),
         channels=channels,
     )
     if write:
-        job.src_dir.mkdir(parents=True, exist_ok=True)
-        for source in sorted(KERNEL_DIR.glob("*.csl")):
-            shutil.copyfile(source, job.src_dir / source.name)
-        (job.src_dir / "plan_params.csl").write_text(plan_params_csl(program))
+        write_sources(job.src_dir, layout_csl(program, plan_request(plan)))
         (out_dir / "compile.json").write_text(
             json.dumps({"argv": job.argv, "params": job.params, "fabric_dims": job.fabric_dims}, indent=2)
             + "\n"
@@ -137,14 +127,29 @@ def prepare_sources(plan, out_dir: str | Path, simfabric: bool = False, channels
     return job
 
 
-def compile_program(job: CompileJob, dry_run: bool = False) -> subprocess.CompletedProcess | None:
-    """Run cslc (None for a dry run). Raises CompileError when cslc is absent or fails."""
+def compile_program(
+    job: CompileJob, dry_run: bool = False, executor: bool = False
+) -> subprocess.CompletedProcess | None:
+    """Run cslc (None for a dry run), or with `executor` compile on the project's CSL executor.
+    Raises CompileError when cslc is absent or either refuses the program."""
     if dry_run:
+        return None
+    if executor:
+        from wafer.csl.errors import CslError
+        from wafer.csl.layout import Options, compile_layout
+        from wafer.csl.sdk import write_output
+
+        options = Options(arch=job.arch, fabric_dims=job.fabric_dims, fabric_offsets=FABRIC_OFFSETS,
+                          params=dict(job.params), memcpy=True, channels=job.channels)  # fmt: skip
+        try:
+            write_output(compile_layout(str(job.src_dir / "layout.csl"), options), job.bin_dir)
+        except CslError as exc:
+            raise CompileError(f"the CSL executor refused the program: {exc}") from None
         return None
     if shutil.which("cslc") is None:
         raise CompileError(
-            "cslc is not on PATH: run inside the Cerebras SDK container (docker/Dockerfile.sdk), or use "
-            "--dry-run to print the command"
+            "cslc is not on PATH: run inside the Cerebras SDK container (docker/Dockerfile.sdk), use "
+            "--executor to compile with the project's CSL executor, or --dry-run to print the command"
         )
     result = subprocess.run(job.argv, capture_output=True, text=True)
     if result.returncode != 0:
@@ -172,7 +177,7 @@ def appliance_compile(job: CompileJob, artifact_dir: str | Path, **client_option
 
 
 def plan_from_request(request: dict):
-    """The plan `kernels.program.plan_request` describes (build_plan is deterministic)."""
+    """The plan `plan_request` describes (build_plan is deterministic)."""
     from wafer.plan import build_plan
     from weights.config import GPT2Config
 
@@ -186,10 +191,17 @@ def plan_from_request(request: dict):
                          f"top_k: {exc}") from None  # fmt: skip
 
 
+def exported_names() -> list[str]:
+    """Every name the generated layout.csl exports (kernels/program/layout_csl.py)."""
+    from kernels.program.layout_csl import EXPORTED_ARRAYS
+
+    return sorted([*EXPORTED_ARRAYS, *HOST_FUNCTIONS])
+
+
 def rpc_symbols() -> list[dict]:
     """out_rpc.json's `rpc_symbols`: every name layout.csl exports (functions with their arguments)."""
     symbols: list[dict] = []
-    for index, name in enumerate(sorted(csl_contract.exported_names("layout.csl"))):
+    for index, name in enumerate(exported_names()):
         if name in HOST_FUNCTIONS:
             entry = {"id": index, "kind": "Func", "name": name, "sym_name": name, "type": "void"}
             if HOST_FUNCTIONS[name]:
@@ -209,32 +221,33 @@ def rpc_symbols() -> list[dict]:
 
 def check_compile_request(src_dir: str | Path, options: list[str]) -> dict[str, str]:
     """What the loopback appliance does instead of cslc: the uploaded sources must be this
-    repository's kernels plus the plan_params.csl kernels/program/ writes for the plan its header
+    repository's kernel library plus the layout.csl kernels/program/ writes for the plan its header
     names, compiled with the options `prepare_sources` gives; returns the artifact's files, which
     run on the simulator. Raises ValueError naming the first difference."""
     src_dir = Path(src_dir)
-    for kernel in sorted(KERNEL_DIR.glob("*.csl")):
-        uploaded = src_dir / kernel.name
-        if not uploaded.is_file():
-            raise ValueError(f"the upload has no {kernel.name}")
-        if uploaded.read_bytes() != kernel.read_bytes():
-            raise ValueError(f"{kernel.name} differs from this repository's kernels/{kernel.name}")
-    tables = (src_dir / "plan_params.csl").read_text() if (src_dir / "plan_params.csl").is_file() else ""
-    header = next((line for line in tables.splitlines() if line.startswith(PLAN_REQUEST_PREFIX)), None)
+    for name in SOURCE_DIRS:
+        for kernel in sorted((KERNEL_DIR / name).glob("*.csl")):
+            uploaded = src_dir / name / kernel.name
+            if not uploaded.is_file():
+                raise ValueError(f"the upload has no {name}/{kernel.name}")
+            if uploaded.read_bytes() != kernel.read_bytes():
+                raise ValueError(
+                    f"{name}/{kernel.name} differs from this repository's kernels/{name}/{kernel.name}"
+                )
+    layout = (src_dir / "layout.csl").read_text() if (src_dir / "layout.csl").is_file() else ""
+    header = next((line for line in layout.splitlines() if line.startswith(LAYOUT_HEADER)), None)
     if header is None:
-        raise ValueError(
-            "the upload has no plan_params.csl written by wafer/compile.py (no plan request in it)"
-        )
-    request = json.loads(header[len(PLAN_REQUEST_PREFIX) :])
+        raise ValueError("the upload has no layout.csl written by wafer/compile.py (no plan request in it)")
+    request = json.loads(header[len(LAYOUT_HEADER) :])
     plan = plan_from_request(request)
     program = build_program(plan)
-    if plan_params_csl(program) != tables:
-        raise ValueError("plan_params.csl is not what kernels/program/ writes for the plan it names")
+    if layout_csl(program, plan_request(plan)) != layout:
+        raise ValueError("layout.csl is not what kernels/program/ writes for the plan it names")
     if not options or options[0] != "layout.csl":
         raise ValueError(f"the main file must be layout.csl, got {options[:1]}")
     arch = resolve_arch(request["arch"])
-    wanted = {tuple(CompileJob(arch.name, src_dir, src_dir, fabric_dims(program, arch, sim), layout_params(program,
-              plan.dtype), 1).options[:4]) for sim in (False, True)}  # fmt: skip
+    wanted = {tuple(CompileJob(arch.name, src_dir, src_dir, fabric_dims(program, arch, sim), layout_params(),
+              1).options[:4]) for sim in (False, True)}  # fmt: skip
     given = tuple(o for o in options[1:] if not o.startswith("--channels"))[:4]
     if given not in wanted or "--memcpy" not in options:
         raise ValueError(

@@ -70,38 +70,46 @@ def chain_reduce_cycles(steps: int, words: int) -> int:
     )
 
 
-def tree_reduce_cycles(n: int, words: int, scatter: int = 1) -> int:
-    """Pairwise tree over n PEs (`tiling.tree_rounds`): round j sends a vector 2^j PEs; the
-    receiver's add streams with the arrival, but a round starts only when the previous one ended.
-    With scatter = 2^m the last m rounds are reduce-scatter rounds: each PE sends half of what it
-    still holds, so those rounds move words/2, words/4, ..."""
-    rounds = math.ceil(math.log2(n)) if n > 1 else 0
-    halving_from = rounds - int(math.log2(scatter))
-    total = 0
-    for j in range(rounds):
-        moved = words if j < halving_from else ceil_div(words, 2 ** (j - halving_from + 1))
-        total += 2**j * HOP_CYCLES + ROUTER_TO_PE_CYCLES + ceil_div(moved, FP32_OPS_PER_CYCLE)
-    return total
-
-
-def reduce_cycles(kind: str, n: int, words: int, scatter: int = 1) -> int:
-    return chain_reduce_cycles(n - 1, words) if kind == "chain" else tree_reduce_cycles(n, words, scatter)
-
-
-def allreduce_cycles(kind: str, n: int, words: int) -> int:
-    """Every one of n PEs ends with the sum. Chain: reduce to the last PE, then multicast the result
-    back along the strip. Tree: recursive doubling (round j: PE r exchanges with r XOR 2^j and both
-    add), the same pairs as `tree_rounds`, so no broadcast is needed and every PE's sum is the tree's."""
+def two_level_reduce_cycles(n: int, words: int, group: int) -> int:
+    """Runs of `group` PEs chain at the same time (one pass of the vector), then the runs' last PEs,
+    `group` PEs apart, chain their sums (a second pass: a run's end adds its run before it joins)."""
     if n <= 1:
         return 0
+    group = max(1, min(group, n))
+    runs = ceil_div(n, group)
+    cross = 0
+    if runs > 1:
+        cross = (runs - 1) * (group * HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE) + ceil_div(
+            words, FP32_OPS_PER_CYCLE
+        )
+    return chain_reduce_cycles(group - 1, words) + cross
+
+
+def reduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
     if kind == "chain":
-        return chain_reduce_cycles(n - 1, words) + (n - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
-    return tree_reduce_cycles(n, words)
+        return chain_reduce_cycles(n - 1, words)
+    if kind == "two_level":
+        return two_level_reduce_cycles(n, words, group)
+    raise ValueError(f"unknown reduction {kind!r}")
 
 
-def best_reduction(n: int, words: int) -> str:
-    """Chain or tree, whichever the model says is faster for n PEs and `words` per partial."""
-    return "tree" if tree_reduce_cycles(n, words) < chain_reduce_cycles(n - 1, words) else "chain"
+def allreduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
+    """Every one of n PEs ends with the sum: reduce to the last PE, then multicast the result back along
+    the strip (one route, so every PE holds the same bits)."""
+    if n <= 1:
+        return 0
+    return reduce_cycles(kind, n, words, group) + (n - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
+
+
+def reduction_options(n: int) -> list[tuple[str, int]]:
+    """(kind, group) of every reduction the program implements over n PEs: the chain, and the
+    two-level reduction with each run length that leaves at least two runs."""
+    return [("chain", 0)] + [("two_level", g) for g in range(2, n) if n > 2]
+
+
+def best_reduction(n: int, words: int) -> tuple[str, int]:
+    """The (kind, group) the model finds fastest for n PEs and `words` per partial."""
+    return min(reduction_options(n), key=lambda kg: reduce_cycles(kg[0], n, words, kg[1]))
 
 
 @dataclass
@@ -137,32 +145,32 @@ def gemv_cost(
     1. multicast: chunk r (tile_k words) streams along the `cols` PEs of reduction index r; each PE
        starts its FMACs on the first word and, since every word needs ceil(tile_n / SIMD) >= 1 cycles,
        finishes tile_k * ceil(tile_n / SIMD) cycles later (the farthest PE starts cols - 1 hops late).
-    2. reduction of the fp32 partials (tile_n words) over the `rows` PEs: chain or tree.
+    2. reduction of the fp32 partials (tile_n words) over the `rows` PEs: chain or two_level.
     3. bias (+ epilogue, e.g. GELU) on the last PE of each output column, one output after another.
     """
     arch = resolve_arch(arch)
     cost = StageCost(name)
     cost.add("input multicast", (tiling.cols - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES)
     cost.add("tile FMAC", max(tiling.tile_k, gemv_compute_cycles(tiling, arch, dtype)))
-    label = f"{tiling.reduction} reduction" + (f" (scatter {tiling.scatter})" if tiling.scatter > 1 else "")
-    cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n, tiling.scatter))
-    per_pe = ceil_div(tiling.tile_n, tiling.scatter)
-    cost.add("bias + epilogue", per_pe * (FP32_OPS_PER_CYCLE + epilogue_cycles_per_output))
-    if tiling.scatter > 1:  # the pieces stream to the exit edge one after another
-        cost.add("gather pieces", stream_cycles(tiling.tile_n, tiling.rows - tiling.rows // tiling.scatter))
+    label = f"{tiling.reduction} reduction" + (
+        f" (runs of {tiling.group})" if tiling.reduction == "two_level" else ""
+    )
+    cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n, tiling.group))
+    cost.add("bias + epilogue", tiling.tile_n * (FP32_OPS_PER_CYCLE + epilogue_cycles_per_output))
     return cost
 
 
 @lru_cache(maxsize=8192)
 def best_gemv_reduction(
     tiling: GemvTiling, arch: Arch | str, dtype: str, epilogue_cycles_per_output: int = 0
-):
-    """The tiling with the reduction (chain, or tree with the best scatter) the model finds fastest."""
-    options = [GemvTiling(**{**vars(tiling), "reduction": "chain", "scatter": 1})]
-    scatter = 1
-    while scatter <= min(tiling.rows, tiling.tile_n):
-        options.append(GemvTiling(**{**vars(tiling), "reduction": "tree", "scatter": scatter}))
-        scatter *= 2
+) -> GemvTiling:
+    """The tiling with the reduction (chain, or two_level with its best run length) the model finds
+    fastest. Only what kernels/comm implements is offered: a faster plan the CSL cannot run is worth
+    nothing."""
+    options = [
+        GemvTiling(**{**vars(tiling), "reduction": kind, "group": group})
+        for kind, group in reduction_options(tiling.rows)
+    ]
     return min(options, key=lambda t: gemv_cost(t, arch, dtype, epilogue_cycles_per_output).cycles)
 
 
@@ -177,7 +185,10 @@ def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
     cost.add("input", ROUTER_TO_PE_CYCLES + tiling.chunk)
     for label, per_value in (("mean", 1), ("variance", 2)):
         cost.add(f"{label}: local sums", tiling.chunk * per_value)
-        cost.add(f"{label}: {tiling.reduction} all-reduce", allreduce_cycles(tiling.reduction, tiling.pes, 1))
+        cost.add(
+            f"{label}: {tiling.reduction} all-reduce",
+            allreduce_cycles(tiling.reduction, tiling.pes, 1, tiling.group),
+        )
     cost.add("rsqrt", RSQRT_CYCLES)
     cost.add("normalise", 4 * tiling.chunk)
     return cost
@@ -204,18 +215,18 @@ def attention_cost(
        of q); k and v follow on the same lanes and are kept by the PE that owns the new position, which
        meanwhile works on its older positions (only the excess over that work delays it).
     2. each PE: scores q.k over its positions (SIMD FMAC), exp, then exp-weighted V.
-    3. log-sum-exp merge of (max, sum, acc[hpp * head_dim]) over the PEs that hold visible positions:
-       each step is a task (one exp per head rescales the side with the smaller max), then the incoming
-       acc streams in and is folded with one FMAC per word. With `scatter` the last rounds are
-       reduce-scatter rounds (each side keeps half of acc), so they move half the words each time.
-    4. 1/sum on each piece and the hand-off of the pieces to their rows of the O GEMV.
+    3. log-sum-exp merge of (max, sum, acc[hpp * head_dim]) along the whole chain (kernels/pe/
+       attention.csl merges every PE, an empty one as (-inf, 0, 0)): each step is a task (one exp
+       per head rescales both sides), then the incoming acc streams in and is folded with one FMAC
+       per word. two_level: the runs merge at the same time, then the runs' ends (`group` PEs
+       apart along the snake) merge theirs, a second pass of the record.
+    4. 1/sum on the chain's last PE and the hand-off to its rows of the O GEMV.
     """
     arch = resolve_arch(arch)
     positions = tiling.context if positions is None else max(1, min(positions, tiling.context))
     macs = arch.macs_per_cycle(dtype)
     width, _ = tiling.grid_wh
     hpp, dim = tiling.heads_per_pe, tiling.head_dim
-    used = ceil_div(positions, tiling.positions_per_pe)  # chain PEs holding visible positions
     local = min(tiling.positions_per_pe, positions)
     per_position = hpp * (2 * ceil_div(dim, macs) + EXP_CYCLES)
     cost = StageCost(name)
@@ -225,38 +236,29 @@ def attention_cost(
     cost.add("exp", local * hpp * EXP_CYCLES)
     cost.add("weighted V", local * hpp * ceil_div(dim, macs))
     step = TASK_ACTIVATION_CYCLES + hpp * EXP_CYCLES
-    pieces = 1
-    if tiling.reduction == "chain":
-        merge = (used - 1) * (HOP_CYCLES + ROUTER_TO_PE_CYCLES + step) + (hpp * (dim + 2) if used > 1 else 0)
+    record = hpp * (dim + 2)
+    n = tiling.chain
+    if tiling.reduction == "chain" or not 1 < tiling.group < n:
+        merge = (n - 1) * (HOP_CYCLES + ROUTER_TO_PE_CYCLES + step) + (record if n > 1 else 0)
     else:
-        rounds = math.ceil(math.log2(used)) if used > 1 else 0
-        halving_from = rounds - min(rounds, int(math.log2(tiling.scatter)))
-        merge = 0
-        for j in range(rounds):
-            if j >= halving_from:
-                pieces *= 2
-            words = hpp * 2 + ceil_div(hpp * dim, pieces)
-            merge += _fold_distance(2**j, width) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step + words
+        g = tiling.group
+        merge = (g - 1) * (HOP_CYCLES + ROUTER_TO_PE_CYCLES + step) + record
+        merge += (ceil_div(n, g) - 1) * (_fold_distance(g, width) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step)
+        merge += record
     cost.add(f"LSE {tiling.reduction} merge", merge)
-    piece = ceil_div(hpp * dim, pieces)
-    cost.add("normalise", hpp * RSQRT_CYCLES + piece)
-    # The pieces sit at chain indices that start rows of the group (or at p = 0): to the O rows.
-    # O row j needs hpp * head_dim / fold words: from several pieces in turn, or a slice of one piece.
-    cost.add(
-        "to the O rows",
-        stream_cycles(ceil_div(hpp * dim, min(pieces, tiling.fold)), width - 1 + tiling.fold - 1),
-    )
+    cost.add("normalise", hpp * RSQRT_CYCLES + hpp * dim)
+    # The chain's last PE sends the group's output to its O rows (a multicast over them).
+    cost.add("to the O rows", stream_cycles(hpp * dim, width - 1 + tiling.fold - 1))
     return cost
 
 
 @lru_cache(maxsize=4096)
 def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> AttentionTiling:
-    """The attention tiling (chain, or tree with the best scatter) the model finds fastest."""
-    options = [AttentionTiling(**{**vars(tiling), "reduction": "chain", "scatter": 1})]
-    scatter = 1
-    while scatter <= min(tiling.chain, tiling.heads_per_pe * tiling.head_dim):
-        options.append(AttentionTiling(**{**vars(tiling), "reduction": "tree", "scatter": scatter}))
-        scatter *= 2
+    """The attention tiling (chain, or two_level with its best run length) the model finds fastest."""
+    options = [
+        AttentionTiling(**{**vars(tiling), "reduction": kind, "group": group})
+        for kind, group in reduction_options(tiling.chain)
+    ]
     return min(options, key=lambda t: attention_cost(t, arch, dtype).cycles)
 
 
@@ -270,30 +272,24 @@ def _fold_distance(stride: int, row_len: int) -> int:
 
 def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "head") -> StageCost:
     """logits = h @ wte^T, then on the last PE of every output column: (max, sum of exp) over its
-    tile_n logits and its local top-k; the (top-k ids, top-k logits, max, sum) records are merged
-    across the columns (chain or tree), and the result leaves for the output port."""
+    tile_n logits and its local top-k; the (top-k ids, top-k logits, max, sum, target) records are
+    merged across the columns (chain, or two_level), and the result leaves for the output port."""
     arch = resolve_arch(arch)
     gemv = gemv_cost(tiling.gemv, arch, dtype, name=name)
-    cost = StageCost(
-        name, {k: v for k, v in gemv.phases.items() if k not in ("bias + epilogue", "gather pieces")}
-    )
+    cost = StageCost(name, {k: v for k, v in gemv.phases.items() if k != "bias + epilogue"})
     g, k = tiling.gemv, tiling.top_k
-    piece = ceil_div(g.tile_n, g.scatter)  # logits on one PE after the reduction
-    kept = min(k, piece)
-    cost.add("local max + exp-sum", piece * (1 + EXP_CYCLES))
+    kept = min(k, g.tile_n)
+    cost.add("local max + exp-sum", g.tile_n * (1 + EXP_CYCLES))
     # Scan against the running k-th best, then sort what was kept (k log k compare-and-move steps).
-    cost.add("local top-k", piece * TOPK_SCAN_CYCLES + kept * max(1, math.ceil(math.log2(max(kept, 2)))) * 2)
-    # Merge: first the pieces of a column (tree along the reduction axis, g.rows / s PEs apart), then
-    # the columns. A record is (ids, logits) of the list so far plus (max, sum); lists grow up to k.
-    steps = [g.rows // g.scatter * 2**j for j in range(int(math.log2(g.scatter)))]
-    if tiling.merge == "tree":
-        steps += [2**j for j in range(math.ceil(math.log2(g.cols)) if g.cols > 1 else 0)]
-    merge, length = 0, kept
-    for hops in steps:
-        merge += _merge_step(hops, length, k)
-        length = min(k, 2 * length)
-    if tiling.merge == "chain":  # columns one after another, each adds its list to the running one
-        merge += (g.cols - 1) * _merge_step(1, min(k, length), k)
+    cost.add(
+        "local top-k", g.tile_n * TOPK_SCAN_CYCLES + kept * max(1, math.ceil(math.log2(max(kept, 2)))) * 2
+    )
+    cols = g.cols
+    if tiling.merge == "chain" or not 1 < tiling.merge_group < cols:
+        merge = (cols - 1) * _merge_step(1, kept, k)
+    else:
+        run = tiling.merge_group
+        merge = (run - 1) * _merge_step(1, kept, k) + (ceil_div(cols, run) - 1) * _merge_step(run, kept, k)
     cost.add(f"top-k/LSE {tiling.merge} merge", merge)
     return cost
 
@@ -313,23 +309,17 @@ def _merge_step(hops: int, length: int, k: int) -> int:
 
 @lru_cache(maxsize=4096)
 def best_head(tiling: HeadTiling, arch: Arch | str, dtype: str) -> HeadTiling:
-    """The head tiling (GEMV reduction, scatter, merge kind) the model finds fastest."""
-    options = []
-    for merge in ("chain", "tree"):
-        options.append(
-            HeadTiling(
-                **{
-                    **vars(tiling),
-                    "merge": merge,
-                    "gemv": GemvTiling(**{**vars(tiling.gemv), "reduction": "chain", "scatter": 1}),
-                }
-            )
-        )
-        scatter = 1
-        while scatter <= min(tiling.gemv.rows, tiling.gemv.tile_n):
-            gemv = GemvTiling(**{**vars(tiling.gemv), "reduction": "tree", "scatter": scatter})
-            options.append(HeadTiling(**{**vars(tiling), "merge": merge, "gemv": gemv}))
-            scatter *= 2
+    """The head tiling (its GEMV's reduction, the merge across columns) the model finds fastest. At most
+    one of the two is two-level: a root PE also takes requests, embedding chunks and its lane, and
+    WSE-3 leaves a program six input queues (kernels/pe/head.csl)."""
+    best = best_gemv_reduction(tiling.gemv, arch, dtype)
+    chain = GemvTiling(**{**vars(tiling.gemv), "reduction": "chain", "group": 0})
+    options = [HeadTiling(**{**vars(tiling), "gemv": best, "merge": "chain", "merge_group": 0})]
+    options += [
+        HeadTiling(**{**vars(tiling), "gemv": chain, "merge": kind, "merge_group": group})
+        for kind, group in reduction_options(tiling.gemv.cols)
+        if kind == "two_level"
+    ]
     return min(options, key=lambda t: head_cost(t, arch, dtype).cycles)
 
 
@@ -340,10 +330,10 @@ def route_cost(words: int, hops: int, name: str) -> StageCost:
 
 def standalone_gemv_cost(arch: Arch | str, rows: int, cols: int, k: int, n: int, dtype: str) -> StageCost:
     """The `cost gemv` command: one GEMV on a rows x cols grid (rows PEs along K), the input chunks
-    injected at the grid's edge, the outputs leaving the far edge; the reduction (chain, or tree with
-    its best scatter) is the one the model finds fastest. The stage name says which."""
+    injected at the grid's edge, the outputs leaving the far edge; the reduction (chain, or two_level
+    with its best run length) is the one the model finds fastest. The stage name says which."""
     tiling = best_gemv_reduction(GemvTiling(k, n, rows, cols), resolve_arch(arch), dtype)
-    how = tiling.reduction + (f", scatter {tiling.scatter}" if tiling.scatter > 1 else "")
+    how = tiling.reduction + (f", runs of {tiling.group}" if tiling.reduction == "two_level" else "")
     cost = gemv_cost(tiling, arch, dtype, name=f"{how} reduction")
     cost.phases = {"input injection": ROUTER_TO_PE_CYCLES + tiling.tile_k, **cost.phases}
     return cost

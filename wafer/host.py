@@ -124,22 +124,38 @@ class WaferGPT2:
         per_replica: list[list[int]] = [[] for _ in range(self.plan.replicas)]
         for index, item in enumerate(items):
             per_replica[item.slot // self.plan.slots].append(index)
-
-        # Stream every replica's message in, then read every replica's records back.
-        for replica, indices in enumerate(per_replica):
-            if indices:
-                self._send(replica, [items[i] for i in indices])
         results: list[TokenScores | None] = [None] * len(items)
-        for replica, indices in enumerate(per_replica):
-            scored = [n for n, i in enumerate(indices) if items[i].want_scores]
-            if scored:
-                records = self._receive(replica, len(scored))
-                asked = [items[indices[n]].target is not None for n in scored]
-                for n, scores in zip(scored, decode_scores(records, self.top_k, scored, asked), strict=True):
-                    results[indices[n]] = scores
+        bound = getattr(self.runtime, "records_in_flight", None)
+        if bound is None:
+            # Stream every replica's message in, then read every replica's records back.
+            messages = [(replica, indices) for replica, indices in enumerate(per_replica) if indices]
+            for replica, indices in messages:
+                self._send(replica, [items[i] for i in indices])
+            for replica, indices in messages:
+                self._collect(replica, indices, items, results)
+        else:
+            # memcpy runs one command at a time: a message whose records do not fit what the wafer
+            # program buffers before io.out would stall the H2D before the first D2H starts. Each
+            # message carries at most `bound` scored items, and its records are read before the next.
+            for replica, indices in enumerate(per_replica):
+                for part in _parts(indices, [items[i].want_scores for i in indices], bound):
+                    self._send(replica, [items[i] for i in part])
+                    self._collect(replica, part, items, results)
         for item in items:
             self._lengths[item.slot] = item.position + 1
         return results
+
+    def _collect(
+        self, replica: int, indices: list[int], items: Sequence[StepItem], results: list[TokenScores | None]
+    ) -> None:
+        """Read the records of one message's scored items into `results`."""
+        scored = [n for n, i in enumerate(indices) if items[i].want_scores]
+        if not scored:
+            return
+        records = self._receive(replica, len(scored))
+        asked = [items[indices[n]].target is not None for n in scored]
+        for n, scores in zip(scored, decode_scores(records, self.top_k, scored, asked), strict=True):
+            results[indices[n]] = scores
 
     def _send(self, replica: int, items: list[StepItem]) -> None:
         port_in, _ = self.plan.io_ports(replica)
@@ -192,6 +208,19 @@ class WaferGPT2:
             value = from_wire(words, np.uint32).astype(np.uint64)
             out[region.name] = int(value[0] | (value[1] << np.uint64(32)))
         return out
+
+
+def _parts(indices: list[int], scored: list[bool], bound: int) -> list[list[int]]:
+    """Split a message's items (in order) into messages of at most `bound` scored items each."""
+    parts: list[list[int]] = [[]]
+    count = 0
+    for index, wants in zip(indices, scored, strict=True):
+        if wants and count == bound:
+            parts.append([])
+            count = 0
+        parts[-1].append(index)
+        count += wants
+    return [part for part in parts if part]
 
 
 def _region_tensors(region: Any, params: GPT2Params) -> list[tuple[str, np.ndarray]]:

@@ -40,6 +40,10 @@ class SdkContainerRuntime:
     """`load/run/stop/get_id/memcpy_h2d/memcpy_d2h/launch` forwarded to the SDK's SdkRuntime, with our
     enums translated to the SDK's. Same argument conventions (the contract was shaped after it)."""
 
+    # The scored items a message may carry (wafer.host): io.out (kernels/pe/io_out.csl) holds one
+    # record, and memcpy runs one command at a time, so the host reads each record before it sends on.
+    records_in_flight = 1
+
     def __init__(self, compiled_dir: str | Path, cmaddr: str | None = None, sdk: Any = None) -> None:
         self._sdk = sdk or import_sdk()
         compiled_dir = Path(compiled_dir)

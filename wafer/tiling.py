@@ -11,27 +11,30 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
   segments and output column c holds the c-th slice of every segment, so one column carries q, k and v
   of the same heads: `column_order()` lists the N index of every tiled output (-1 for padding).
   The input chunk x[r*tile_k:...] is multicast to every PE of reduction index r; partial sums are
-  combined over r (chain: r = 0, 1, ..., rows-1 in order; tree: pairwise, as `tree_order` says;
-  `scatter` > 1: the tree's last rounds reduce-scatter, same pairs, result spread over PEs).
+  combined over r in one of two orders (`reduction`, `group`; see "Reductions" below).
   `orientation` says which fabric axis is the K axis: "k_along_y" puts r on y (rows of PEs) and c
   on x, "k_along_x" the transpose. Consecutive GEMVs
   alternate orientation, so the output of one leaves along the axis the next one takes as input.
-  Tree rounds (`tree_rounds(n)`): round j adds index r + 2^j into r for r a multiple of 2^(j+1).
 - Attention for one layer: `head_groups` PEs across heads, `chain` PEs along positions. PE (g, p)
   holds K and V of heads [g*heads_per_pe, ...) for positions [p*positions_per_pe, ...) of every slot.
-  Per-PE partial (max, sum, weighted V) are merged with log-sum-exp over p: chain p = 0, 1, ... in
-  order, or tree (`reduction`, rounds of `tree_order()`). On the fabric a head group's chain is folded
+  Per-PE partial (max, sum, weighted V) are merged with log-sum-exp over p, in the order of
+  `reduction` and `group`. On the fabric a head group's chain is folded
   into `fold` rows of `chain // fold` PEs (row-major, snake order), so the region is
   (chain // fold) x (head_groups * fold) PEs.
 - LayerNorm over C values: `pes` PEs each hold `chunk` values. Two passes, each a per-PE partial sum
-  combined over the PEs (chain in PE order, or tree: `reduction`): the sum of x gives the mean, then
+  combined over the PEs (`reduction`, `group`): the sum of x gives the mean, then
   the sum of (x - mean)^2 gives the variance (no one-pass sum of squares: it cancels badly in fp32).
   Then every PE normalises its chunk. `axis` is the fabric axis the strip lies along.
 - Head: the LM head is a GEMV with K = C, N = vocab on `wte` transposed; each output column of PEs
-  also keeps its local top-k and (max, sum-exp) which are merged across the columns (chain in column
-  order, or tree: `merge`). With `gemv.scatter` = s > 1 a column's logits end on s PEs (piece i holds
-  its outputs [i * tile_n / s, ...)); the pieces of a column are merged first (tree_rounds(s)), then
-  the columns.
+  also keeps its local top-k and (max, sum-exp) which are merged across the columns (`merge`,
+  `merge_group`).
+
+Reductions: n partials, indices 0 .. n-1, are combined in one of two orders, both of which end on
+index n-1 and need two colors per level, so every input queue serves one color (kernels/comm):
+- "chain": ((p0 + p1) + p2) + ... : index i adds what index i-1 sends and passes the sum on.
+- "two_level" with `group` = g: the indices split into runs of g (the last may be shorter), each run
+  chains to its last index at the same time as the others, then those ends chain in run order:
+  S_j = chain of run j, total = ((S_0 + S_1) + S_2) + ... . About g + n/g steps instead of n.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Orientation = Literal["k_along_y", "k_along_x"]
-Reduction = Literal["chain", "tree"]
+Reduction = Literal["chain", "two_level"]
+REDUCTIONS = ("chain", "two_level")
 Axis = Literal["x", "y"]
 
 
@@ -48,13 +52,13 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def tree_rounds(n: int) -> list[list[tuple[int, int]]]:
-    """Pairwise reduction of indices 0..n-1 into 0: rounds of (dst, src) pairs, dst += src."""
-    rounds, stride = [], 1
-    while stride < n:
-        rounds.append([(r, r + stride) for r in range(0, n, 2 * stride) if r + stride < n])
-        stride *= 2
-    return rounds
+def reduction_runs(n: int, reduction: str, group: int) -> list[range]:
+    """The runs of indices that chain first (one run for a chain); their ends then chain in order."""
+    if reduction == "chain" or group <= 0 or group >= n:
+        return [range(n)]
+    if reduction != "two_level":
+        raise ValueError(f"unknown reduction {reduction!r}")
+    return [range(start, min(start + group, n)) for start in range(0, n, group)]
 
 
 @dataclass(frozen=True)
@@ -66,10 +70,7 @@ class GemvTiling:
     orientation: Orientation = "k_along_y"
     reduction: Reduction = "chain"
     n_split: int = 1  # N = n_split equal segments; column c holds slice c of each (q | k | v)
-    # tree only: the last log2(scatter) rounds halve the vector each PE keeps (reduce-scatter), so a
-    # column's final sums end spread over `scatter` PEs (for the epilogue). Each sum still adds the
-    # partials in exactly the pairs of `tree_order()`, so the result is bit-identical.
-    scatter: int = 1
+    group: int = 0  # two_level only: reduction indices per first-level run
 
     @property
     def tile_k(self) -> int:
@@ -106,15 +107,8 @@ class GemvTiling:
         """(w, h) of the rectangle on the fabric."""
         return (self.cols, self.rows) if self.orientation == "k_along_y" else (self.rows, self.cols)
 
-    def tree_order(self) -> list[list[tuple[int, int]]]:
-        """For reduction == 'tree': rounds of (dst, src) reduction indices, dst += src."""
-        rounds, stride = [], 1
-        while stride < self.rows:
-            rounds.append(
-                [(r, r + stride) for r in range(0, self.rows, 2 * stride) if r + stride < self.rows]
-            )
-            stride *= 2
-        return rounds
+    def runs(self) -> list[range]:
+        return reduction_runs(self.rows, self.reduction, self.group)
 
 
 @dataclass(frozen=True)
@@ -126,11 +120,8 @@ class AttentionTiling:
     head_groups: int
     chain: int
     fold: int = 1  # fabric rows per head group (the chain folded in a snake)
-    reduction: Reduction = "chain"  # how the per-PE (max, sum, acc) partials are merged
-    # tree only: the last log2(scatter) merge rounds are reduce-scatter rounds (each side keeps half of
-    # acc, both compute the same (max, sum)), so a group's output ends on `scatter` PEs, piece i =
-    # acc[i * hpp * head_dim / scatter, ...). Every value is still merged in the pairs of tree_order().
-    scatter: int = 1
+    reduction: Reduction = "chain"  # how the per-PE (max, sum, acc) partials are merged along p
+    group: int = 0  # two_level only
 
     @property
     def heads_per_pe(self) -> int:
@@ -148,9 +139,8 @@ class AttentionTiling:
     def grid_wh(self) -> tuple[int, int]:
         return (ceil_div(self.chain, self.fold), self.head_groups * self.fold)
 
-    def tree_order(self) -> list[list[tuple[int, int]]]:
-        """For reduction == 'tree': rounds of (dst, src) chain indices p, dst merges src."""
-        return tree_rounds(self.chain)
+    def runs(self) -> list[range]:
+        return reduction_runs(self.chain, self.reduction, self.group)
 
 
 @dataclass(frozen=True)
@@ -159,6 +149,7 @@ class NormTiling:
     pes: int
     reduction: Reduction = "chain"  # how the per-PE partial sums (pass 1 and pass 2) are combined
     axis: Axis = "x"  # the fabric axis the strip of PEs lies along
+    group: int = 0  # two_level only
 
     @property
     def chunk(self) -> int:
@@ -168,8 +159,8 @@ class NormTiling:
     def grid_wh(self) -> tuple[int, int]:
         return (self.pes, 1) if self.axis == "x" else (1, self.pes)
 
-    def tree_order(self) -> list[list[tuple[int, int]]]:
-        return tree_rounds(self.pes)
+    def runs(self) -> list[range]:
+        return reduction_runs(self.pes, self.reduction, self.group)
 
 
 @dataclass(frozen=True)
@@ -179,11 +170,11 @@ class HeadTiling:
     gemv: GemvTiling  # K = dim, N = vocab
     top_k: int = 64
     merge: Reduction = "chain"  # how the per-column (top-k, max, sum-exp) are merged across columns
+    merge_group: int = 0  # two_level only: columns per first-level run
 
     @property
     def pes(self) -> int:
         return self.gemv.pes
 
-    def tree_order(self) -> list[list[tuple[int, int]]]:
-        """For merge == 'tree': rounds of (dst, src) output columns, dst merges src."""
-        return tree_rounds(self.gemv.cols)
+    def merge_runs(self) -> list[range]:
+        return reduction_runs(self.gemv.cols, self.merge, self.merge_group)

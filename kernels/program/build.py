@@ -1,112 +1,512 @@
-"""`build_program`: every replica laid out, the routes checked, colors assigned, idle PEs listed.
+"""A plan -> the CSL program: which PE program every PE runs, with which params, and every flow.
 
-Colors are assigned per channel, first fit, from 0-20 without memcpy's streaming colors 14 and 15
-(memcpy keeps 21-23); a color is never used twice on one router. `plan_request` records what the plan
-was asked for (plan_params.csl's header; `build_plan` is deterministic, so it rebuilds the plan).
+One replica, in the order a token meets it (wafer/sim/program.py walks the same way):
+
+    io.in --request--> embed + head        the token's wte row chained down each head K-line
+    head columns --emb chain--> embed      and through the embed rows, which add wpe
+    embed --> L0.ln_1 --y--> L0.qkv --per head group--> L0.attn --> L0.attn_proj --> L0.res_1
+              L0.ln_1 --x (residual)------------------------------------------------> L0.res_1
+    L0.res_1 --> L0.ln_2 --> L0.fc --> L0.proj --> L0.res_2;  L0.res_1 --x--> L0.res_2
+    L(n-1).res_2 --> ln_f --> head K-lines; head roots --merge chain--> io.out
+
+Every hand-off between two regions is `connect`ed: as lanes (source PE i feeds destination line i,
+when the slices match and the lanes' routes do not cross), else as a gather line over the sources
+whose stream is multicast to every destination PE, each keeping its window. Inside a region, partial
+sums travel along chains (comm/chain.csl). Flows are colored afterwards (routes.assign_colors) and
+each region's task IDs are picked clear of the colors that reach its PEs (WSE-2 shares one ID space).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from kernels.program.errors import ProgramError
+from kernels.program.frames import Frame, frame_of
+from kernels.program.routes import Flow, Pos, assign_colors, make_flow, ramp_colors
+from wafer.tiling import ceil_div, reduction_runs
+from wafer.wire import D2H_COLOR, H2D_COLOR, record_words
 
-from kernels.program.builder import _Builder
-from kernels.program.codes import ROUTABLE, ProgramError
-from kernels.program.replica import _build_replica
-from kernels.program.tables import Channel, Program
+# comm/chain.csl and comm/gather.csl roles
+FIRST, MIDDLE, LAST, ALONE, NONE = 0, 1, 2, 3, 4
+
+# Routable colors (0-23 less the three memcpy keeps, 21-23) less the two memcpy streaming colors.
+MEMCPY_COLORS = (H2D_COLOR, D2H_COLOR)
+PALETTE = [c for c in range(21) if c not in MEMCPY_COLORS]
+# Local task IDs a PE program may bind: WSE-2 shares 0-30 with the colors and memcpy keeps 27-31;
+# WSE-3 has local IDs 8-30 (0-7 are its input queues' data tasks), memcpy keeps 27-31 there too.
+TASK_POOL = {"wse2": list(range(26, -1, -1)), "wse3": list(range(26, 7, -1))}
+
+PE_FILES = {
+    "io.in": "pe/io_in.csl",
+    "io.out": "pe/io_out.csl",
+    "embed": "pe/embed.csl",
+    "embed_head": "pe/head.csl",
+    "layernorm": "pe/layernorm.csl",
+    "residual": "pe/residual.csl",
+    "gemv": "pe/gemv.csl",
+    "attention": "pe/attention.csl",
+    "idle": "pe/idle.csl",
+}
+TASKS = {
+    "pe/io_in.csl": 4,
+    "pe/io_out.csl": 2,
+    "pe/embed.csl": 6,
+    "pe/head.csl": 12,
+    "pe/layernorm.csl": 12,
+    "pe/residual.csl": 10,
+    "pe/gemv.csl": 7,
+    "pe/attention.csl": 10,
+    "pe/idle.csl": 0,
+}
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A param written as this CSL expression (e.g. a layout param's color)."""
+
+    csl: str
+
+
+H2D = Raw("@get_color(MEMCPYH2D_DATA_1_ID)")
+D2H = Raw("@get_color(MEMCPYD2H_DATA_1_ID)")
+
+
+@dataclass
+class Tile:
+    """One PE's program: its file and params. A param that is a Flow means that flow's color; the
+    `tasks` param is filled in per region once the colors are known."""
+
+    file: str
+    region: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Program:
+    plan: Any
+    width: int
+    height: int
+    tiles: dict[Pos, Tile]
+    flows: list[Flow]
+    frames: dict[str, Frame]
+
+    def color_configs(self) -> dict[Pos, list[tuple[int, str, frozenset[str]]]]:
+        out: dict[Pos, list[tuple[int, str, frozenset[str]]]] = {}
+        for flow in self.flows:
+            for pos, (rx, tx) in flow.routes.items():
+                out.setdefault(pos, []).append((flow.color, rx, tx))
+        return out
+
+
+@dataclass
+class _Connection:
+    """Params for both ends of a hand-off."""
+
+    out: dict[Pos, dict[str, Any]]
+    into: dict[Pos, dict[str, Any]]
+
+
+class _Builder:
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+        self.flows: list[Flow] = []
+        self.params: dict[Pos, dict[str, Any]] = {}
+        self.frames: dict[str, Frame] = {}
+        self.fp16 = plan.dtype == "fp16"
+
+    # -- flows ---------------------------------------------------------------------------------------
+    def flow(self, name: str, src: Pos, dsts: list[Pos]) -> Flow:
+        f = make_flow(name, src, dsts)
+        self.flows.append(f)
+        return f
+
+    def chain(self, name: str, members: list[Pos], prefix: str) -> None:
+        """A chain along `members` in order (comm/chain.csl): role, rx and tx params per member."""
+        links = [self.flow(f"{name}.{i}", members[i], [members[i + 1]]) for i in range(len(members) - 1)]
+        for i, pos in enumerate(members):
+            if len(members) == 1:
+                role = ALONE
+            else:
+                role = FIRST if i == 0 else LAST if i == len(members) - 1 else MIDDLE
+            p = self.params.setdefault(pos, {})
+            p[f"{prefix}_role"] = role
+            p[f"{prefix}_rx"] = links[i - 1] if i > 0 else None
+            p[f"{prefix}_tx"] = links[i] if i < len(links) else None
+
+    def reduction(self, name: str, members: list[Pos], prefix: str, kind: str, group: int) -> Pos:
+        """A reduction along `members` in the tiling's order (comm/reduce.csl): the runs chain
+        ({prefix}_role/_rx/_tx), then the runs' last PEs ({prefix}_end_role/_end_rx/_end_tx; ROLE_NONE
+        elsewhere, and everywhere for a single run). Returns the PE that ends with the result."""
+        runs = reduction_runs(len(members), kind, group)
+        for j, run in enumerate(runs):
+            self.chain(f"{name}.run{j}", [members[i] for i in run], prefix)
+        ends = [members[run[-1]] for run in runs]
+        for pos in members:
+            self.params[pos].update(
+                {f"{prefix}_end_role": NONE, f"{prefix}_end_rx": None, f"{prefix}_end_tx": None}
+            )
+        if len(runs) > 1:
+            self.chain(f"{name}.ends", ends, f"{prefix}_end")
+        return members[-1]
+
+    def connect(
+        self,
+        name: str,
+        sources: list[Pos],
+        chunk: int,
+        lines: list[list[Pos]],
+        line_chunk: int,
+        out: str,
+        into: str,
+    ) -> None:
+        """Hand off a vector held in `chunk`-sized slices by `sources` (in order) to `lines`, line d
+        wanting [d*line_chunk, +line_chunk). Source params: {out}_role/_rx/_tx/_line; destination
+        params: {into}_color/_payload/_per_stream (and the per-row window is computed on the PE)."""
+        if len(sources) == len(lines) and chunk == line_chunk:
+            lanes = [
+                self.flow(f"{name}.lane{i}", src, line)
+                for i, (src, line) in enumerate(zip(sources, lines, strict=True))
+            ]
+            seen: set[Pos] = set()
+            disjoint = True
+            for lane in lanes:
+                if seen & lane.routes.keys():
+                    disjoint = False
+                seen |= lane.routes.keys()
+            if disjoint:
+                for src, lane, line in zip(sources, lanes, lines, strict=True):
+                    self._out(src, out, ALONE, None, lane, 1)
+                    for pos in line:
+                        self._into(pos, into, lane, chunk, 1)
+                return
+            del self.flows[-len(lanes) :]
+        everyone = [pos for line in lines for pos in line]
+        links = [
+            self.flow(f"{name}.gather{i}", sources[i], [sources[i + 1]]) for i in range(len(sources) - 1)
+        ]
+        multicast = self.flow(f"{name}.multicast", sources[-1], everyone)
+        for i, src in enumerate(sources):
+            role = ALONE if len(sources) == 1 else FIRST if i == 0 else MIDDLE
+            tx = links[i] if i < len(links) else multicast
+            self._out(src, out, role, links[i - 1] if i > 0 else None, tx, len(sources))
+        for line in lines:
+            for pos in line:
+                self._into(pos, into, multicast, len(sources) * chunk, len(lines))
+
+    def _out(self, pos: Pos, prefix: str, role: int, rx: Flow | None, tx: Flow, line: int) -> None:
+        p = self.params.setdefault(pos, {})
+        if f"{prefix}_role" in p:
+            raise ProgramError(f"PE {pos}: output {prefix!r} is connected twice")
+        p.update({f"{prefix}_role": role, f"{prefix}_rx": rx, f"{prefix}_tx": tx, f"{prefix}_line": line})
+        p[f"{prefix}_rev"] = False
+
+    def _into(self, pos: Pos, prefix: str, flow: Flow, payload: int, per_stream: int) -> None:
+        p = self.params.setdefault(pos, {})
+        if f"{prefix}_color" in p:
+            raise ProgramError(f"PE {pos}: input {prefix!r} is connected twice")
+        p.update({f"{prefix}_color": flow, f"{prefix}_payload": payload, f"{prefix}_per_stream": per_stream})
+
+    # -- regions ---------------------------------------------------------------------------------------
+    def frame(self, region: Any) -> Frame:
+        f = frame_of(region)
+        self.frames[region.name if region.replica == 0 else f"{region.name}@{region.replica}"] = f
+        return f
+
+    def replica(self, replica: int) -> None:
+        plan, cfg = self.plan, self.plan.config
+
+        def region(name: str) -> Any:
+            return plan.region(name, replica)
+
+        io_in, io_out, embed, head, ln_f = (region(n) for n in ("io.in", "io.out", "embed", "head", "ln_f"))
+        head_t = head.tiling.gemv
+        hf, ef = self.frame(head), self.frame(embed)
+        if ef.a_len != head_t.rows:
+            raise ProgramError(
+                f"embed has {ef.a_len} K chunks, the head {head_t.rows} K-lines: they must match"
+            )
+        embed_tile_k = ceil_div(cfg.n_embd, ef.a_len)
+        if embed_tile_k != head_t.tile_k:
+            raise ProgramError(f"embed chunks of {embed_tile_k} values, head K-lines of {head_t.tile_k}")
+
+        # io.in -> every embed and head PE: the request stream.
+        head_pes = [hf.pe(r, c) for r in range(head_t.rows) for c in range(head_t.cols)]
+        embed_pes = [ef.pe(i, j) for i in range(ef.a_len) for j in range(ef.b_len)]
+        request = self.flow(f"r{replica}.request", (io_in.x, io_in.y), embed_pes + head_pes)
+        self.params.setdefault((io_in.x, io_in.y), {})["req_color"] = request
+        for pos in head_pes + embed_pes:
+            self.params.setdefault(pos, {})["req_color"] = request
+
+        # The embedding chains: head column Cn-1 .. 0 of K-line r, then embed column r from the head side.
+        rows_order = list(range(ef.b_len))
+        near = hf.pe(0, 0)
+        if _distance(ef.pe(0, ef.b_len - 1), near) < _distance(ef.pe(0, 0), near):
+            rows_order.reverse()
+        for r in range(head_t.rows):
+            members = [hf.pe(r, c) for c in reversed(range(head_t.cols))] + [ef.pe(r, j) for j in rows_order]
+            self.chain(f"r{replica}.emb{r}", members, "emb")
+        last_embed_row = [ef.pe(i, rows_order[-1]) for i in range(ef.a_len)]
+        for i in range(ef.a_len):
+            for j in rows_order[:-1]:
+                self._out(ef.pe(i, j), "out", NONE, None, None, 1)  # type: ignore[arg-type]
+
+        stream = last_embed_row
+        stream_chunk = embed_tile_k
+        for layer in range(cfg.n_layer):
+            stream, stream_chunk = self.layer(replica, layer, stream, stream_chunk)
+
+        # ln_f -> head K-lines; head roots merge along c -> io.out.
+        ln_lines = self.layernorm(ln_f, stream, stream_chunk, f"r{replica}.final", "next")
+        k_lines = [[hf.pe(r, c) for c in range(head_t.cols)] for r in range(head_t.rows)]
+        self.connect(f"r{replica}.ln_f.y", ln_lines, ln_f.tiling.chunk, k_lines, head_t.tile_k, "y", "in")
+        for c in range(head_t.cols):
+            members = [hf.pe(r, c) for r in range(head_t.rows)]
+            self.reduction(f"r{replica}.head.red{c}", members, "red", head_t.reduction, head_t.group)
+        roots = [hf.pe(head_t.rows - 1, c) for c in range(head_t.cols)]
+        last = self.reduction(f"r{replica}.merge", roots, "merge", head.tiling.merge, head.tiling.merge_group)
+        to_io = self.flow(f"r{replica}.scores", last, [(io_out.x, io_out.y)])
+        two_level = self.params[last]["merge_end_role"] != NONE
+        self.params[last]["merge_end_tx" if two_level else "merge_tx"] = to_io
+        self.params.setdefault((io_out.x, io_out.y), {})["in_color"] = to_io
+
+    def layernorm(self, region: Any, sources: list[Pos], chunk: int, name: str, source_out: str) -> list[Pos]:
+        """Connect `sources` (their output `source_out`) into a LayerNorm strip and lay out its
+        all-reduce; returns the strip's PEs."""
+        t = region.tiling
+        f = self.frame(region)
+        pes = [f.pe(i) for i in range(t.pes)]
+        self.connect(name, sources, chunk, [[pos] for pos in pes], t.chunk, source_out, "in")
+        self.reduction(f"{region.name}@{region.replica}.red", pes, "red", t.reduction, t.group)
+        if len(pes) > 1:
+            bcast = self.flow(f"{region.name}@{region.replica}.bcast", pes[-1], pes[:-1])
+        else:
+            bcast = None
+        for pos in pes:
+            self.params[pos]["red_bcast"] = bcast
+        return pes
+
+    def gemv_lines(self, region: Any) -> tuple[Frame, list[list[Pos]], list[Pos]]:
+        t = region.tiling
+        f = self.frame(region)
+        lines = [[f.pe(r, c) for c in range(t.cols)] for r in range(t.rows)]
+        for c in range(t.cols):
+            members = [f.pe(r, c) for r in range(t.rows)]
+            self.reduction(f"{region.name}@{region.replica}.red{c}", members, "chain", t.reduction, t.group)
+        return f, lines, [f.pe(t.rows - 1, c) for c in range(t.cols)]
+
+    def layer(self, replica: int, layer: int, stream: list[Pos], chunk: int) -> tuple[list[Pos], int]:
+        plan = self.plan
+
+        def region(op: str) -> Any:
+            return plan.region(f"L{layer}.{op}", replica)
+
+        ln_1, qkv, attn, attn_proj, res_1, ln_2, fc, proj, res_2 = (
+            region(op) for op in ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
+        )
+        tag = f"r{replica}.L{layer}"
+        # ln_1 gets the stream; the producer's "next" output feeds it (embed: "out").
+        ln1_pes = self.layernorm(ln_1, stream, chunk, f"{tag}.into_ln_1", "out" if layer == 0 else "next")
+        _, qkv_lines, qkv_roots = self.gemv_lines(qkv)
+        self.connect(f"{tag}.ln_1.y", ln1_pes, ln_1.tiling.chunk, qkv_lines, qkv.tiling.tile_k, "y", "in")
+        res1_pes = self.strip(res_1)
+        self.connect(f"{tag}.ln_1.x", ln1_pes, ln_1.tiling.chunk, [[p] for p in res1_pes], self.chunk(res_1),
+                     "resid", "resid")  # fmt: skip
+
+        self.attention(attn, qkv, qkv_roots, attn_proj, tag)
+        _, ap_lines, ap_roots = self.gemv_lines(attn_proj)
+        self.connect(f"{tag}.attn_proj.out", ap_roots, attn_proj.tiling.tile_n, [[p] for p in res1_pes],
+                     self.chunk(res_1), "out", "in")  # fmt: skip
+
+        ln2_pes = self.layernorm(ln_2, res1_pes, self.chunk(res_1), f"{tag}.into_ln_2", "next")
+        res2_pes = self.strip(res_2)
+        self.connect(f"{tag}.res_1.x", res1_pes, self.chunk(res_1), [[p] for p in res2_pes], self.chunk(res_2),
+                     "fwd", "resid")  # fmt: skip
+        _, fc_lines, fc_roots = self.gemv_lines(fc)
+        self.connect(f"{tag}.ln_2.y", ln2_pes, ln_2.tiling.chunk, fc_lines, fc.tiling.tile_k, "y", "in")
+        _, proj_lines, proj_roots = self.gemv_lines(proj)
+        self.connect(f"{tag}.fc.out", fc_roots, fc.tiling.tile_n, proj_lines, proj.tiling.tile_k, "out", "in")
+        self.connect(f"{tag}.proj.out", proj_roots, proj.tiling.tile_n, [[p] for p in res2_pes],
+                     self.chunk(res_2), "out", "in")  # fmt: skip
+        return res2_pes, self.chunk(res_2)
+
+    def strip(self, region: Any) -> list[Pos]:
+        f = self.frame(region)
+        return [f.pe(i) for i in range(f.a_len)]
+
+    def chunk(self, region: Any) -> int:
+        return ceil_div(self.plan.config.n_embd, self.frame(region).a_len)
+
+    def attention(self, attn: Any, qkv: Any, qkv_roots: list[Pos], attn_proj: Any, tag: str) -> None:
+        t, q = attn.tiling, qkv.tiling
+        f = self.frame(attn)
+        width = t.heads_per_pe * t.head_dim
+        if q.n_split != 3 or width % q.segment_tile or q.cols * q.segment_tile != t.head_groups * width:
+            raise ProgramError(
+                f"{attn.name}: a head group's {width} values must be whole qkv columns of {q.segment_tile}"
+            )
+        cols_per_group = width // q.segment_tile
+        ap = attn_proj.tiling
+        if width % ap.tile_k or ap.rows != t.head_groups * (width // ap.tile_k):
+            raise ProgramError(
+                f"{attn_proj.name}: its K-lines of {ap.tile_k} must split head groups of {width}"
+            )
+        rows_per_group = width // ap.tile_k
+        ap_frame = frame_of(attn_proj)
+        row_len = ceil_div(t.chain, t.fold)
+        for g in range(t.head_groups):
+            snake = []
+            for p in range(t.chain):
+                row, step = divmod(p, row_len)
+                along = step if row % 2 == 0 else row_len - 1 - step
+                snake.append(f.pe(along, g * t.fold + row))
+            self.connect(f"{tag}.qkv.g{g}", qkv_roots[g * cols_per_group : (g + 1) * cols_per_group], q.tile_n,
+                         [snake], 3 * cols_per_group * q.segment_tile, "out", "in")  # fmt: skip
+            self.reduction(f"{tag}.attn.g{g}", snake, "merge", t.reduction, t.group)
+            rows = [ap_frame.pe(r, c) for r in range(g * rows_per_group, (g + 1) * rows_per_group)
+                    for c in range(ap.cols)]  # fmt: skip
+            out = self.flow(f"{tag}.attn.out{g}", snake[-1], rows)
+            for pos in snake:
+                self._out(
+                    pos,
+                    "out",
+                    ALONE if pos == snake[-1] else NONE,
+                    None,
+                    out if pos == snake[-1] else None,
+                    1,
+                )
+            for pos in rows:
+                self._into(pos, "in", out, width, rows_per_group)
+
+
+def _distance(a: Pos, b: Pos) -> int:
+    return abs(a[0] - b[0]) + abs(a[1] - b[1])
 
 
 def build_program(plan: Any) -> Program:
-    """Region rows, roles and routes for every replica of the plan, colors assigned."""
+    """Lay out `plan` as a CSL program (raises ProgramError where the plan's geometry does not fit)."""
     b = _Builder(plan)
     for replica in range(plan.replicas):
-        _build_replica(b, plan, replica)
-    kw = max(r.x + r.w for r in b.rows)
-    kh = max(r.y + r.h for r in b.rows)
-    program = Program(kw, kh, plan.arch.name, b.rows, b.channels, b.roles, b.g_flags, b.g_before, b.g_own, b.g_after,
-                      gathers=b.gathers)  # fmt: skip
-    for ch in b.channels:
-        xs, ys, _, _ = ch.arrays()
-        if xs.size and (xs.min() < 0 or ys.min() < 0 or xs.max() >= kw or ys.max() >= kh):
-            raise ProgramError(f"{ch.name}: the route leaves the {kw}x{kh} kernel rectangle")
-        _check_unique(ch)
-    _assign_colors(program)
-    program.idle = _idle_rects(b.owner, kw, kh)
-    program.request = plan_request(plan)
-    return program
+        b.replica(replica)
+    assign_colors(b.flows, PALETTE)
+    width = max(r.x + r.w for r in plan.regions)
+    height = max(r.y + r.h for r in plan.regions)
+    tiles = _tiles(b, plan)
+    for y in range(height):
+        for x in range(width):
+            tiles.setdefault((x, y), Tile(PE_FILES["idle"], "-"))
+    _assign_tasks(tiles, b.flows, plan.arch.name)
+    return Program(plan, width, height, tiles, b.flows, b.frames)
 
 
-def plan_request(plan: Any) -> dict:
-    """What `wafer.plan.build_plan` was asked for (it is deterministic, so this rebuilds the plan)."""
-    c = plan.config
-    return {
-        "model": {"n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "vocab_size": c.vocab_size,
-                  "n_positions": c.n_positions, "layer_norm_epsilon": c.layer_norm_epsilon, "name": c.name},
-        "arch": plan.arch.name, "dtype": plan.dtype, "slots": plan.slots, "context": plan.context,
-        "objective": plan.objective, "replicas": plan.replicas, "top_k": plan.top_k,
-    }  # fmt: skip
+# Outputs a PE program declares that a plan may leave unconnected: they default to ROLE_NONE.
+_GATHER_NONE = {"role": NONE, "rx": None, "tx": None, "line": 1, "rev": False}
+_CHAIN_NONE = {"role": NONE, "rx": None, "tx": None}
+OPTIONAL_OUTPUTS = {
+    "pe/gemv.csl": {"out": _GATHER_NONE},
+    "pe/layernorm.csl": {"y": _GATHER_NONE, "resid": _GATHER_NONE},
+    "pe/residual.csl": {"next": _GATHER_NONE, "fwd": _GATHER_NONE},
+    "pe/embed.csl": {"out": _GATHER_NONE},
+    "pe/attention.csl": {"out": _CHAIN_NONE},
+    "pe/head.csl": {"merge": _CHAIN_NONE, "merge_end": _CHAIN_NONE},
+}
+# Params a connection sets that a PE program names differently, or does not take.
+RENAMES = {
+    "pe/gemv.csl": {"in_per_stream": "in_rows_per_stream"},
+    "pe/head.csl": {"in_per_stream": "in_rows_per_stream"},
+    "pe/attention.csl": {"in_payload": None, "in_per_stream": None, "out_line": None, "out_rev": None},
+}
 
 
-def _check_unique(ch: Channel) -> None:
-    seen: dict[tuple[int, int], tuple[int, int]] = {}
-    for x, y, rx, tx in zip(ch.xs, ch.ys, ch.rx, ch.tx, strict=True):
-        if (x, y) in seen and seen[(x, y)] != (rx, tx):
-            raise ProgramError(f"{ch.name}: two settings for one router at PE ({x}, {y})")
-        seen[(x, y)] = (rx, tx)
+def _tiles(b: _Builder, plan: Any) -> dict[Pos, Tile]:
+    """Every region's PEs with their full params (the connections' plus each kind's own)."""
+    from wafer.memory_layout import embed_geometry
 
-
-def _assign_colors(program: Program) -> None:
-    """First fit, most constrained channel first: channels through the busiest routers pick first."""
-    load = np.zeros((program.kernel_h, program.kernel_w), dtype=np.int32)
-    cells = [ch.arrays()[:2] for ch in program.channels]
-    for xs, ys in cells:
-        np.add.at(load, (ys, xs), 1)
-    pressure = [int(load[ys, xs].max()) if xs.size else 0 for xs, ys in cells]
-    order = sorted(range(len(program.channels)), key=lambda k: (-pressure[k], -cells[k][0].size, k))
-    used = np.zeros((program.kernel_h, program.kernel_w), dtype=np.int64)
-    allowed = sum(1 << c for c in ROUTABLE)
-    for k in order:
-        ch = program.channels[k]
-        xs, ys = cells[k]
-        taken = int(np.bitwise_or.reduce(used[ys, xs])) if xs.size else 0
-        free = allowed & ~taken
-        if not free:
-            worst = int(np.argmax(load[ys, xs]))
-            raise ProgramError(
-                f"{ch.name}: no free color: its routers already use all {len(ROUTABLE)} usable colors "
-                f"(0-20 without memcpy's 14 and 15); PE ({xs[worst]}, {ys[worst]}) carries {load[ys[worst], xs[worst]]} routes"
+    tiles: dict[Pos, Tile] = {}
+    cfg, fp16 = plan.config, plan.dtype == "fp16"
+    for region in plan.regions:
+        kind = region.kind
+        file = PE_FILES[region.name] if kind == "io" else PE_FILES[kind]
+        key = region.name if region.replica == 0 else f"{region.name}@{region.replica}"
+        frame = b.frames.get(key)
+        t = region.tiling
+        own: dict[str, Any] = {"frame": frame.params()} if frame is not None else {}
+        if region.name == "io.in":
+            own.update(from_host=H2D)
+        elif region.name == "io.out":
+            own.update(to_host=D2H, record_words=record_words(plan.top_k))
+        elif kind == "gemv":
+            own.update(tile_k=t.tile_k, tile_n=t.tile_n, use_fp16=fp16, gelu_out=region.name.endswith(".fc"))
+        elif kind == "embed_head":
+            own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,
+                       use_fp16=fp16)  # fmt: skip
+        elif kind == "embed":
+            ppp, tile_k = embed_geometry(region, cfg.n_embd)
+            own.update(tile_k=tile_k, ppp=ppp, use_fp16=fp16)
+        elif kind == "layernorm":
+            own.update(
+                dim=t.dim, chunk=t.chunk, eps=float(cfg.layer_norm_epsilon), scored_only=region.layer is None
             )
-        ch.color = (free & -free).bit_length() - 1
-        used[ys, xs] |= 1 << ch.color
-    for ch in program.channels:
-        for index, slot in ch.users:
-            row = program.regions[index]
-            if row.slots.get(slot, ch.color) != ch.color:
-                raise ProgramError(f"region {row.name}: slot {slot!r} would need two colors ({ch.name})")
-            row.slots[slot] = ch.color
+        elif kind == "residual":
+            own.update(chunk=b.chunk(region))
+        elif kind == "attention":
+            q = plan.region(region.name.replace(".attn", ".qkv"), region.replica).tiling
+            own.update(replica=region.replica, hpp=t.heads_per_pe, head_dim=t.head_dim, ppp=t.positions_per_pe,
+                       slots=t.slots, row_len=ceil_div(t.chain, t.fold), fold=t.fold, use_fp16=fp16,
+                       in_cols=t.heads_per_pe * t.head_dim // q.segment_tile, in_seg=q.segment_tile,
+                       in_rev=False)  # fmt: skip
+        for y in range(region.y, region.y + region.h):
+            for x in range(region.x, region.x + region.w):
+                p = b.params.get((x, y))
+                if p is None:
+                    continue  # a PE of the rectangle the tiling leaves out (e.g. a partial snake row)
+                params = {**own}
+                for name, defaults in OPTIONAL_OUTPUTS.get(file, {}).items():
+                    params.update({f"{name}_{key}": value for key, value in defaults.items()})
+                for name, value in p.items():
+                    renamed = RENAMES.get(file, {}).get(name, name)
+                    if renamed is not None:
+                        params[renamed] = value
+                for name in [n for n in params if RENAMES.get(file, {}).get(n, n) is None]:
+                    del params[name]
+                if file == PE_FILES["embed_head"]:
+                    _share_end_queue(params)
+                tiles[(x, y)] = Tile(file, key, params)
+    return tiles
 
 
-def _idle_rects(owner: dict[tuple[int, int], int], kw: int, kh: int) -> list[tuple[int, int, int, int]]:
-    taken = np.zeros((kh, kw), dtype=bool)
-    for x, y in owner:
-        taken[y, x] = True
-    rects = []
-    for y in range(kh):
-        free = np.flatnonzero(~taken[y])
-        if free.size == 0:
+def _share_end_queue(params: dict[str, Any]) -> None:
+    """head.csl's two second-level chains (the GEMV reduction's, the merge's) share input queue 7 and
+    output queue 5: at most one is in use (wafer.cost.best_head), and the other names its colors, so
+    that every queue names one color."""
+    for side in ("rx", "tx"):
+        red, merge = f"red_end_{side}", f"merge_end_{side}"
+        if params.get(red) is not None and params.get(merge) is not None:
+            raise ProgramError(
+                "the head's GEMV reduction and its merge are both two-level: WSE-3 has no queue left"
+            )
+        params[red] = params[merge] = params.get(red) or params.get(merge)
+
+
+def _assign_tasks(tiles: dict[Pos, Tile], flows: list[Flow], arch: str) -> None:
+    """Per region, local task IDs that no color reaching any of its PEs equals (nor memcpy's)."""
+    reaching = ramp_colors(flows)
+    by_region: dict[str, list[Pos]] = {}
+    for pos, tile in tiles.items():
+        by_region.setdefault(tile.region, []).append(pos)
+    for region, positions in by_region.items():
+        file = tiles[positions[0]].file
+        need = TASKS[file]
+        if not need:
             continue
-        brk = np.flatnonzero(np.diff(free) != 1)
-        for s, e in zip(np.r_[0, brk + 1], np.r_[brk, free.size - 1], strict=True):
-            rects.append((int(free[s]), y, int(free[e] - free[s] + 1), 1))
-    merged: list[tuple[int, int, int, int]] = []
-    open_: dict[tuple[int, int], int] = {}
-    for x, y, w, _ in rects:
-        key = (x, w)
-        if key in open_ and merged[open_[key]][1] + merged[open_[key]][3] == y:
-            mx, my, mw, mh = merged[open_[key]]
-            merged[open_[key]] = (mx, my, mw, mh + 1)
-        else:
-            open_[key] = len(merged)
-            merged.append((x, y, w, 1))
-    return merged
+        used = set(MEMCPY_COLORS)
+        for pos in positions:
+            used |= reaching.get(pos, set())
+        pool = [t for t in TASK_POOL[arch] if t not in used]
+        if len(pool) < need:
+            raise ProgramError(
+                f"region {region}: {need} task IDs needed, {len(pool)} left clear of its colors"
+            )
+        tasks = pool[:need]  # one list for the region: the writer groups the PEs that share it
+        for pos in positions:
+            tiles[pos].params["tasks"] = tasks

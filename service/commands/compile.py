@@ -15,9 +15,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "compile",
         help="lay out the CSL program for a model and compile it with cslc",
         description=(
-            "Plan the model onto the wafer, write the kernel sources and the plan's tables to OUT/src, and "
-            "compile OUT/src/layout.csl with cslc into OUT/bin (cslc must be on PATH: the Cerebras SDK "
-            "container). --dry-run prints the command instead. The CSL is unverified until cslc compiles it."
+            "Plan the model onto the wafer, write the PE programs and the plan's layout.csl to OUT/src, and "
+            "compile OUT/src/layout.csl into OUT/bin: with cslc (on PATH in the Cerebras SDK container), or "
+            "with --executor on the project's CSL executor, which checks and runs the CSL but is not cslc. "
+            "--dry-run prints the cslc command instead. No real cslc has compiled this CSL yet."
         ),
     )
     parser.add_argument(
@@ -35,6 +36,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--simfabric",
         action="store_true",
         help="size the fabric for the SDK simulator instead of the whole wafer",
+    )
+    parser.add_argument(
+        "--objective",
+        choices=("latency", "throughput", "compact"),
+        default="latency",
+        help="what the plan optimises (latency; compact: the fewest PEs, for the executor)",
+    )
+    parser.add_argument(
+        "--executor", action="store_true", help="compile with the project's CSL executor instead of cslc"
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="write the sources, print the cslc command, stop"
@@ -61,18 +71,20 @@ def run(args: argparse.Namespace) -> int:
             context=args.context or config.n_positions,
             replicas=args.replicas,
             top_k=args.top_k,
+            objective=args.objective,
         )
         job = prepare_sources(plan, args.out, simfabric=args.simfabric, channels=args.channels)
     except (PlanError, ProgramError, CompileError, ValueError) as exc:
         raise UserError(str(exc)) from None
     print(job.shell())
-    print(f"sources and plan tables in {Path(job.src_dir)}", file=sys.stderr)
+    print(f"sources and layout.csl in {Path(job.src_dir)}", file=sys.stderr)
     if args.dry_run:
-        print("dry run: cslc not started (the CSL is unverified until cslc compiles it)", file=sys.stderr)
+        print("dry run: cslc not started (no real cslc has compiled this CSL yet)", file=sys.stderr)
         return 0
     try:
-        compile_program(job)
+        compile_program(job, executor=args.executor)
     except CompileError as exc:
         raise UserError(str(exc)) from None
-    print(f"compiled into {job.bin_dir}", file=sys.stderr)
+    how = "the CSL executor (not cslc)" if args.executor else "cslc"
+    print(f"compiled with {how} into {job.bin_dir}", file=sys.stderr)
     return 0

@@ -10,6 +10,7 @@ host script with the SDK's module names importable (`wafer/csl/shim`). Two one-l
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import runpy
 import shutil
@@ -164,10 +165,23 @@ def run_example(folder: Path, root: Path, arch: str, wrappers: Path, timeout: fl
         except subprocess.TimeoutExpired as exc:
             code, out = -1, f"timed out after {timeout:.0f} s\n{exc.stdout or ''}{exc.stderr or ''}"
         wall = time.perf_counter() - start
-        stats = Path(env["WAFER_CSL_STATS"])
-        cycles = stats.read_text().strip().splitlines()[-1] if stats.is_file() else ""
-    ok = code == 0
-    return {"example": folder.name, "arch": arch, "ok": ok, "cycles": cycles, "wall_s": wall, "output": out}
+        stats_file = Path(env["WAFER_CSL_STATS"])
+        runs = (
+            [json.loads(line) for line in stats_file.read_text().splitlines()] if stats_file.is_file() else []
+        )
+    totals = {
+        key: sum(r[key] for r in runs) for key in ("cycles", "wavelet_hops", "events", "tasks", "wall_s")
+    }
+    return {
+        "example": str(folder.relative_to(root)) if folder != root else folder.name,
+        "arch": arch,
+        "ok": code == 0,
+        "runs": len(runs),
+        "pes": max((r["pes"] for r in runs), default=0),
+        **{f"sim_{key}" if key == "wall_s" else key: value for key, value in totals.items()},
+        "wall_s": wall,
+        "output": out,
+    }
 
 
 def examples_main(argv: list[str] | None = None) -> int:
@@ -179,6 +193,7 @@ def examples_main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", action="append", default=[], help="run only examples whose name contains this")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("-v", "--verbose", action="store_true", help="print each failing example's output")
+    p.add_argument("--json", metavar="FILE", help="write every run's result and executor statistics here")
     args = p.parse_args(argv)
     root = Path(args.path)
     archs = ["wse2", "wse3"] if args.arch == "both" else [args.arch]
@@ -193,13 +208,17 @@ def examples_main(argv: list[str] | None = None) -> int:
                 rows.append(r)
                 status = "pass" if r["ok"] else "FAIL"
                 print(
-                    f"{r['example']:<40} {arch:<5} {status:<5} {r['cycles']:>12} {r['wall_s']:8.1f} s",
+                    f"{r['example']:<48} {arch:<5} {status:<5} {r['cycles']:>12,} cycles {r['wall_s']:8.1f} s",
                     flush=True,
                 )
                 if not r["ok"] and args.verbose:
                     print("\n".join("    " + line for line in r["output"].strip().splitlines()[-25:]))
     passed = sum(r["ok"] for r in rows)
     print(f"{passed} of {len(rows)} passed")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps([{k: v for k, v in r.items() if k != "output"} for r in rows], indent=1)
+        )
     return 0 if passed == len(rows) else 1
 
 

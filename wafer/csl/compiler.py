@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from wafer.csl import ast, rt
+from wafer.csl import ast, rt, timing
 from wafer.csl.errors import CslCompileError, CslError
 from wafer.csl.parse import parse_file
 from wafer.csl.program import Const, FnSym, MemVar, ModuleInstance, Program, SlotVar
@@ -594,6 +594,15 @@ class Ctx:
             obj = self.place_or_value(node.obj)
             if isinstance(obj, CVar) and isinstance(obj.value, Struct):
                 return StructFieldPlace(obj, node.name)
+            if isinstance(obj, CExpr) and isinstance(obj.value, ModuleInstance) and obj.value.native is None:
+                # a variable of an imported module: `&mod.buf`, `mod.count = 0`
+                b = self.comp.resolve(obj.value, node.name, node)
+                if isinstance(b, MemVar):
+                    return self.mem_place(b, node)
+                if isinstance(b, LocalArray):
+                    return self.mem_place(b.var, node)
+                if isinstance(b, (CVar, SlotVar)):
+                    return b
             raise self.error(node, "assignment to a struct field is only supported for comptime structs")
         raise self.error(node, "expression is not assignable")
 
@@ -1254,7 +1263,7 @@ class Ctx:
         fb = self.fb
         assert fb is not None
         if not isinstance(s, (ast.Block, ast.ComptimeBlock)):
-            self.emit("pe.t += 1", s.line)
+            self.emit(f"pe.t += {statement_cycles(s)}", s.line)
         if isinstance(s, ast.VarDecl):
             self.local_decl_runtime(s)
         elif isinstance(s, ast.Assign):
@@ -1340,7 +1349,7 @@ class Ctx:
         needs_flag = s.cont is not None and _contains(s.body, ast.Continue)
         self.emit(f"while {self.code(c)}:", s.line)
         fb.indent += 1
-        self.emit("pe.t += 1", s.line)
+        self.emit(f"pe.t += {max(timing.STATEMENT, operations(s.cond))}", s.line)
         if needs_flag:
             flag = fb.temp("brk")
             self.emit(f"{flag} = False", s.line)
@@ -2029,3 +2038,38 @@ __all__ = [
     "is_int", "is_float", "is_num", "scalar_of", "lit", "fold", "wrap", "Fifo", "FIFO_T", "COLOR",
     "I16", "U32", "F16", "F32", "TaskId",
 ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a scalar statement costs: one cycle per operation it performs (an arithmetic or logic operator,
+# a memory access through an index or a pointer, a call), at least one. The CE issues about one
+# scalar instruction per cycle; DSD operations are priced by the elements they step through instead.
+
+_COUNTED = (ast.Binary, ast.Unary, ast.Index, ast.Deref, ast.Call)
+
+
+def operations(node: ast.Node | None) -> int:
+    """Operators, memory accesses and calls in an expression (not in nested statement blocks)."""
+    if node is None or isinstance(node, (ast.Block, ast.ComptimeBlock)):
+        return 0
+    count = 1 if isinstance(node, _COUNTED) else 0
+    for value in vars(node).values():
+        if isinstance(value, ast.Node):
+            count += operations(value)
+        elif isinstance(value, list):
+            count += sum(operations(v) for v in value if isinstance(v, ast.Node))
+    return count
+
+
+def statement_cycles(s: ast.Node) -> int:
+    if isinstance(s, ast.If):
+        return max(timing.STATEMENT, operations(s.cond))
+    if isinstance(s, (ast.While, ast.For)):
+        return timing.STATEMENT
+    if isinstance(s, ast.VarDecl):
+        return max(timing.STATEMENT, operations(s.init))
+    if isinstance(s, ast.Assign):
+        # a compound assignment reads the target, operates and writes it back
+        extra = 1 if s.op != "=" else 0
+        return max(timing.STATEMENT, operations(s.target) + operations(s.value) + extra)
+    return max(timing.STATEMENT, operations(getattr(s, "expr", None) or getattr(s, "value", None)))

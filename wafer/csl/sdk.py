@@ -142,9 +142,9 @@ class SdkRuntime:
             self.state = "stopped"
         stats_path = os.environ.get("WAFER_CSL_STATS")
         if stats_path:
-            s = m.stats()
+            # One JSON object per run, appended: the examples runner and docs/csl-executor.md read them.
             with open(stats_path, "a") as f:
-                f.write(f"{s['cycles']} cycles, {s['wavelet_hops']} hops, {s['wall_s']:.2f} s\n")
+                f.write(json.dumps({"bindir": str(self.bindir), **m.stats()}) + "\n")
 
     def _save_traces(self) -> None:
         if self.bindir is None:

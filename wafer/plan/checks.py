@@ -4,8 +4,6 @@ limit and by how much it is exceeded."""
 
 from __future__ import annotations
 
-import math
-
 from wafer.arch import Arch
 from wafer.plan.model import DTYPES, OBJECTIVES, PlanError, Region, Route
 from wafer.plan.symbols import attention_symbols, gemv_symbols, head_symbols, norm_symbols, pe_bytes
@@ -97,10 +95,10 @@ def _check_memory(regions: list[Region], arch: Arch) -> str | None:
 
 def reduction_colors(kind: str, n: int) -> int:
     """Colors a reduction over n PEs needs: a chain alternates two (a PE never receives and sends on
-    the same color); a tree gives each round its own, so rounds in flight never share a link color."""
+    the same color); a two-level reduction has a chain on each level."""
     if n <= 1:
         return 0
-    return 2 if kind == "chain" else math.ceil(math.log2(n))
+    return 2 if kind == "chain" else 4
 
 
 def _assign_colors(regions: list[Region], routes: list[Route]) -> None:

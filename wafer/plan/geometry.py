@@ -35,10 +35,10 @@ def _mirror(axis: str) -> str:
 
 
 def exit_dirs(reduction: str, toward: str) -> str:
-    """Which way a GEMV's reduction index must grow so the reduction ends at the `toward` edge:
-    a chain ends at index rows - 1, a tree at index 0."""
-    grow = {"east": "+x", "west": "-x", "south": "+y", "north": "-y"}[toward]
-    return grow if reduction == "chain" else {"+x": "-x", "-x": "+x", "+y": "-y", "-y": "+y"}[grow]
+    """Which way a GEMV's reduction index must grow so the reduction ends at the `toward` edge: every
+    reduction the program implements (chain, two_level) ends at index rows - 1."""
+    del reduction  # both end on the last index
+    return {"east": "+x", "west": "-x", "south": "+y", "north": "-y"}[toward]
 
 
 @dataclass(frozen=True)
@@ -51,15 +51,18 @@ class _Dirs:
     stream_2: str  # attn_proj N = res_1 = ln_2 = fc K (exit east)
     hidden: str  # fc N = proj K (exit north)
     head_k: str  # the head's K (exit east, to the merge column); the strip is never mirrored
+    attn_position: str = "-x"  # the attention chain's snake (see `_layer_rects`)
 
     @staticmethod
     def of(lt: LayerTilings, head: HeadTiling) -> _Dirs:
+        chain_odd = lt.attn.fold % 2 == 1  # the merge ends on the chain's last PE
         return _Dirs(
             exit_dirs(lt.qkv.reduction, "east"),
             exit_dirs(lt.attn_proj.reduction, "south"),
             exit_dirs(lt.fc.reduction, "east"),
             exit_dirs(lt.proj.reduction, "north"),
             exit_dirs(head.gemv.reduction, "east"),
+            "+x" if chain_odd else "-x",
         )
 
 
@@ -69,8 +72,9 @@ class _Dirs:
 def _layer_rects(r: int, t: int, lc: int, f: int, d: _Dirs, out: str) -> dict[str, tuple]:
     return {
         "qkv": ("gemv", 0, 0, r, t, {"k": d.stream_1, "n": d.rows}),
-        # chain index p = 0 sits next to attn_proj, where the merge ends
-        "attn": ("attention", r, 0, lc, t, {"position": "-x", "head_group": d.rows}),
+        # the merge ends next to attn_proj, on the chain's last index, which ends the snake's last
+        # row: that row runs forwards (east) when the fold is odd
+        "attn": ("attention", r, 0, lc, t, {"position": d.attn_position, "head_group": d.rows}),
         "attn_proj": ("gemv", r + lc, 0, r, t, {"k": d.rows, "n": d.stream_2}),
         "ln_1": ("layernorm", 0, t, r, 1, {"i": d.stream_1}),
         "res_1": ("residual", r + lc, t, r, 1, {"i": d.stream_2}),

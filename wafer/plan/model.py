@@ -13,7 +13,9 @@ from weights.config import GPT2Config
 
 PLAN_VERSION = 1
 DTYPES = ("fp16", "fp32")
-OBJECTIVES = ("latency", "throughput")
+# latency: fastest decode token; throughput: most tokens/s with replicas; compact: the smallest
+# footprint that fits (for running the CSL itself on the executor, where every PE costs time).
+OBJECTIVES = ("latency", "throughput", "compact")
 SYMBOL_BYTES = {"f16": 2, "f32": 4, "i32": 4, "u32": 4}
 # The operations of one layer, in the order a token meets them (region L3.qkv is layer 3's qkv).
 LAYER_OPS = ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
@@ -332,6 +334,7 @@ def _tiling_json(tiling: object | None) -> dict | None:
             "dim": tiling.dim,
             "top_k": tiling.top_k,
             "merge": tiling.merge,
+            "merge_group": tiling.merge_group,
             "gemv": _tiling_json(tiling.gemv),
         }
     data = {"type": type(tiling).__name__}

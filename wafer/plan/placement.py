@@ -43,7 +43,7 @@ def _place_replica(
             None,
             {"k": geo.dirs.head_k, "position": "+y"},
         ),
-        # the merge of the columns ends at the bottom (next to io.out): column 0 there for a tree
+        # the merge of the columns ends on the last column, at the bottom (next to io.out)
         "head": (
             "embed_head",
             head_symbols(head, dtype),

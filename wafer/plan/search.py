@@ -49,12 +49,23 @@ def _positions_per_pe_max(config: GPT2Config, arch: Arch, dtype: str, slots: int
     return most
 
 
-def _candidate_knobs(config: GPT2Config, arch: Arch, dtype: str, slots: int, context: int) -> list[Knobs]:
+STREAM_WIDTHS = (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128)
+HEAD_TILES = (16, 32, 64, 128, 256)
+# `compact` also tries the narrowest strips and the widest vocabulary tiles: fewest PEs, not speed.
+COMPACT_STREAM_WIDTHS = (1, 2, 4)
+COMPACT_HEAD_TILES = (512, 1024)
+
+
+def _candidate_knobs(
+    config: GPT2Config, arch: Arch, dtype: str, slots: int, context: int, compact: bool = False
+) -> list[Knobs]:
     """The sizes to explore: stream width, attention fold and chain, FC width, LM head width."""
     c, dim = config.n_embd, config.head_dim
     ppp_max = _positions_per_pe_max(config, arch, dtype, slots, context)
     out = []
-    stream_options = sorted({r for r in (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128) if r <= c})
+    widths = STREAM_WIDTHS + (COMPACT_STREAM_WIDTHS if compact else ())
+    head_tiles = HEAD_TILES + (COMPACT_HEAD_TILES if compact else ())
+    stream_options = sorted({r for r in widths if r <= c})
     folds = [f for f in (1, 2, 4, 8, 16, 32) if dim % f == 0]
     for r in stream_options:
         for fold in folds:
@@ -68,7 +79,7 @@ def _candidate_knobs(config: GPT2Config, arch: Arch, dtype: str, slots: int, con
                     f = ceil_div(4 * c, tile_fc)
                     if not 2 <= f <= arch.kernel_h // 2:
                         continue
-                    for head_tile in (16, 32, 64, 128, 256):
+                    for head_tile in head_tiles:
                         hc = ceil_div(config.vocab_size, head_tile)
                         for even in (False, True):
                             out.append(Knobs(r, fold, chain, f, hc, even))
@@ -117,6 +128,7 @@ def price_candidates(
     slots: int = 16,
     context: int | None = None,
     top_k: int = 64,
+    compact: bool = False,
 ) -> CandidateSearch:
     """Every candidate size of the planner's search, checked against the per-PE memory and the kernel
     area and priced by the cycle model (one replica at the kernel's corner); `build_plan` picks from these."""
@@ -124,7 +136,7 @@ def price_candidates(
     context = _check_request(config, dtype, slots, context, top_k)
     priced = []
     closest: tuple[float, str] | None = None
-    knobs_list = _candidate_knobs(config, arch, dtype, slots, context)
+    knobs_list = _candidate_knobs(config, arch, dtype, slots, context, compact)
     for index, knobs in enumerate(knobs_list):
         lt = _layer_tilings(config, knobs, slots, context, arch, dtype)
         head = _head_tiling(config, knobs.stream_pes, knobs.head_cols, top_k, arch, dtype)
@@ -167,7 +179,7 @@ def build_plan(
         raise PlanError(f"replicas must be a positive integer or 'auto', got {replicas!r}")
     _check_total_capacity(config, arch, dtype, slots, context, 1 if replicas == "auto" else replicas)
 
-    search = price_candidates(config, arch, dtype, slots, context, top_k)
+    search = price_candidates(config, arch, dtype, slots, context, top_k, compact=objective == "compact")
     closest = search.nearest_miss
     most_replicas: tuple[int, str] | None = None  # the most replicas any candidate fits, when short
     ranked = []
@@ -184,9 +196,13 @@ def build_plan(
                 )
             continue
         per_replica = min(slots * CLOCK_HZ / cand.decode_cycles, CLOCK_HZ / cand.bottleneck_cycles)
-        score = cand.decode_cycles if objective == "latency" else -per_replica * wanted
-        # Among near-equal candidates prefer the smaller footprint (frees room, keeps the map readable).
-        ranked.append((score * (1 + 1e-9 * cand.footprint_pes), cand.index, wanted, cand))
+        if objective == "compact":
+            score = cand.footprint_pes * (1 + 1e-12 * cand.decode_cycles)
+        else:
+            score = cand.decode_cycles if objective == "latency" else -per_replica * wanted
+            # Among near-equal candidates prefer the smaller footprint (frees room, keeps the map readable).
+            score *= 1 + 1e-9 * cand.footprint_pes
+        ranked.append((score, cand.index, wanted, cand))
     ranked.sort(key=lambda item: (item[0], item[1]))
     for _, _, wanted, cand in ranked:
         plan = _assemble(config, arch, dtype, slots, context, objective, wanted, top_k, cand)

@@ -6,7 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wafer.arch import Arch
-from wafer.cost import GELU_CYCLES, allreduce_cycles, best_attention, best_gemv_reduction, best_head
+from wafer.cost import (
+    GELU_CYCLES,
+    allreduce_cycles,
+    best_attention,
+    best_gemv_reduction,
+    best_head,
+    reduction_options,
+)
 from wafer.plan.model import Knobs
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from weights.config import GPT2Config
@@ -27,7 +34,8 @@ def layer_tilings(
 ) -> LayerTilings:
     c, r, heads = config.n_embd, knobs.stream_pes, config.n_head
     t_rows = heads * knobs.fold
-    ln = NormTiling(c, r, reduction=_scalar_reduction(r), axis="x")
+    kind, group = _scalar_reduction(r)
+    ln = NormTiling(c, r, reduction=kind, axis="x", group=group)
     best = best_gemv_reduction
     qkv = best(GemvTiling(c, 3 * c, r, t_rows, "k_along_x", n_split=3), arch, dtype)
     attn = AttentionTiling(heads, config.head_dim, slots, context, heads, knobs.attn_chain, knobs.fold)
@@ -38,8 +46,8 @@ def layer_tilings(
     return LayerTilings(ln, qkv, attn, o, fc, proj)
 
 
-def _scalar_reduction(pes: int) -> str:
-    return "tree" if allreduce_cycles("tree", pes, 1) < allreduce_cycles("chain", pes, 1) else "chain"
+def _scalar_reduction(pes: int) -> tuple[str, int]:
+    return min(reduction_options(pes), key=lambda kg: allreduce_cycles(kg[0], pes, 1, kg[1]))
 
 
 def head_tiling(config: GPT2Config, knobs: Knobs, top_k: int, arch: Arch, dtype: str) -> HeadTiling:

@@ -23,7 +23,7 @@ import numpy as np
 
 from wafer.memory_layout import tiled_positions
 from wafer.sim import parallel
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, ceil_div
+from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, ceil_div, reduction_runs
 
 F32 = np.float32
 
@@ -38,23 +38,13 @@ def chain_sum(partials: np.ndarray) -> np.ndarray:
     return np.add.reduce(partials, axis=0)
 
 
-def tree_sum(partials: np.ndarray) -> np.ndarray:
-    """Sum over axis 0 in the rounds of `wafer.tiling.tree_rounds`: round j adds index r + 2^j into r
-    for every r that is a multiple of 2^(j+1). Consumes `partials` (adds in place)."""
-    n, stride = partials.shape[0], 1
-    while stride < n:
-        np.add(
-            partials[0 : n - stride : 2 * stride],
-            partials[stride : n : 2 * stride],
-            out=partials[0 : n - stride : 2 * stride],
-        )
-        stride *= 2
-    return partials[0]
-
-
-def combine(partials: np.ndarray, reduction: str) -> np.ndarray:
-    """Sum over axis 0 in the tiling's order (chain or tree). May overwrite `partials`."""
-    return chain_sum(partials) if reduction == "chain" else tree_sum(partials)
+def combine(partials: np.ndarray, reduction: str, group: int = 0) -> np.ndarray:
+    """Sum over axis 0 in the order of `wafer.tiling.reduction_runs`: each run chained, then the runs'
+    sums chained. May overwrite `partials`."""
+    runs = reduction_runs(partials.shape[0], reduction, group)
+    if len(runs) == 1:
+        return chain_sum(partials)
+    return chain_sum(np.stack([chain_sum(partials[run.start : run.stop]) for run in runs]))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -79,9 +69,9 @@ def gemv_bias_cache(tiles: np.ndarray, tiling: GemvTiling) -> np.ndarray:
 
 # The partial sums are formed `group` reduction indices at a time over blocks of output columns, so a
 # group's [group, B, block] partials stay in cache while they are combined (few NumPy calls when B is
-# small, cache-sized pieces when it is large). A group is a power of two: an aligned block of the tree,
-# whose sum is one node of it. 4 MB of partials (L3, not L2, here) measured 10% faster per decode step
-# than 1 MB: fewer, larger NumPy calls.
+# small, cache-sized pieces when it is large). For a two-level reduction a group is one of its runs,
+# whose sum is one term of the second level. 4 MB of partials (L3, not L2, here) measured 10% faster
+# per decode step than 1 MB: fewer, larger NumPy calls.
 GEMV_CACHE_ELEMS = 1 << 20
 GEMV_GROUP_BLOCK = 2048  # grow the group while its blocks stay at least this wide
 GEMV_MIN_BLOCK = 128
@@ -94,14 +84,17 @@ GEMV_PARALLEL_MACS = 1 << 24
 
 def gemv_region(x: np.ndarray, weight_cache: np.ndarray, tiling: GemvTiling, fp16: bool) -> np.ndarray:
     """x [B, K] -> y [B, N] (no bias): every PE's fp32 partial sum of its tile, combined over the
-    reduction index in the tiling's order (chain or tree)."""
+    reduction index in the tiling's order (chain, or two_level runs)."""
     batch, tk = x.shape[0], tiling.tile_k
     xp = np.zeros((batch, tiling.rows * tk), dtype=F32)
     xp[:, : tiling.k] = round_fp16(x) if fp16 else x  # the multicast into the region carries fp16
     chunks = np.ascontiguousarray(xp.reshape(batch, tiling.rows, tk).transpose(1, 0, 2))  # chunk r to row r
-    group = 8
-    while group < tiling.rows and 2 * group * batch * GEMV_GROUP_BLOCK <= GEMV_CACHE_ELEMS:
-        group *= 2
+    if tiling.reduction == "two_level" and 0 < tiling.group < tiling.rows:
+        group = tiling.group
+    else:
+        group = 8
+        while group < tiling.rows and 2 * group * batch * GEMV_GROUP_BLOCK <= GEMV_CACHE_ELEMS:
+            group *= 2
     n = weight_cache.shape[2]
     out = np.empty((batch, n), dtype=F32)
 
@@ -129,7 +122,8 @@ def _column_blocks(n: int, widest: int, threads: int) -> list[tuple[int, int]]:
 
 
 def _reduce_columns(chunks: np.ndarray, weights: np.ndarray, reduction: str, group: int) -> np.ndarray:
-    """sum over r of chunks[r] @ weights[r], in chain or tree order, `group` rows per matmul."""
+    """sum over r of chunks[r] @ weights[r], `group` rows per matmul: a chain carries its running sum
+    from group to group; a two-level reduction (whose runs are the groups) chains the groups' sums."""
     rows, batch = chunks.shape[:2]
     starts = range(0, rows, group)
     # One buffer for every group's partials, reused group after group, and one for the groups' sums.
@@ -138,15 +132,12 @@ def _reduce_columns(chunks: np.ndarray, weights: np.ndarray, reduction: str, gro
     for i, g in enumerate(starts):
         size = min(group, rows - g)
         block = np.matmul(chunks[g : g + size], weights[g : g + size], out=partials[:size])  # [G, B, block]
-        if reduction == "chain":
-            if i:
-                block[0] += nodes[i - 1]  # the running sum arriving from PE g - 1 (a + b == b + a)
-            nodes[i] = chain_sum(block)
-        else:
-            nodes[i] = tree_sum(block)
+        if reduction == "chain" and i:
+            block[0] += nodes[i - 1]  # the running sum arriving from PE g - 1 (a + b == b + a)
+        nodes[i] = chain_sum(block)
     if reduction == "chain":
         return nodes[-1]
-    return nodes[0] if len(starts) == 1 else tree_sum(nodes)
+    return chain_sum(nodes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -169,12 +160,14 @@ def layernorm_region(
     xp = np.zeros((batch, tiling.pes * tiling.chunk), dtype=F32)
     xp[:, : tiling.dim] = x
     chunks = xp.reshape(batch, tiling.pes, tiling.chunk)
-    mean = combine(np.ascontiguousarray(chunks.sum(axis=2).T), tiling.reduction) / F32(tiling.dim)  # [B]
+    mean = combine(np.ascontiguousarray(chunks.sum(axis=2).T), tiling.reduction, tiling.group) / F32(
+        tiling.dim
+    )
     centred = x - mean[:, None]
     cp = np.zeros((batch, tiling.pes * tiling.chunk), dtype=F32)
     cp[:, : tiling.dim] = np.square(centred)  # padding stays 0, so it adds nothing
     squares = np.ascontiguousarray(cp.reshape(batch, tiling.pes, tiling.chunk).sum(axis=2).T)
-    var = combine(squares, tiling.reduction) / F32(tiling.dim)
+    var = combine(squares, tiling.reduction, tiling.group) / F32(tiling.dim)
     rstd = F32(1) / np.sqrt(var + F32(eps))
     return (centred * rstd[:, None]) * gain + bias
 
@@ -328,7 +321,7 @@ def _attend_group(
     global_max = local_max.max(axis=3)  # position 0 is always visible, so this is finite
     rescale = np.exp(local_max - global_max[..., None])  # [S, H, n, used]; 0 for empty PEs
     total = combine(
-        np.ascontiguousarray(np.moveaxis(local_sum * rescale, 3, 0)), tiling.reduction
+        np.ascontiguousarray(np.moveaxis(local_sum * rescale, 3, 0)), tiling.reduction, tiling.group
     )  # [S, H, n]
     # Each PE's exp-weighted V sum, rescaled and summed along the chain, folded into one matmul
     # (the same terms; only the fp32 rounding order of that sum differs from a PE-by-PE chain).
@@ -363,7 +356,7 @@ def head_scores(
 
     def select(rows: slice) -> None:  # items are independent: halves of the batch run side by side
         ids[rows], best[rows] = top_k(logits[rows], head.top_k)
-        lse[rows] = _logsumexp(logits[rows], tiling, head.merge)
+        lse[rows] = _logsumexp(logits[rows], tiling, head.merge, head.merge_group)
 
     halves = [slice(start, start + ceil_div(batch, 2)) for start in range(0, batch, ceil_div(batch, 2))]
     parallel.map_all(select, halves if batch >= 2 else [slice(0, batch)])
@@ -371,33 +364,19 @@ def head_scores(
     return ids, best, lse, target_logit.astype(F32)
 
 
-def _logsumexp(logits: np.ndarray, tiling: GemvTiling, merge: str) -> np.ndarray:
-    """[B, V] -> [B]: every piece of a column of PEs (the column itself, or its `scatter` pieces) keeps
-    (max, sum of exp) over its logits; pieces merge within the column (tree), then the columns merge
-    in the head's order."""
-    pieces = getattr(tiling, "scatter", 1)
-    chunks = _column_pieces(logits, tiling, pieces)  # [B, cols, pieces, ceil(tile_n / pieces)]
-    by_index = np.ascontiguousarray(np.moveaxis(chunks, 3, 0))  # a piece's j-th logits, for every piece
-    chunk_max = np.maximum.reduce(by_index, axis=0)  # -inf for a piece past the vocabulary's end
-    finite_max = np.where(np.isfinite(chunk_max), chunk_max, F32(0))
-    chunk_sum = chain_sum(np.exp(by_index - finite_max))  # each piece sums its exps in index order
-    peak = chunk_max.max(axis=(1, 2))
-    rescaled = chunk_sum * np.exp(chunk_max - peak[:, None, None])  # [B, cols, pieces]
-    per_column = combine(np.ascontiguousarray(rescaled.transpose(2, 1, 0)), "tree")  # [cols, B]
-    return (peak + np.log(combine(np.ascontiguousarray(per_column), merge))).astype(F32)
-
-
-def _column_pieces(logits: np.ndarray, tiling: GemvTiling, pieces: int) -> np.ndarray:
-    """[B, N] -> [B, cols, pieces, piece_n]: column c's tile_n logits cut into `pieces`, -inf padded."""
+def _logsumexp(logits: np.ndarray, tiling: GemvTiling, merge: str, merge_group: int) -> np.ndarray:
+    """[B, V] -> [B]: every column of PEs keeps (max, sum of exp) over its logits; the columns merge in
+    the head's order."""
     batch = logits.shape[0]
     tiled = np.full((batch, tiling.cols * tiling.tile_n), -np.inf, dtype=F32)
     tiled[:, : tiling.n] = logits
-    if pieces == 1:
-        return tiled.reshape(batch, tiling.cols, 1, tiling.tile_n)
-    piece_n = ceil_div(tiling.tile_n, pieces)
-    columns = np.full((batch, tiling.cols, pieces * piece_n), -np.inf, dtype=F32)
-    columns[:, :, : tiling.tile_n] = tiled.reshape(batch, tiling.cols, tiling.tile_n)
-    return columns.reshape(batch, tiling.cols, pieces, piece_n)
+    by_index = np.ascontiguousarray(np.moveaxis(tiled.reshape(batch, tiling.cols, tiling.tile_n), 2, 0))
+    column_max = np.maximum.reduce(by_index, axis=0)  # [B, cols]; -inf for a column past the vocabulary
+    finite_max = np.where(np.isfinite(column_max), column_max, F32(0))
+    column_sum = chain_sum(np.exp(by_index - finite_max))  # each column sums its exps in index order
+    peak = column_max.max(axis=1)
+    rescaled = column_sum * np.exp(column_max - peak[:, None])  # [B, cols]
+    return (peak + np.log(combine(np.ascontiguousarray(rescaled.T), merge, merge_group))).astype(F32)
 
 
 def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

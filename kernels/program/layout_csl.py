@@ -1,0 +1,200 @@
+"""Write a Program as layout.csl: the tile codes and routes, grouped into rectangles.
+
+PEs with identical params share one `const` params struct and are set in loops over rectangles, and
+so are identical color configs: the file stays small however large the program (the measured sizes
+are in docs/kernels.md). The PE programs compute their roles from their coordinates (lib/frame.csl),
+so a region needs only a few distinct param sets: its chain roles and link colors.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kernels.program.build import MEMCPY_COLORS, PALETTE, Program, Raw, Tile
+from kernels.program.routes import Flow, Pos
+from wafer.wire import D2H_COLOR, H2D_COLOR
+
+# The host-callable functions every PE program exports: name -> (argument name, type) in order.
+HOST_FUNCTION_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "clear_slot": (("replica_id", "u16"), ("slot_id", "u16")),
+    "reset_cycles": (),
+}
+# The arrays the host reads or writes with memcpy, and their element type ("w": the weight dtype).
+EXPORTED_ARRAYS = {"w": "w", "b": "w", "wpe": "w", "gain": "f32", "bias": "f32", "cycles": "u32"}
+LAYOUT_HEADER = "// plan request: "
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, Raw):
+        return v.csl
+    if isinstance(v, Flow):
+        return f"@get_color({v.color})"
+    if v is None:  # an unused color param: any routable color will do
+        return f"@get_color({PALETTE[0]})"
+    if isinstance(v, float):
+        return repr(v) if "e" in repr(v) or "." in repr(v) else f"{v}.0"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, dict):
+        return ".{ " + ", ".join(f".{k} = {_value(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, list):
+        return f"[{len(v)}]u16 {{ " + ", ".join(str(x) for x in v) + " }"
+    raise TypeError(f"cannot write param {v!r}")
+
+
+def _frozen(v: Any, memo: dict[int, Any]) -> Any:
+    """A hashable stand-in for a param value (a flow by its color); `memo` keeps the frozen form of
+    the dicts and lists that many tiles share (a region's frame, its task IDs)."""
+    if isinstance(v, Flow):
+        return ("color", v.color)
+    if isinstance(v, dict | list):
+        hit = memo.get(id(v))
+        if hit is None:
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            hit = memo[id(v)] = (v, tuple((k, _frozen(x, memo)) for k, x in items))
+        return hit[1]
+    return v
+
+
+Lattice = tuple[int, int, int, int, int, int]  # x, y, w, h (PEs along x and y), step x, step y
+
+
+def lattices(points: set[Pos], steps: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)) -> list[Lattice]:
+    """Cover `points` exactly with strided rectangles: (x, y, nx, ny, sx, sy) stands for the PEs
+    (x + i*sx, y + j*sy). Chains alternate their two link colors and roles every other PE, and a
+    two-level reduction repeats its roles every run, so the PEs sharing params or a route often sit
+    every second (or g-th) row or column: strides keep those in one loop. Greedy: from the first
+    point left (in y, x order), the candidate with the most PEs."""
+    left = set(points)
+    order = sorted(points, key=lambda p: (p[1], p[0]))
+    out: list[Lattice] = []
+    for x, y in order:
+        if (x, y) not in left:
+            continue
+        best: Lattice = (x, y, 1, 1, 1, 1)
+        for sx in steps:
+            nx = 1
+            while (x + nx * sx, y) in left:
+                nx += 1
+            for sy in steps:
+                ny = 1
+                while all((x + i * sx, y + ny * sy) in left for i in range(nx)):
+                    ny += 1
+                if nx * ny > best[2] * best[3]:
+                    best = (x, y, nx, ny, sx, sy)
+        bx, by, nx, ny, sx, sy = best
+        for i in range(nx):
+            for j in range(ny):
+                left.discard((bx + i * sx, by + j * sy))
+        out.append(best)
+    return out
+
+
+def _range(start: int, count: int, step: int) -> str:
+    return f"@range(u16, {start}, {start + (count - 1) * step + 1}, {step})"
+
+
+def _loop(lattice: Lattice, body: str) -> list[str]:
+    """`body` (with @X@ and @Y@ for the coordinates) for every PE of `lattice`."""
+    x, y, nx, ny, sx, sy = lattice
+    if nx == 1 and ny == 1:
+        return ["  " + body.replace("@X@", str(x)).replace("@Y@", str(y))]
+    if ny == 1:
+        return [
+            f"  for ({_range(x, nx, sx)}) |x| {{",
+            "    " + body.replace("@X@", "x").replace("@Y@", str(y)),
+            "  }",
+        ]
+    if nx == 1:
+        return [
+            f"  for ({_range(y, ny, sy)}) |y| {{",
+            "    " + body.replace("@X@", str(x)).replace("@Y@", "y"),
+            "  }",
+        ]
+    return [
+        f"  for ({_range(x, nx, sx)}) |x| {{",
+        f"    for ({_range(y, ny, sy)}) |y| {{",
+        "      " + body.replace("@X@", "x").replace("@Y@", "y"),
+        "    }",
+        "  }",
+    ]
+
+
+def layout_csl(program: Program, request: dict[str, Any]) -> str:
+    plan = program.plan
+    wtype = "f16" if plan.dtype == "fp16" else "f32"
+    lines = [
+        "// layout.csl: GPT-2 on the wafer, written by kernels/program (do not edit: regenerate with",
+        "// `wafer-gpt2 compile`). The PE programs are kernels/pe/*.csl; docs/kernels.md explains the layout.",
+        LAYOUT_HEADER + json.dumps(request, sort_keys=True),
+        "",
+        "param MEMCPYH2D_DATA_1_ID: i16;",
+        "param MEMCPYD2H_DATA_1_ID: i16;",
+        "",
+        'const memcpy = @import_module("<memcpy/get_params>", .{',
+        f"  .width = {program.width},",
+        f"  .height = {program.height},",
+        "  .MEMCPYH2D_1 = @get_color(MEMCPYH2D_DATA_1_ID),",
+        "  .MEMCPYD2H_1 = @get_color(MEMCPYD2H_DATA_1_ID),",
+        "});",
+        "",
+    ]
+    by_value: dict[tuple, tuple[Tile, set[Pos]]] = {}
+    memo: dict[int, Any] = {}
+    for pos, tile in program.tiles.items():
+        key = (tile.file, tuple((k, _frozen(v, memo)) for k, v in tile.params.items()))
+        by_value.setdefault(key, (tile, set()))[1].add(pos)
+    groups: dict[tuple[str, str], set[Pos]] = {}
+    for tile, points in by_value.values():
+        groups.setdefault((tile.file, _value(tile.params)), set()).update(points)
+    names = {}
+    for n, (file, params) in enumerate(sorted(groups)):
+        names[(file, params)] = f"P{n}"
+        lines.append(f"const P{n} = {params};")
+    lines.append("")
+    configs: dict[tuple[int, str, tuple[str, ...]], set[Pos]] = {}
+    for pos, entries in program.color_configs().items():
+        for color, rx, tx in entries:
+            configs.setdefault((color, rx, tuple(sorted(tx))), set()).add(pos)
+    lines += ["layout {", f"  @set_rectangle({program.width}, {program.height});", ""]
+    for key in sorted(groups, key=lambda k: min(groups[k], key=lambda p: (p[1], p[0]))):
+        file, _ = key
+        body = (
+            f'@set_tile_code(@X@, @Y@, "{file}", @concat_structs(.{{ .memcpy_params = memcpy.get_params(@X@) }}, '
+            f"{names[key]}));"
+        )
+        for rect in lattices(groups[key]):
+            lines += _loop(rect, body)
+    lines.append("")
+    for (color, rx, tx), points in sorted(configs.items()):
+        body = f"@set_color_config(@X@, @Y@, @get_color({color}), .{{ .routes = .{{ .rx = .{{{rx}}}, .tx = .{{{', '.join(tx)}}} }} }});"
+        for rect in lattices(points):
+            lines += _loop(rect, body)
+    lines += [
+        "",
+    ]
+    for name, elem in EXPORTED_ARRAYS.items():
+        lines.append(f'  @export_name("{name}", [*]{wtype if elem == "w" else elem}, true);')
+    for name, args in HOST_FUNCTION_ARGS.items():
+        lines.append(f'  @export_name("{name}", fn({", ".join(t for _, t in args)})void);')
+    lines += ["}", ""]
+    return "\n".join(lines)
+
+
+def layout_params() -> dict[str, int]:
+    """The params layout.csl takes on the cslc command line."""
+    return {"MEMCPYH2D_DATA_1_ID": H2D_COLOR, "MEMCPYD2H_DATA_1_ID": D2H_COLOR}
+
+
+__all__ = [
+    "EXPORTED_ARRAYS",
+    "HOST_FUNCTION_ARGS",
+    "LAYOUT_HEADER",
+    "MEMCPY_COLORS",
+    "layout_csl",
+    "layout_params",
+    "lattices",
+]

@@ -1,0 +1,209 @@
+"""The GPT-2 CSL program on the CSL executor, end to end.
+
+`kernels.program` writes layout.csl for a plan, the executor (wafer/csl) compiles it with the PE
+programs of kernels/pe and runs it, and the host program that drives the simulator (wafer/host.py)
+drives it through the executor's SdkRuntime: weights go up with memcpy copy mode, tokens in and
+scores out through the memcpy streams. On WSE-2 and WSE-3, for a tiny GPT-2 (2 layers, n_embd 64,
+2 heads, 64 positions, 2 slots; a 512-token vocabulary here, the real one in the `executor_full`
+test): fp32 scores equal the simulator's, greedy continuations equal the NumPy reference's and
+Hugging Face's; fp16 stays within the simulator's fp16 bound. Running on the executor is not
+compiling with Cerebras cslc.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from wafer.backends import ExecutorOptions, build_executor
+from wafer.csl.errors import CslDeadlock
+from wafer.executor import StepItem
+from weights.config import GPT2Config
+from weights.params import GPT2Params
+
+TINY = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=64, name="tiny-csl")
+FP32_TOLERANCE = 1e-5  # |logit|, |log-sum-exp| and |target logit| differences from the simulator
+FP16_BOUND = 0.01  # tests/test_sim_fp16.py's bound between the simulator's fp16 and fp32 modes
+OPTIONS = dict(slots=2, context=64, top_k=16, objective="compact")
+
+
+@pytest.fixture(scope="module")
+def tiny_params() -> GPT2Params:
+    return GPT2Params.random(TINY, seed=3)
+
+
+def executors(params: GPT2Params, arch: str, dtype: str):
+    options = ExecutorOptions(arch=arch, dtype=dtype, **OPTIONS)
+    return build_executor("csl", params, options), build_executor("sim", params, options)
+
+
+def scripted_steps(vocab: int, seed: int = 0) -> list[list[StepItem]]:
+    """Two prompts prefilled in one step (the last position of each scored, one with a target), then
+    decode steps for both slots with targets."""
+    rng = np.random.default_rng(seed)
+    steps = [
+        [
+            StepItem(0, p, int(rng.integers(vocab)), want_scores=p == 4, target=7 if p == 4 else None)
+            for p in range(5)
+        ]
+        + [StepItem(1, p, int(rng.integers(vocab)), want_scores=p == 2) for p in range(3)]
+    ]
+    for n in range(3):
+        steps.append(
+            [
+                StepItem(
+                    0, 5 + n, int(rng.integers(vocab)), want_scores=True, target=int(rng.integers(vocab))
+                ),
+                StepItem(1, 3 + n, int(rng.integers(vocab)), want_scores=True),
+            ]
+        )
+    return steps
+
+
+def worst_difference(ours, theirs, same_ids: bool) -> float:
+    worst = 0.0
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        if same_ids:
+            np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+            worst = max(worst, float(np.abs(a.topk_logits - b.topk_logits).max()))
+        else:
+            _, ia, ib = np.intersect1d(a.topk_ids, b.topk_ids, return_indices=True)
+            worst = max(worst, float(np.abs(a.topk_logits[ia] - b.topk_logits[ib]).max()))
+        worst = max(worst, abs(a.logsumexp - b.logsumexp))
+        assert (a.target_logit is None) == (b.target_logit is None)
+        if a.target_logit is not None:
+            worst = max(worst, abs(a.target_logit - b.target_logit))
+    return worst
+
+
+def greedy(executor, prompt: list[int], new_tokens: int, slot: int = 0) -> list[int]:
+    scores = executor.step(
+        [StepItem(slot, p, t, want_scores=p == len(prompt) - 1) for p, t in enumerate(prompt)]
+    )
+    out = [int(scores[-1].topk_ids[0])]
+    for n in range(new_tokens - 1):
+        (scores,) = executor.step([StepItem(slot, len(prompt) + n, out[-1])])
+        out.append(int(scores.topk_ids[0]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_fp32_scores_equal_the_simulator(tiny_params, arch):
+    csl, sim = executors(tiny_params, arch, "fp32")
+    try:
+        for items in scripted_steps(TINY.vocab_size):
+            assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+        # A freed slot starts again from position 0 and sees none of its old keys and values.
+        csl.free_slot(1)
+        sim.free_slot(1)
+        items = [StepItem(1, 0, 11, want_scores=True)]
+        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+    finally:
+        csl.close()
+        sim.close()
+
+
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_fp32_greedy_equals_the_reference_and_hugging_face(tiny_params, arch, write_checkpoint):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from wafer.reference_executor import ReferenceExecutor
+
+    prompt, new = [5, 300, 42, 17], 6
+    csl = build_executor("csl", tiny_params, ExecutorOptions(arch=arch, dtype="fp32", **OPTIONS))
+    try:
+        ours = greedy(csl, prompt, new)
+    finally:
+        csl.close()
+    reference = ReferenceExecutor(tiny_params, slots=1, context=64, top_k=16)
+    assert greedy(reference, prompt, new) == ours
+    model = transformers.GPT2LMHeadModel.from_pretrained(
+        write_checkpoint(tiny_params), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0)
+    assert hf[0, len(prompt) :].tolist() == ours
+
+
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_fp16_stays_within_the_simulators_bound(tiny_params, arch):
+    csl, sim = executors(tiny_params, arch, "fp16")
+    try:
+        for items in scripted_steps(TINY.vocab_size, seed=1):
+            assert worst_difference(csl.step(items), sim.step(items), same_ids=False) < FP16_BOUND
+        prompt = [9, 8, 7, 6]
+        csl.reset()
+        sim.reset()
+        assert greedy(csl, prompt, 4) == greedy(sim, prompt, 4)
+    finally:
+        csl.close()
+        sim.close()
+
+
+def test_a_message_with_more_records_than_the_wafer_buffers_needs_the_host_bound(tiny_params):
+    """The defect the host had: every H2D of a step before any D2H. memcpy runs one command at a
+    time, so when a message's records fill what the pipeline and io.out hold, the H2D never ends and
+    the D2H behind it never starts. The runtime says how many records may be in flight; the host
+    splits messages to match."""
+    items = [StepItem(0, p, 3 * p + 1, want_scores=True) for p in range(24)]
+    csl = build_executor("csl", tiny_params, ExecutorOptions(arch="wse2", dtype="fp32", **OPTIONS))
+    try:
+        assert csl.runtime.records_in_flight == 1
+        bounded = csl.step(items)
+        assert len(bounded) == 24 and all(s is not None for s in bounded)
+        csl.reset()
+        csl.runtime.records_in_flight = None  # what the host did before
+        with pytest.raises(CslDeadlock, match="memcpy_d2h"):
+            csl.step(items)
+    finally:
+        try:
+            csl.close()
+        except CslDeadlock:
+            pass  # the deadlocked program cannot drain its commands
+
+
+@pytest.mark.executor_full
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_full_vocabulary_fp32_scores_equal_the_simulator(arch):
+    """The acceptance configuration with GPT-2's 50257-token vocabulary (minutes on the executor)."""
+    config = GPT2Config(
+        n_layer=2, n_head=2, n_embd=64, vocab_size=50257, n_positions=64, name="tiny-csl-full"
+    )
+    params = GPT2Params.random(config, seed=3)
+    options = ExecutorOptions(arch=arch, dtype="fp32", slots=2, context=64, top_k=64, objective="compact")
+    csl, sim = build_executor("csl", params, options), build_executor("sim", params, options)
+    try:
+        for items in scripted_steps(config.vocab_size)[:2]:
+            assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+    finally:
+        csl.close()
+        sim.close()
+
+
+def test_two_level_reductions_equal_the_simulator():
+    """A plan whose GEMVs, LayerNorms, attention merges and head merge all reduce in two levels (the
+    latency objective picks them for this config), with 8-PE strips, a folded attention snake and
+    gathers between regions: the generator's general case, on WSE-3 (whose queue rules are the
+    tighter ones)."""
+    from wafer.plan import build_plan
+
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-two-level")
+    plan = build_plan(config, arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
+    tilings = [r.tiling for r in plan.regions if r.tiling is not None]
+    kinds = {type(t).__name__: getattr(t, "reduction", getattr(t, "merge", None)) for t in tilings}
+    assert set(kinds.values()) == {"two_level"} and len(kinds) == 4, kinds
+    params = GPT2Params.random(config, seed=5)
+    options = ExecutorOptions(arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
+    csl, sim = build_executor("csl", params, options), build_executor("sim", params, options)
+    try:
+        items = [
+            StepItem(0, p, 3 * p + 1, want_scores=p >= 4, target=9 if p == 5 else None) for p in range(6)
+        ]
+        items.append(StepItem(1, 0, 5, want_scores=True))
+        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+    finally:
+        csl.close()
+        sim.close()

@@ -1,0 +1,63 @@
+"""The `csl` backend: the CSL program `wafer-gpt2 compile` generates, run on the project's CSL executor.
+
+The same host program (`wafer.host.WaferGPT2`) drives it through the executor's `SdkRuntime`
+stand-in, exactly as it drives the SDK's in the Cerebras container (`wafer.sdk_container`). The plan
+defaults to the `compact` objective: the executor simulates every PE, so the fewest PEs run fastest.
+This is the check that the CSL does what the simulator does; it is not a Cerebras compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from wafer.sdk_container import SdkContainerRuntime
+
+BUILD_DIR = Path("build/csl-executor")
+
+
+def runtime_module():
+    """The executor's `cerebras.sdk.runtime.sdkruntimepybind` (wafer/csl/shim)."""
+    from wafer.csl.shim.cerebras.sdk.runtime import sdkruntimepybind
+
+    return sdkruntimepybind
+
+
+def compile_plan(plan, out_dir: str | Path | None = None) -> Path:
+    """Generate and compile `plan`'s CSL on the executor; returns the output folder for SdkRuntime.
+    The default folder is keyed by the plan request and the program's sources, so a rebuild happens
+    only when either changed; a folder given by the caller is always rebuilt."""
+    from wafer.compile import KERNEL_DIR, SOURCE_DIRS, compile_program, plan_request, prepare_sources
+
+    digest = hashlib.sha256(json.dumps(plan_request(plan), sort_keys=True).encode())
+    for name in SOURCE_DIRS:
+        for source in sorted((KERNEL_DIR / name).glob("*.csl")):
+            digest.update(source.read_bytes())
+    for source in sorted((KERNEL_DIR / "program").glob("*.py")):
+        digest.update(source.read_bytes())
+    cached = out_dir is None
+    out_dir = Path(out_dir) if out_dir is not None else BUILD_DIR / digest.hexdigest()[:16]
+    job = prepare_sources(plan, out_dir, simfabric=True)
+    if not cached or not (job.bin_dir / "out.json").is_file():
+        compile_program(job, executor=True)
+    return job.bin_dir
+
+
+class CslExecutorRuntime(SdkContainerRuntime):
+    """SdkContainerRuntime on the executor's SdkRuntime."""
+
+    def __init__(self, compiled_dir: str | Path) -> None:
+        super().__init__(compiled_dir, cmaddr=None, sdk=runtime_module())
+
+
+def build_executor(params, options, out_dir: str | Path | None = None):
+    """Plan (compact unless asked otherwise), generate and compile the CSL, load it on the executor,
+    upload the weights."""
+    from wafer.backends import plan_for, start_model
+
+    if options.objective is None:
+        options = dataclasses.replace(options, objective="compact")
+    plan = plan_for(params, options)
+    return start_model(plan, CslExecutorRuntime(compile_plan(plan, out_dir)), params)
