@@ -23,7 +23,7 @@ from service.commands import bench_service
 from wafer.backends import ExecutorOptions, build_executor
 from wafer.executor import StepItem
 from wafer.sim import parallel
-from weights.config import PRESETS
+from weights.config import resolve_config
 from weights.params import GPT2Params
 
 GOAL_BATCH1 = 0.7  # simulator / transformers at batch 1
@@ -43,7 +43,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(HTTP service against direct executor steps, service/commands/bench_service.py)",
     )
     parser.add_argument(
-        "--model", default="gpt2", choices=sorted(PRESETS), help="GPT-2 size, random weights (gpt2)"
+        "--model",
+        default="gpt2",
+        help="GPT-2 size (gpt2, gpt2-medium, ...) or a config.json, random weights (gpt2)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("sim", "csl"),
+        default="sim",
+        help="sim: what runs the wafer side is the embedded simulator (default); csl: the generated CSL on "
+        "the CSL executor (compact plan; use a small --model config, the executor simulates every PE)",
     )
     parser.add_argument("--batch", default="1,16", help="comma-separated concurrent sequences (1,16)")
     parser.add_argument(
@@ -83,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < 1:
             raise UserError(f"{flag} must be at least 1, got {value}")
-    config = PRESETS[args.model]
+    try:
+        config = resolve_config(args.model)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--model {args.model!r}: {exc}") from None
     if args.prompt_tokens + args.new_tokens > config.n_positions:
         raise UserError(
             f"prompt + new tokens ({args.prompt_tokens + args.new_tokens}) exceed the context {config.n_positions}"
@@ -114,9 +126,10 @@ def run(args: argparse.Namespace) -> int:
     hf = GPT2LMHeadModel(HFConfig(**config.to_hf_dict())).eval()
     hf.load_state_dict(_hf_state_dict(params, torch), strict=False)
     executor = build_executor(
-        "sim", params, ExecutorOptions(slots=max(batches), context=context, dtype=args.dtype)
+        args.backend, params, ExecutorOptions(slots=max(batches), context=context, dtype=args.dtype)
     )
 
+    label = "simulator" if args.backend == "sim" else "CSL executor"
     hf_runs: list[tuple[float, float]] = []
     sim_runs: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
     hf_tokens = sim_tokens = None
@@ -144,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         wall, cpu = (statistics.median(run[i] for run in sim_runs[batch]) for i in (0, 1))
         ratio, cpu_ratio = wall / hf_wall, cpu / hf_cpu
         print(
-            f"simulator      batch {batch:2d}: {wall:8.1f} tokens/s, {cpu:8.1f} per CPU-second (measured); "
+            f"{label:<14} batch {batch:2d}: {wall:8.1f} tokens/s, {cpu:8.1f} per CPU-second (measured); "
             f"{ratio:.2f}x transformers batch 1 ({cpu_ratio:.2f}x per CPU-second)"
         )
         goal = GOAL_BATCH1 if batch == 1 else GOAL_BATCHED
@@ -153,10 +166,8 @@ def run(args: argparse.Namespace) -> int:
             f"{cpu_ratio:.2f}x per CPU-second)"
         )
     same = "identical" if hf_tokens == sim_tokens else "different"
-    print(
-        f"greedy tokens of simulator and transformers: {same} ({args.dtype} simulator vs fp32 transformers)"
-    )
-    print(f"bench sim summary: transformers batch 1 {hf_wall:.1f} tok/s; simulator " + "; ".join(parts))
+    print(f"greedy tokens of {label} and transformers: {same} ({args.dtype} {label} vs fp32 transformers)")
+    print(f"bench sim summary: transformers batch 1 {hf_wall:.1f} tok/s; {label} " + "; ".join(parts))
     return 0
 
 

@@ -464,7 +464,7 @@ def print_result(result: ServiceBenchResult) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from weights.checkpoint import load_checkpoint, resolve_weights
-    from weights.config import PRESETS
+    from weights.config import resolve_config
     from weights.params import GPT2Params
 
     for flag, value, minimum in (
@@ -477,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be at least {minimum} for bench service, got {value}")
     if args.weights is None:
         params, name = (
-            GPT2Params.random(PRESETS[args.model], seed=args.seed),
+            GPT2Params.random(resolve_config(args.model), seed=args.seed),
             f"{args.model} (random weights)",
         )
     else:
