@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from wafer.plan.model import Symbol
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
-from wafer.wire import HEADER_WORDS, ITEM_WORDS, record_words
+from wafer.wire import ITEM_WORDS
 
 CYCLES_SYMBOL = "cycles"
 
@@ -26,71 +26,86 @@ def weight_symbol_dtype(dtype: str) -> str:
     return "f16" if dtype == "fp16" else "f32"
 
 
+# Every PE program also keeps a few words for stream headers, sinks and link buffers of its comm
+# modules (kernels/comm): counted as one small array.
+COMM = Symbol("u32", 16)
+
+
 def gemv_symbols(t: GemvTiling, dtype: str) -> dict[str, Symbol]:
+    """kernels/pe/gemv.csl's arrays."""
     wd = weight_symbol_dtype(dtype)
     return {
         "w": Symbol(wd, t.tile_k * t.tile_n),  # weight tile, row-major [tile_k, tile_n]
         "b": Symbol(wd, t.tile_n),  # bias slice (used on the PEs that end the reduction)
-        "x": Symbol(wd, 2 * t.tile_k),  # input chunk, double-buffered (item t+1 arrives during t)
-        "acc": Symbol("f32", 2 * t.tile_n),  # fp32 partial sums, double-buffered
+        "x": Symbol("f32", t.tile_k),  # the input chunk as it arrives
+        "xh": Symbol("f16", t.tile_k),  # ... rounded to fp16 (fp16 mode)
+        "acc": Symbol("f32", t.tile_n),  # fp32 partial sums
+        "comm": COMM,
     }
 
 
 def norm_symbols(t: NormTiling) -> dict[str, Symbol]:
+    """kernels/pe/layernorm.csl's arrays."""
     return {
         "gain": Symbol("f32", t.chunk),
         "bias": Symbol("f32", t.chunk),
-        "x": Symbol("f32", 2 * t.chunk),  # the arriving chunk, double-buffered
+        "x": Symbol("f32", t.chunk),
         "y": Symbol("f32", t.chunk),
-        "stats": Symbol("f32", 4),  # pass 1: partial sum, mean; pass 2: partial sum of (x - mean)^2, rstd
+        "centred": Symbol("f32", t.chunk),
+        "comm": COMM,
     }
 
 
 def residual_symbols(chunk: int) -> dict[str, Symbol]:
-    return {"resid": Symbol("f32", 2 * chunk), "x": Symbol("f32", chunk)}
+    """kernels/pe/residual.csl's arrays."""
+    return {"resid": Symbol("f32", chunk), "x": Symbol("f32", chunk), "comm": COMM}
 
 
 def attention_symbols(t: AttentionTiling, dtype: str) -> dict[str, Symbol]:
+    """kernels/pe/attention.csl's arrays."""
     wd = weight_symbol_dtype(dtype)
     cache = t.slots * t.positions_per_pe * t.heads_per_pe * t.head_dim
     hd = t.heads_per_pe * t.head_dim
     return {
         "k_cache": Symbol(wd, cache),  # [slot][position in PE][head in PE][head_dim]
         "v_cache": Symbol(wd, cache),
-        "q": Symbol(wd, hd),
-        "kv_in": Symbol("f32", 2 * hd),  # the new token's k and v on their way to the owning PE
-        "scores": Symbol("f32", t.heads_per_pe * t.positions_per_pe),
+        "qkv": Symbol("f32", 3 * hd),  # the group's [q | k | v] as it arrives
+        "q": Symbol("f32", hd),
+        "q16": Symbol("f16", hd),
+        "scores": Symbol("f32", t.positions_per_pe + 1),  # one head's scores, and their max
         "acc": Symbol("f32", hd),  # exp-weighted V
-        "stats": Symbol("f32", 2 * t.heads_per_pe),  # running max and sum per head
-        "merge_in": Symbol("f32", t.heads_per_pe * (t.head_dim + 2)),  # a partner's partial
+        "stats": Symbol("f32", 5 * t.heads_per_pe),  # max and sum per head, a partner's, the factors
+        "comm": COMM,
     }
 
 
 def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
-    symbols = gemv_symbols(t.gemv, dtype)
-    del symbols["b"]  # the tied LM head has no bias
-    k = t.top_k
-    symbols.update(
-        {
-            "topk_ids": Symbol("i32", k),
-            "topk_logits": Symbol("f32", k),
-            "merge_ids": Symbol("i32", k),  # a partner column's list during the merge
-            "merge_logits": Symbol("f32", k),
-            "lse": Symbol("f32", 4),  # local max, local sum of exp, partner's pair
-            "target": Symbol("f32", 2),
-        }
-    )
-    return symbols
+    """kernels/pe/head.csl's arrays (and lib/topk.csl's)."""
+    g = t.gemv
+    record = 2 * t.top_k + 3  # ids, logits, max, sum, target
+    return {
+        "w": Symbol(weight_symbol_dtype(dtype), g.tile_k * g.tile_n),  # wte^T tile; no bias (tied)
+        "row": Symbol("f32", g.tile_k),  # the token's wte chunk on its way to the embed region
+        "x": Symbol("f32", g.tile_k),
+        "xh": Symbol("f16", g.tile_k),
+        "acc": Symbol("f32", g.tile_n),  # logits of the column
+        "records": Symbol("u32", 3 * record),  # own, a partner's, the merge's scratch
+        "comm": COMM,
+    }
 
 
 def embed_symbols(positions_per_pe: int, tile_k: int, dtype: str) -> dict[str, Symbol]:
+    """kernels/pe/embed.csl's arrays."""
     return {
         "wpe": Symbol(weight_symbol_dtype(dtype), positions_per_pe * tile_k),  # [position][dim chunk]
-        "x": Symbol("f32", 2 * tile_k),  # the token's wte chunk arriving from the head
+        "x": Symbol("f32", tile_k),  # the token's wte chunk arriving from the head, plus wpe
+        "comm": COMM,
     }
 
 
 def io_symbols(top_k: int, inbound: bool) -> dict[str, Symbol]:
+    """kernels/pe/io_in.csl (the count, an item, a request) and io_out.csl (nothing: records pass
+    through without a buffer)."""
     if inbound:
-        return {"items": Symbol("u32", 2 * (HEADER_WORDS + ITEM_WORDS))}
-    return {"records": Symbol("u32", 2 * record_words(top_k))}
+        return {"items": Symbol("u32", 1 + ITEM_WORDS + ITEM_WORDS + 1)}  # count, item, request
+    return {"comm": COMM}
