@@ -79,7 +79,8 @@ def test_the_sdk_client_runs_the_host_flow_on_the_loopback_worker(worker, tmp_pa
 CLIENT_ERRORS = r"""
 import json, shutil, sys
 from pathlib import Path
-from wafer.compile import appliance_compile, prepare_sources
+from wafer.compile import prepare_sources
+from wafer.sdk_appliance import appliance_compile
 from wafer.plan import build_plan
 from wafer.sdk_appliance import ApplianceRuntime
 from weights.config import GPT2Config

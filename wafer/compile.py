@@ -7,7 +7,7 @@
 with Cerebras `cslc` when it is on PATH (inside the Cerebras SDK container), or with the project's
 CSL executor (`wafer.csl`, `executor=True`), which checks the program as a compiler would and runs
 it, but is not `cslc`. On a Wafer-Scale Cluster, `appliance_compile` hands the same sources and
-options to `cerebras.sdk.client.SdkCompiler`.
+options to `cerebras.sdk.client.SdkCompiler` (`wafer.sdk_appliance.appliance_compile`).
 """
 
 from __future__ import annotations
@@ -155,21 +155,6 @@ def compile_program(
     if result.returncode != 0:
         raise CompileError(f"cslc failed ({result.returncode}):\n{result.stdout}{result.stderr}")
     return result
-
-
-def appliance_compile(job: CompileJob, artifact_dir: str | Path, **client_options) -> str:
-    """Compile on a Wafer-Scale Cluster (or the loopback worker, `grpc_address=...`) with
-    `cerebras.sdk.client.SdkCompiler` (PyPI cerebras-sdk); returns the artifact path to hand to the
-    sdk-appliance backend."""
-    from wafer.sdk_appliance import ApplianceUnavailableError, compiler
-
-    try:
-        compiler_class = compiler()
-    except ApplianceUnavailableError as exc:
-        raise CompileError(str(exc)) from None
-    Path(artifact_dir).mkdir(parents=True, exist_ok=True)
-    with compiler_class(**client_options) as sdk:
-        return sdk.compile(str(job.src_dir), "layout.csl", " ".join(job.options), str(artifact_dir))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ class CslExecutorRuntime(SdkContainerRuntime):
 def build_executor(params, options, out_dir: str | Path | None = None):
     """Plan (compact unless asked otherwise), generate and compile the CSL, load it on the executor,
     upload the weights."""
-    from wafer.backends import plan_for, start_model
+    from wafer.host import plan_for, start_model
 
     if options.objective is None:
         options = dataclasses.replace(options, objective="compact")

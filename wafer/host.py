@@ -14,13 +14,14 @@ knows about the wafer comes from the plan and from what memcpy returns.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from wafer import memory_layout
-from wafer.executor import ExecutorError, StepItem, TokenScores, validate_items
+from wafer.executor import Executor, ExecutorError, StepItem, TokenScores, validate_items
 from wafer.runtime import MemcpyDataType, MemcpyOrder, Runtime, Task, from_wire, hwl_to_flat, to_wire
 from wafer.wire import D2H_COLOR, H2D_COLOR, decode_scores, encode_items, record_words
 from weights.params import GPT2Params
@@ -254,3 +255,49 @@ def _region_tensors(region: Any, params: GPT2Params) -> list[tuple[str, np.ndarr
     if region.kind == "embed_head":
         return [("w", memory_layout.gemv_weight_tiles(params.wte.T, tiling.gemv))]
     return []
+
+
+# ----------------------------------------------------------------------------------------------------
+# Starting the host program on a runtime: what every wafer backend (sim, csl, SDK) shares.
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    slots: int = 16
+    context: int | None = None  # None: the model's n_positions
+    dtype: str = "fp16"  # fp16 (hardware default) or fp32; the reference is always fp32
+    top_k: int = 64
+    arch: str = "wse2"
+    replicas: int = 1  # pipeline replicas on the wafer (sim / SDK); slots are divided among them
+    objective: str | None = None  # the plan's objective; None: latency, compact for the csl backend
+
+
+def plan_for(params: GPT2Params, options: ExecutorOptions):
+    """The plan every wafer backend (sim and SDK) runs for these options: slots split among the replicas."""
+    from wafer.plan import build_plan
+
+    if options.replicas < 1 or options.slots % options.replicas:
+        raise ValueError(
+            f"slots ({options.slots}) must be a positive multiple of replicas ({options.replicas}): "
+            "every replica holds the same number of slots"
+        )
+    return build_plan(
+        params.config,
+        arch=options.arch,
+        dtype=options.dtype,
+        slots=options.slots // options.replicas,
+        context=options.context,
+        replicas=options.replicas,
+        top_k=options.top_k,
+        objective=options.objective or "latency",
+    )
+
+
+def start_model(plan, runtime, params: GPT2Params, progress: bool = False) -> Executor:
+    """The host program on a runtime: load and run the wafer program, upload the weights; if any of
+    that fails the runtime is stopped (no half-started wafer is left behind)."""
+    try:
+        return WaferGPT2(plan, runtime, params, progress=progress)
+    except BaseException:
+        runtime.stop()
+        raise

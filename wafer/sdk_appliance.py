@@ -28,11 +28,14 @@ import sys
 import tempfile
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from wafer.runtime import MemcpyDataType, MemcpyOrder
+
+if TYPE_CHECKING:
+    from wafer.compile import CompileJob
 
 
 class ApplianceUnavailableError(RuntimeError):
@@ -176,8 +179,8 @@ def build_executor(params, options, artifact_path: str | Path | None = None, wor
             "simulator": True,
             **client_options,
         }
-    from wafer.backends import plan_for, start_model
-    from wafer.compile import appliance_compile, prepare_sources
+    from wafer.compile import prepare_sources
+    from wafer.host import plan_for, start_model
 
     plan = plan_for(params, options)
     if artifact_path is None:
@@ -193,9 +196,10 @@ def build_executor(params, options, artifact_path: str | Path | None = None, wor
 def check(address: str, work_dir: str | Path) -> dict:
     """Compile a tiny GPT-2 through the worker, run the host program on it, and compare every step
     with the embedded simulator run here; also round-trip raw memcpy and launch a function."""
-    from wafer.backends import ExecutorOptions, build_sim_executor
     from wafer.executor import StepItem
+    from wafer.host import ExecutorOptions, plan_for, start_model
     from wafer.runtime import from_wire, to_wire
+    from wafer.sim import SimRuntime
     from weights.config import GPT2Config
     from weights.params import GPT2Params
 
@@ -204,7 +208,8 @@ def check(address: str, work_dir: str | Path) -> dict:
     options = ExecutorOptions(slots=2, context=32, dtype="fp16", top_k=8)
     report: dict[str, Any] = {"address": address}
     model = build_executor(params, options, work_dir=work_dir, simulator=True, grpc_address=address)
-    local = build_sim_executor(params, options)
+    local_plan = plan_for(params, options)
+    local = start_model(local_plan, SimRuntime(local_plan), params)
     try:
         runtime, plan = model.runtime, model.plan
         # Raw memcpy: a pattern into one GEMV region's bias, read back blocking and non-blocking.
@@ -258,6 +263,21 @@ def check(address: str, work_dir: str | Path) -> dict:
         model.close()
         local.close()
     return report
+
+
+def appliance_compile(job: CompileJob, artifact_dir: str | Path, **client_options) -> str:
+    """Compile on a Wafer-Scale Cluster (or the loopback worker, `grpc_address=...`) with
+    `cerebras.sdk.client.SdkCompiler` (PyPI cerebras-sdk); returns the artifact path to hand to the
+    sdk-appliance backend."""
+    from wafer.compile import CompileError
+
+    try:
+        compiler_class = compiler()
+    except ApplianceUnavailableError as exc:
+        raise CompileError(str(exc)) from None
+    Path(artifact_dir).mkdir(parents=True, exist_ok=True)
+    with compiler_class(**client_options) as sdk:
+        return sdk.compile(str(job.src_dir), "layout.csl", " ".join(job.options), str(artifact_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

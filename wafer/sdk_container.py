@@ -100,8 +100,8 @@ class SdkContainerRuntime:
 def build_executor(params, options, out_dir: str | Path = "build/sdk-container", cmaddr: str | None = None):
     """Plan, compile with cslc (simfabric-sized unless a cmaddr is set), load, upload the weights."""
     import_sdk()  # fail first, with the clear message, before planning or compiling
-    from wafer.backends import plan_for, start_model
     from wafer.compile import compile_program, prepare_sources
+    from wafer.host import plan_for, start_model
 
     cmaddr = cmaddr if cmaddr is not None else os.environ.get("WAFER_CMADDR") or None
     plan = plan_for(params, options)
