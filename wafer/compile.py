@@ -19,15 +19,13 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.program import HOST_FUNCTION_ARGS, LAYOUT_HEADER, build_program, layout_csl, layout_params
+from kernels.program import LAYOUT_HEADER, build_program, layout_csl, layout_params
 from kernels.program.build import Program
 from wafer.arch import Arch, resolve_arch
+from wafer.contract import EXPORTED_ARRAYS, HOST_FUNCTIONS
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 SOURCE_DIRS = ("pe", "comm", "lib")  # what a compile needs besides the generated layout.csl
-# The host-callable functions every PE program exports: name -> (argument name, type) in order, as
-# cslc lists them in out_rpc.json.
-HOST_FUNCTIONS = HOST_FUNCTION_ARGS
 # memcpy takes three columns west and two east of the kernel plus a one-PE halo: offsets 4,1 and a
 # fabric at least 7 wider and 2 taller than the kernel (csl-notes.md, "Compile and run").
 FABRIC_OFFSETS = (4, 1)
@@ -178,8 +176,6 @@ def plan_from_request(request: dict):
 
 def exported_names() -> list[str]:
     """Every name the generated layout.csl exports (kernels/program/layout_csl.py)."""
-    from kernels.program.layout_csl import EXPORTED_ARRAYS
-
     return sorted([*EXPORTED_ARRAYS, *HOST_FUNCTIONS])
 
 

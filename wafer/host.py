@@ -21,14 +21,11 @@ import numpy as np
 from tqdm import tqdm
 
 from wafer import memory_layout
+from wafer.contract import CYCLES_SYMBOL, WEIGHT_SYMBOLS
 from wafer.executor import Executor, ExecutorError, StepItem, TokenScores, validate_items
 from wafer.runtime import MemcpyDataType, MemcpyOrder, Runtime, Task, from_wire, hwl_to_flat, to_wire
 from wafer.wire import D2H_COLOR, H2D_COLOR, decode_scores, encode_items, record_words
 from weights.params import GPT2Params
-
-CYCLES_SYMBOL = "cycles"
-# The symbols the checkpoint fills, per kind of region (everything else is working memory).
-WEIGHT_SYMBOLS = {"gemv": ("w", "b"), "layernorm": ("gain", "bias"), "embed": ("wpe",), "embed_head": ("w",)}
 
 
 class WaferGPT2:

@@ -149,7 +149,7 @@ class ApplianceRuntime:
 
     def launch(self, name: str, *args: Any, nonblock: bool = False):
         # 2.10.0 refuses plain ints: hand it numpy scalars of the types the program declares.
-        from wafer.compile import HOST_FUNCTIONS
+        from wafer.contract import HOST_FUNCTIONS
 
         scalar = {"u16": np.uint16, "u32": np.uint32, "i16": np.int16, "i32": np.int32}
         declared = [scalar[t] for _, t in HOST_FUNCTIONS.get(name, ())]

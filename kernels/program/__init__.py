@@ -8,17 +8,9 @@
 
 from kernels.program.build import Program, Tile, build_program
 from kernels.program.errors import ProgramError
-from kernels.program.layout_csl import (
-    EXPORTED_ARRAYS,
-    HOST_FUNCTION_ARGS,
-    LAYOUT_HEADER,
-    layout_csl,
-    layout_params,
-)
+from kernels.program.layout_csl import LAYOUT_HEADER, layout_csl, layout_params
 
 __all__ = [
-    "EXPORTED_ARRAYS",
-    "HOST_FUNCTION_ARGS",
     "LAYOUT_HEADER",
     "Program",
     "ProgramError",

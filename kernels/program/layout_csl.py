@@ -13,15 +13,8 @@ from typing import Any
 
 from kernels.program.build import MEMCPY_COLORS, PALETTE, Program, Raw, Tile
 from kernels.program.routes import Flow, Pos
-from wafer.wire import D2H_COLOR, H2D_COLOR
+from wafer.contract import D2H_COLOR, EXPORTED_ARRAYS, H2D_COLOR, HOST_FUNCTIONS
 
-# The host-callable functions every PE program exports: name -> (argument name, type) in order.
-HOST_FUNCTION_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
-    "clear_slot": (("replica_id", "u16"), ("slot_id", "u16")),
-    "reset_cycles": (),
-}
-# The arrays the host reads or writes with memcpy, and their element type ("w": the weight dtype).
-EXPORTED_ARRAYS = {"w": "w", "b": "w", "wpe": "w", "gain": "f32", "bias": "f32", "cycles": "u32"}
 LAYOUT_HEADER = "// plan request: "
 
 
@@ -178,7 +171,7 @@ def layout_csl(program: Program, request: dict[str, Any]) -> str:
     ]
     for name, elem in EXPORTED_ARRAYS.items():
         lines.append(f'  @export_name("{name}", [*]{wtype if elem == "w" else elem}, true);')
-    for name, args in HOST_FUNCTION_ARGS.items():
+    for name, args in HOST_FUNCTIONS.items():
         lines.append(f'  @export_name("{name}", fn({", ".join(t for _, t in args)})void);')
     lines += ["}", ""]
     return "\n".join(lines)
@@ -190,8 +183,6 @@ def layout_params() -> dict[str, int]:
 
 
 __all__ = [
-    "EXPORTED_ARRAYS",
-    "HOST_FUNCTION_ARGS",
     "LAYOUT_HEADER",
     "MEMCPY_COLORS",
     "layout_csl",

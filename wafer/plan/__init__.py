@@ -19,11 +19,11 @@ The modules, in reading order:
 - search.py: the candidates and their prices, `build_plan` and `largest_slots`.
 """
 
+from wafer.contract import LAYER_OPS
 from wafer.plan.geometry import exit_dirs
 from wafer.plan.model import (
     DTYPES,
     KINDS,
-    LAYER_OPS,
     OBJECTIVES,
     Knobs,
     LayerPlan,

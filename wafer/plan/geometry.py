@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wafer.arch import Arch
-from wafer.plan.model import LAYER_OPS, SYMBOL_BYTES, Knobs
+from wafer.contract import LAYER_OPS
+from wafer.plan.model import SYMBOL_BYTES, Knobs
 from wafer.plan.symbols import embed_symbols, pe_bytes, weight_symbol_dtype
 from wafer.plan.tilings import LayerTilings
 from wafer.tiling import HeadTiling, ceil_div

@@ -17,8 +17,6 @@ DTYPES = ("fp16", "fp32")
 # footprint that fits (for running the CSL itself on the executor, where every PE costs time).
 OBJECTIVES = ("latency", "throughput", "compact")
 SYMBOL_BYTES = {"f16": 2, "f32": 4, "i32": 4, "u32": 4}
-# The operations of one layer, in the order a token meets them (region L3.qkv is layer 3's qkv).
-LAYER_OPS = ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
 # Wafer kinds of region, in the order the map's legend lists them.
 KINDS = ("io", "embed", "embed_head", "layernorm", "gemv", "attention", "residual")
 

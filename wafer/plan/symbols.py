@@ -3,11 +3,10 @@ what the per-PE memory limit is checked against and what the simulator allocates
 
 from __future__ import annotations
 
+from wafer.contract import CYCLES_SYMBOL
 from wafer.plan.model import Symbol
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer.wire import ITEM_WORDS
-
-CYCLES_SYMBOL = "cycles"
 
 
 def with_cycles(symbols: dict[str, Symbol]) -> dict[str, Symbol]:

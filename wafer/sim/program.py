@@ -18,17 +18,12 @@ from typing import Any
 import numpy as np
 
 from wafer import memory_layout
+from wafer.contract import CYCLES_SYMBOL, LAYER_OPS
 from wafer.cost import attention_cost
 from wafer.sim import kernels, parallel
 from wafer.sim.memory import RegionMemory, WaferMemory
 from wafer.tiling import AttentionTiling
 from wafer.wire import WireItems, encode_scores
-
-LAYER_OPS = ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
-CYCLES_SYMBOL = (
-    "cycles"  # per PE: u32[4] = modeled busy cycles of the last step (lo, hi), since reset (lo, hi)
-)
-
 
 # Steps of at least this many items run the layers as one part per thread, split by slot; smaller ones
 # split the work inside each region instead. Measured on 2 cores, GPT-2 124M, medians of 4 in one

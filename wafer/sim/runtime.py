@@ -13,16 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from wafer.contract import HOST_FUNCTIONS
 from wafer.runtime import MemcpyDataType, Runtime, WaferRuntimeError
 from wafer.sim.memory import WaferMemory
 from wafer.sim.program import WaferProgram
 from wafer.wire import D2H_COLOR, H2D_COLOR, HEADER_WORDS, decode_items, message_words
-
-# Host-callable functions of the wafer program: name -> argument names (each a 16/32-bit integer).
-FUNCTIONS = {
-    "clear_slot": ("replica", "slot"),  # zero one slot's K/V in every attention region of the replica
-    "reset_cycles": (),  # zero every region's `cycles` counters
-}
 
 
 class SimRuntime(Runtime):
@@ -74,11 +69,11 @@ class SimRuntime(Runtime):
                     )
 
     def _check_launch(self, name: str, args: tuple) -> tuple:
-        if name not in FUNCTIONS:
+        if name not in HOST_FUNCTIONS:
             raise WaferRuntimeError(
-                f"launch: the program exports no function {name!r} (exported: {', '.join(FUNCTIONS)})"
+                f"launch: the program exports no function {name!r} (exported: {', '.join(HOST_FUNCTIONS)})"
             )
-        expected = FUNCTIONS[name]
+        expected = [arg for arg, _ in HOST_FUNCTIONS[name]]
         if len(args) != len(expected):
             raise WaferRuntimeError(
                 f"launch({name!r}): takes {len(expected)} arguments ({', '.join(expected)}), got {len(args)}"
