@@ -44,11 +44,16 @@ EXP_CYCLES = 20
 GELU_CYCLES = EXP_CYCLES + 18
 # reciprocal square root / division in software. Assumption: 10 cycles (Newton steps on fp32).
 RSQRT_CYCLES = 10
-# A step of a sorted-list merge (compare, select, store). Assumption: 2 cycles per output element.
-MERGE_CYCLES_PER_ELEMENT = 2
-# Local top-k selection: scan each value against the current k-th best. Assumption: 2 cycles per value;
-# the kept values are then sorted (2 cycles per compare-and-move step, k log2 k steps).
-TOPK_SCAN_CYCLES = 2
+# The head's top-k (kernels/lib/topk.csl) is scalar code; no public figure prices a CE's scalar
+# instructions, so these count the operations of the CSL as written at one cycle each (assumption,
+# the CSL executor's own rule: docs/csl-executor.md). Per logit, the scan loads it and compares it
+# with the worst kept entry; an entry that beats it sinks through a binary heap of k entries, one
+# level at a time (two children compared, one moved up); the heap is sorted once at the end.
+TOPK_SCAN_CYCLES = 4
+HEAP_LEVEL_CYCLES = 24
+# Merging two sorted k-lists (topk.csl `merge`): per output entry two loads, a compare with the id
+# tie-break and two stores, then the copy of the merged list back into the record.
+MERGE_CYCLES_PER_ELEMENT = 28
 
 
 def cycles_to_us(cycles: float, clock_hz: float = CLOCK_HZ) -> float:
@@ -278,32 +283,45 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     gemv = gemv_cost(tiling.gemv, arch, dtype, name=name)
     cost = StageCost(name, {k: v for k, v in gemv.phases.items() if k != "bias + epilogue"})
     g, k = tiling.gemv, tiling.top_k
-    kept = min(k, g.tile_n)
     cost.add("local max + exp-sum", g.tile_n * (1 + EXP_CYCLES))
-    # Scan against the running k-th best, then sort what was kept (k log k compare-and-move steps).
-    cost.add(
-        "local top-k", g.tile_n * TOPK_SCAN_CYCLES + kept * max(1, math.ceil(math.log2(max(kept, 2)))) * 2
-    )
+    cost.add("local top-k", local_topk_cycles(g.tile_n, k))
     cols = g.cols
     if tiling.merge == "chain" or not 1 < tiling.merge_group < cols:
-        merge = (cols - 1) * _merge_step(1, kept, k)
+        merge = (cols - 1) * _merge_step(1, k)
     else:
         run = tiling.merge_group
-        merge = (run - 1) * _merge_step(1, kept, k) + (ceil_div(cols, run) - 1) * _merge_step(run, kept, k)
+        merge = (run - 1) * _merge_step(1, k) + (ceil_div(cols, run) - 1) * _merge_step(run, k)
     cost.add(f"top-k/LSE {tiling.merge} merge", merge)
     return cost
 
 
-def _merge_step(hops: int, length: int, k: int) -> int:
-    """Receive a partner's (ids, logits, max, sum) record and merge it into the local one."""
-    record = 2 * length + 2
+def heap_insertions(n: int, k: int) -> float:
+    """Expected entries that enter a k-heap while n logits in random order are scanned: the j-th
+    beats the k kept so far with probability min(1, k / j)."""
+    if n <= k:
+        return float(n)
+    return k + k * (math.log(n / k))
+
+
+def local_topk_cycles(n: int, k: int) -> int:
+    """A column's k best of its n logits, best first, as kernels/lib/topk.csl selects them: the scan,
+    the expected heap insertions (logits in random order: a data assumption; ascending logits would
+    insert every one), each sinking log2(k) levels, and the heap sort of the k kept."""
+    levels = max(1, int(math.log2(max(k, 2))))
+    sinks = heap_insertions(n, k) + max(k - 1, 0)
+    return int(n * TOPK_SCAN_CYCLES + sinks * levels * HEAP_LEVEL_CYCLES)
+
+
+def _merge_step(hops: int, k: int) -> int:
+    """Receive a partner's (ids, logits, max, sum, target) record and merge it into the local one."""
+    record = 2 * k + 3
     return (
         hops * HOP_CYCLES
         + ROUTER_TO_PE_CYCLES
         + TASK_ACTIVATION_CYCLES
         + record
         + EXP_CYCLES
-        + min(k, 2 * length) * MERGE_CYCLES_PER_ELEMENT
+        + k * MERGE_CYCLES_PER_ELEMENT
     )
 
 
