@@ -22,7 +22,7 @@ F32, F16 = np.float32, np.float16
 
 # Slots of `res` (f32), in pe.csl's order.
 FMACS, FADDS, FSUBS, FMULS, FMAXS, FMOVS, FMACHS, MAP2 = range(8)
-STRIDED, FIELDS, SET_LENGTH, INCREMENT, REDUCE, MEM4D, MAP_SQRT, FMAXS_SCALAR = range(8, 16)
+STRIDED, FIELDS, SET_LENGTH, INCREMENT, REDUCE, MEM4D, MAP_SQRT, FMAXS_SCALAR, FIFO = range(8, 17)
 # Slots of `res16` (f16).
 FMACH, FADDH, FMOVH = range(3)
 
@@ -57,7 +57,7 @@ class Results:
     h: np.ndarray
     w: np.ndarray
     u: np.ndarray
-    res: np.ndarray  # [16, N] f32
+    res: np.ndarray  # [17, N] f32
     res16: np.ndarray  # [4, N] f16
     resw: np.ndarray
     resu: np.ndarray
@@ -96,7 +96,7 @@ def run(request) -> Results:
     host.h2d("w", w)
     host.h2d("u", u, bits=16)
     host.launch("compute")
-    res = host.d2h("res", 16 * N).view(F32).reshape(16, N)
+    res = host.d2h("res", 17 * N).view(F32).reshape(17, N)
     res16 = f16_bits(host.d2h("res16", 4 * N, bits=16)).reshape(4, N)
     resw = host.d2h("resw", N)
     resu = (host.d2h("resu", N, bits=16) & 0xFFFF).astype(np.uint16)
@@ -210,3 +210,7 @@ def test_zero_stride_accumulator_reduces_in_order(run):
 def test_mem4d_tensor_access_transposes(run):
     grid = run.a.reshape(2, 4)
     same_bits(run.res[MEM4D], grid.T.reshape(-1))
+
+
+def test_fifo_passes_elements_in_order_and_fnegs_negates(run):
+    same_bits(run.res[FIFO], -run.a)

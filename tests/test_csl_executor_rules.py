@@ -13,12 +13,14 @@ constructs the executor does not implement, which it must refuse by name.
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
 import pytest
 from csl_executor_helpers import DATA, Host, compile_program, where
 
+from wafer.csl.cli import cslc_main
 from wafer.csl.errors import CslCompileError, CslError, CslRuntimeError, CslSyntaxError
 from wafer.csl.parse import parse_source
 from wafer.csl.program import PE_MEMORY_WORDS
@@ -56,6 +58,18 @@ REFUSED = [
     (11, "wse2", "pe.csl", "RULE local-id", "local task ID 28 is reserved (memcpy keeps 27, 28, 30; 29, 31)"),
     (11, "wse3", "pe.csl", "RULE local-id", "local task ID 28 is reserved (memcpy keeps 27, 28, 30; 29, 31)"),
     (12, "wse3", "pe.csl", "RULE wse3-data-queue", "on WSE-3 the data task's input queue 4 needs @initialize_queue"),
+    (24, "wse2", "pe.csl", "RULE control-id", "control task ID 33 is reserved by memcpy (33-37)"),
+    (24, "wse3", "pe.csl", "RULE control-id", "control task ID 33 is reserved by memcpy (33-37)"),
+    (25, "wse2", "pe.csl", "RULE data-id", "data task ID 21 (color) is reserved by memcpy"),
+    (25, "wse3", "pe.csl", "RULE data-id", "on WSE-3 a data task ID is made from an input queue, not color(21)"),
+    (28, "wse2", "pe.csl", "RULE local-args", "a local task takes no arguments"),
+    # DSDs and operations: i8 stride, no fabin destination, one fabric input on WSE-3, async needs a queue
+    (22, "wse2", "pe.csl", "RULE stride", "mem1d_dsd stride 200 does not fit i8 (-128-127)"),
+    (23, "wse3", "pe.csl", "RULE fabin-dest", "@fmovs: a fabin_dsd cannot be a destination"),
+    (21, "wse3", "pe.csl", "RULE two-fabin", "@fadds: WSE-3 allows one fabric input per operation"),
+    (26, "wse2", "pe.csl", "RULE async-queue", "@fmovs: an asynchronous fabric operand needs `.output_queue`"),
+    # the host can pass at most 15 arguments
+    (27, "wse2", "pe.csl", "RULE sixteen", "an exported function takes at most 15 parameters"),
     # @comptime_assert with its message
     (15, "wse2", "pe.csl", "RULE assert", "@comptime_assert: variant 15 trips this assert"),
     (15, "wse3", "pe.csl", "RULE assert", "@comptime_assert: variant 15 trips this assert"),
@@ -94,6 +108,7 @@ def test_the_program_without_broken_rules_runs_on_both_architectures():
         (6, "WSE-2's memcpy leaves output queue 1 to the program"),
         (7, "WSE-2 lets colors share output queue 0 with memcpy's D2H"),
         (12, "WSE-2 data task IDs are colors; there is no queue to bind"),
+        (21, "WSE-2 lets an operation read two fabric inputs"),
     ],
 )
 def test_what_one_architecture_refuses_the_other_accepts(variant, why):
@@ -192,6 +207,35 @@ def test_a_wavelet_with_no_route_is_an_error_not_a_silent_drop():
     assert str(info.value) == (
         "a wavelet on color 4 is sent EAST from PE (0, 0) to PE (1, 0), which has no route for color 4 "
         f"({where('rules', 'layout.csl', 'RULE sender-route')})"
+    )
+
+
+def test_a_host_function_must_be_exported_by_every_pe_it_is_launched_on():
+    host = Host(accepted(29, "wse2"))
+    with pytest.raises(CslRuntimeError) as info:
+        host.launch("go")
+    assert str(info.value) == "launch('go'): PE (2, 0) (pe.csl) does not export it"
+
+
+def test_cslc_command_line_reports_the_rule_and_exits_1(tmp_path, capsys):
+    layout = str(DATA / "rules" / "layout.csl")
+    base = [
+        layout,
+        "--arch=wse2",
+        "--fabric-dims=10,3",
+        "--fabric-offsets=4,1",
+        "--memcpy",
+        "-o",
+        str(tmp_path / "out"),
+    ]
+    assert cslc_main([*base, "--params=variant:0"]) == 0
+    meta = json.loads((tmp_path / "out" / "out.json").read_text())
+    assert meta["params"] == {"variant": "0"}
+    assert cslc_main([*base, "--params=variant:1"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"cslc: error: {where('rules', 'pe.csl', 'RULE output-queue')}: output queue 6 does not exist on WSE-2 (output queues 0-5)\n"
     )
 
 
