@@ -82,19 +82,24 @@ class Machine:
     def at(self, t: int, fn: Any) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), fn))
 
-    def run_until(self, done: Any, what: str) -> None:
-        """Process events until `done()`; a heap that empties first is a deadlock."""
+    def run_until(self, done: Any, what: Any) -> None:
+        """Process events until `done()`; a heap that empties first is a deadlock. `what` is a string
+        or a callable giving one, read when the report is written (a command's progress changes)."""
         self.main = greenlet.getcurrent()
         start = time.perf_counter()
         heap = self.heap
         try:
             while not done():
                 if not heap:
-                    raise CslDeadlock(f"deadlock at cycle {self.now} while waiting for {what}", self.report())
+                    raise CslDeadlock(
+                        f"deadlock at cycle {self.now} while waiting for {what() if callable(what) else what}",
+                        self.report(),
+                    )
                 t, _, fn = heapq.heappop(heap)
                 if t > self.max_cycles:
                     raise CslRuntimeError(
-                        f"the program ran past {self.max_cycles} cycles waiting for {what}\n{self.report()}"
+                        f"the program ran past {self.max_cycles} cycles waiting for "
+                        f"{what() if callable(what) else what}\n{self.report()}"
                     )
                 self.now = t
                 self.events += 1
@@ -207,7 +212,9 @@ class Machine:
         for pe in self.pes.values():
             parts = []
             if pe.current is not None:
-                parts.append(f"a task waits: {pe.waiting_on or 'running'}")
+                w = pe.waiting_on
+                reason = w.describe() if hasattr(w, "describe") else w
+                parts.append(f"{pe.running or 'a task'} waits: {reason or 'running'}")
             for m in pe.micro:
                 parts.append(f"microthread {m.describe()}")
             for tid in range(64):

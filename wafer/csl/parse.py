@@ -28,7 +28,9 @@ from wafer.csl.errors import CslSyntaxError
 
 _PARAM = re.compile(r"^(\s*)param(\s+)([A-Za-z_]\w*)(\s*:\s*[^=;]+?)?(?:\s*=\s*([^;]+))?\s*;", re.MULTILINE)
 _BARE_VAR = re.compile(r"^(\s*(?:export\s+)?var\s+[A-Za-z_]\w*\s*:\s*[^=;]+?)\s*;", re.MULTILINE)
-_TASK = re.compile(r"\btask(\s+)([A-Za-z_]\w*)(\s*\()|\btask(\s*\()")
+# Comments and strings are matched first and kept as they are: a comment ending in "task" followed by
+# a line `name(...)` must not become `fn __task__name(`.
+_TASK = re.compile(r'//[^\n]*|"(?:\\.|[^"\\\n])*"|\btask(\s+)([A-Za-z_]\w*)(\s*\()|\btask(\s*\()')
 _LAYOUT = re.compile(r"^([ \t]*)layout(\s*\{)", re.MULTILINE)
 _TENSOR_ACCESS = re.compile(r"\|\s*([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*\|\s*\{([^{}]*)\}\s*->\s*")
 TASK_PREFIX = "__task__"
@@ -53,7 +55,9 @@ def _param_to_const(m: re.Match[str]) -> str:
 def _task_to_fn(m: re.Match[str]) -> str:
     if m.group(2) is not None:
         return f"fn{m.group(1)}{TASK_PREFIX}{m.group(2)}{m.group(3)}"
-    return f"fn{m.group(4)}"
+    if m.group(4) is not None:
+        return f"fn{m.group(4)}"
+    return m.group(0)  # a comment or a string literal
 
 
 def _split_multi_index(text: str) -> str:

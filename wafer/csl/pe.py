@@ -79,7 +79,8 @@ class PE:
         self.t = 0
         self.busy = False
         self.current: greenlet | None = None
-        self.waiting_on = ""
+        self.waiting_on: Any = ""  # what the running task is suspended on: a reason, or a StreamOp
+        self.running = ""  # what the CE runs now ("launched f", "task 10 (t)"), for the deadlock report
         self.pick_at = -1
         self.task_fn: list[Any] = [None] * NTASKS
         self.task_kind: list[str | None] = [None] * NTASKS
@@ -136,10 +137,23 @@ class PE:
         ch = self.inputs.get(color)
         if ch is None:
             cap = self._input_depth(color)
-            ch = Channel(self.machine, cap, f"{self} input color {color}")
+            q = self._input_queue_of(color)
+            name = (
+                f"{self} input queue {q} (color {color})" if q is not None else f"{self} input color {color}"
+            )
+            ch = Channel(self.machine, cap, name)
             ch.on_push = self._on_input
             self.inputs[color] = ch
         return ch
+
+    def _input_queue_of(self, color: int) -> int | None:
+        for (kind, q), (c, _) in self.program.queue_colors.items():
+            if kind == "input" and c == color:
+                return q
+        for (kind, q), colors in self.program.queue_uses.items():
+            if kind == "input" and color in colors:
+                return q
+        return None
 
     def _input_depth(self, color: int) -> int:
         for (kind, q), (c, _) in self.program.queue_colors.items():
@@ -277,6 +291,7 @@ class PE:
         self.t = t + timing.TASK_START
         g = greenlet(self._task_body, parent=self.machine.main)
         self.current = g
+        self.running = what
         self.machine.trace(self, t, f"start {what}")
         g.switch(fn, args, start)
 
@@ -288,8 +303,10 @@ class PE:
         self.machine.trace(self, self.t, "task done")
         self.schedule_pick(self.t)
 
-    def suspend(self, reason: str) -> None:
-        """Called inside a task: give the machine back until `resume` is scheduled."""
+    def suspend(self, reason: Any) -> None:
+        """Called inside a task: give the machine back until `resume` is scheduled. `reason` is a
+        string or an operation whose `describe()` the deadlock report reads when it is written (an
+        operation's position and what blocks it change while the task waits)."""
         if greenlet.getcurrent() is not self.current:
             raise CslRuntimeError(f"{self}: a blocking operation outside a task ({reason})")
         self.waiting_on = reason
@@ -451,7 +468,7 @@ class PE:
             op.sync = True
             op.advance(self.t)
             while not op.done:
-                self.suspend(op.describe())
+                self.suspend(op)
             self.t = max(self.t, op.t)
 
     def mem_op(self, spec: D.OpSpec, operands: tuple, n: int) -> None:

@@ -201,7 +201,7 @@ class SdkRuntime:
         m.submit(cmd)
         task = Task(self, cmd)
         if not nonblock:
-            m.run_until(lambda: cmd.done, cmd.describe())
+            m.run_until(lambda: cmd.done, cmd.describe)
         return task
 
     def memcpy_h2d(self, dest, src, px, py, w, h, elem_per_pe, streaming=False, data_type=None,
@@ -363,7 +363,7 @@ class SdkRuntime:
 
     def task_wait(self, task: Task) -> None:
         m = self._running("task_wait")
-        m.run_until(lambda: task.cmd.done, task.cmd.describe())
+        m.run_until(lambda: task.cmd.done, task.cmd.describe)
 
     def is_task_done(self, task: Task) -> bool:
         return task.cmd.done
