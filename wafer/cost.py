@@ -2,8 +2,9 @@
 
 A stage's cost is the cycles from the first wavelet of its input reaching the stage to the last
 wavelet of its output leaving it, for one token item, built from named constants with public sources
-(/work/shared/csl-notes.md and /work/shared/design.md section 7). Where no public figure exists the
-constant says "assumption" and why that value.
+(the Cerebras SDK documentation and architecture talks), two of them calibrated on published hardware
+measurements (`wafer.calibration`, docs/calibration.md). Where no public figure exists the constant
+says "assumption" and why that value.
 
 Conventions: one wavelet carries one 32-bit word (an fp16 value travels alone in the low half, as
 memcpy does); a stream of n wavelets over a path of h hops delivers its last wavelet at
@@ -23,19 +24,26 @@ from wafer.arch import Arch, resolve_arch
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, ceil_div
 
 # --- Named constants --------------------------------------------------------------------------------
-# Clock: 1.1 GHz is the figure of the architecture talks; the SDK examples convert cycles at 0.85 GHz.
+# Clock: 1.1 GHz is the figure of the architecture talks (Hot Chips 34) and WaferLLM's conversion; the
+# SDK examples convert cycles at 0.85 GHz.
 CLOCK_HZ = 1.1e9
 SDK_CLOCK_HZ = 0.85e9
-# "One 32-bit wavelet per link per cycle per direction" (csl-notes, Hardware facts).
+# "32-bit messages, called wavelets, can be sent to or received by neighboring PEs in a single clock
+# cycle" (Cerebras SDK documentation, "A Conceptual View"): the bandwidth of a link.
 WAVELETS_PER_LINK_PER_CYCLE = 1
-# "Router to router 1 cycle" (csl-notes; design.md section 7: about one cycle per router hop).
-HOP_CYCLES = 1
-# "Router to processor about 7 cycles" (csl-notes): paid once by every wavelet that stops at a PE.
+# Latency of a router hop. Calibrated (wafer.calibration, docs/calibration.md): WaferLLM's MeshGEMV
+# on a CS-3 fits 2.05 cycles per hop; the public notes' "one cycle per router hop" is the bandwidth.
+HOP_CYCLES = 2
+# "Router to processor about 7 cycles" (Cerebras SDK notes): paid once by every wavelet that stops at
+# a PE. Kept at its public value; the calibration's stops fit it.
 ROUTER_TO_PE_CYCLES = 7
+# Starting a DSD operation one after another, with the scalar control between them. Calibrated
+# (wafer.calibration): the MeshGEMV loop starts about ten in series per iteration, 15.7 cycles each.
+DSD_OP_START_CYCLES = 16
 # Task activation: no public figure. Assumption: 20 cycles from a wavelet or @activate to the first
 # instruction of the task (hardware task pick plus a short prologue). Paid where a step needs control.
 TASK_ACTIVATION_CYCLES = 20
-# fp32 add / multiply / FMAC: one element per cycle (csl-notes: "fp32 FMAC about one element per cycle").
+# fp32 add / multiply / FMAC: one element per cycle (Cerebras SDK notes: "fp32 FMAC about one element per cycle").
 FP32_OPS_PER_CYCLE = 1
 # exp in software (the CSL math library has exp, no tanh). Assumption: 20 cycles per fp32 element (a
 # range reduction and a short polynomial, each step one fp32 op per cycle).
@@ -137,8 +145,9 @@ class StageCost:
 
 
 def gemv_compute_cycles(tiling: GemvTiling, arch: Arch, dtype: str) -> int:
-    """One PE's tile: for each of tile_k inputs, tile_n FMACs at the SIMD width (fp32 accumulate)."""
-    return tiling.tile_k * ceil_div(tiling.tile_n, arch.macs_per_cycle(dtype))
+    """One PE's tile as kernels/pe/gemv.csl computes it: for each of tile_k inputs one DSD operation
+    (started in a loop) of tile_n FMACs at the SIMD width (fp32 accumulate)."""
+    return tiling.tile_k * (DSD_OP_START_CYCLES + ceil_div(tiling.tile_n, arch.macs_per_cycle(dtype)))
 
 
 def gemv_cost(
@@ -237,9 +246,11 @@ def attention_cost(
     cost = StageCost(name)
     cost.add("q multicast", stream_cycles(hpp * dim, (width - 1) + (tiling.fold - 1)))
     cost.add("k/v to the owner (not hidden)", max(0, 2 * hpp * dim - (local - 1) * per_position))
-    cost.add("scores q.k", local * hpp * ceil_div(dim, macs) + TASK_ACTIVATION_CYCLES)
+    # kernels/pe/attention.csl: the scores are one DSD operation per head dimension over the PE's
+    # positions, the weighted V one per position over the head dimension (each started in a loop)
+    cost.add("scores q.k", hpp * dim * (DSD_OP_START_CYCLES + ceil_div(local, macs)) + TASK_ACTIVATION_CYCLES)
     cost.add("exp", local * hpp * EXP_CYCLES)
-    cost.add("weighted V", local * hpp * ceil_div(dim, macs))
+    cost.add("weighted V", local * hpp * (DSD_OP_START_CYCLES + ceil_div(dim, macs)))
     step = TASK_ACTIVATION_CYCLES + hpp * EXP_CYCLES
     record = hpp * (dim + 2)
     n = tiling.chain

@@ -1,7 +1,9 @@
 """`wafer-gpt2 cost gemv`: the modeled cycles of one standalone GEMV with the planner's algorithm.
+`wafer-gpt2 cost calibrate`: the model's fitted constants against the published hardware runs.
 
-Prints the phases (input injection, multicast, FMAC, reduction, bias) and, on the last line, the
-total. Every figure is modeled by `wafer.cost`, not measured.
+`gemv` prints the phases (input injection, multicast, FMAC, reduction, bias) and, on the last line,
+the total. Every figure is modeled by `wafer.cost`, not measured; `calibrate` prints measured cycles
+(published, from a CS-3) beside modeled ones.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from service.cli import UserError
+from wafer import calibration
 from wafer.arch import ARCHS
 from wafer.cost import CLOCK_HZ, SDK_CLOCK_HZ, cycles_to_us, standalone_gemv_cost
 
@@ -32,6 +35,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gemv.add_argument("--shape", required=True, metavar="KxN", help="weight shape, e.g. 768x3072")
     gemv.add_argument("--dtype", choices=("fp16", "fp32"), default="fp16")
     gemv.set_defaults(func=run)
+    calibrate = ops.add_parser(
+        "calibrate",
+        help="the fitted constants against published hardware runs",
+        description="Fit the cost model's per-hop latency and DSD-operation start on WaferLLM's MeshGEMV "
+        "runs on a CS-3 with P <= 80, and print every published run beside the model (wafer/calibration.py).",
+    )
+    calibrate.set_defaults(func=run_calibrate)
 
 
 def parse_pair(text: str, flag: str, names: str) -> tuple[int, int]:
@@ -64,4 +74,9 @@ def run(args: argparse.Namespace) -> int:
         f"modeled total: {total:,} cycles = {cycles_to_us(total, CLOCK_HZ):.3f} us at 1.1 GHz, "
         f"{cycles_to_us(total, SDK_CLOCK_HZ):.3f} us at 0.85 GHz"
     )
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    print(calibration.report())
     return 0
