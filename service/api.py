@@ -1,10 +1,12 @@
-"""The HTTP API: TGI's routes, OpenAI's completions, health, info and metrics, over one engine.
+"""The HTTP API: TGI's routes, OpenAI's completions and chat, health, info and metrics, over one
+engine.
 
 `create_app(settings, executor_factory)` builds the FastAPI app; its lifespan starts the engine's
 worker (which uploads the model; /health answers 503 until it is done) and drains it at shutdown.
 Requests are validated and tokenized before they are queued, so bad input never reaches the wafer;
 errors come back in the schema of the route, as a response or, once a stream has started, as a
-stream event. The protocols themselves live in `service.tgi` and `service.openai_completions`.
+stream event. The protocols themselves live in `service.tgi`, `service.openai_completions` and
+`service.openai_chat`.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory, TokenizerHooks
 from service.errors import NotFound, RequestValidationFailed, ServiceError
 from service.metrics import ServiceMetrics
 from service.middleware import GuardMiddleware, error_body, error_status
+from service.openai_chat import chat_generation_requests, chat_response, chat_stream
 from service.openai_completions import completion_choice, openai_generation_requests, openai_stream, usage_of
 from service.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -43,6 +49,7 @@ from service.validation import Limits, format_validation_errors
 from weights import tokenizer
 
 VERSION = "0.1.0"
+PLACEHOLDER_MODELS = ("dummy", "tgi")  # what TGI clients send as `model` when they do not know it
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -62,6 +69,11 @@ def create_app(
 ) -> FastAPI:
     """The service: `executor_factory` is called on the engine's worker thread to upload the model."""
     hooks = tokenizer_hooks()
+    chat_template = (
+        DEFAULT_CHAT_TEMPLATE
+        if settings.chat_template is None
+        else ChatTemplate(settings.chat_template, name="--chat-template")
+    )
     tokenizer.get_encoding()  # build the BPE tables now, not on the first request
     metrics = ServiceMetrics(settings.model_id)
     engine = Engine(
@@ -148,13 +160,16 @@ def create_app(
 
     # --- OpenAI ---
 
+    def check_model(model: str | None) -> None:
+        # huggingface_hub names the model "dummy" when it talks to a URL (TGI ignores the name): accept it.
+        if model is not None and model not in (settings.model_id, *PLACEHOLDER_MODELS):
+            raise NotFound(
+                f"the model `{model}` does not exist; this server serves `{settings.model_id}`", param="model"
+            )
+
     @app.post("/v1/completions", response_model=CompletionResponse, summary="Completions (OpenAI)")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        if body.model is not None and body.model != settings.model_id:
-            raise NotFound(
-                f"the model `{body.model}` does not exist; this server serves `{settings.model_id}`",
-                param="model",
-            )
+        check_model(body.model)
         choices, generations = openai_generation_requests(body, limits(), settings)
         sequences = submit_all(engine, generations)
         model = settings.model_id
@@ -173,6 +188,24 @@ def create_app(
             usage=usage_of(choices, sum(len(f.tokens) for f in finals), body.n),
         )
         return JSONResponse(response.model_dump())
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        summary="Chat completions (OpenAI): the chat template turns the messages into one prompt",
+    )
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        check_model(body.model)
+        choices, generations = chat_generation_requests(body, chat_template, limits(), settings)
+        sequences = submit_all(engine, generations)
+        if body.stream:
+            stream = chat_stream(engine, body, choices, sequences, settings.model_id, request.url.path)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            finals = await wait_for_results(request, engine, sequences)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(chat_response(body, choices, finals, settings.model_id).model_dump())
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

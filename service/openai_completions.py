@@ -4,21 +4,25 @@ per prompt and choice), and the engine's results to OpenAI's response, stream ch
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from service.delivery import events, sse, token_string
+from service.delivery import openai_sse, sse, token_string
 from service.detokenizer import IncrementalDetokenizer
 from service.engine import Engine
 from service.errors import RequestValidationFailed
-from service.middleware import error_body
-from service.schemas import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from service.schemas import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    OpenAIGenerationBody,
+    Usage,
+)
 from service.sequence import (
     Alternative,
-    ErrorEvent,
     FinishEvent,
     FinishReason,
     GeneratedToken,
@@ -39,30 +43,54 @@ class Choice:
     prompt_text: str
 
 
+def completion_prompts(body: CompletionRequest) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if all(isinstance(item, str) for item in prompt):
+        return [tokenizer.encode(item) for item in prompt]
+    if all(isinstance(item, int) for item in prompt):
+        return [list(prompt)]
+    return [list(item) for item in prompt]
+
+
 def openai_generation_requests(
     body: CompletionRequest, limits: Limits, settings: ServerSettings
 ) -> tuple[list[Choice], list[GenerationRequest]]:
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        prompts = [tokenizer.encode(prompt)]
-    elif all(isinstance(item, str) for item in prompt):
-        prompts = [tokenizer.encode(item) for item in prompt]
-    elif all(isinstance(item, int) for item in prompt):
-        prompts = [list(prompt)]
-    else:
-        prompts = [list(item) for item in prompt]
-    if len(prompts) * body.n > settings.max_n:
-        raise RequestValidationFailed(
-            f"`n` x number of prompts must be <= {settings.max_n}, given {body.n} x {len(prompts)}", param="n"
-        )
     if body.best_of is not None and body.best_of != body.n:
         raise RequestValidationFailed(
             "`best_of` other than `n` is not supported by this server", param="best_of"
         )
+    return generation_requests(
+        body,
+        completion_prompts(body),
+        body.max_tokens,
+        limits,
+        settings,
+        prompt_logprobs=body.echo and body.logprobs is not None,
+        top_n=body.logprobs or 0,
+    )
 
+
+def generation_requests(
+    body: OpenAIGenerationBody,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    limits: Limits,
+    settings: ServerSettings,
+    prompt_logprobs: bool = False,
+    top_n: int = 0,
+    extra_stop: tuple[str, ...] = (),
+) -> tuple[list[Choice], list[GenerationRequest]]:
+    """One engine request per prompt and choice, from the fields both OpenAI routes share."""
+    if len(prompts) * body.n > settings.max_n:
+        raise RequestValidationFailed(
+            f"`n` x number of prompts must be <= {settings.max_n}, given {body.n} x {len(prompts)}", param="n"
+        )
     greedy = body.temperature == 0.0
     top_k = body.top_k if body.top_k not in (None, 0, -1) else None
     top_p = body.top_p if body.top_p not in (None, 1.0) else None
+    stops = tuple(body.stop) + tuple(s for s in extra_stop if s not in body.stop)
     choices, requests = [], []
     for prompt_index, ids in enumerate(prompts):
         for sample in range(body.n):
@@ -77,18 +105,16 @@ def openai_generation_requests(
                 repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
                 seed=None if greedy else seed,
             )
-            max_new = (
-                body.max_tokens if body.max_tokens is not None else max(1, limits.context_length - len(ids))
-            )
+            max_new = max_tokens if max_tokens is not None else max(1, limits.context_length - len(ids))
             request = GenerationRequest(
                 prompt_ids=tuple(ids),
                 max_new_tokens=max_new,
                 sampling=sampling,
-                stop_sequences=tuple(body.stop),
+                stop_sequences=stops,
                 stop_token_ids=frozenset(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
-                prompt_logprobs=body.echo and body.logprobs is not None,
-                top_n_tokens=body.logprobs or 0,
+                prompt_logprobs=prompt_logprobs,
+                top_n_tokens=top_n,
                 timeout_s=settings.request_timeout_s,
             )
             requests.append(check_request(request, limits, OPENAI_FIELDS))
@@ -96,7 +122,7 @@ def openai_generation_requests(
     return choices, requests
 
 
-def openai_finish_reason(final: FinishEvent, body: CompletionRequest) -> tuple[str, str | int | None]:
+def openai_finish_reason(final: FinishEvent, body: OpenAIGenerationBody) -> tuple[str, str | int | None]:
     """OpenAI's finish_reason and vLLM's stop_reason (the stop string or stop token, None for EOS)."""
     if final.finish_reason is FinishReason.LENGTH:
         return "length", None
@@ -188,11 +214,6 @@ async def openai_stream(
     path: str,
 ) -> AsyncIterator[bytes]:
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def pump(position: int, sequence: Sequence) -> None:
-        async for event in events(sequence):
-            await merged.put((position, event))
 
     def chunk(choice: Choice, text: str, logprobs=None, finish=None, stop_reason=None) -> bytes:
         data = CompletionResponse(
@@ -211,50 +232,40 @@ async def openai_stream(
         )
         return sse(data.model_dump(exclude_none=False))
 
-    pumps = [asyncio.create_task(pump(i, sequence)) for i, sequence in enumerate(sequences)]
     builders = [LogprobsBuilder() for _ in choices]
     started = [False] * len(choices)
-    remaining, completion_tokens = len(choices), 0
-    try:
-        while remaining:
-            position, event = await merged.get()
-            choice = choices[position]
-            if isinstance(event, ErrorEvent):
-                yield sse(error_body(event.error, path))
-                break
-            prefix, prefix_logprobs = "", None
-            if not started[position]:
-                started[position] = True
-                if body.echo:
-                    prefix = choice.prompt_text
-                    if body.logprobs is not None:
-                        prefill = event.prefill
-                        prefix_logprobs = builders[position].prompt(choice, prefill)
-            want = body.logprobs is not None
-            if isinstance(event, TokenEvent):
-                logprobs = builders[position].generated([event.token]) if want else None
-                if prefix_logprobs is not None:
-                    logprobs = merge_logprobs(prefix_logprobs, logprobs)
-                yield chunk(choice, prefix + event.token.released, logprobs)
-            else:
-                remaining -= 1
-                completion_tokens += len(event.tokens)
-                last = event.tokens[-1]
-                logprobs = builders[position].generated([last]) if want else None
-                if prefix_logprobs is not None:
-                    logprobs = merge_logprobs(prefix_logprobs, logprobs)
-                reason, stop_reason = openai_finish_reason(event, body)
-                yield chunk(choice, prefix + last.released + event.tail, logprobs, reason, stop_reason)
-        else:
-            if body.stream_options is not None and body.stream_options.include_usage:
-                usage = usage_of(choices, completion_tokens, body.n)
-                data = CompletionResponse(
-                    id=completion_id, created=created, model=model, choices=[], usage=usage
-                )
-                yield sse(data.model_dump())
-        yield sse("[DONE]")
-    finally:
-        for task in pumps:
-            task.cancel()
-        for sequence in sequences:
-            engine.cancel(sequence)  # a no-op for those that finished
+    want = body.logprobs is not None
+
+    def render(position: int, event: TokenEvent | FinishEvent) -> list[bytes]:
+        choice = choices[position]
+        prefix, prefix_logprobs = "", None
+        if not started[position]:
+            started[position] = True
+            if body.echo:
+                prefix = choice.prompt_text
+                if want:
+                    prefix_logprobs = builders[position].prompt(choice, event.prefill)
+        if isinstance(event, TokenEvent):
+            logprobs = builders[position].generated([event.token]) if want else None
+            if prefix_logprobs is not None:
+                logprobs = merge_logprobs(prefix_logprobs, logprobs)
+            return [chunk(choice, prefix + event.token.released, logprobs)]
+        last = event.tokens[-1]
+        logprobs = builders[position].generated([last]) if want else None
+        if prefix_logprobs is not None:
+            logprobs = merge_logprobs(prefix_logprobs, logprobs)
+        reason, stop_reason = openai_finish_reason(event, body)
+        return [chunk(choice, prefix + last.released + event.tail, logprobs, reason, stop_reason)]
+
+    def usage_chunk(completion_tokens: int) -> bytes | None:
+        if body.stream_options is None or not body.stream_options.include_usage:
+            return None
+        usage = usage_of(choices, completion_tokens, body.n)
+        return sse(
+            CompletionResponse(
+                id=completion_id, created=created, model=model, choices=[], usage=usage
+            ).model_dump()
+        )
+
+    async for data in openai_sse(engine, sequences, path, render, usage_chunk):
+        yield data

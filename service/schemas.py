@@ -210,18 +210,16 @@ class StreamOptions(_Body):
     continuous_usage_stats: StrictBool = False
 
 
-class CompletionRequest(_Body):
+class OpenAIGenerationBody(_Body):
+    """The fields `/v1/completions` and `/v1/chat/completions` share (vLLM's sampling extras included)."""
+
     model: str | None = None
-    prompt: Any
-    max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     n: int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = None
-    echo: StrictBool = False
     stop: Any = Field(default_factory=list)
     stop_token_ids: list[int] | None = None
     seed: Seed = None
@@ -229,9 +227,69 @@ class CompletionRequest(_Body):
     ignore_eos: StrictBool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    best_of: int | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: Any) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return value
+        raise ValueError(f"must be a string or a list of strings, got {_json_type(value)}")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 <= value <= 2.0:
+            raise ValueError(f"must be between 0 and 2 (0 is greedy), got {value}")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 < value <= 1.0:
+            raise ValueError(f"must be > 0 and <= 1, got {value}")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value is not None and value < -1:
+            raise ValueError(f"must be -1 or 0 (off) or a positive number of candidates, got {value}")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be at least 1, got {value}")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalties(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError(f"only 0 is supported by this server, got {value} (use repetition_penalty)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict | None) -> dict | None:
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+
+class CompletionRequest(OpenAIGenerationBody):
+    prompt: Any
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: StrictBool = False
+    best_of: int | None = None
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -264,49 +322,10 @@ class CompletionRequest(_Body):
             f"ids, got {_json_type(value)}"
         )
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, value: Any) -> list[str]:
-        if value is None:
-            return []
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            return value
-        raise ValueError(f"must be a string or a list of strings, got {_json_type(value)}")
-
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, value: int | None) -> int | None:
         if value is not None and value <= 0:
-            raise ValueError(f"must be at least 1, got {value}")
-        return value
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, value: float | None) -> float | None:
-        if value is not None and not 0.0 <= value <= 2.0:
-            raise ValueError(f"must be between 0 and 2 (0 is greedy), got {value}")
-        return value
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, value: float | None) -> float | None:
-        if value is not None and not 0.0 < value <= 1.0:
-            raise ValueError(f"must be > 0 and <= 1, got {value}")
-        return value
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value: int | None) -> int | None:
-        if value is not None and value < -1:
-            raise ValueError(f"must be -1 or 0 (off) or a positive number of candidates, got {value}")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, value: int) -> int:
-        if value < 1:
             raise ValueError(f"must be at least 1, got {value}")
         return value
 
@@ -315,20 +334,6 @@ class CompletionRequest(_Body):
     def _logprobs(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value <= 5:
             raise ValueError(f"must be between 0 and 5, got {value}")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalties(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError(f"only 0 is supported by this server, got {value} (use repetition_penalty)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("is not supported by this server")
         return value
 
     @field_validator("suffix")
@@ -392,3 +397,162 @@ class OpenAIErrorBody(BaseModel):
 
 class OpenAIError(BaseModel):
     error: OpenAIErrorBody
+
+
+# ----- OpenAI chat ---------------------------------------------------------------------------------
+
+
+class ChatMessage(BaseModel):
+    # Fields beyond role and content (name, tool_call_id, ...) are passed to the template as they come.
+    model_config = ConfigDict(extra="allow")
+
+    role: StrictStr
+    content: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: Any) -> str:
+        """A string, or a list of text parts (`{"type": "text", "text": ...}`), joined as one string."""
+        if value is None:
+            return ""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            texts = []
+            for i, part in enumerate(value):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+                    raise ValueError(f"part {i}: only text parts are supported by this server, got {kind!r}")
+                texts.append(part["text"])
+            return "\n".join(texts)
+        raise ValueError(f"must be a string or a list of text parts, got {_json_type(value)}")
+
+
+class ChatCompletionRequest(OpenAIGenerationBody):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("must hold at least one message")
+        return value
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError(f"must be at least 1, got {value}")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= 5:
+            raise ValueError(f"must be between 0 and 5, got {value}")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("a template per request is not accepted: start the server with --chat-template")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list | None) -> list | None:
+        if value:
+            raise ValueError("tool calling is not supported by this server (GPT-2 has no tool format)")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise ValueError(f"only 'none' is supported by this server, got {value!r}")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict | None) -> dict | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError(
+                f"only {{'type': 'text'}} is supported by this server, got {value.get('type')!r}"
+            )
+        return value
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None

@@ -33,6 +33,9 @@ class ServerSettings:
     max_body_bytes: int = 1_000_000
     request_timeout_s: float = 600.0  # queue + generation; the request fails with 504 beyond it
 
+    # Chat: the Jinja source of `--chat-template` (None: the plain transcript of service.chat_template).
+    chat_template: str | None = None
+
     # Lifecycle.
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may finish after a shutdown signal
     api_key: str | None = None  # when set, generation routes need `Authorization: Bearer <key>`
