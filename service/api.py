@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
@@ -42,15 +44,37 @@ from service.schemas import (
     TGIInfo,
     TGIRequest,
     TGIResponse,
+    ignored_fields,
 )
 from service.settings import ServerSettings
 from service.tgi import tgi_generation_request, tgi_json, tgi_response, tgi_stream
 from service.validation import Limits, format_validation_errors
 from weights import tokenizer
 
+log = logging.getLogger("wafer_gpt2.api")
 VERSION = "0.1.0"
 PLACEHOLDER_MODELS = ("dummy", "tgi")  # what TGI clients send as `model` when they do not know it
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class IgnoredFields:
+    """Unknown fields are accepted and ignored (as vLLM and TGI do) but said so: in the response header
+    `X-Ignored-Fields`, and in a warning logged once per route and set of names (not once per request)."""
+
+    HEADER = "X-Ignored-Fields"
+
+    def __init__(self) -> None:
+        self._logged: set[tuple[str, tuple[str, ...]]] = set()
+
+    def headers(self, body: BaseModel, path: str) -> dict[str, str]:
+        names = ignored_fields(body)
+        if not names:
+            return {}
+        key = (path, tuple(names))
+        if key not in self._logged and len(self._logged) < 1000:
+            self._logged.add(key)
+            log.warning("%s: ignored unknown fields: %s", path, ", ".join(names))
+        return {self.HEADER: ", ".join(names)}
 
 
 def tokenizer_hooks() -> TokenizerHooks:
@@ -69,6 +93,7 @@ def create_app(
 ) -> FastAPI:
     """The service: `executor_factory` is called on the engine's worker thread to upload the model."""
     hooks = tokenizer_hooks()
+    ignored = IgnoredFields()
     chat_template = (
         DEFAULT_CHAT_TEMPLATE
         if settings.chat_template is None
@@ -136,13 +161,15 @@ def create_app(
             (final,) = await wait_for_results(request, engine, sequences)
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(tgi_json(tgi_response(body, final, hooks)))
+        headers = ignored.headers(body, request.url.path)
+        return JSONResponse(tgi_json(tgi_response(body, final, hooks)), headers=headers)
 
     async def generate_stream_response(request: Request, body: TGIRequest) -> Response:
         generation = tgi_generation_request(body, limits(), settings)
         (sequence,) = submit_all(engine, [generation])
         stream = tgi_stream(engine, sequence, body, hooks, request.url.path)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        headers = SSE_HEADERS | ignored.headers(body, request.url.path)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
     @app.post("/generate", response_model=TGIResponse, summary="Generate text (TGI)")
     async def generate(request: Request, body: TGIRequest) -> Response:
@@ -173,9 +200,10 @@ def create_app(
         choices, generations = openai_generation_requests(body, limits(), settings)
         sequences = submit_all(engine, generations)
         model = settings.model_id
+        headers = ignored.headers(body, request.url.path)
         if body.stream:
             stream = openai_stream(engine, body, choices, sequences, model, request.url.path)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
         try:
             finals = await wait_for_results(request, engine, sequences)
         except ClientGone:
@@ -187,7 +215,7 @@ def create_app(
             choices=[completion_choice(body, c, f) for c, f in zip(choices, finals, strict=True)],
             usage=usage_of(choices, sum(len(f.tokens) for f in finals), body.n),
         )
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(), headers=headers)
 
     @app.post(
         "/v1/chat/completions",
@@ -198,14 +226,16 @@ def create_app(
         check_model(body.model)
         choices, generations = chat_generation_requests(body, chat_template, limits(), settings)
         sequences = submit_all(engine, generations)
+        headers = ignored.headers(body, request.url.path)
         if body.stream:
             stream = chat_stream(engine, body, choices, sequences, settings.model_id, request.url.path)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
         try:
             finals = await wait_for_results(request, engine, sequences)
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(chat_response(body, choices, finals, settings.model_id).model_dump())
+        response = chat_response(body, choices, finals, settings.model_id)
+        return JSONResponse(response.model_dump(), headers=headers)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

@@ -13,7 +13,13 @@ from service.chat_template import ChatTemplate, ChatTemplateError
 from service.delivery import openai_sse, sse, token_string
 from service.engine import Engine
 from service.errors import RequestValidationFailed
-from service.openai_completions import Choice, generation_requests, openai_finish_reason, usage_of
+from service.openai_completions import (
+    Choice,
+    generation_requests,
+    openai_finish_reason,
+    prompt_logprobs_of,
+    usage_of,
+)
 from service.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -69,6 +75,7 @@ def chat_generation_requests(
         limits,
         settings,
         top_n=(body.top_logprobs or 0) if body.logprobs else 0,
+        prompt_top_n=body.prompt_logprobs,
         extra_stop=template.stop,
     )
 
@@ -102,12 +109,16 @@ def chat_response(
                 stop_reason=stop_reason,
             )
         )
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None:  # vLLM puts them beside the choices (one prompt for all)
+        prompt_logprobs = prompt_logprobs_of(choices[0], finals[0].prefill, body.prompt_logprobs)
     return ChatCompletionResponse(
         id=f"chatcmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
         model=model,
         choices=out,
         usage=usage_of(choices, sum(len(f.tokens) for f in finals), body.n),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -19,6 +19,8 @@ from service.schemas import (
     CompletionRequest,
     CompletionResponse,
     OpenAIGenerationBody,
+    PromptLogprob,
+    PromptLogprobs,
     Usage,
 )
 from service.sequence import (
@@ -69,6 +71,7 @@ def openai_generation_requests(
         settings,
         prompt_logprobs=body.echo and body.logprobs is not None,
         top_n=body.logprobs or 0,
+        prompt_top_n=max(body.logprobs or 0, body.prompt_logprobs or 0),
     )
 
 
@@ -80,6 +83,7 @@ def generation_requests(
     settings: ServerSettings,
     prompt_logprobs: bool = False,
     top_n: int = 0,
+    prompt_top_n: int | None = None,
     extra_stop: tuple[str, ...] = (),
 ) -> tuple[list[Choice], list[GenerationRequest]]:
     """One engine request per prompt and choice, from the fields both OpenAI routes share."""
@@ -87,6 +91,19 @@ def generation_requests(
         raise RequestValidationFailed(
             f"`n` x number of prompts must be <= {settings.max_n}, given {body.n} x {len(prompts)}", param="n"
         )
+    if body.prompt_logprobs is not None and body.stream:
+        raise RequestValidationFailed(
+            "`prompt_logprobs` is not available when streaming", param="prompt_logprobs"
+        )
+    if max_tokens is not None and body.min_tokens > max_tokens:
+        raise RequestValidationFailed(
+            f"`min_tokens` must be <= `max_tokens`, given {body.min_tokens} > {max_tokens}",
+            param="min_tokens",
+        )
+    truncate = body.truncate_prompt_tokens
+    if truncate is not None:
+        keep = limits.max_input_tokens if truncate == -1 else truncate  # vLLM: keep the last N tokens
+        prompts = [ids[-keep:] for ids in prompts]
     greedy = body.temperature == 0.0
     top_k = body.top_k if body.top_k not in (None, 0, -1) else None
     top_p = body.top_p if body.top_p not in (None, 1.0) else None
@@ -104,6 +121,9 @@ def generation_requests(
                 top_p=None if greedy else top_p,
                 repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
                 seed=None if greedy else seed,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                min_p=body.min_p or 0.0,
             )
             max_new = max_tokens if max_tokens is not None else max(1, limits.context_length - len(ids))
             request = GenerationRequest(
@@ -113,9 +133,13 @@ def generation_requests(
                 stop_sequences=stops,
                 stop_token_ids=frozenset(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
-                prompt_logprobs=prompt_logprobs,
+                prompt_logprobs=prompt_logprobs or body.prompt_logprobs is not None,
                 top_n_tokens=top_n,
                 timeout_s=settings.request_timeout_s,
+                min_tokens=body.min_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
+                prompt_top_n=prompt_top_n,
             )
             requests.append(check_request(request, limits, OPENAI_FIELDS))
             choices.append(Choice(index, tuple(ids), tokenizer.decode(ids)))
@@ -138,14 +162,17 @@ class LogprobsBuilder:
     def __init__(self, offset: int = 0):
         self.offset = offset
 
-    def prompt(self, choice: Choice, prefill: tuple[PromptToken, ...]) -> CompletionLogprobs:
+    def prompt(self, choice: Choice, prefill: tuple[PromptToken, ...], n: int) -> CompletionLogprobs:
+        """The prompt's entries with n alternatives each (the engine may have kept more)."""
         pieces = IncrementalDetokenizer(tokenizer.token_bytes)
         entries = []
         for i, token in enumerate(choice.prompt_ids):
             known = prefill[i] if i < len(prefill) else None
             text = pieces.add(token).text
             top = (
-                None if known is None or known.logprob is None else self._top(known.top, token, known.logprob)
+                None
+                if known is None or known.logprob is None
+                else self._top(known.top[:n], token, known.logprob)
             )
             entries.append((token, text, known.logprob if known else None, top))
         return self._build(entries)
@@ -172,6 +199,23 @@ class LogprobsBuilder:
         )
 
 
+def prompt_logprobs_of(choice: Choice, prefill: tuple[PromptToken, ...], n: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: None for the first token, then per position the prompt's token and the
+    model's n best candidates, keyed by token id."""
+    out: PromptLogprobs = [None]
+    for known in prefill[1:]:
+        entries = {
+            str(a.id): PromptLogprob(logprob=a.logprob, rank=rank, decoded_token=token_string(a.id))
+            for rank, a in enumerate(known.top[:n], start=1)
+        }
+        entries.setdefault(
+            str(known.id),
+            PromptLogprob(logprob=known.logprob, rank=known.rank, decoded_token=token_string(known.id)),
+        )
+        out.append(entries)
+    return out[: len(choice.prompt_ids)]
+
+
 def merge_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
     return CompletionLogprobs(
         tokens=first.tokens + second.tokens,
@@ -190,9 +234,19 @@ def completion_choice(body: CompletionRequest, choice: Choice, final: FinishEven
         logprobs = builder.generated(final.tokens)
         if body.echo:
             builder = LogprobsBuilder()
-            logprobs = merge_logprobs(builder.prompt(choice, final.prefill), builder.generated(final.tokens))
+            logprobs = merge_logprobs(
+                builder.prompt(choice, final.prefill, body.logprobs), builder.generated(final.tokens)
+            )
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None:
+        prompt_logprobs = prompt_logprobs_of(choice, final.prefill, body.prompt_logprobs)
     return CompletionChoice(
-        index=choice.index, text=text, logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason
+        index=choice.index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=reason,
+        stop_reason=stop_reason,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -244,7 +298,7 @@ async def openai_stream(
             if body.echo:
                 prefix = choice.prompt_text
                 if want:
-                    prefix_logprobs = builders[position].prompt(choice, event.prefill)
+                    prefix_logprobs = builders[position].prompt(choice, event.prefill, body.logprobs)
         if isinstance(event, TokenEvent):
             logprobs = builders[position].generated([event.token]) if want else None
             if prefix_logprobs is not None:

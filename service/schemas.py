@@ -45,8 +45,18 @@ def _json_type(value: Any) -> str:
 
 
 class _Body(BaseModel):
-    # Unknown fields are an error: a misspelt parameter must not be ignored silently.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are accepted and ignored, as vLLM and TGI do (clients send fields other servers
+    # know); they are not ignored silently: `ignored_fields` names them for a warning header and log.
+    model_config = ConfigDict(extra="allow")
+
+
+def ignored_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """The unknown fields of a body and of the bodies inside it, as dotted paths."""
+    names = [prefix + name for name in body.model_extra or {}] if isinstance(body, _Body) else []
+    for name, value in body:
+        if isinstance(value, _Body):
+            names += ignored_fields(value, f"{prefix}{name}.")
+    return names
 
 
 # ----- TGI -----------------------------------------------------------------------------------------
@@ -73,11 +83,18 @@ class TGIParameters(_Body):
     watermark: StrictBool = False
     adapter_id: str | None = None
 
-    @field_validator("max_new_tokens", "top_k", "truncate", "top_n_tokens")
+    @field_validator("max_new_tokens", "top_k", "truncate")
     @classmethod
     def _positive_int(cls, value: int | None) -> int | None:
         if value is not None and value <= 0:
             raise ValueError(f"must be strictly positive, got {value}")
+        return value
+
+    @field_validator("top_n_tokens")
+    @classmethod
+    def _top_n_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError(f"must be 0 (none) or more, got {value}")
         return value
 
     @field_validator("top_p")
@@ -94,11 +111,24 @@ class TGIParameters(_Body):
             raise ValueError(f"best_of != 1 is not supported by this server, got {value}")
         return value
 
-    @field_validator("typical_p", "frequency_penalty")
+    # Knobs this server does not implement: their neutral values (TGI's defaults) are accepted.
+    @field_validator("typical_p")
     @classmethod
-    def _unsupported_float(cls, value: float | None) -> float | None:
-        if value is not None:
-            raise ValueError("is not supported by this server (the wafer returns only its top-k candidates)")
+    def _typical_p(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 < value <= 1.0:
+            raise ValueError(f"must be > 0.0 and <= 1.0, got {value}")
+        if value is not None and value != 1.0:
+            raise ValueError(f"only 1.0 (off) is supported by this server, got {value}")
+        return value
+
+    @field_validator("frequency_penalty")
+    @classmethod
+    def _frequency_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError(
+                f"only 0.0 (off) is supported on this route, got {value} (use repetition_penalty, or "
+                "frequency_penalty on /v1/completions)"
+            )
         return value
 
     @field_validator("watermark")
@@ -229,6 +259,13 @@ class OpenAIGenerationBody(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extras.
+    min_p: float | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -272,8 +309,38 @@ class OpenAIGenerationBody(_Body):
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _penalties(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError(f"only 0 is supported by this server, got {value} (use repetition_penalty)")
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise ValueError(f"must be between -2 and 2, got {value}")
+        return value
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"must be between 0 and 1, got {value}")
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"must be 0 or more, got {value}")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_prompt_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise ValueError(
+                f"must be at least 1 (keep the last N prompt tokens) or -1 (the limit), got {value}"
+            )
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= 5:
+            raise ValueError(f"must be between 0 and 5, got {value}")
         return value
 
     @field_validator("logit_bias")
@@ -351,12 +418,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry per candidate of a prompt position (`prompt_logprobs`), keyed by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Usage(BaseModel):
@@ -533,6 +612,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(BaseModel):
