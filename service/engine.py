@@ -434,6 +434,10 @@ class Engine:
                         )
                 if item.position < len(prompt) - 1:
                     continue
+                if sequence.request.max_new_tokens == 0:
+                    # Scoring (OpenAI echo with max_tokens 0): done with the prefill, no decode step.
+                    self._end(sequence, finish=FinishReason.LENGTH)
+                    continue
             else:
                 sequence.pending_token = None
             self._sample(sequence, scores)

@@ -59,6 +59,11 @@ def completion_prompts(body: CompletionRequest) -> list[list[int]]:
 def openai_generation_requests(
     body: CompletionRequest, limits: Limits, settings: ServerSettings
 ) -> tuple[list[Choice], list[GenerationRequest]]:
+    if body.max_tokens == 0 and not body.echo:
+        raise RequestValidationFailed(
+            "`max_tokens` must be at least 1, got 0 (0 is allowed with `echo`: score the prompt)",
+            param="max_tokens",
+        )
     if body.best_of is not None and body.best_of != body.n:
         raise RequestValidationFailed(
             "`best_of` other than `n` is not supported by this server", param="best_of"
@@ -304,12 +309,13 @@ async def openai_stream(
             if prefix_logprobs is not None:
                 logprobs = merge_logprobs(prefix_logprobs, logprobs)
             return [chunk(choice, prefix + event.token.released, logprobs)]
-        last = event.tokens[-1]
-        logprobs = builders[position].generated([last]) if want else None
+        last = event.tokens[-1:]  # none when only the prompt was scored (max_tokens 0)
+        logprobs = builders[position].generated(last) if want else None
         if prefix_logprobs is not None:
             logprobs = merge_logprobs(prefix_logprobs, logprobs)
         reason, stop_reason = openai_finish_reason(event, body)
-        return [chunk(choice, prefix + last.released + event.tail, logprobs, reason, stop_reason)]
+        text = prefix + "".join(t.released for t in last) + event.tail
+        return [chunk(choice, text, logprobs, reason, stop_reason)]
 
     def usage_chunk(completion_tokens: int) -> bytes | None:
         if body.stream_options is None or not body.stream_options.include_usage:

@@ -392,8 +392,8 @@ class CompletionRequest(OpenAIGenerationBody):
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, value: int | None) -> int | None:
-        if value is not None and value <= 0:
-            raise ValueError(f"must be at least 1, got {value}")
+        if value is not None and value < 0:
+            raise ValueError(f"must be at least 1 (or 0 with `echo`: score the prompt), got {value}")
         return value
 
     @field_validator("logprobs")

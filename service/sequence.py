@@ -22,7 +22,7 @@ from service.sampling import Sampler, SamplingParams
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
-    max_new_tokens: int
+    max_new_tokens: int  # 0: only the prefill runs (scoring the prompt); the request ends after it
     sampling: SamplingParams = SamplingParams()
     stop_sequences: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()

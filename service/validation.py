@@ -71,7 +71,7 @@ def check_request(request: GenerationRequest, limits: Limits, names: FieldNames)
     bad_ids = [t for t in request.prompt_ids if not 0 <= t < limits.vocab_size]
     if bad_ids:
         fail(f"`{names.prompt}` token id {bad_ids[0]} is outside 0..{limits.vocab_size - 1}", names.prompt)
-    if not 0 < n_new <= limits.max_new_tokens:
+    if not 0 <= n_new <= limits.max_new_tokens:  # 0: score the prompt only (the routes allow it or not)
         fail(
             f"`{names.max_new_tokens}` must be between 1 and {limits.max_new_tokens}, given {n_new}",
             names.max_new_tokens,
