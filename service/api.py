@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
@@ -26,12 +28,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from service import tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory, TokenizerHooks
 from service.errors import NotFound, RequestValidationFailed, ServiceError
 from service.metrics import ServiceMetrics
-from service.middleware import GuardMiddleware, error_body, error_status
+from service.middleware import OPENAI_PREFIX, GuardMiddleware, error_body, error_status
 from service.openai_chat import chat_generation_requests, chat_response, chat_stream
 from service.openai_completions import completion_choice, openai_generation_requests, openai_stream, usage_of
 from service.schemas import (
@@ -39,11 +42,14 @@ from service.schemas import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     TGIInfo,
     TGIRequest,
     TGIResponse,
+    TGITokenizeRequest,
     ignored_fields,
 )
 from service.settings import ServerSettings
@@ -66,15 +72,21 @@ class IgnoredFields:
     def __init__(self) -> None:
         self._logged: set[tuple[str, tuple[str, ...]]] = set()
 
+    MAX_NAMES = 20  # the header names at most these (a body may hold thousands of unknown fields)
+
     def headers(self, body: BaseModel, path: str) -> dict[str, str]:
-        names = ignored_fields(body)
+        # Percent-encoded: a field name may hold anything, a header value only visible ASCII.
+        names = [quote(name, safe="!#$&'()*+,/:;=?@[]^_`{|}~") for name in ignored_fields(body)]
         if not names:
             return {}
-        key = (path, tuple(names))
+        shown = ", ".join(names[: self.MAX_NAMES])
+        if len(names) > self.MAX_NAMES:
+            shown += f" (and {len(names) - self.MAX_NAMES} more)"
+        key = (path, shown)
         if key not in self._logged and len(self._logged) < 1000:
             self._logged.add(key)
-            log.warning("%s: ignored unknown fields: %s", path, ", ".join(names))
-        return {self.HEADER: ", ".join(names)}
+            log.warning("%s: ignored unknown fields: %s", path, shown)
+        return {self.HEADER: shown}
 
 
 def tokenizer_hooks() -> TokenizerHooks:
@@ -129,7 +141,8 @@ def create_app(
     async def service_error(request: Request, error: ServiceError) -> JSONResponse:
         if not error.counted:
             metrics.record_failure(error.metric_reason)
-        path = request.url.path
+        # A route serving two protocols on one path (TGI's and vLLM's /tokenize) names the family to use.
+        path = getattr(request.state, "error_path", request.url.path)
         return JSONResponse(error_body(error, path), status_code=error_status(error, path))
 
     @app.exception_handler(Exception)
@@ -243,6 +256,38 @@ def create_app(
         return ModelList(
             data=[ModelCard(id=settings.model_id, created=int(time.time()), max_model_len=context)]
         )
+
+    # --- tokenizer ---
+
+    async def json_of(request: Request):
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestValidationFailed(f"request body is not valid JSON ({exc})") from None
+
+    @app.post("/tokenize", summary="Tokenize: vLLM's shape (`prompt` or `messages`), or TGI's (`inputs`)")
+    async def tokenize(request: Request) -> Response:
+        data, path = await json_of(request), request.url.path
+        if tokenize_api.is_tgi_body(data):
+            tgi_body = tokenize_api.parse(TGITokenizeRequest, data)
+            tokens = [t.model_dump() for t in tokenize_api.tgi_tokenize(tgi_body)]
+            return JSONResponse(tokens, headers=ignored.headers(tgi_body, path))
+        request.state.error_path = OPENAI_PREFIX  # vLLM's body: OpenAI's error schema
+        body = tokenize_api.vllm_tokenize_body(data)
+        check_model(body.model)
+        response = tokenize_api.vllm_tokenize(body, chat_template, limits().context_length)
+        return JSONResponse(response.model_dump(), headers=ignored.headers(body, path))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, summary="Token ids to text (vLLM)")
+    async def detokenize(request: Request) -> Response:
+        body = tokenize_api.parse(DetokenizeRequest, await json_of(request))
+        check_model(body.model)
+        response = tokenize_api.vllm_detokenize(body, limits().vocab_size)
+        return JSONResponse(response.model_dump(), headers=ignored.headers(body, request.url.path))
+
+    @app.get("/tokenizer_info", summary="The tokenizer's config and the chat template (vLLM)")
+    async def tokenizer_info() -> dict:
+        return tokenize_api.tokenizer_info(chat_template, limits().context_length)
 
     # --- operations ---
 

@@ -16,8 +16,13 @@ ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers do not carry the key
 
 
+OPENAI_PREFIX = "/v1/"
+# vLLM's routes outside /v1/ (TGI has none of these): their errors are OpenAI's too.
+OPENAI_ROOT_PATHS = ("/detokenize", "/tokenizer_info")
+
+
 def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/")
+    return path.startswith(OPENAI_PREFIX) or path in OPENAI_ROOT_PATHS
 
 
 def openai_error_type(error: ServiceError) -> str:

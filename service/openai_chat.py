@@ -31,6 +31,7 @@ from service.schemas import (
     ChatResponseMessage,
     ChatTokenLogprob,
     ChatTopLogprob,
+    TokenizeChatRequest,
 )
 from service.sequence import FinishEvent, GeneratedToken, GenerationRequest, Sequence, TokenEvent
 from service.settings import ServerSettings
@@ -38,7 +39,8 @@ from service.validation import Limits
 from weights import tokenizer
 
 
-def chat_prompt(body: ChatCompletionRequest, template: ChatTemplate) -> str:
+def render_chat(body: ChatCompletionRequest | TokenizeChatRequest, template: ChatTemplate) -> str:
+    """The prompt text of a chat body (also what `/tokenize` shows of one)."""
     messages = [message.model_dump() for message in body.messages]
     try:
         return template.render(
@@ -66,7 +68,7 @@ def chat_generation_requests(
             param="continue_final_message",
         )
     # A template may place <|endoftext|> itself (as `eos_token`): it is the special token, as in vLLM.
-    prompt = tokenizer.encode(chat_prompt(body, template), allow_special=True)
+    prompt = tokenizer.encode_prompt(render_chat(body, template))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return generation_requests(
         body,

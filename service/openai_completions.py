@@ -48,9 +48,9 @@ class Choice:
 def completion_prompts(body: CompletionRequest) -> list[list[int]]:
     prompt = body.prompt
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [tokenizer.encode_prompt(prompt)]
     if all(isinstance(item, str) for item in prompt):
-        return [tokenizer.encode(item) for item in prompt]
+        return [tokenizer.encode_prompt(item) for item in prompt]
     if all(isinstance(item, int) for item in prompt):
         return [list(prompt)]
     return [list(item) for item in prompt]

@@ -636,3 +636,57 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+
+
+# ----- tokenizer routes ----------------------------------------------------------------------------
+
+
+class TokenizePromptRequest(_Body):
+    """vLLM's `/tokenize` with a prompt (`add_special_tokens` changes nothing: GPT-2 adds none)."""
+
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_Body):
+    """vLLM's `/tokenize` with chat messages: the prompt the chat template makes of them."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TGITokenizeRequest(_Body):
+    """TGI's `/tokenize` (its `parameters` are accepted and do not change the tokens)."""
+
+    inputs: StrictStr
+    parameters: dict[str, Any] | None = None
+
+
+class TGISimpleToken(BaseModel):
+    id: int
+    text: str
+    start: int  # byte offsets of the token in the UTF-8 input
+    stop: int

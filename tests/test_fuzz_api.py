@@ -31,9 +31,15 @@ SLOTS = 4
 CONTEXT = 32  # prompt + new tokens: valid requests stay cheap
 EXAMPLES_PER_OPERATION = 40  # schemathesis, per operation
 BODIES_PER_PROTOCOL = 50  # hypothesis, per protocol
-OPENAI_PATHS = ("/v1/completions", "/v1/models")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 # The operations that take a body (the GET routes take no parameters: nothing to fuzz).
-OPERATIONS = [("POST", "/generate"), ("POST", "/generate_stream"), ("POST", "/"), ("POST", "/v1/completions")]
+OPERATIONS = [
+    ("POST", "/generate"),
+    ("POST", "/generate_stream"),
+    ("POST", "/"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -240,3 +240,12 @@ def test_min_tokens_skip_special_tokens_and_end_of_text(eos_server):
         # min_tokens also holds back stop strings (vLLM checks none before min_tokens).
         stopped = complete_rigged(ignore_eos=True, skip_special_tokens=False, stop="<|", min_tokens=2)
         assert stopped["text"] == "<|endoftext|>" * 2 and stopped["stop_reason"] == "<|"
+
+
+def test_odd_unknown_field_names_are_percent_encoded_in_the_header(client):
+    """What the fuzzer found: a field name outside visible ASCII broke the header (500)."""
+    body = {"prompt": PROMPT, "max_tokens": 1, "Ā\n": 1, **{f"x{i}": i for i in range(25)}}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    header = response.headers["x-ignored-fields"]
+    assert header.startswith("%C4%80%0A, x0, x1") and header.endswith("(and 6 more)")
