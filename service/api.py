@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -22,7 +21,6 @@ from collections.abc import Callable
 from urllib.parse import quote
 
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -32,7 +30,7 @@ from service import tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory, TokenizerHooks
-from service.errors import NotFound, RequestValidationFailed, ServiceError
+from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
 from service.metrics import ServiceMetrics
 from service.middleware import OPENAI_PREFIX, GuardMiddleware, error_body, error_status
 from service.openai_chat import chat_generation_requests, chat_response, chat_stream
@@ -54,7 +52,7 @@ from service.schemas import (
 )
 from service.settings import ServerSettings
 from service.tgi import tgi_generation_request, tgi_json, tgi_response, tgi_stream
-from service.validation import Limits, format_validation_errors
+from service.validation import Limits, format_validation_errors, json_body, parse_body
 from weights import tokenizer
 
 log = logging.getLogger("wafer_gpt2.api")
@@ -158,16 +156,30 @@ def create_app(
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        # FastAPI refuses a body it cannot decode (not UTF-8) with a bare 400: answer it like invalid
-        # JSON, in the route's schema. Other HTTP errors (unknown path or method) keep FastAPI's answer.
+        # Errors raised outside a route (unknown path, wrong method, a body FastAPI cannot decode) answer
+        # in the error schema of the path's family too, never FastAPI's bare `{"detail": ...}`.
+        where = f"{request.method} {request.url.path}"
         if exc.status_code == 400:
             message = f"the request body could not be read ({exc.detail}): send JSON encoded as UTF-8"
             return await service_error(request, RequestValidationFailed(message))
-        return await http_exception_handler(request, exc)
+        if exc.status_code == 404:
+            error: ServiceError = NotFound(f"no route {where}; see /docs for the routes this server serves")
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            error = MethodNotAllowed(
+                f"{where} is not allowed; this path accepts {allowed or 'other methods'}"
+            )
+        else:
+            error = ServiceError(f"{where}: {exc.detail}")
+            error.status = exc.status_code
+        error.counted = True  # not a generation request: tgi_request_failure does not count it
+        response = await service_error(request, error)
+        response.headers.update(exc.headers or {})
+        return response
 
     # --- TGI ---
 
-    async def generate_response(request: Request, body: TGIRequest) -> Response:
+    async def generate_response(request: Request, body: TGIRequest, as_list: bool = False) -> Response:
         generation = tgi_generation_request(body, limits(), settings)
         sequences = submit_all(engine, [generation])
         try:
@@ -175,9 +187,16 @@ def create_app(
         except ClientGone:
             return Response(status_code=499)
         headers = ignored.headers(body, request.url.path)
-        return JSONResponse(tgi_json(tgi_response(body, final, hooks)), headers=headers)
+        data = tgi_json(tgi_response(body, final, hooks))
+        return JSONResponse([data] if as_list else data, headers=headers)
 
     async def generate_stream_response(request: Request, body: TGIRequest) -> Response:
+        if body.parameters.decoder_input_details:
+            raise RequestValidationFailed(
+                "parameters.decoder_input_details: `decoder_input_details` == true is not supported when "
+                "streaming tokens",
+                param="parameters.decoder_input_details",
+            )
         generation = tgi_generation_request(body, limits(), settings)
         (sequence,) = submit_all(engine, [generation])
         stream = tgi_stream(engine, sequence, body, hooks, request.url.path)
@@ -192,11 +211,15 @@ def create_app(
     async def generate_stream(request: Request, body: TGIRequest) -> Response:
         return await generate_stream_response(request, body)
 
-    @app.post("/", summary="TGI's compatibility route: `stream` picks /generate or /generate_stream")
+    @app.post(
+        "/",
+        response_model=list[TGIResponse],
+        summary="TGI's compatibility route: `stream` picks /generate_stream, else /generate's answer in a list",
+    )
     async def compat_generate(request: Request, body: TGIRequest) -> Response:
         if body.stream:
             return await generate_stream_response(request, body)
-        return await generate_response(request, body)
+        return await generate_response(request, body, as_list=True)
 
     # --- OpenAI ---
 
@@ -209,6 +232,9 @@ def create_app(
 
     @app.post("/v1/completions", response_model=CompletionResponse, summary="Completions (OpenAI)")
     async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await completions_response(request, body)
+
+    async def completions_response(request: Request, body: CompletionRequest) -> Response:
         check_model(body.model)
         choices, generations = openai_generation_requests(body, limits(), settings)
         sequences = submit_all(engine, generations)
@@ -236,6 +262,9 @@ def create_app(
         summary="Chat completions (OpenAI): the chat template turns the messages into one prompt",
     )
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await chat_completions_response(request, body)
+
+    async def chat_completions_response(request: Request, body: ChatCompletionRequest) -> Response:
         check_model(body.model)
         choices, generations = chat_generation_requests(body, chat_template, limits(), settings)
         sequences = submit_all(engine, generations)
@@ -250,26 +279,27 @@ def create_app(
         response = chat_response(body, choices, finals, settings.model_id)
         return JSONResponse(response.model_dump(), headers=headers)
 
+    def model_card() -> ModelCard:
+        context = engine.executor.context_length if engine.ready else None
+        return ModelCard(id=settings.model_id, created=int(time.time()), max_model_len=context)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        context = engine.executor.context_length if engine.ready else None
-        return ModelList(
-            data=[ModelCard(id=settings.model_id, created=int(time.time()), max_model_len=context)]
-        )
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str) -> ModelCard:
+        if model_id != settings.model_id:
+            raise NotFound(f"the model `{model_id}` does not exist; this server serves `{settings.model_id}`")
+        return model_card()
 
     # --- tokenizer ---
 
-    async def json_of(request: Request):
-        try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestValidationFailed(f"request body is not valid JSON ({exc})") from None
-
     @app.post("/tokenize", summary="Tokenize: vLLM's shape (`prompt` or `messages`), or TGI's (`inputs`)")
     async def tokenize(request: Request) -> Response:
-        data, path = await json_of(request), request.url.path
+        data, path = await json_body(request), request.url.path
         if tokenize_api.is_tgi_body(data):
-            tgi_body = tokenize_api.parse(TGITokenizeRequest, data)
+            tgi_body = parse_body(TGITokenizeRequest, data)
             tokens = [t.model_dump() for t in tokenize_api.tgi_tokenize(tgi_body)]
             return JSONResponse(tokens, headers=ignored.headers(tgi_body, path))
         request.state.error_path = OPENAI_PREFIX  # vLLM's body: OpenAI's error schema
@@ -280,7 +310,7 @@ def create_app(
 
     @app.post("/detokenize", response_model=DetokenizeResponse, summary="Token ids to text (vLLM)")
     async def detokenize(request: Request) -> Response:
-        body = tokenize_api.parse(DetokenizeRequest, await json_of(request))
+        body = parse_body(DetokenizeRequest, await json_body(request))
         check_model(body.model)
         response = tokenize_api.vllm_detokenize(body, limits().vocab_size)
         return JSONResponse(response.model_dump(), headers=ignored.headers(body, request.url.path))
@@ -290,6 +320,29 @@ def create_app(
         return tokenize_api.tokenizer_info(chat_template, limits().context_length)
 
     # --- operations ---
+
+    @app.post(
+        "/invocations",
+        summary="SageMaker's route: `messages` is a chat completion, `prompt` a completion, `inputs` TGI's `/`",
+    )
+    async def invocations(request: Request) -> Response:
+        data = await json_body(request)
+        if isinstance(data, dict) and "inputs" in data:
+            return await compat_generate(request, parse_body(TGIRequest, data))
+        request.state.error_path = OPENAI_PREFIX  # OpenAI bodies: OpenAI's error schema
+        if isinstance(data, dict) and "messages" in data:
+            return await chat_completions_response(request, parse_body(ChatCompletionRequest, data))
+        return await completions_response(request, parse_body(CompletionRequest, data))
+
+    @app.get("/version", summary="The server's version (vLLM)")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.get("/ping", summary="SageMaker's health check: as /health")
+    async def ping() -> Response:
+        return await health()
+
+    app.post("/ping", summary="SageMaker's health check: as /health", operation_id="ping_post")(ping)
 
     @app.get("/health", summary="200 when the engine serves; 503 while loading, reloading, draining or dead")
     async def health() -> Response:

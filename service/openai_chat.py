@@ -15,6 +15,7 @@ from service.engine import Engine
 from service.errors import RequestValidationFailed
 from service.openai_completions import (
     Choice,
+    chunk_usage,
     generation_requests,
     openai_finish_reason,
     prompt_logprobs_of,
@@ -135,7 +136,9 @@ async def chat_stream(
     chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     started = [False] * len(choices)
 
-    def chunk(position: int, delta: ChatDelta, tokens=(), finish=None, stop_reason=None) -> bytes:
+    def chunk(
+        position: int, generated: int, delta: ChatDelta, tokens=(), finish=None, stop_reason=None
+    ) -> bytes:
         logprobs = chat_logprobs(tokens) if body.logprobs and tokens else None
         choice = ChatChunkChoice(
             index=choices[position].index,
@@ -144,21 +147,22 @@ async def chat_stream(
             finish_reason=finish,
             stop_reason=stop_reason,
         )
-        data = ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[choice])
+        usage = chunk_usage(body, choices, position, generated)
+        data = ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[choice], usage=usage)
         return sse(data.model_dump(exclude_none=False))
 
     def render(position: int, event: TokenEvent | FinishEvent) -> list[bytes]:
         out = []
         if not started[position]:
             started[position] = True  # OpenAI's first chunk of a choice names the role
-            out.append(chunk(position, ChatDelta(role="assistant", content="")))
+            out.append(chunk(position, 0, ChatDelta(role="assistant", content="")))
         if isinstance(event, TokenEvent):
-            out.append(chunk(position, ChatDelta(content=event.token.released), [event.token]))
+            out.append(chunk(position, event.index, ChatDelta(content=event.token.released), [event.token]))
             return out
         last = event.tokens[-1:]
         text = "".join(t.released for t in last) + event.tail
         reason, stop_reason = openai_finish_reason(event, body)
-        out.append(chunk(position, ChatDelta(content=text), last, reason, stop_reason))
+        out.append(chunk(position, len(event.tokens), ChatDelta(content=text), last, reason, stop_reason))
         return out
 
     def usage_chunk(completion_tokens: int) -> bytes | None:

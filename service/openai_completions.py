@@ -255,6 +255,18 @@ def completion_choice(body: CompletionRequest, choice: Choice, final: FinishEven
     )
 
 
+def chunk_usage(
+    body: OpenAIGenerationBody, choices: list[Choice], position: int, generated: int
+) -> Usage | None:
+    """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk carries its
+    choice's usage so far."""
+    options = body.stream_options
+    if options is None or not (options.include_usage and options.continuous_usage_stats):
+        return None
+    prompt = len(choices[position].prompt_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
+
+
 def usage_of(choices: list[Choice], completion_tokens: int, n: int) -> Usage:
     prompt_tokens = sum(len(choice.prompt_ids) for choice in choices[::n])  # each prompt once
     return Usage(
@@ -274,20 +286,23 @@ async def openai_stream(
 ) -> AsyncIterator[bytes]:
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def chunk(choice: Choice, text: str, logprobs=None, finish=None, stop_reason=None) -> bytes:
+    def chunk(
+        position: int, generated: int, text: str, logprobs=None, finish=None, stop_reason=None
+    ) -> bytes:
         data = CompletionResponse(
             id=completion_id,
             created=created,
             model=model,
             choices=[
                 CompletionChoice(
-                    index=choice.index,
+                    index=choices[position].index,
                     text=text,
                     logprobs=logprobs,
                     finish_reason=finish,
                     stop_reason=stop_reason,
                 )
             ],
+            usage=chunk_usage(body, choices, position, generated),
         )
         return sse(data.model_dump(exclude_none=False))
 
@@ -308,14 +323,14 @@ async def openai_stream(
             logprobs = builders[position].generated([event.token]) if want else None
             if prefix_logprobs is not None:
                 logprobs = merge_logprobs(prefix_logprobs, logprobs)
-            return [chunk(choice, prefix + event.token.released, logprobs)]
+            return [chunk(position, event.index, prefix + event.token.released, logprobs)]
         last = event.tokens[-1:]  # none when only the prompt was scored (max_tokens 0)
         logprobs = builders[position].generated(last) if want else None
         if prefix_logprobs is not None:
             logprobs = merge_logprobs(prefix_logprobs, logprobs)
         reason, stop_reason = openai_finish_reason(event, body)
         text = prefix + "".join(t.released for t in last) + event.tail
-        return [chunk(choice, text, logprobs, reason, stop_reason)]
+        return [chunk(position, len(event.tokens), text, logprobs, reason, stop_reason)]
 
     def usage_chunk(completion_tokens: int) -> bytes | None:
         if body.stream_options is None or not body.stream_options.include_usage:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
 from service.chat_template import ChatTemplate
 from service.delivery import token_string
 from service.errors import RequestValidationFailed
@@ -22,17 +20,8 @@ from service.schemas import (
     TokenizePromptRequest,
     TokenizeResponse,
 )
-from service.validation import format_validation_errors
+from service.validation import parse_body
 from weights import hf_tokenizer, tokenizer
-
-
-def parse(model: type[BaseModel], data: Any) -> Any:
-    """`data` as `model`, or a validation error naming the fields (as for the routes FastAPI parses)."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        message, param = format_validation_errors(exc.errors())
-        raise RequestValidationFailed(message, param=param) from None
 
 
 def is_tgi_body(data: Any) -> bool:
@@ -40,9 +29,8 @@ def is_tgi_body(data: Any) -> bool:
 
 
 def vllm_tokenize_body(data: Any) -> TokenizePromptRequest | TokenizeChatRequest:
-    return parse(
-        TokenizeChatRequest if isinstance(data, dict) and "messages" in data else TokenizePromptRequest, data
-    )
+    chat = isinstance(data, dict) and "messages" in data
+    return parse_body(TokenizeChatRequest if chat else TokenizePromptRequest, data)
 
 
 def vllm_tokenize(
