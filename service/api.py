@@ -66,11 +66,10 @@ class IgnoredFields:
     `X-Ignored-Fields`, and in a warning logged once per route and set of names (not once per request)."""
 
     HEADER = "X-Ignored-Fields"
+    MAX_NAMES = 20  # the header names at most these (a body may hold thousands of unknown fields)
 
     def __init__(self) -> None:
-        self._logged: set[tuple[str, tuple[str, ...]]] = set()
-
-    MAX_NAMES = 20  # the header names at most these (a body may hold thousands of unknown fields)
+        self._logged: set[tuple[str, str]] = set()
 
     def headers(self, body: BaseModel, path: str) -> dict[str, str]:
         # Percent-encoded: a field name may hold anything, a header value only visible ASCII.
@@ -172,6 +171,8 @@ def create_app(
         else:
             error = ServiceError(f"{where}: {exc.detail}")
             error.status = exc.status_code
+            if exc.status_code < 500:
+                error.error_type = "validation"
         error.counted = True  # not a generation request: tgi_request_failure does not count it
         response = await service_error(request, error)
         response.headers.update(exc.headers or {})
@@ -309,8 +310,7 @@ def create_app(
         return JSONResponse(response.model_dump(), headers=ignored.headers(body, path))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, summary="Token ids to text (vLLM)")
-    async def detokenize(request: Request) -> Response:
-        body = parse_body(DetokenizeRequest, await json_body(request))
+    async def detokenize(request: Request, body: DetokenizeRequest) -> Response:
         check_model(body.model)
         response = tokenize_api.vllm_detokenize(body, limits().vocab_size)
         return JSONResponse(response.model_dump(), headers=ignored.headers(body, request.url.path))
