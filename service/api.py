@@ -1,10 +1,12 @@
-"""The HTTP API: TGI's routes, OpenAI's completions, health, info and metrics, over one engine.
+"""The HTTP API: TGI's routes, OpenAI's completions and chat, health, info and metrics, over one
+engine.
 
 `create_app(settings, executor_factory)` builds the FastAPI app; its lifespan starts the engine's
 worker (which uploads the model; /health answers 503 until it is done) and drains it at shutdown.
 Requests are validated and tokenized before they are queued, so bad input never reaches the wafer;
 errors come back in the schema of the route, as a response or, once a stream has started, as a
-stream event. The protocols themselves live in `service.tgi` and `service.openai_completions`.
+stream event. The protocols themselves live in `service.tgi`, `service.openai_completions` and
+`service.openai_chat`.
 """
 
 from __future__ import annotations
@@ -12,38 +14,76 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Callable
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from service import tokenize_api
+from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory, TokenizerHooks
-from service.errors import NotFound, RequestValidationFailed, ServiceError
+from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
 from service.metrics import ServiceMetrics
-from service.middleware import GuardMiddleware, error_body, error_status
+from service.middleware import OPENAI_PREFIX, GuardMiddleware, error_body, error_status
+from service.openai_chat import chat_generation_requests, chat_response, chat_stream
 from service.openai_completions import completion_choice, openai_generation_requests, openai_stream, usage_of
 from service.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     TGIInfo,
     TGIRequest,
     TGIResponse,
+    TGITokenizeRequest,
+    ignored_fields,
 )
 from service.settings import ServerSettings
 from service.tgi import tgi_generation_request, tgi_json, tgi_response, tgi_stream
-from service.validation import Limits, format_validation_errors
+from service.validation import Limits, format_validation_errors, json_body, parse_body
 from weights import tokenizer
 
+log = logging.getLogger("wafer_gpt2.api")
 VERSION = "0.1.0"
+PLACEHOLDER_MODELS = ("dummy", "tgi")  # what TGI clients send as `model` when they do not know it
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class IgnoredFields:
+    """Unknown fields are accepted and ignored (as vLLM and TGI do) but said so: in the response header
+    `X-Ignored-Fields`, and in a warning logged once per route and set of names (not once per request)."""
+
+    HEADER = "X-Ignored-Fields"
+    MAX_NAMES = 20  # the header names at most these (a body may hold thousands of unknown fields)
+
+    def __init__(self) -> None:
+        self._logged: set[tuple[str, str]] = set()
+
+    def headers(self, body: BaseModel, path: str) -> dict[str, str]:
+        # Percent-encoded: a field name may hold anything, a header value only visible ASCII.
+        names = [quote(name, safe="!#$&'()*+,/:;=?@[]^_`{|}~") for name in ignored_fields(body)]
+        if not names:
+            return {}
+        shown = ", ".join(names[: self.MAX_NAMES])
+        if len(names) > self.MAX_NAMES:
+            shown += f" (and {len(names) - self.MAX_NAMES} more)"
+        key = (path, shown)
+        if key not in self._logged and len(self._logged) < 1000:
+            self._logged.add(key)
+            log.warning("%s: ignored unknown fields: %s", path, shown)
+        return {self.HEADER: shown}
 
 
 def tokenizer_hooks() -> TokenizerHooks:
@@ -62,6 +102,12 @@ def create_app(
 ) -> FastAPI:
     """The service: `executor_factory` is called on the engine's worker thread to upload the model."""
     hooks = tokenizer_hooks()
+    ignored = IgnoredFields()
+    chat_template = (
+        DEFAULT_CHAT_TEMPLATE
+        if settings.chat_template is None
+        else ChatTemplate(settings.chat_template, name="--chat-template")
+    )
     tokenizer.get_encoding()  # build the BPE tables now, not on the first request
     metrics = ServiceMetrics(settings.model_id)
     engine = Engine(
@@ -92,7 +138,8 @@ def create_app(
     async def service_error(request: Request, error: ServiceError) -> JSONResponse:
         if not error.counted:
             metrics.record_failure(error.metric_reason)
-        path = request.url.path
+        # A route serving two protocols on one path (TGI's and vLLM's /tokenize) names the family to use.
+        path = getattr(request.state, "error_path", request.url.path)
         return JSONResponse(error_body(error, path), status_code=error_status(error, path))
 
     @app.exception_handler(Exception)
@@ -108,29 +155,54 @@ def create_app(
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        # FastAPI refuses a body it cannot decode (not UTF-8) with a bare 400: answer it like invalid
-        # JSON, in the route's schema. Other HTTP errors (unknown path or method) keep FastAPI's answer.
+        # Errors raised outside a route (unknown path, wrong method, a body FastAPI cannot decode) answer
+        # in the error schema of the path's family too, never FastAPI's bare `{"detail": ...}`.
+        where = f"{request.method} {request.url.path}"
         if exc.status_code == 400:
             message = f"the request body could not be read ({exc.detail}): send JSON encoded as UTF-8"
             return await service_error(request, RequestValidationFailed(message))
-        return await http_exception_handler(request, exc)
+        if exc.status_code == 404:
+            error: ServiceError = NotFound(f"no route {where}; see /docs for the routes this server serves")
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            error = MethodNotAllowed(
+                f"{where} is not allowed; this path accepts {allowed or 'other methods'}"
+            )
+        else:
+            error = ServiceError(f"{where}: {exc.detail}")
+            error.status = exc.status_code
+            if exc.status_code < 500:
+                error.error_type = "validation"
+        error.counted = True  # not a generation request: tgi_request_failure does not count it
+        response = await service_error(request, error)
+        response.headers.update(exc.headers or {})
+        return response
 
     # --- TGI ---
 
-    async def generate_response(request: Request, body: TGIRequest) -> Response:
+    async def generate_response(request: Request, body: TGIRequest, as_list: bool = False) -> Response:
         generation = tgi_generation_request(body, limits(), settings)
         sequences = submit_all(engine, [generation])
         try:
             (final,) = await wait_for_results(request, engine, sequences)
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(tgi_json(tgi_response(body, final, hooks)))
+        headers = ignored.headers(body, request.url.path)
+        data = tgi_json(tgi_response(body, final, hooks))
+        return JSONResponse([data] if as_list else data, headers=headers)
 
     async def generate_stream_response(request: Request, body: TGIRequest) -> Response:
+        if body.parameters.decoder_input_details:
+            raise RequestValidationFailed(
+                "parameters.decoder_input_details: `decoder_input_details` == true is not supported when "
+                "streaming tokens",
+                param="parameters.decoder_input_details",
+            )
         generation = tgi_generation_request(body, limits(), settings)
         (sequence,) = submit_all(engine, [generation])
         stream = tgi_stream(engine, sequence, body, hooks, request.url.path)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        headers = SSE_HEADERS | ignored.headers(body, request.url.path)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
     @app.post("/generate", response_model=TGIResponse, summary="Generate text (TGI)")
     async def generate(request: Request, body: TGIRequest) -> Response:
@@ -140,27 +212,38 @@ def create_app(
     async def generate_stream(request: Request, body: TGIRequest) -> Response:
         return await generate_stream_response(request, body)
 
-    @app.post("/", summary="TGI's compatibility route: `stream` picks /generate or /generate_stream")
+    @app.post(
+        "/",
+        response_model=list[TGIResponse],
+        summary="TGI's compatibility route: `stream` picks /generate_stream, else /generate's answer in a list",
+    )
     async def compat_generate(request: Request, body: TGIRequest) -> Response:
         if body.stream:
             return await generate_stream_response(request, body)
-        return await generate_response(request, body)
+        return await generate_response(request, body, as_list=True)
 
     # --- OpenAI ---
 
+    def check_model(model: str | None) -> None:
+        # huggingface_hub names the model "dummy" when it talks to a URL (TGI ignores the name): accept it.
+        if model is not None and model not in (settings.model_id, *PLACEHOLDER_MODELS):
+            raise NotFound(
+                f"the model `{model}` does not exist; this server serves `{settings.model_id}`", param="model"
+            )
+
     @app.post("/v1/completions", response_model=CompletionResponse, summary="Completions (OpenAI)")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        if body.model is not None and body.model != settings.model_id:
-            raise NotFound(
-                f"the model `{body.model}` does not exist; this server serves `{settings.model_id}`",
-                param="model",
-            )
+        return await completions_response(request, body)
+
+    async def completions_response(request: Request, body: CompletionRequest) -> Response:
+        check_model(body.model)
         choices, generations = openai_generation_requests(body, limits(), settings)
         sequences = submit_all(engine, generations)
         model = settings.model_id
+        headers = ignored.headers(body, request.url.path)
         if body.stream:
             stream = openai_stream(engine, body, choices, sequences, model, request.url.path)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
         try:
             finals = await wait_for_results(request, engine, sequences)
         except ClientGone:
@@ -172,16 +255,94 @@ def create_app(
             choices=[completion_choice(body, c, f) for c, f in zip(choices, finals, strict=True)],
             usage=usage_of(choices, sum(len(f.tokens) for f in finals), body.n),
         )
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(), headers=headers)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        summary="Chat completions (OpenAI): the chat template turns the messages into one prompt",
+    )
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await chat_completions_response(request, body)
+
+    async def chat_completions_response(request: Request, body: ChatCompletionRequest) -> Response:
+        check_model(body.model)
+        choices, generations = chat_generation_requests(body, chat_template, limits(), settings)
+        sequences = submit_all(engine, generations)
+        headers = ignored.headers(body, request.url.path)
+        if body.stream:
+            stream = chat_stream(engine, body, choices, sequences, settings.model_id, request.url.path)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
+        try:
+            finals = await wait_for_results(request, engine, sequences)
+        except ClientGone:
+            return Response(status_code=499)
+        response = chat_response(body, choices, finals, settings.model_id)
+        return JSONResponse(response.model_dump(), headers=headers)
+
+    def model_card() -> ModelCard:
+        context = engine.executor.context_length if engine.ready else None
+        return ModelCard(id=settings.model_id, created=int(time.time()), max_model_len=context)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        context = engine.executor.context_length if engine.ready else None
-        return ModelList(
-            data=[ModelCard(id=settings.model_id, created=int(time.time()), max_model_len=context)]
-        )
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str) -> ModelCard:
+        if model_id != settings.model_id:
+            raise NotFound(f"the model `{model_id}` does not exist; this server serves `{settings.model_id}`")
+        return model_card()
+
+    # --- tokenizer ---
+
+    @app.post("/tokenize", summary="Tokenize: vLLM's shape (`prompt` or `messages`), or TGI's (`inputs`)")
+    async def tokenize(request: Request) -> Response:
+        data, path = await json_body(request), request.url.path
+        if tokenize_api.is_tgi_body(data):
+            tgi_body = parse_body(TGITokenizeRequest, data)
+            tokens = [t.model_dump() for t in tokenize_api.tgi_tokenize(tgi_body)]
+            return JSONResponse(tokens, headers=ignored.headers(tgi_body, path))
+        request.state.error_path = OPENAI_PREFIX  # vLLM's body: OpenAI's error schema
+        body = tokenize_api.vllm_tokenize_body(data)
+        check_model(body.model)
+        response = tokenize_api.vllm_tokenize(body, chat_template, limits().context_length)
+        return JSONResponse(response.model_dump(), headers=ignored.headers(body, path))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, summary="Token ids to text (vLLM)")
+    async def detokenize(request: Request, body: DetokenizeRequest) -> Response:
+        check_model(body.model)
+        response = tokenize_api.vllm_detokenize(body, limits().vocab_size)
+        return JSONResponse(response.model_dump(), headers=ignored.headers(body, request.url.path))
+
+    @app.get("/tokenizer_info", summary="The tokenizer's config and the chat template (vLLM)")
+    async def tokenizer_info() -> dict:
+        return tokenize_api.tokenizer_info(chat_template, limits().context_length)
 
     # --- operations ---
+
+    @app.post(
+        "/invocations",
+        summary="SageMaker's route: `messages` is a chat completion, `prompt` a completion, `inputs` TGI's `/`",
+    )
+    async def invocations(request: Request) -> Response:
+        data = await json_body(request)
+        if isinstance(data, dict) and "inputs" in data:
+            return await compat_generate(request, parse_body(TGIRequest, data))
+        request.state.error_path = OPENAI_PREFIX  # OpenAI bodies: OpenAI's error schema
+        if isinstance(data, dict) and "messages" in data:
+            return await chat_completions_response(request, parse_body(ChatCompletionRequest, data))
+        return await completions_response(request, parse_body(CompletionRequest, data))
+
+    @app.get("/version", summary="The server's version (vLLM)")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.get("/ping", summary="SageMaker's health check: as /health")
+    async def ping() -> Response:
+        return await health()
+
+    app.post("/ping", summary="SageMaker's health check: as /health", operation_id="ping_post")(ping)
 
     @app.get("/health", summary="200 when the engine serves; 503 while loading, reloading, draining or dead")
     async def health() -> Response:

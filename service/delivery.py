@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 
 from service.engine import Engine
 from service.errors import ServiceError
+from service.middleware import error_body
 from service.sequence import ErrorEvent, FinishEvent, GenerationRequest, Sequence, TokenEvent
 from weights import tokenizer
 
@@ -78,6 +79,48 @@ def submit_all(engine: Engine, requests: list[GenerationRequest]) -> list[Sequen
             engine.cancel(sequence)
         raise
     return sequences
+
+
+async def openai_sse(
+    engine: Engine,
+    sequences: list[Sequence],
+    path: str,
+    render: Callable[[int, TokenEvent | FinishEvent], list[bytes]],
+    usage_chunk: Callable[[int], bytes | None],
+) -> AsyncIterator[bytes]:
+    """The frame every OpenAI stream shares: the events of all choices as they come, each turned into
+    chunks by `render(position, event)`; then `usage_chunk(completion_tokens)` (when it gives one) and
+    always `data: [DONE]`. An error ends the stream with an error event (then `[DONE]`); a client that
+    goes away cancels the choices still running."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(position: int, sequence: Sequence) -> None:
+        async for event in events(sequence):
+            await merged.put((position, event))
+
+    pumps = [asyncio.create_task(pump(i, sequence)) for i, sequence in enumerate(sequences)]
+    remaining, completion_tokens = len(sequences), 0
+    try:
+        while remaining:
+            position, event = await merged.get()
+            if isinstance(event, ErrorEvent):
+                yield sse(error_body(event.error, path))
+                break
+            if isinstance(event, FinishEvent):
+                remaining -= 1
+                completion_tokens += len(event.tokens)
+            for chunk in render(position, event):
+                yield chunk
+        else:
+            usage = usage_chunk(completion_tokens)
+            if usage is not None:
+                yield usage
+        yield sse("[DONE]")
+    finally:
+        for task in pumps:
+            task.cancel()
+        for sequence in sequences:
+            engine.cancel(sequence)  # a no-op for those that finished
 
 
 def sse(data: dict | str) -> bytes:

@@ -8,7 +8,8 @@ Two things make streaming text harder than `decode(all_ids)` at the end:
   streaming we hold back the longest tail of the text that is the beginning of some stop sequence
   (never more than len(longest stop) - 1 characters), so text that turns out to be a stop sequence is
   never sent. On a match the text is cut where the stop sequence begins: the stop text and whatever
-  followed it in the same token are dropped.
+  followed it in the same token are dropped (with `include_stop`, vLLM's include_stop_str_in_output,
+  it is cut where the stop sequence ends).
 """
 
 from __future__ import annotations
@@ -26,8 +27,14 @@ class TokenText:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, token_bytes: Callable[[int], bytes], stop_sequences: Sequence[str] = ()):
+    def __init__(
+        self,
+        token_bytes: Callable[[int], bytes],
+        stop_sequences: Sequence[str] = (),
+        include_stop: bool = False,
+    ):
         self._token_bytes = token_bytes
+        self._include_stop = include_stop
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = [stop for stop in stop_sequences if stop]
         self._longest_stop = max((len(stop) for stop in self._stops), default=0)
@@ -40,17 +47,21 @@ class IncrementalDetokenizer:
         """The generated text so far, stop sequence excluded (includes text still held back)."""
         return self._text
 
-    def add(self, token: int) -> TokenText:
+    def add(self, token: int, check_stops: bool = True) -> TokenText:
+        """`check_stops=False` (vLLM's min_tokens not reached yet): no stop sequence ends the text here."""
         if self.stop_sequence is not None:
             raise RuntimeError("detokenizer already stopped at a stop sequence")
         piece = self._utf8.decode(self._token_bytes(token))
         previous_length = len(self._text)
         self._text += piece
+        if not check_stops:
+            return TokenText(text=piece, released=self._release(len(self._text)), stop_sequence=None)
 
-        match = self._find_stop(search_from=max(0, previous_length - self._longest_stop + 1))
+        # Never match inside text already sent (it was sent because it could not begin a stop then).
+        match = self._find_stop(search_from=max(0, previous_length - self._longest_stop + 1, self._released))
         if match is not None:
             start, stop = match
-            self._text = self._text[:start]
+            self._text = self._text[: start + len(stop) if self._include_stop else start]
             self.stop_sequence = stop
             return TokenText(text=piece, released=self._release(len(self._text)), stop_sequence=stop)
         return TokenText(

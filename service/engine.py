@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from service.detokenizer import IncrementalDetokenizer
 from service.errors import (
     GenerationFailed,
@@ -195,7 +197,9 @@ class Engine:
     def submit(self, request: GenerationRequest) -> Sequence:
         sequence = Sequence(
             request=request,
-            detokenizer=IncrementalDetokenizer(self._tokenizer.token_bytes, request.stop_sequences),
+            detokenizer=IncrementalDetokenizer(
+                self._tokenizer.token_bytes, request.stop_sequences, request.include_stop_str_in_output
+            ),
             sampler=Sampler(request.sampling),
             loop=asyncio.get_running_loop(),
         )
@@ -420,10 +424,19 @@ class Engine:
                     if item.position == 0:
                         sequence.prefill.append(PromptToken(prompt[0], None))
                     if item.target is not None:
+                        request = sequence.request
                         logprob = scores.logprob(scores.target_logit)
-                        top = alternatives(scores, sequence.request.top_n_tokens)
-                        sequence.prefill.append(PromptToken(item.target, logprob, top))
+                        n = request.top_n_tokens if request.prompt_top_n is None else request.prompt_top_n
+                        ranks = np.flatnonzero(scores.topk_ids == item.target)
+                        rank = int(ranks[0]) + 1 if len(ranks) else None
+                        sequence.prefill.append(
+                            PromptToken(item.target, logprob, alternatives(scores, n), rank)
+                        )
                 if item.position < len(prompt) - 1:
+                    continue
+                if sequence.request.max_new_tokens == 0:
+                    # Scoring (OpenAI echo with max_tokens 0): done with the prefill, no decode step.
+                    self._end(sequence, finish=FinishReason.LENGTH)
                     continue
             else:
                 sequence.pending_token = None
@@ -431,7 +444,14 @@ class Engine:
 
     def _sample(self, sequence: Sequence, scores: TokenScores) -> None:
         request = sequence.request
-        token, logprob = sequence.sampler.choose(scores, sequence.history())
+        generated = len(sequence.tokens)
+        early = generated < request.min_tokens  # min_tokens: no end yet
+        ends = request.stop_token_ids | (
+            frozenset() if request.ignore_eos else {self._tokenizer.eos_token_id}
+        )
+        banned = ends if early else ()
+        output = [t.id for t in sequence.tokens]
+        token, logprob = sequence.sampler.choose(scores, sequence.history(), output, banned)
         now = time.monotonic()
         first = not sequence.tokens
         self.metrics.record_token(now - (sequence.last_token_at or sequence.arrived_at), first)
@@ -440,11 +460,14 @@ class Engine:
         eos = token == self._tokenizer.eos_token_id and not request.ignore_eos
         stop_token = token in request.stop_token_ids
         special = token in self._tokenizer.special_names
-        if special or stop_token:
-            text, released, stop = "", "", None  # they add nothing to the text
-        else:
-            piece = sequence.detokenizer.add(token)
+        shown = not special or not request.skip_special_tokens
+        if eos or stop_token:
+            shown = shown and request.include_stop_str_in_output  # an ending token's text is cut (vLLM)
+        if shown:
+            piece = sequence.detokenizer.add(token, check_stops=not early)
             text, released, stop = piece.text, piece.released, piece.stop_sequence
+        else:
+            text, released, stop = "", "", None  # special and ending tokens add nothing to the text
         top = alternatives(scores, request.top_n_tokens)
         sequence.tokens.append(GeneratedToken(token, text, released, logprob, special, top))
 

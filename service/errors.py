@@ -37,6 +37,12 @@ class NotFound(ServiceError):
     metric_reason = "validation"
 
 
+class MethodNotAllowed(ServiceError):
+    status = 405
+    error_type = "method_not_allowed"
+    metric_reason = "validation"
+
+
 class Unauthorized(ServiceError):
     status = 401
     error_type = "authentication"

@@ -13,11 +13,16 @@ from collections.abc import Awaitable, Callable
 from service.errors import PayloadTooLarge, ServiceError, Unauthorized
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
-OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers do not carry the key
+OPEN_PATHS = ("/health", "/ping", "/metrics")  # probes and scrapers do not carry the key
+
+
+OPENAI_PREFIX = "/v1/"
+# vLLM's routes outside /v1/ (TGI has none of these): their errors are OpenAI's too.
+OPENAI_ROOT_PATHS = ("/detokenize", "/tokenizer_info", "/version")
 
 
 def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/")
+    return path.startswith(OPENAI_PREFIX) or path in OPENAI_ROOT_PATHS
 
 
 def openai_error_type(error: ServiceError) -> str:
@@ -29,6 +34,7 @@ def openai_error_type(error: ServiceError) -> str:
         "generation": "generation_error",
         "timeout": "timeout_error",
         "not_found": "not_found_error",
+        "method_not_allowed": "invalid_request_error",
     }.get(error.error_type, "internal_error")
 
 

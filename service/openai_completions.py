@@ -4,21 +4,27 @@ per prompt and choice), and the engine's results to OpenAI's response, stream ch
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from service.delivery import events, sse, token_string
+from service.delivery import openai_sse, sse, token_string
 from service.detokenizer import IncrementalDetokenizer
 from service.engine import Engine
 from service.errors import RequestValidationFailed
-from service.middleware import error_body
-from service.schemas import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from service.schemas import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    OpenAIGenerationBody,
+    PromptLogprob,
+    PromptLogprobs,
+    Usage,
+)
 from service.sequence import (
     Alternative,
-    ErrorEvent,
     FinishEvent,
     FinishReason,
     GeneratedToken,
@@ -39,30 +45,74 @@ class Choice:
     prompt_text: str
 
 
+def completion_prompts(body: CompletionRequest) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode_prompt(prompt)]
+    if all(isinstance(item, str) for item in prompt):
+        return [tokenizer.encode_prompt(item) for item in prompt]
+    if all(isinstance(item, int) for item in prompt):
+        return [list(prompt)]
+    return [list(item) for item in prompt]
+
+
 def openai_generation_requests(
     body: CompletionRequest, limits: Limits, settings: ServerSettings
 ) -> tuple[list[Choice], list[GenerationRequest]]:
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        prompts = [tokenizer.encode(prompt)]
-    elif all(isinstance(item, str) for item in prompt):
-        prompts = [tokenizer.encode(item) for item in prompt]
-    elif all(isinstance(item, int) for item in prompt):
-        prompts = [list(prompt)]
-    else:
-        prompts = [list(item) for item in prompt]
-    if len(prompts) * body.n > settings.max_n:
+    if body.max_tokens == 0 and not body.echo:
         raise RequestValidationFailed(
-            f"`n` x number of prompts must be <= {settings.max_n}, given {body.n} x {len(prompts)}", param="n"
+            "`max_tokens` must be at least 1, got 0 (0 is allowed with `echo`: score the prompt)",
+            param="max_tokens",
         )
     if body.best_of is not None and body.best_of != body.n:
         raise RequestValidationFailed(
             "`best_of` other than `n` is not supported by this server", param="best_of"
         )
+    return generation_requests(
+        body,
+        completion_prompts(body),
+        body.max_tokens,
+        limits,
+        settings,
+        prompt_logprobs=body.echo and body.logprobs is not None,
+        top_n=body.logprobs or 0,
+        prompt_top_n=max(body.logprobs or 0, body.prompt_logprobs or 0),
+    )
 
+
+def generation_requests(
+    body: OpenAIGenerationBody,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    limits: Limits,
+    settings: ServerSettings,
+    prompt_logprobs: bool = False,
+    top_n: int = 0,
+    prompt_top_n: int | None = None,
+    extra_stop: tuple[str, ...] = (),
+) -> tuple[list[Choice], list[GenerationRequest]]:
+    """One engine request per prompt and choice, from the fields both OpenAI routes share."""
+    if len(prompts) * body.n > settings.max_n:
+        raise RequestValidationFailed(
+            f"`n` x number of prompts must be <= {settings.max_n}, given {body.n} x {len(prompts)}", param="n"
+        )
+    if body.prompt_logprobs is not None and body.stream:
+        raise RequestValidationFailed(
+            "`prompt_logprobs` is not available when streaming", param="prompt_logprobs"
+        )
+    if max_tokens is not None and body.min_tokens > max_tokens:
+        raise RequestValidationFailed(
+            f"`min_tokens` must be <= `max_tokens`, given {body.min_tokens} > {max_tokens}",
+            param="min_tokens",
+        )
+    truncate = body.truncate_prompt_tokens
+    if truncate is not None:
+        keep = limits.max_input_tokens if truncate == -1 else truncate  # vLLM: keep the last N tokens
+        prompts = [ids[-keep:] for ids in prompts]
     greedy = body.temperature == 0.0
     top_k = body.top_k if body.top_k not in (None, 0, -1) else None
     top_p = body.top_p if body.top_p not in (None, 1.0) else None
+    stops = tuple(body.stop) + tuple(s for s in extra_stop if s not in body.stop)
     choices, requests = [], []
     for prompt_index, ids in enumerate(prompts):
         for sample in range(body.n):
@@ -76,27 +126,32 @@ def openai_generation_requests(
                 top_p=None if greedy else top_p,
                 repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
                 seed=None if greedy else seed,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                min_p=body.min_p or 0.0,
             )
-            max_new = (
-                body.max_tokens if body.max_tokens is not None else max(1, limits.context_length - len(ids))
-            )
+            max_new = max_tokens if max_tokens is not None else max(1, limits.context_length - len(ids))
             request = GenerationRequest(
                 prompt_ids=tuple(ids),
                 max_new_tokens=max_new,
                 sampling=sampling,
-                stop_sequences=tuple(body.stop),
+                stop_sequences=stops,
                 stop_token_ids=frozenset(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
-                prompt_logprobs=body.echo and body.logprobs is not None,
-                top_n_tokens=body.logprobs or 0,
+                prompt_logprobs=prompt_logprobs or body.prompt_logprobs is not None,
+                top_n_tokens=top_n,
                 timeout_s=settings.request_timeout_s,
+                min_tokens=body.min_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
+                prompt_top_n=prompt_top_n,
             )
             requests.append(check_request(request, limits, OPENAI_FIELDS))
             choices.append(Choice(index, tuple(ids), tokenizer.decode(ids)))
     return choices, requests
 
 
-def openai_finish_reason(final: FinishEvent, body: CompletionRequest) -> tuple[str, str | int | None]:
+def openai_finish_reason(final: FinishEvent, body: OpenAIGenerationBody) -> tuple[str, str | int | None]:
     """OpenAI's finish_reason and vLLM's stop_reason (the stop string or stop token, None for EOS)."""
     if final.finish_reason is FinishReason.LENGTH:
         return "length", None
@@ -112,14 +167,17 @@ class LogprobsBuilder:
     def __init__(self, offset: int = 0):
         self.offset = offset
 
-    def prompt(self, choice: Choice, prefill: tuple[PromptToken, ...]) -> CompletionLogprobs:
+    def prompt(self, choice: Choice, prefill: tuple[PromptToken, ...], n: int) -> CompletionLogprobs:
+        """The prompt's entries with n alternatives each (the engine may have kept more)."""
         pieces = IncrementalDetokenizer(tokenizer.token_bytes)
         entries = []
         for i, token in enumerate(choice.prompt_ids):
             known = prefill[i] if i < len(prefill) else None
             text = pieces.add(token).text
             top = (
-                None if known is None or known.logprob is None else self._top(known.top, token, known.logprob)
+                None
+                if known is None or known.logprob is None
+                else self._top(known.top[:n], token, known.logprob)
             )
             entries.append((token, text, known.logprob if known else None, top))
         return self._build(entries)
@@ -146,6 +204,23 @@ class LogprobsBuilder:
         )
 
 
+def prompt_logprobs_of(choice: Choice, prefill: tuple[PromptToken, ...], n: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: None for the first token, then per position the prompt's token and the
+    model's n best candidates, keyed by token id."""
+    out: PromptLogprobs = [None]
+    for known in prefill[1:]:
+        entries = {
+            str(a.id): PromptLogprob(logprob=a.logprob, rank=rank, decoded_token=token_string(a.id))
+            for rank, a in enumerate(known.top[:n], start=1)
+        }
+        entries.setdefault(
+            str(known.id),
+            PromptLogprob(logprob=known.logprob, rank=known.rank, decoded_token=token_string(known.id)),
+        )
+        out.append(entries)
+    return out[: len(choice.prompt_ids)]
+
+
 def merge_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
     return CompletionLogprobs(
         tokens=first.tokens + second.tokens,
@@ -164,10 +239,32 @@ def completion_choice(body: CompletionRequest, choice: Choice, final: FinishEven
         logprobs = builder.generated(final.tokens)
         if body.echo:
             builder = LogprobsBuilder()
-            logprobs = merge_logprobs(builder.prompt(choice, final.prefill), builder.generated(final.tokens))
+            logprobs = merge_logprobs(
+                builder.prompt(choice, final.prefill, body.logprobs), builder.generated(final.tokens)
+            )
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None:
+        prompt_logprobs = prompt_logprobs_of(choice, final.prefill, body.prompt_logprobs)
     return CompletionChoice(
-        index=choice.index, text=text, logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason
+        index=choice.index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=reason,
+        stop_reason=stop_reason,
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def chunk_usage(
+    body: OpenAIGenerationBody, choices: list[Choice], position: int, generated: int
+) -> Usage | None:
+    """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk carries its
+    choice's usage so far."""
+    options = body.stream_options
+    if options is None or not (options.include_usage and options.continuous_usage_stats):
+        return None
+    prompt = len(choices[position].prompt_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
 
 
 def usage_of(choices: list[Choice], completion_tokens: int, n: int) -> Usage:
@@ -188,73 +285,62 @@ async def openai_stream(
     path: str,
 ) -> AsyncIterator[bytes]:
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(position: int, sequence: Sequence) -> None:
-        async for event in events(sequence):
-            await merged.put((position, event))
-
-    def chunk(choice: Choice, text: str, logprobs=None, finish=None, stop_reason=None) -> bytes:
+    def chunk(
+        position: int, generated: int, text: str, logprobs=None, finish=None, stop_reason=None
+    ) -> bytes:
         data = CompletionResponse(
             id=completion_id,
             created=created,
             model=model,
             choices=[
                 CompletionChoice(
-                    index=choice.index,
+                    index=choices[position].index,
                     text=text,
                     logprobs=logprobs,
                     finish_reason=finish,
                     stop_reason=stop_reason,
                 )
             ],
+            usage=chunk_usage(body, choices, position, generated),
         )
         return sse(data.model_dump(exclude_none=False))
 
-    pumps = [asyncio.create_task(pump(i, sequence)) for i, sequence in enumerate(sequences)]
     builders = [LogprobsBuilder() for _ in choices]
     started = [False] * len(choices)
-    remaining, completion_tokens = len(choices), 0
-    try:
-        while remaining:
-            position, event = await merged.get()
-            choice = choices[position]
-            if isinstance(event, ErrorEvent):
-                yield sse(error_body(event.error, path))
-                break
-            prefix, prefix_logprobs = "", None
-            if not started[position]:
-                started[position] = True
-                if body.echo:
-                    prefix = choice.prompt_text
-                    if body.logprobs is not None:
-                        prefill = event.prefill
-                        prefix_logprobs = builders[position].prompt(choice, prefill)
-            want = body.logprobs is not None
-            if isinstance(event, TokenEvent):
-                logprobs = builders[position].generated([event.token]) if want else None
-                if prefix_logprobs is not None:
-                    logprobs = merge_logprobs(prefix_logprobs, logprobs)
-                yield chunk(choice, prefix + event.token.released, logprobs)
-            else:
-                remaining -= 1
-                completion_tokens += len(event.tokens)
-                last = event.tokens[-1]
-                logprobs = builders[position].generated([last]) if want else None
-                if prefix_logprobs is not None:
-                    logprobs = merge_logprobs(prefix_logprobs, logprobs)
-                reason, stop_reason = openai_finish_reason(event, body)
-                yield chunk(choice, prefix + last.released + event.tail, logprobs, reason, stop_reason)
-        else:
-            if body.stream_options is not None and body.stream_options.include_usage:
-                usage = usage_of(choices, completion_tokens, body.n)
-                data = CompletionResponse(
-                    id=completion_id, created=created, model=model, choices=[], usage=usage
-                )
-                yield sse(data.model_dump())
-        yield sse("[DONE]")
-    finally:
-        for task in pumps:
-            task.cancel()
-        for sequence in sequences:
-            engine.cancel(sequence)  # a no-op for those that finished
+    want = body.logprobs is not None
+
+    def render(position: int, event: TokenEvent | FinishEvent) -> list[bytes]:
+        choice = choices[position]
+        prefix, prefix_logprobs = "", None
+        if not started[position]:
+            started[position] = True
+            if body.echo:
+                prefix = choice.prompt_text
+                if want:
+                    prefix_logprobs = builders[position].prompt(choice, event.prefill, body.logprobs)
+        if isinstance(event, TokenEvent):
+            logprobs = builders[position].generated([event.token]) if want else None
+            if prefix_logprobs is not None:
+                logprobs = merge_logprobs(prefix_logprobs, logprobs)
+            return [chunk(position, event.index, prefix + event.token.released, logprobs)]
+        last = event.tokens[-1:]  # none when only the prompt was scored (max_tokens 0)
+        logprobs = builders[position].generated(last) if want else None
+        if prefix_logprobs is not None:
+            logprobs = merge_logprobs(prefix_logprobs, logprobs)
+        reason, stop_reason = openai_finish_reason(event, body)
+        text = prefix + "".join(t.released for t in last) + event.tail
+        return [chunk(position, len(event.tokens), text, logprobs, reason, stop_reason)]
+
+    def usage_chunk(completion_tokens: int) -> bytes | None:
+        if body.stream_options is None or not body.stream_options.include_usage:
+            return None
+        usage = usage_of(choices, completion_tokens, body.n)
+        return sse(
+            CompletionResponse(
+                id=completion_id, created=created, model=model, choices=[], usage=usage
+            ).model_dump()
+        )
+
+    async for data in openai_sse(engine, sequences, path, render, usage_chunk):
+        yield data

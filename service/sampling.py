@@ -1,8 +1,8 @@
 """Choosing the next token from what the wafer returns: its top-k (ids, logits) and the log-sum-exp.
 
 The semantics follow Hugging Face's `generate` and TGI: the repetition penalty first (positive logits
-of tokens already seen are divided by it, negative ones multiplied), then temperature, top-k and
-top-p. Sampling is on when asked for (`do_sample`) or implied by a warper (temperature != 1, top_k,
+of tokens already seen are divided by it, negative ones multiplied), then vLLM's presence and
+frequency penalties (over the generated tokens only), then temperature, top-k, top-p and min-p. Sampling is on when asked for (`do_sample`) or implied by a warper (temperature != 1, top_k,
 top_p < 1), as in TGI; otherwise the choice is greedy.
 
 The candidates are the wafer's top-k only (the full vocabulary never leaves the wafer), so top-p and
@@ -16,7 +16,7 @@ else shares the batch.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +32,11 @@ class SamplingParams:
     top_p: float | None = None
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # vLLM's extras: subtracted from the logits of tokens already generated (once / per occurrence),
+    # and the floor, relative to the most likely candidate, below which candidates are dropped.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -44,6 +49,11 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be between 0 and 1, got {self.min_p}")
 
     @property
     def sampling(self) -> bool:
@@ -66,13 +76,27 @@ class Sampler:
             self.seed = params.seed if params.seed is not None else secrets.randbits(64)
             self._rng = np.random.default_rng(self.seed)
 
-    def distribution(self, scores: TokenScores, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(candidate ids, their probabilities) after penalty and warpers; greedy gives one candidate."""
+    def distribution(
+        self,
+        scores: TokenScores,
+        history: Sequence[int],
+        output: Sequence[int] = (),
+        banned: Collection[int] = (),
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(candidate ids, their probabilities) after penalties and warpers; greedy gives one candidate.
+
+        `history` is prompt + generated ids, `output` the generated ones; `banned` ids are never chosen
+        (vLLM's min_tokens holds back end-of-text that way), unless they are all the candidates there are."""
         p = self.params
         ids = np.asarray(scores.topk_ids, dtype=np.int64)
         logits = penalize(
             np.asarray(scores.topk_logits, dtype=np.float64), ids, history, p.repetition_penalty
         )
+        logits = penalize_output(logits, ids, output, p.presence_penalty, p.frequency_penalty)
+        if banned:
+            allowed = ~np.isin(ids, np.asarray(list(banned), dtype=np.int64))
+            if allowed.any():
+                ids, logits = ids[allowed], logits[allowed]
         order = np.argsort(-logits, kind="stable")  # the penalty may reorder the candidates
         ids, logits = ids[order], logits[order]
         if not p.sampling:
@@ -89,11 +113,20 @@ class Sampler:
             mass_above = np.cumsum(probs) - probs
             keep = mass_above < p.top_p
             ids, probs = ids[keep], probs[keep] / probs[keep].sum()
+        if p.min_p > 0.0:
+            keep = probs >= p.min_p * probs.max()  # relative to the best: exact over the top-k too
+            ids, probs = ids[keep], probs[keep] / probs[keep].sum()
         return ids, probs
 
-    def choose(self, scores: TokenScores, history: Sequence[int]) -> tuple[int, float]:
+    def choose(
+        self,
+        scores: TokenScores,
+        history: Sequence[int],
+        output: Sequence[int] = (),
+        banned: Collection[int] = (),
+    ) -> tuple[int, float]:
         """(next token, its logprob under the model's raw distribution)."""
-        ids, probs = self.distribution(scores, history)
+        ids, probs = self.distribution(scores, history, output, banned)
         if len(ids) == 1:
             token = int(ids[0])
         else:
@@ -102,6 +135,18 @@ class Sampler:
             token = int(ids[min(index, len(ids) - 1)])
         raw_logit = float(scores.topk_logits[int(np.flatnonzero(scores.topk_ids == token)[0])])
         return token, scores.logprob(raw_logit)
+
+
+def penalize_output(
+    logits: np.ndarray, ids: np.ndarray, output: Sequence[int], presence: float, frequency: float
+) -> np.ndarray:
+    """vLLM's presence and frequency penalties: logit - presence * [seen] - frequency * count."""
+    if (presence == 0.0 and frequency == 0.0) or not len(output):
+        return logits
+    tokens, freq = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)
+    where = np.minimum(np.searchsorted(tokens, ids), len(tokens) - 1)
+    counts = np.where(tokens[where] == ids, freq[where], 0)
+    return logits - presence * (counts > 0) - frequency * counts
 
 
 def penalize(logits: np.ndarray, ids: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:

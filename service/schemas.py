@@ -45,8 +45,18 @@ def _json_type(value: Any) -> str:
 
 
 class _Body(BaseModel):
-    # Unknown fields are an error: a misspelt parameter must not be ignored silently.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are accepted and ignored, as vLLM and TGI do (clients send fields other servers
+    # know); they are not ignored silently: `ignored_fields` names them for a warning header and log.
+    model_config = ConfigDict(extra="allow")
+
+
+def ignored_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """The unknown fields of a body and of the bodies inside it, as dotted paths."""
+    names = [prefix + name for name in body.model_extra or {}] if isinstance(body, _Body) else []
+    for name, value in body:
+        if isinstance(value, _Body):
+            names += ignored_fields(value, f"{prefix}{name}.")
+    return names
 
 
 # ----- TGI -----------------------------------------------------------------------------------------
@@ -73,11 +83,18 @@ class TGIParameters(_Body):
     watermark: StrictBool = False
     adapter_id: str | None = None
 
-    @field_validator("max_new_tokens", "top_k", "truncate", "top_n_tokens")
+    @field_validator("max_new_tokens", "top_k", "truncate")
     @classmethod
     def _positive_int(cls, value: int | None) -> int | None:
         if value is not None and value <= 0:
             raise ValueError(f"must be strictly positive, got {value}")
+        return value
+
+    @field_validator("top_n_tokens")
+    @classmethod
+    def _top_n_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError(f"must be 0 (none) or more, got {value}")
         return value
 
     @field_validator("top_p")
@@ -94,11 +111,24 @@ class TGIParameters(_Body):
             raise ValueError(f"best_of != 1 is not supported by this server, got {value}")
         return value
 
-    @field_validator("typical_p", "frequency_penalty")
+    # Knobs this server does not implement: their neutral values (TGI's defaults) are accepted.
+    @field_validator("typical_p")
     @classmethod
-    def _unsupported_float(cls, value: float | None) -> float | None:
-        if value is not None:
-            raise ValueError("is not supported by this server (the wafer returns only its top-k candidates)")
+    def _typical_p(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 < value <= 1.0:
+            raise ValueError(f"must be > 0.0 and <= 1.0, got {value}")
+        if value is not None and value != 1.0:
+            raise ValueError(f"only 1.0 (off) is supported by this server, got {value}")
+        return value
+
+    @field_validator("frequency_penalty")
+    @classmethod
+    def _frequency_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError(
+                f"only 0.0 (off) is supported on this route, got {value} (use repetition_penalty, or "
+                "frequency_penalty on /v1/completions)"
+            )
         return value
 
     @field_validator("watermark")
@@ -210,18 +240,16 @@ class StreamOptions(_Body):
     continuous_usage_stats: StrictBool = False
 
 
-class CompletionRequest(_Body):
+class OpenAIGenerationBody(_Body):
+    """The fields `/v1/completions` and `/v1/chat/completions` share (vLLM's sampling extras included)."""
+
     model: str | None = None
-    prompt: Any
-    max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     n: int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = None
-    echo: StrictBool = False
     stop: Any = Field(default_factory=list)
     stop_token_ids: list[int] | None = None
     seed: Seed = None
@@ -229,9 +257,106 @@ class CompletionRequest(_Body):
     ignore_eos: StrictBool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    best_of: int | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extras.
+    min_p: float | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: Any) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return value
+        raise ValueError(f"must be a string or a list of strings, got {_json_type(value)}")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 <= value <= 2.0:
+            raise ValueError(f"must be between 0 and 2 (0 is greedy), got {value}")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 < value <= 1.0:
+            raise ValueError(f"must be > 0 and <= 1, got {value}")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value is not None and value < -1:
+            raise ValueError(f"must be -1 or 0 (off) or a positive number of candidates, got {value}")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be at least 1, got {value}")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalties(cls, value: float | None) -> float | None:
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise ValueError(f"must be between -2 and 2, got {value}")
+        return value
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"must be between 0 and 1, got {value}")
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"must be 0 or more, got {value}")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_prompt_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise ValueError(
+                f"must be at least 1 (keep the last N prompt tokens) or -1 (the limit), got {value}"
+            )
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= 5:
+            raise ValueError(f"must be between 0 and 5, got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict | None) -> dict | None:
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+
+class CompletionRequest(OpenAIGenerationBody):
+    prompt: Any
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: StrictBool = False
+    best_of: int | None = None
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -264,50 +389,11 @@ class CompletionRequest(_Body):
             f"ids, got {_json_type(value)}"
         )
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, value: Any) -> list[str]:
-        if value is None:
-            return []
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            return value
-        raise ValueError(f"must be a string or a list of strings, got {_json_type(value)}")
-
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, value: int | None) -> int | None:
-        if value is not None and value <= 0:
-            raise ValueError(f"must be at least 1, got {value}")
-        return value
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, value: float | None) -> float | None:
-        if value is not None and not 0.0 <= value <= 2.0:
-            raise ValueError(f"must be between 0 and 2 (0 is greedy), got {value}")
-        return value
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, value: float | None) -> float | None:
-        if value is not None and not 0.0 < value <= 1.0:
-            raise ValueError(f"must be > 0 and <= 1, got {value}")
-        return value
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value: int | None) -> int | None:
-        if value is not None and value < -1:
-            raise ValueError(f"must be -1 or 0 (off) or a positive number of candidates, got {value}")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError(f"must be at least 1, got {value}")
+        if value is not None and value < 0:
+            raise ValueError(f"must be at least 1 (or 0 with `echo`: score the prompt), got {value}")
         return value
 
     @field_validator("logprobs")
@@ -315,20 +401,6 @@ class CompletionRequest(_Body):
     def _logprobs(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value <= 5:
             raise ValueError(f"must be between 0 and 5, got {value}")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalties(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError(f"only 0 is supported by this server, got {value} (use repetition_penalty)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("is not supported by this server")
         return value
 
     @field_validator("suffix")
@@ -346,12 +418,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry per candidate of a prompt position (`prompt_logprobs`), keyed by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Usage(BaseModel):
@@ -392,3 +476,217 @@ class OpenAIErrorBody(BaseModel):
 
 class OpenAIError(BaseModel):
     error: OpenAIErrorBody
+
+
+# ----- OpenAI chat ---------------------------------------------------------------------------------
+
+
+class ChatMessage(BaseModel):
+    # Fields beyond role and content (name, tool_call_id, ...) are passed to the template as they come.
+    model_config = ConfigDict(extra="allow")
+
+    role: StrictStr
+    content: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: Any) -> str:
+        """A string, or a list of text parts (`{"type": "text", "text": ...}`), joined as one string."""
+        if value is None:
+            return ""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            texts = []
+            for i, part in enumerate(value):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+                    raise ValueError(f"part {i}: only text parts are supported by this server, got {kind!r}")
+                texts.append(part["text"])
+            return "\n".join(texts)
+        raise ValueError(f"must be a string or a list of text parts, got {_json_type(value)}")
+
+
+class ChatCompletionRequest(OpenAIGenerationBody):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("must hold at least one message")
+        return value
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError(f"must be at least 1, got {value}")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= 5:
+            raise ValueError(f"must be between 0 and 5, got {value}")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("a template per request is not accepted: start the server with --chat-template")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list | None) -> list | None:
+        if value:
+            raise ValueError("tool calling is not supported by this server (GPT-2 has no tool format)")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise ValueError(f"only 'none' is supported by this server, got {value!r}")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict | None) -> dict | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError(
+                f"only {{'type': 'text'}} is supported by this server, got {value.get('type')!r}"
+            )
+        return value
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+# ----- tokenizer routes ----------------------------------------------------------------------------
+
+
+class TokenizePromptRequest(_Body):
+    """vLLM's `/tokenize` with a prompt (`add_special_tokens` changes nothing: GPT-2 adds none)."""
+
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_Body):
+    """vLLM's `/tokenize` with chat messages: the prompt the chat template makes of them."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TGITokenizeRequest(_Body):
+    """TGI's `/tokenize` (its `parameters` are accepted and do not change the tokens)."""
+
+    inputs: StrictStr
+    parameters: dict[str, Any] | None = None
+
+
+class TGISimpleToken(BaseModel):
+    id: int
+    text: str
+    start: int  # byte offsets of the token in the UTF-8 input
+    stop: int

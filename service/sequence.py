@@ -22,7 +22,7 @@ from service.sampling import Sampler, SamplingParams
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
-    max_new_tokens: int
+    max_new_tokens: int  # 0: only the prefill runs (scoring the prompt); the request ends after it
     sampling: SamplingParams = SamplingParams()
     stop_sequences: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
@@ -30,6 +30,12 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # TGI `decoder_input_details`, OpenAI `echo` + `logprobs`
     top_n_tokens: int = 0  # alternatives reported per generated token
     timeout_s: float | None = None  # queue + generation
+    # vLLM's extras: end-of-text, stop tokens and stop strings count only after `min_tokens` tokens;
+    # a matched stop string (or stop token's text) stays in the output; special tokens show as text.
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_top_n: int | None = None  # alternatives per prompt token (None: top_n_tokens)
 
     @property
     def tokens_needed(self) -> int:
@@ -59,6 +65,7 @@ class PromptToken:
     id: int
     logprob: float | None  # None for the first prompt token (nothing predicts it)
     top: tuple[Alternative, ...] = ()  # the model's best candidates at this position
+    rank: int | None = None  # 1 = the model's favourite; None: not among the wafer's top-k candidates
 
 
 class FinishReason(enum.StrEnum):

@@ -28,10 +28,16 @@ class ServerSettings:
     max_new_tokens_limit: int | None = None  # None: context_length - 1
     max_stop_sequences: int = 4
     max_stop_length: int = 200  # characters per stop sequence
+    # OpenAI routes take any number of stop sequences (as vLLM); their total length is bounded because
+    # the engine's worker checks each one at every token of the request.
+    max_stop_chars_total: int = 4000
     max_top_n_tokens: int = 5
     max_n: int = 8  # OpenAI `n` x number of prompts per request
     max_body_bytes: int = 1_000_000
     request_timeout_s: float = 600.0  # queue + generation; the request fails with 504 beyond it
+
+    # Chat: the Jinja source of `--chat-template` (None: the plain transcript of service.chat_template).
+    chat_template: str | None = None
 
     # Lifecycle.
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may finish after a shutdown signal

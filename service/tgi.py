@@ -26,7 +26,7 @@ from weights import tokenizer
 
 def tgi_generation_request(body: TGIRequest, limits: Limits, settings: ServerSettings) -> GenerationRequest:
     p = body.parameters
-    prompt_ids = tokenizer.encode(body.inputs)
+    prompt_ids = tokenizer.encode_prompt(body.inputs)
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate :]
     max_new = p.max_new_tokens

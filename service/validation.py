@@ -4,13 +4,20 @@ say which field broke which rule (the route-independent part; pydantic checks ea
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
 
 from service.errors import RequestValidationFailed
 from service.sampling import SamplingParams
 from service.sequence import GenerationRequest
 from service.settings import ServerSettings
 from wafer.executor import Executor
+
+BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,7 @@ class Limits:
     top_k: int  # candidates per token the wafer returns
     max_top_n_tokens: int
     vocab_size: int
+    max_stop_chars_total: int = 4000  # all stop sequences of a request together
 
     @classmethod
     def of(cls, settings: ServerSettings, executor: Executor) -> Limits:
@@ -35,6 +43,7 @@ class Limits:
             max_new_tokens=min(settings.max_new_tokens_limit or context - 1, context - 1),
             max_stop_sequences=settings.max_stop_sequences,
             max_stop_length=settings.max_stop_length,
+            max_stop_chars_total=settings.max_stop_chars_total,
             top_k=executor.top_k,
             max_top_n_tokens=min(settings.max_top_n_tokens, executor.top_k),
             vocab_size=executor.vocab_size,
@@ -43,15 +52,18 @@ class Limits:
 
 @dataclass(frozen=True)
 class FieldNames:
-    """How each route calls the fields a validation message names."""
+    """How each route calls the fields a validation message names (and its one differing rule)."""
 
     prompt: str
     max_new_tokens: str
     top_n: str
+    caps_stop_count: bool = True  # TGI caps the number of stop sequences; vLLM does not
 
 
 TGI_FIELDS = FieldNames(prompt="inputs", max_new_tokens="max_new_tokens", top_n="top_n_tokens")
-OPENAI_FIELDS = FieldNames(prompt="prompt", max_new_tokens="max_tokens", top_n="logprobs")
+OPENAI_FIELDS = FieldNames(
+    prompt="prompt", max_new_tokens="max_tokens", top_n="logprobs", caps_stop_count=False
+)
 
 
 def check_request(request: GenerationRequest, limits: Limits, names: FieldNames) -> GenerationRequest:
@@ -71,7 +83,7 @@ def check_request(request: GenerationRequest, limits: Limits, names: FieldNames)
     bad_ids = [t for t in request.prompt_ids if not 0 <= t < limits.vocab_size]
     if bad_ids:
         fail(f"`{names.prompt}` token id {bad_ids[0]} is outside 0..{limits.vocab_size - 1}", names.prompt)
-    if not 0 < n_new <= limits.max_new_tokens:
+    if not 0 <= n_new <= limits.max_new_tokens:  # 0: score the prompt only (the routes allow it or not)
         fail(
             f"`{names.max_new_tokens}` must be between 1 and {limits.max_new_tokens}, given {n_new}",
             names.max_new_tokens,
@@ -83,8 +95,14 @@ def check_request(request: GenerationRequest, limits: Limits, names: FieldNames)
             names.max_new_tokens,
         )
     stops = request.stop_sequences
-    if len(stops) > limits.max_stop_sequences:
+    if names.caps_stop_count and len(stops) > limits.max_stop_sequences:
         fail(f"`stop` accepts at most {limits.max_stop_sequences} stop sequences, given {len(stops)}", "stop")
+    total = sum(len(stop) for stop in stops)
+    if total > limits.max_stop_chars_total:
+        fail(
+            f"`stop` sequences may hold at most {limits.max_stop_chars_total} characters in all, given {total}",
+            "stop",
+        )
     if any(not stop for stop in stops):
         fail("`stop` sequences cannot be empty strings", "stop")
     longest = max((len(stop) for stop in stops), default=0)
@@ -111,6 +129,23 @@ def sampling_params(**kwargs) -> SamplingParams:
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise RequestValidationFailed(str(exc)) from None
+
+
+def parse_body(model: type[BaseModelT], data: Any) -> BaseModelT:
+    """`data` as `model`, or RequestValidationFailed naming the fields (for routes that pick the body's
+    model from its content, as FastAPI reports bodies it parses itself)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = format_validation_errors(exc.errors())
+        raise RequestValidationFailed(message, param=param) from None
+
+
+async def json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestValidationFailed(f"request body is not valid JSON ({exc})") from None
 
 
 def format_validation_errors(errors: list[dict]) -> tuple[str, str | None]:

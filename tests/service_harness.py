@@ -6,6 +6,7 @@ a busy machine for the tests that need time to act mid-generation (shutdown, tim
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import httpx
+import numpy as np
 
 from service.api import create_app
 from service.engine import Engine
@@ -23,6 +25,7 @@ from service.settings import ServerSettings
 from wafer.backends import ExecutorOptions, build_executor
 from wafer.executor import Executor, StepItem
 from wafer.reference_executor import ReferenceExecutor
+from weights import tokenizer
 from weights.params import GPT2Params
 
 
@@ -137,6 +140,15 @@ def reference_greedy(params, prompt: list[int], n_new: int) -> tuple[list[int], 
         if i < n_new - 1:
             (last,) = executor.step([StepItem(0, len(prompt) + i, token)])
     return tokens, logprobs, prompt_logprobs
+
+
+def always_end_of_text(params: GPT2Params) -> GPT2Params:
+    """The model rigged to predict <|endoftext|> after any input: the final LayerNorm outputs one
+    direction whatever its input, and <|endoftext|>'s embedding (the tied LM head row) is that direction."""
+    direction = np.random.default_rng(0).standard_normal(params.config.n_embd).astype(np.float32)
+    wte = params.wte.copy()
+    wte[tokenizer.EOT_ID] = direction
+    return dataclasses.replace(params, wte=wte, ln_f_g=np.zeros_like(params.ln_f_g), ln_f_b=direction)
 
 
 def run_concurrently(calls) -> list:

@@ -144,3 +144,22 @@ def test_unseeded_sampling_reports_its_seed():
 def test_invalid_params(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_vllm_extras_min_p_output_penalties_and_banned_ids():
+    # min_p 0.5: candidates at least half as likely as the best (0.5): 40 (0.5) and 10 (0.3).
+    assert dist(SamplingParams(do_sample=True, min_p=0.5)) == pytest.approx({40: 0.5 / 0.8, 10: 0.3 / 0.8})
+    # Frequency and presence penalties count the generated tokens only (not the prompt in `history`).
+    ids, probs = Sampler(
+        SamplingParams(do_sample=True, frequency_penalty=1.0, presence_penalty=0.5)
+    ).distribution(SCORES, history=[40, 10, 10], output=[10, 10])
+    expected = np.array([0.5, 0.3 * math.exp(-2.5), 0.15, 0.05])
+    got = dict(zip(ids.tolist(), probs.tolist(), strict=True))
+    assert got == pytest.approx(
+        dict(zip([40, 10, 30, 20], (expected / expected.sum()).tolist(), strict=True))
+    )
+    # Banned ids are never chosen, unless nothing else is left.
+    assert Sampler(SamplingParams()).choose(SCORES, [], banned={40})[0] == 10
+    assert Sampler(SamplingParams()).choose(SCORES, [], banned={40, 10, 30, 20})[0] == 40
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)

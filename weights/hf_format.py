@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from weights import tokenizer
 from weights.checkpoint import (
     CheckpointError,
     bf16_bits,
@@ -27,6 +28,7 @@ from weights.checkpoint import (
     to_float32,
 )
 from weights.config import ConfigError, GPT2Config
+from weights.hf_tokenizer import write_tokenizer_files
 from weights.params import GPT2Params
 
 CONFIG_FILE = "config.json"
@@ -331,7 +333,8 @@ def save_hf(
     fmt: str = "safetensors",
     prefix: str = PREFIX,
 ) -> Path:
-    """Write `params` as an HF GPT-2 directory (config.json + weights); returns the directory.
+    """Write `params` as an HF GPT-2 directory (config.json, weights and, for GPT-2's vocabulary, the
+    tokenizer files); returns the directory.
 
     `dtype`: float32, float16 or bfloat16. `shards`: split the weights over that many files with an
     index. `fmt`: "safetensors" or "pytorch" (pytorch_model.bin, needs torch).
@@ -343,6 +346,8 @@ def save_hf(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_FILE).write_text(json.dumps(params.config.to_hf_dict(), indent=2) + "\n")
+    if params.config.vocab_size >= tokenizer.VOCAB_SIZE:  # GPT-2's vocabulary (llm.c pads it): its tokenizer
+        write_tokenizer_files(directory, params.config.n_positions)
 
     tensors = {prefix + name: array for name, array in params.to_tensors().items()}
     groups = split_evenly(tensors, shards or 1)

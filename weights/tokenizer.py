@@ -45,6 +45,12 @@ def encode(text: str, allow_special: bool = False) -> list[int]:
     return get_encoding().encode_ordinary(text)
 
 
+def encode_prompt(text: str) -> list[int]:
+    """A prompt's ids as TGI and vLLM tokenize it with GPT-2's HF tokenizer (`<|endoftext|>` is an added
+    token there, matched in any text): `<|endoftext|>` in the text is the EOT token, id 50256."""
+    return encode(text, allow_special=True)
+
+
 def decode(ids: Iterable[int]) -> str:
     """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
     return get_encoding().decode(list(ids))

@@ -13,7 +13,7 @@ The shipped model took two runs: one on the files' raw layout (`--keep-layout`),
 cleaned text continuing from it (`--init-from`); `docs/demo-model.md` has the commands and numbers.
 
 The output directory is a Hugging Face GPT-2 directory (`config.json`, `model.safetensors` in fp16,
-`generation_config.json`) plus a `README.md` model card holding the run's numbers and samples.
+`generation_config.json`, the GPT-2 tokenizer files) plus a `README.md` model card holding the run's numbers and samples.
 Training uses torch on the CPU; the learning-rate schedule runs on the wall-clock budget, so the
 run ends on time however busy the machine is.
 """
@@ -35,6 +35,7 @@ import torch
 import transformers
 
 from weights.config import GPT2Config
+from weights.hf_tokenizer import write_tokenizer_files
 from weights.tokenizer import EOT_ID, VOCAB_SIZE, decode, encode
 
 DEFAULT_DATA_DIR = Path("/usr/share/games/fortunes")
@@ -374,6 +375,8 @@ A small GPT-2 ({settings.n_layer} layers, {settings.n_head} heads, n_embd {setti
 fortune-cookie files of Debian's `fortunes` and `fortunes-min` packages. It is wafer-gpt2's embedded
 default model: it writes English words and fortune-like fragments, not sense. Weights are stored in
 fp16 (`model.safetensors`, {size:,} bytes); load with `transformers.GPT2LMHeadModel.from_pretrained`.
+GPT-2's tokenizer files (`vocab.json`, `merges.txt`, `tokenizer.json`, `tokenizer_config.json`) lie
+beside them, built from the vendored ranks (`weights/hf_tokenizer.py`), for `AutoTokenizer`.
 
 Training text: the fortune-mod data files in `{args.data_dir}`, distributed by Debian under the BSD
 licence in `/usr/share/doc/fortunes/copyright` (Copyright (c) 1991 The Regents of the University of
@@ -508,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     # Store fp16 (the size limit and the wafer's default precision); measure what was stored.
     args.out.mkdir(parents=True, exist_ok=True)
     model.half().save_pretrained(args.out, safe_serialization=True)
+    write_tokenizer_files(args.out, model.config.n_positions)  # clients pointed at the directory need it
     stored = transformers.GPT2LMHeadModel.from_pretrained(args.out, dtype=torch.float32)
     summary.fp16_holdout_loss = mean_loss(stored, holdout_stream, settings.block_size)
     samples = generate_samples(stored, settings.seed)

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from service.chat_template import ChatTemplateError, load_chat_template
 from service.cli import UserError
 from service.settings import ServerSettings
 from wafer.backends import BACKENDS, DEFAULT_BACKEND, ExecutorOptions, build_executor, build_sim_executor
@@ -26,7 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve the model over HTTP (TGI- and OpenAI-compatible)",
-        description="Serve GPT-2 over HTTP: POST /generate, /generate_stream, /, /v1/completions; "
+        description="Serve GPT-2 over HTTP: POST /generate, /generate_stream, /, /v1/completions, "
+        "/v1/chat/completions; "
         "GET /health, /info, /metrics, /v1/models.",
     )
     parser.add_argument("--host", default=defaults.host, help=f"address to bind ({defaults.host})")
@@ -112,11 +114,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=os.environ.get(API_KEY_ENV),
         help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; unset: no authentication)",
     )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template for /v1/chat/completions (a file, or the template itself); "
+        "default: a plain 'User: ... / Assistant:' transcript a base model can continue",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.set_defaults(func=run)
 
 
 def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSettings:
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = load_chat_template(args.chat_template).source
+        except ChatTemplateError as exc:
+            raise UserError(str(exc)) from None
     optional = (args.context, args.max_input_tokens, args.max_new_tokens)
     for flag, value, minimum in (
         ("--port", args.port, 0),
@@ -155,6 +169,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         shutdown_timeout_s=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key or None,
+        chat_template=chat_template,
     )
 
 

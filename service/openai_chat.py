@@ -1,0 +1,176 @@
+"""OpenAI's chat completions protocol (as vLLM serves it): the messages are rendered by the chat
+template into one prompt, which then runs like a completion; the results come back as chat messages,
+chunks and chat-style logprobs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from service.chat_template import ChatTemplate, ChatTemplateError
+from service.delivery import openai_sse, sse, token_string
+from service.engine import Engine
+from service.errors import RequestValidationFailed
+from service.openai_completions import (
+    Choice,
+    chunk_usage,
+    generation_requests,
+    openai_finish_reason,
+    prompt_logprobs_of,
+    usage_of,
+)
+from service.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    TokenizeChatRequest,
+)
+from service.sequence import FinishEvent, GeneratedToken, GenerationRequest, Sequence, TokenEvent
+from service.settings import ServerSettings
+from service.validation import Limits
+from weights import tokenizer
+
+
+def render_chat(body: ChatCompletionRequest | TokenizeChatRequest, template: ChatTemplate) -> str:
+    """The prompt text of a chat body (also what `/tokenize` shows of one)."""
+    messages = [message.model_dump() for message in body.messages]
+    try:
+        return template.render(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            extra=body.chat_template_kwargs,
+        )
+    except ChatTemplateError as exc:
+        raise RequestValidationFailed(f"`messages`: {exc}", param="messages") from None
+
+
+def chat_generation_requests(
+    body: ChatCompletionRequest, template: ChatTemplate, limits: Limits, settings: ServerSettings
+) -> tuple[list[Choice], list[GenerationRequest]]:
+    if body.top_logprobs and not body.logprobs:
+        raise RequestValidationFailed("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+    if (
+        body.add_generation_prompt
+        and body.continue_final_message
+        and "add_generation_prompt" in body.model_fields_set
+    ):
+        raise RequestValidationFailed(
+            "`add_generation_prompt` and `continue_final_message` cannot both be true",
+            param="continue_final_message",
+        )
+    # A template may place <|endoftext|> itself (as `eos_token`): it is the special token, as in vLLM.
+    prompt = tokenizer.encode_prompt(render_chat(body, template))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return generation_requests(
+        body,
+        [prompt],
+        max_tokens,
+        limits,
+        settings,
+        top_n=(body.top_logprobs or 0) if body.logprobs else 0,
+        prompt_top_n=body.prompt_logprobs,
+        extra_stop=template.stop,
+    )
+
+
+def chat_logprobs(tokens: list[GeneratedToken] | tuple[GeneratedToken, ...]) -> ChatLogprobs:
+    def entry(token_id: int, logprob: float) -> ChatTopLogprob:
+        return ChatTopLogprob(
+            token=token_string(token_id), logprob=logprob, bytes=list(tokenizer.token_bytes(token_id))
+        )
+
+    content = []
+    for token in tokens:
+        chosen = entry(token.id, token.logprob)
+        top = [entry(a.id, a.logprob) for a in token.top]
+        content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def chat_response(
+    body: ChatCompletionRequest, choices: list[Choice], finals: list[FinishEvent], model: str
+) -> ChatCompletionResponse:
+    out = []
+    for choice, final in zip(choices, finals, strict=True):
+        reason, stop_reason = openai_finish_reason(final, body)
+        out.append(
+            ChatChoice(
+                index=choice.index,
+                message=ChatResponseMessage(content=final.text),
+                logprobs=chat_logprobs(final.tokens) if body.logprobs else None,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+            )
+        )
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None:  # vLLM puts them beside the choices (one prompt for all)
+        prompt_logprobs = prompt_logprobs_of(choices[0], finals[0].prefill, body.prompt_logprobs)
+    return ChatCompletionResponse(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=model,
+        choices=out,
+        usage=usage_of(choices, sum(len(f.tokens) for f in finals), body.n),
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+async def chat_stream(
+    engine: Engine,
+    body: ChatCompletionRequest,
+    choices: list[Choice],
+    sequences: list[Sequence],
+    model: str,
+    path: str,
+) -> AsyncIterator[bytes]:
+    chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    started = [False] * len(choices)
+
+    def chunk(
+        position: int, generated: int, delta: ChatDelta, tokens=(), finish=None, stop_reason=None
+    ) -> bytes:
+        logprobs = chat_logprobs(tokens) if body.logprobs and tokens else None
+        choice = ChatChunkChoice(
+            index=choices[position].index,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+        )
+        usage = chunk_usage(body, choices, position, generated)
+        data = ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[choice], usage=usage)
+        return sse(data.model_dump(exclude_none=False))
+
+    def render(position: int, event: TokenEvent | FinishEvent) -> list[bytes]:
+        out = []
+        if not started[position]:
+            started[position] = True  # OpenAI's first chunk of a choice names the role
+            out.append(chunk(position, 0, ChatDelta(role="assistant", content="")))
+        if isinstance(event, TokenEvent):
+            out.append(chunk(position, event.index, ChatDelta(content=event.token.released), [event.token]))
+            return out
+        last = event.tokens[-1:]
+        text = "".join(t.released for t in last) + event.tail
+        reason, stop_reason = openai_finish_reason(event, body)
+        out.append(chunk(position, len(event.tokens), ChatDelta(content=text), last, reason, stop_reason))
+        return out
+
+    def usage_chunk(completion_tokens: int) -> bytes | None:
+        if body.stream_options is None or not body.stream_options.include_usage:
+            return None
+        usage = usage_of(choices, completion_tokens, body.n)
+        data = ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[], usage=usage)
+        return sse(data.model_dump())
+
+    async for data in openai_sse(engine, sequences, path, render, usage_chunk):
+        yield data
