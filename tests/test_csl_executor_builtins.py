@@ -22,7 +22,7 @@ F32, F16 = np.float32, np.float16
 
 # Slots of `res` (f32), in pe.csl's order.
 FMACS, FADDS, FSUBS, FMULS, FMAXS, FMOVS, FMACHS, MAP2 = range(8)
-STRIDED, FIELDS, SET_LENGTH, INCREMENT, REDUCE, MEM4D, MAP_SQRT, FMAXS_SCALAR, FIFO = range(8, 17)
+STRIDED, FIELDS, SET_LENGTH, INCREMENT, REDUCE, MEM4D, MAP_SQRT, FMAXS_SCALAR, FIFO, MAP_DSR = range(8, 18)
 # Slots of `res16` (f16).
 FMACH, FADDH, FMOVH = range(3)
 
@@ -57,7 +57,7 @@ class Results:
     h: np.ndarray
     w: np.ndarray
     u: np.ndarray
-    res: np.ndarray  # [17, N] f32
+    res: np.ndarray  # [18, N] f32
     res16: np.ndarray  # [4, N] f16
     resw: np.ndarray
     resu: np.ndarray
@@ -96,7 +96,7 @@ def run(request) -> Results:
     host.h2d("w", w)
     host.h2d("u", u, bits=16)
     host.launch("compute")
-    res = host.d2h("res", 17 * N).view(F32).reshape(17, N)
+    res = host.d2h("res", 18 * N).view(F32).reshape(18, N)
     res16 = f16_bits(host.d2h("res16", 4 * N, bits=16)).reshape(4, N)
     resw = host.d2h("resw", N)
     resu = (host.d2h("resu", N, bits=16) & 0xFFFF).astype(np.uint16)
@@ -214,3 +214,12 @@ def test_mem4d_tensor_access_transposes(run):
 
 def test_fifo_passes_elements_in_order_and_fnegs_negates(run):
     same_bits(run.res[FIFO], -run.a)
+
+
+def test_map_over_dsrs_steps_a_saved_f16_register_by_its_own_width(run):
+    """A GEMV as WaferLLM writes it: @fmachs on DSD registers inside a @map, the f16 row register
+    loaded with .save_address. After each step it must move by the row's length in 16-bit words, not
+    in the f32 destination's words (an executor defect that read garbage rows)."""
+    h = run.h.astype(F16)
+    rows = [F32(F16(run.x[j])) * h[4 * j : 4 * j + 4].astype(F32) for j in range(2)]
+    same_bits(run.res[MAP_DSR, :4], (F32(0) + rows[0]) + rows[1])

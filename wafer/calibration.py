@@ -16,8 +16,9 @@ g / 2 + G / 2 PEs on the way (each a router-to-PE crossing, an add and a crossin
 ten synchronous DSD operations are started one after another on that path (the zeroing, the @map, a
 send, two adds at each root, the broadcast send and receive), with the loop's scalar control.
 
-The fit: `ROUTER_TO_PE_CYCLES` keeps its public value; the per-hop latency and the start of a DSD
-operation are fitted on the runs with P <= 80 (the group sweep), and every other run is the check.
+The fit: `ROUTER_TO_PE_CYCLES` keeps its public value; the per-hop latency, the start of a DSD
+operation and the overhead of a @map step are fitted on the runs with P <= 80 (the group sweep, tiles of
+1 x 1 and 8 x 8), and every other run is the check.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wafer.cost import DSD_OP_START_CYCLES, FP32_OPS_PER_CYCLE, HOP_CYCLES, ROUTER_TO_PE_CYCLES
+from wafer.cost import (
+    DSD_OP_START_CYCLES,
+    FP32_OPS_PER_CYCLE,
+    HOP_CYCLES,
+    MAP_STEP_CYCLES,
+    ROUTER_TO_PE_CYCLES,
+)
 from wafer.tiling import ceil_div
 
 SOURCE = "FxPiGaAo/WaferLLM@5c67053 MeshGEMV/WSE-3/wse_result.json (CS-3; WaferLLM, OSDI 2025)"
@@ -92,31 +99,38 @@ def is_fit_run(run: Run) -> bool:
     return run.p <= 80
 
 
-def meshgemv_terms(run: Run) -> tuple[float, float, float]:
-    """(hops, DSD operations started, everything priced by public constants) on the loop's cycle."""
+def meshgemv_terms(run: Run) -> tuple[float, float, float, float]:
+    """(hops, DSD operations started, @map steps, everything priced by public constants) on the
+    loop's cycle."""
     g = run.p // run.groups
     mt, nt = run.tile
     hops = run.p + g
     stops = g // 2 + run.groups // 2
     # per stop: into the PE, the add of the first element, back out; the vector streams behind it
     public = stops * (ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE + 1) + nt
-    public += mt * ceil_div(nt, WSE3_FP16_SIMD)  # the @map of fp16 FMACs, SIMD 8 on WSE-3
-    return hops, MESHGEMV_SERIAL_OPS, public
+    public += mt * ceil_div(nt, WSE3_FP16_SIMD)  # the @map's fp16 FMACs, SIMD 8 on WSE-3
+    return hops, MESHGEMV_SERIAL_OPS, mt, public
 
 
-def meshgemv_cycles(run: Run, hop: float = HOP_CYCLES, op_start: float = DSD_OP_START_CYCLES) -> float:
-    hops, ops, public = meshgemv_terms(run)
-    return hops * hop + ops * op_start + public
+def meshgemv_cycles(
+    run: Run,
+    hop: float = HOP_CYCLES,
+    op_start: float = DSD_OP_START_CYCLES,
+    map_step: float = MAP_STEP_CYCLES,
+) -> float:
+    hops, ops, steps, public = meshgemv_terms(run)
+    return hops * hop + ops * op_start + steps * map_step + public
 
 
-def fit(runs: tuple[Run, ...] = MESHGEMV_WSE3) -> tuple[float, float]:
-    """(per-hop cycles, cycles to start a DSD operation), least squares on the fit runs."""
+def fit(runs: tuple[Run, ...] = MESHGEMV_WSE3) -> tuple[float, float, float]:
+    """(per-hop cycles, cycles to start a DSD operation, cycles of a @map step beyond its compute),
+    least squares on the fit runs."""
     train = [r for r in runs if is_fit_run(r)]
     terms = [meshgemv_terms(r) for r in train]
-    a = np.array([[h, o] for h, o, _ in terms], dtype=float)
-    y = np.array([r.cycles - pub for r, (_, _, pub) in zip(train, terms, strict=True)])
-    (hop, op_start), *_ = np.linalg.lstsq(a, y, rcond=None)
-    return float(hop), float(op_start)
+    a = np.array([t[:3] for t in terms], dtype=float)
+    y = np.array([r.cycles - t[3] for r, t in zip(train, terms, strict=True)])
+    (hop, op_start, map_step), *_ = np.linalg.lstsq(a, y, rcond=None)
+    return float(hop), float(op_start), float(map_step)
 
 
 @dataclass(frozen=True)
@@ -136,12 +150,12 @@ def checks(runs: tuple[Run, ...] = MESHGEMV_WSE3) -> list[Check]:
 
 
 def report() -> str:
-    hop, op_start = fit()
+    hop, op_start, map_step = fit()
     lines = [
         f"MeshGEMV on a CS-3 (WSE-3), fp16, mean cycles per iteration: {SOURCE}",
         f"fit on the {sum(is_fit_run(r) for r in MESHGEMV_WSE3)} runs with P <= 80: "
-        f"{hop:.2f} cycles per hop, {op_start:.1f} cycles per DSD operation started "
-        f"(wafer.cost uses {HOP_CYCLES} and {DSD_OP_START_CYCLES})",
+        f"{hop:.2f} cycles per hop, {op_start:.1f} per DSD operation started, {map_step:.1f} per @map step "
+        f"beyond its compute (wafer.cost uses {HOP_CYCLES}, {DSD_OP_START_CYCLES} and {MAP_STEP_CYCLES})",
         "",
         "| P | M x N | tile | groups | measured | modeled | modeled / measured | |",
         "|---|---|---|---|---|---|---|---|",

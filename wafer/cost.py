@@ -32,14 +32,17 @@ SDK_CLOCK_HZ = 0.85e9
 # cycle" (Cerebras SDK documentation, "A Conceptual View"): the bandwidth of a link.
 WAVELETS_PER_LINK_PER_CYCLE = 1
 # Latency of a router hop. Calibrated (wafer.calibration, docs/calibration.md): WaferLLM's MeshGEMV
-# on a CS-3 fits 2.05 cycles per hop; the public notes' "one cycle per router hop" is the bandwidth.
+# on a CS-3 fits 2.03 cycles per hop; the public notes' "one cycle per router hop" is the bandwidth.
 HOP_CYCLES = 2
 # "Router to processor about 7 cycles" (Cerebras SDK notes): paid once by every wavelet that stops at
 # a PE. Kept at its public value; the calibration's stops fit it.
 ROUTER_TO_PE_CYCLES = 7
 # Starting a DSD operation one after another, with the scalar control between them. Calibrated
-# (wafer.calibration): the MeshGEMV loop starts about ten in series per iteration, 15.7 cycles each.
-DSD_OP_START_CYCLES = 16
+# (wafer.calibration): the MeshGEMV loop starts about ten in series per iteration, 15.4 cycles each.
+DSD_OP_START_CYCLES = 15
+# One step of a @map over DSD registers loaded once (WaferLLM's GEMV loop), beyond the step's own
+# compute. Calibrated with the two above: 2.0 cycles.
+MAP_STEP_CYCLES = 2
 # Task activation: no public figure. Assumption: 20 cycles from a wavelet or @activate to the first
 # instruction of the task (hardware task pick plus a short prologue). Paid where a step needs control.
 TASK_ACTIVATION_CYCLES = 20
@@ -145,9 +148,11 @@ class StageCost:
 
 
 def gemv_compute_cycles(tiling: GemvTiling, arch: Arch, dtype: str) -> int:
-    """One PE's tile as kernels/pe/gemv.csl computes it: for each of tile_k inputs one DSD operation
-    (started in a loop) of tile_n FMACs at the SIMD width (fp32 accumulate)."""
-    return tiling.tile_k * (DSD_OP_START_CYCLES + ceil_div(tiling.tile_n, arch.macs_per_cycle(dtype)))
+    """One PE's tile as kernels/pe/gemv.csl computes it: one @map over its tile_k inputs with the
+    accumulator and W's row in DSD registers, each step tile_n FMACs at the SIMD width (fp32
+    accumulate) plus the step's overhead (calibrated, MAP_STEP_CYCLES)."""
+    per_input = MAP_STEP_CYCLES + ceil_div(tiling.tile_n, arch.macs_per_cycle(dtype))
+    return DSD_OP_START_CYCLES + tiling.tile_k * per_input
 
 
 def gemv_cost(

@@ -417,7 +417,7 @@ class PE:
         """DSR operands -> the DSDs they hold; options loaded with a DSR (async, activate, ...) apply
         to the operation; `save_address` DSRs are advanced after it."""
         out, saved, extra = [], [], {}
-        for o in operands:
+        for position, o in enumerate(operands):
             if isinstance(o, Dsr):
                 held = self.dsrs.get((o.kind, o.id))
                 if held is None:
@@ -425,7 +425,7 @@ class PE:
                 dsd, opts = held
                 extra.update({k: v for k, v in opts.items() if k not in ("save_address", "single_step")})
                 if opts.get("save_address"):
-                    saved.append(o)
+                    saved.append((o, position))
                 out.append(dsd)
             else:
                 out.append(o)
@@ -433,11 +433,13 @@ class PE:
             spec = replace(spec, opts={**spec.opts, **extra})
         return spec, tuple(out), saved
 
-    def _advance_dsrs(self, saved: list, n: int, op_words: int) -> None:
-        for o in saved:
+    def _advance_dsrs(self, saved: list, n: int, words: list[int]) -> None:
+        """Move each `save_address` DSR past the n elements the operation used, in its operand's own
+        element width (an f16 source of @fmachs steps by 16-bit words, its f32 destination by 32)."""
+        for o, position in saved:
             dsd, opts = self.dsrs[(o.kind, o.id)]
             if dsd.kind == "mem1d":
-                dsd = replace(dsd, base=dsd.base + n * dsd.stride * op_words)
+                dsd = replace(dsd, base=dsd.base + n * dsd.stride * words[position])
                 self.dsrs[(o.kind, o.id)] = (dsd, opts)
 
     def dsd_op(self, spec: D.OpSpec, operands: tuple, index: int | None = None) -> None:
@@ -452,7 +454,10 @@ class PE:
             )
         n = D.op_length(operands)
         if saved:
-            self._advance_dsrs(saved, n, D.WORDS[spec.dtype])
+            types = [spec.dtype, *D.src_types(spec)]
+            self._advance_dsrs(
+                saved, n, [D.WORDS[types[min(i, len(types) - 1)]] for i in range(len(operands))]
+            )
         streaming = any(
             (isinstance(o, Dsd) and o.kind in ("fabin", "fabout")) or isinstance(o, Fifo) for o in operands
         )
@@ -570,7 +575,7 @@ class PE:
             if writer is not None:
                 writer(i, result)
         if saved:
-            self._advance_dsrs(saved, n, 2)
+            self._advance_dsrs(saved, n, [2] * len(operands))
         self.t += n
 
     def _element_reader(self, o: Any, tname: str, where: str):

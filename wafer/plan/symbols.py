@@ -37,7 +37,6 @@ def gemv_symbols(t: GemvTiling, dtype: str) -> dict[str, Symbol]:
         "w": Symbol(wd, t.tile_k * t.tile_n),  # weight tile, row-major [tile_k, tile_n]
         "b": Symbol(wd, t.tile_n),  # bias slice (used on the PEs that end the reduction)
         "x": Symbol("f32", t.tile_k),  # the input chunk as it arrives
-        "xh": Symbol("f16", t.tile_k),  # ... rounded to fp16 (fp16 mode)
         "acc": Symbol("f32", t.tile_n),  # fp32 partial sums
         "comm": COMM,
     }
@@ -86,7 +85,6 @@ def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
         "w": Symbol(weight_symbol_dtype(dtype), g.tile_k * g.tile_n),  # wte^T tile; no bias (tied)
         "row": Symbol("f32", g.tile_k),  # the token's wte chunk on its way to the embed region
         "x": Symbol("f32", g.tile_k),
-        "xh": Symbol("f16", g.tile_k),
         "acc": Symbol("f32", g.tile_n),  # logits of the column
         "records": Symbol("u32", 3 * record),  # own, a partner's, the merge's scratch
         "comm": COMM,
