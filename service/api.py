@@ -51,6 +51,7 @@ def tokenizer_hooks() -> TokenizerHooks:
         token_bytes=tokenizer.token_bytes,
         eos_token_id=tokenizer.EOT_ID,
         special_names={tokenizer.EOT_ID: tokenizer.EOT_TEXT},
+        vocab_size=tokenizer.VOCAB_SIZE,
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from service.detokenizer import IncrementalDetokenizer
 from service.errors import (
     GenerationFailed,
+    RequestFailed,
     RequestTimedOut,
     RequestValidationFailed,
     ServiceError,
@@ -48,11 +50,15 @@ from service.sequence import (
     State,
     TokenEvent,
 )
-from wafer.executor import Executor, ExecutorError, TokenScores
+from wafer.executor import Executor, ExecutorError, StepItem, TokenScores
 
 log = logging.getLogger("wafer_gpt2.engine")
 
 ExecutorFactory = Callable[[], Executor]
+REQUEST_FAILED_MESSAGE = (
+    "the server could not choose or decode the next token of this request, which was ended; "
+    "other requests are not affected (the server log has the details)"
+)
 RELOAD_ATTEMPTS = 3
 # What /info shows of a wafer plan (its regions and routes are for `wafer-gpt2 plan`, not for /info).
 PLAN_SUMMARY_KEYS = (
@@ -85,14 +91,17 @@ class TokenizerHooks:
     token_bytes: Callable[[int], bytes]
     eos_token_id: int
     special_names: dict[int, str]
+    vocab_size: int | None = None  # ids at or above it are unknown to the tokenizer: never emitted
 
 
-def alternatives(scores: TokenScores, n: int) -> tuple[Alternative, ...]:
-    """The n best candidates the wafer returned, with the model's logprobs."""
-    return tuple(
+def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> tuple[Alternative, ...]:
+    """The n best candidates the wafer returned that the tokenizer knows, with the model's logprobs."""
+    known = (
         Alternative(int(token), scores.logprob(logit))
-        for token, logit in zip(scores.topk_ids[:n], scores.topk_logits[:n], strict=True)
+        for token, logit in zip(scores.topk_ids, scores.topk_logits, strict=True)
+        if vocab_size is None or token < vocab_size
     )
+    return tuple(itertools.islice(known, n))
 
 
 class Engine:
@@ -196,7 +205,7 @@ class Engine:
         sequence = Sequence(
             request=request,
             detokenizer=IncrementalDetokenizer(self._tokenizer.token_bytes, request.stop_sequences),
-            sampler=Sampler(request.sampling),
+            sampler=Sampler(request.sampling, vocab_size=self._tokenizer.vocab_size),
             loop=asyncio.get_running_loop(),
         )
         with self._cond:
@@ -413,21 +422,32 @@ class Engine:
         for item, scores, sequence in zip(plan.items, results, plan.owners, strict=True):
             if sequence.state is not State.RUNNING:
                 continue  # it finished on an earlier item of this step
-            sequence.computed = item.position + 1
-            prompt = sequence.prompt
-            if item.position < len(prompt):
-                if sequence.request.prompt_logprobs:
-                    if item.position == 0:
-                        sequence.prefill.append(PromptToken(prompt[0], None))
-                    if item.target is not None:
-                        logprob = scores.logprob(scores.target_logit)
-                        top = alternatives(scores, sequence.request.top_n_tokens)
-                        sequence.prefill.append(PromptToken(item.target, logprob, top))
-                if item.position < len(prompt) - 1:
-                    continue
-            else:
-                sequence.pending_token = None
-            self._sample(sequence, scores)
+            try:
+                self._apply_item(item, scores, sequence)
+            except Exception:
+                # Choosing or detokenizing this request's token failed: a fault of this request (its
+                # parameters, its text), not of the wafer. It ends alone; the others and the model go on.
+                log.exception("request %s failed while its token was chosen or detokenized", sequence.id)
+                if sequence.state is not State.FINISHED:
+                    self._end(sequence, error=RequestFailed(REQUEST_FAILED_MESSAGE))
+
+    def _apply_item(self, item: StepItem, scores: TokenScores | None, sequence: Sequence) -> None:
+        """One item's result: prompt logprobs while prefilling, then the next token."""
+        sequence.computed = item.position + 1
+        prompt = sequence.prompt
+        if item.position < len(prompt):
+            if sequence.request.prompt_logprobs:
+                if item.position == 0:
+                    sequence.prefill.append(PromptToken(prompt[0], None))
+                if item.target is not None:
+                    logprob = scores.logprob(scores.target_logit)
+                    top = alternatives(scores, sequence.request.top_n_tokens, self._tokenizer.vocab_size)
+                    sequence.prefill.append(PromptToken(item.target, logprob, top))
+            if item.position < len(prompt) - 1:
+                return
+        else:
+            sequence.pending_token = None
+        self._sample(sequence, scores)
 
     def _sample(self, sequence: Sequence, scores: TokenScores) -> None:
         request = sequence.request
@@ -445,7 +465,7 @@ class Engine:
         else:
             piece = sequence.detokenizer.add(token)
             text, released, stop = piece.text, piece.released, piece.stop_sequence
-        top = alternatives(scores, request.top_n_tokens)
+        top = alternatives(scores, request.top_n_tokens, self._tokenizer.vocab_size)
         sequence.tokens.append(GeneratedToken(token, text, released, logprob, special, top))
 
         if eos or stop_token:

@@ -67,6 +67,10 @@ class GenerationFailed(ServiceError):
     metric_reason = "generation"
 
 
+class RequestFailed(ServiceError):
+    """This request alone failed inside the server (choosing or decoding its tokens): a 500."""
+
+
 class RequestTimedOut(ServiceError):
     status = 504
     error_type = "timeout"

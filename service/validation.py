@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.errors import RequestValidationFailed
-from service.sampling import SamplingParams
+from service.sampling import InvalidSamplingParam, SamplingParams
 from service.sequence import GenerationRequest
 from service.settings import ServerSettings
 from wafer.executor import Executor
+from weights import tokenizer
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Limits:
     max_stop_length: int
     top_k: int  # candidates per token the wafer returns
     max_top_n_tokens: int
-    vocab_size: int
+    vocab_size: int  # token ids the model and the tokenizer both know
 
     @classmethod
     def of(cls, settings: ServerSettings, executor: Executor) -> Limits:
@@ -37,7 +38,7 @@ class Limits:
             max_stop_length=settings.max_stop_length,
             top_k=executor.top_k,
             max_top_n_tokens=min(settings.max_top_n_tokens, executor.top_k),
-            vocab_size=executor.vocab_size,
+            vocab_size=min(executor.vocab_size, tokenizer.VOCAB_SIZE),  # ids both model and tokenizer know
         )
 
 
@@ -109,8 +110,8 @@ def check_request(request: GenerationRequest, limits: Limits, names: FieldNames)
 def sampling_params(**kwargs) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:
-        raise RequestValidationFailed(str(exc)) from None
+    except InvalidSamplingParam as exc:
+        raise RequestValidationFailed(str(exc), param=exc.field) from None
 
 
 def format_validation_errors(errors: list[dict]) -> tuple[str, str | None]:

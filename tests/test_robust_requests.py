@@ -1,0 +1,172 @@
+"""One request must never take the others down: hostile or careless requests against a real server.
+
+What it guarantees (simulator backend, a small model, uvicorn on 127.0.0.1):
+- sampling parameters beyond what the sampler's arithmetic carries (a temperature or repetition penalty
+  of 1e-320, with and without top_p) are refused with a 4xx naming the field, while a stream beside them
+  runs to its end, the worker never reloads and /health stays 200;
+- a failure while one request's token is chosen or detokenized ends that request alone (a 500 or an
+  error event, whose message carries no internal exception text), never the others and never a reload;
+- a model whose vocabulary is padded beyond the tokenizer's (50304 rows, 50257 tokens) never emits an id
+  the tokenizer does not know, and a prompt of such ids is refused naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import httpx
+import pytest
+from service_harness import executor_factory, running_server, sse_events
+
+from service.detokenizer import IncrementalDetokenizer
+from service.settings import ServerSettings
+from weights.config import GPT2Config
+from weights.params import GPT2Params
+
+SLOTS = 4
+PROMPT = "One request must not take the others down"
+LONG = 40
+
+
+@pytest.fixture(scope="module")
+def server(small_params):
+    settings = ServerSettings(
+        backend="sim", model_id="robust", dtype="fp32", max_concurrent_requests=SLOTS, max_queue=8
+    )
+    with running_server(settings, executor_factory("sim", small_params, slots=SLOTS)) as running:
+        yield running
+
+
+def restarts(client: httpx.Client) -> float:
+    return float(re.search(r"^wafer_engine_restarts_total (\S+)$", client.get("/metrics").text, re.M)[1])
+
+
+class Stream(threading.Thread):
+    """A long OpenAI stream in a thread: its events, and whether it ended with [DONE] and no error."""
+
+    def __init__(self, url: str, max_tokens: int = LONG, **extra):
+        super().__init__(daemon=True)
+        self.url, self.body = url, {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True, **extra}
+        self.events: list = []
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json={"ignore_eos": True, **self.body}) as response:
+                for event in sse_events(response):
+                    self.events.append(event)
+                    self.started.set()
+        self.started.set()
+
+    def finished_cleanly(self) -> bool:
+        errors = [e for e in self.events if isinstance(e, dict) and "error" in e]
+        return not errors and self.events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "field"),
+    [
+        ("/generate", {"parameters": {"temperature": 1e-320, "top_p": 0.5}}, 422, "temperature"),
+        ("/generate", {"parameters": {"temperature": 1e-320}}, 422, "temperature"),
+        (
+            "/generate",
+            {"parameters": {"repetition_penalty": 1e-320, "top_p": 0.9}},
+            422,
+            "repetition_penalty",
+        ),
+        ("/v1/completions", {"temperature": 1e-320, "top_p": 0.5}, 400, "temperature"),
+        ("/v1/completions", {"repetition_penalty": 1e-320, "top_p": 0.9}, 400, "repetition_penalty"),
+    ],
+)
+def test_sampling_parameters_beyond_the_math_are_refused_and_nobody_else_notices(
+    server, route, body, status, field
+):
+    with server.client() as client:
+        before = restarts(client)
+        beside = Stream(server.url)
+        beside.start()
+        assert beside.started.wait(30)
+        key = "inputs" if route == "/generate" else "prompt"
+        extra = {"max_new_tokens": 8} if route == "/generate" else {"max_tokens": 8}
+        if route == "/generate":
+            request = {key: PROMPT, "parameters": {**body["parameters"], **extra}}
+        else:
+            request = {key: PROMPT, **body, **extra}
+        for _ in range(3):
+            response = client.post(route, json=request)
+            assert response.status_code == status, response.text
+            assert field in response.text, response.text
+            assert client.get("/health").status_code == 200
+        beside.join(60)
+        assert beside.finished_cleanly(), beside.events[-3:]
+        assert restarts(client) == before
+    server.wait_idle()
+
+
+MARKER = "<<detokenizer fault>>"
+
+
+def test_a_failure_in_one_requests_detokenizer_fails_that_request_alone(server, monkeypatch):
+    real_add = IncrementalDetokenizer.add
+
+    def add(self: IncrementalDetokenizer, token: int):
+        if MARKER in self._stops:
+            raise KeyError("internal detail 0xdeadbeef")
+        return real_add(self, token)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add", add)
+    with server.client() as client:
+        before = restarts(client)
+        beside = Stream(server.url)
+        beside.start()
+        assert beside.started.wait(30)
+        failed = client.post(
+            "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 8, "stop": [MARKER]}}
+        )
+        assert failed.status_code == 500, failed.text
+        assert failed.json()["error_type"] == "incomplete_generation"
+        assert "0xdeadbeef" not in failed.text and "KeyError" not in failed.text
+        failed_stream = Stream(server.url, max_tokens=8, stop=[MARKER])
+        failed_stream.run()
+        error = failed_stream.events[-2]["error"]
+        assert error["code"] == 500 and "0xdeadbeef" not in error["message"], failed_stream.events
+        assert client.get("/health").status_code == 200
+        beside.join(60)
+        assert beside.finished_cleanly(), beside.events[-3:]
+        assert restarts(client) == before
+        again = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
+        assert again.status_code == 200, again.text
+    server.wait_idle()
+
+
+def test_a_vocabulary_padded_beyond_the_tokenizer_never_emits_unknown_ids():
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50304, n_positions=64, name="padded")
+    params = GPT2Params.random(config, seed=7)
+    # Random weights, the padded rows (50257..50303) made louder: unguarded, they come first.
+    params.wte[50257:] *= 3.0
+    settings = ServerSettings(backend="sim", model_id="padded", dtype="fp32", max_concurrent_requests=2)
+    with (
+        running_server(settings, executor_factory("sim", params, slots=2, top_k=16)) as running,
+        running.client() as client,
+    ):
+        for body in (
+            {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "logprobs": 3},
+            {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 1.5, "seed": 1},
+        ):
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            tokens = response.json()["choices"][0]["logprobs"]["tokens"] if "logprobs" in body else []
+            assert all(not t.startswith("<|unknown") for t in tokens)
+        details = client.post(
+            "/generate",
+            json={"inputs": PROMPT, "parameters": {"max_new_tokens": 24, "details": True, "top_n_tokens": 3}},
+        )
+        assert details.status_code == 200, details.text
+        ids = [t["id"] for t in details.json()["details"]["tokens"]]
+        ids += [t["id"] for top in details.json()["details"]["top_tokens"] for t in top]
+        assert max(ids) < 50257, ids
+        refused = client.post("/v1/completions", json={"prompt": [50300, 11], "max_tokens": 2})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+        assert "50300" in refused.text
+        assert running.engine.restarts == 0
