@@ -72,6 +72,8 @@ def create_app(
         max_queue=settings.max_queue,
         step_token_budget=settings.step_token_budget,
         on_fatal=on_fatal,
+        step_timeout_s=settings.step_timeout_s,
+        step_timeout_per_item_s=settings.step_timeout_per_item_s,
     )
 
     @contextlib.asynccontextmanager
@@ -191,6 +193,8 @@ def create_app(
         body = {"error": "unhealthy", "error_type": "healthcheck", "state": engine.state.value}
         if engine.state is EngineState.FAILED and engine.error:
             body["reason"] = engine.error
+        elif engine.state is EngineState.RELOADING and engine.fault:
+            body["reason"] = engine.fault
         return JSONResponse(body, status_code=503)
 
     @app.get("/info", response_model=TGIInfo)

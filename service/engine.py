@@ -12,6 +12,13 @@ executor and builds a fresh one (/health answers 503 meanwhile) and goes on with
 worker itself dies (an error outside a step, or an interrupt), the engine never sits silently
 stopped: it ends every request, /health answers 503 and `on_fatal` tells the server to exit non-zero.
 Shutdown drains: new requests get 503 while the running ones finish, up to a timeout.
+
+A step that never returns is caught by the step watchdog (a thread of its own): each step gets a
+deadline, `step_timeout_s` plus `step_timeout_per_item_s` per item of the plan. Past it, the requests in
+flight fail (504, `generation`), /health answers 503 `reloading` naming the fault, and a fresh worker
+builds a fresh executor and goes on with the queue. The hung worker is abandoned (a Python thread cannot
+be killed): its executor is closed from another thread, and when its step returns, if ever, it sees that
+it is no longer the current worker and leaves without touching anything.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from service.errors import (
     RequestTimedOut,
     RequestValidationFailed,
     ServiceError,
+    StepTimedOut,
     Unavailable,
 )
 from service.kv_slots import KVSlotManager, KVUsage
@@ -104,6 +112,13 @@ def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> 
     return tuple(itertools.islice(known, n))
 
 
+def close_quietly(executor: Executor) -> None:
+    try:
+        executor.close()
+    except Exception:
+        log.exception("closing the executor failed")
+
+
 class Engine:
     def __init__(
         self,
@@ -113,6 +128,8 @@ class Engine:
         max_queue: int,
         step_token_budget: int,
         on_fatal: Callable[[str], None] | None = None,
+        step_timeout_s: float = 60.0,
+        step_timeout_per_item_s: float = 0.25,
     ):
         self._factory = executor_factory
         self._tokenizer = tokenizer
@@ -120,6 +137,8 @@ class Engine:
         self._max_queue = max_queue
         self._step_token_budget = step_token_budget
         self._on_fatal = on_fatal
+        self._step_timeout_s = step_timeout_s
+        self._step_timeout_per_item_s = step_timeout_per_item_s
 
         self._cond = threading.Condition()
         self._state = EngineState.LOADING
@@ -127,7 +146,10 @@ class Engine:
         self._scheduler: Scheduler | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._generation = 0  # the current worker's number; a worker abandoned by the watchdog is older
+        self._step: tuple[int, float, float] | None = None  # (items, started, deadline) of the running step
         self.error: str | None = None  # why the engine failed, when it did
+        self.fault: str | None = None  # the last fault the worker recovers from (shown by /health)
         self.load_seconds: float | None = None
         self.restarts = 0
         self.steps = 0
@@ -138,8 +160,18 @@ class Engine:
 
     def start(self) -> None:
         """Start the worker; it uploads the model, then serves. Returns at once (/health says when)."""
-        self._thread = threading.Thread(target=self._worker, name="wafer-engine", daemon=True)
+        self._start_worker(first=True)
+        threading.Thread(target=self._watchdog, name="wafer-step-watchdog", daemon=True).start()
+
+    def _start_worker(self, first: bool) -> None:
+        self._thread = threading.Thread(
+            target=self._worker, args=(self._generation, first), name="wafer-engine", daemon=True
+        )
         self._thread.start()
+
+    def step_deadline_s(self, items: int) -> float:
+        """How long a step of `items` items may run before the watchdog fails it."""
+        return self._step_timeout_s + self._step_timeout_per_item_s * items
 
     @property
     def state(self) -> EngineState:
@@ -175,8 +207,15 @@ class Engine:
         with self._cond:
             self._stop = True  # the worker ends what is left (503) at its next step boundary
             self._cond.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(5.0, timeout))
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)  # one step boundary; a step still running by then is hung
+            if thread.is_alive():
+                log.error("a step is still running at shutdown: its worker is abandoned")
+                with self._cond:
+                    self._generation += 1
+                    self._set_state(EngineState.STOPPED)
+                    self._fail_all(Unavailable("the server shut down before this request finished"))
 
     def inject_fault(
         self,
@@ -263,22 +302,29 @@ class Engine:
 
     # ----- the worker thread -----------------------------------------------------------------------
 
-    def _worker(self) -> None:
+    def _worker(self, generation: int, first: bool) -> None:
         death: BaseException | None = None  # what ended the worker when nobody asked it to stop
         try:
-            if not self._load(first=True):
+            if not self._load(first=first):
                 return
             while True:
-                plan = self._next_plan()
+                plan = self._next_plan(generation)
                 if plan is None:
                     break
                 try:
                     started = time.monotonic()
+                    with self._cond:
+                        self._step = (len(plan), started, started + self.step_deadline_s(len(plan)))
+                        executor = self._executor  # this worker's, even if the watchdog replaces it
+                        self._cond.notify_all()  # the watchdog waits for this deadline now
                     if self._injected_step_faults:
                         raise self._injected_step_faults.pop(0)
-                    results = self._executor.step(plan.items)
+                    results = executor.step(plan.items)
                     self.metrics.record_step(time.monotonic() - started, len(plan))
                     with self._cond:
+                        if self._generation != generation:
+                            return  # the watchdog gave up on this step: another worker serves now
+                        self._step = None
                         self.steps += 1
                         self._apply(plan, results)
                         self._record_gauges()
@@ -286,18 +332,59 @@ class Engine:
                 except KeyboardInterrupt:
                     raise  # an interrupt ends the worker (below), it is no backend fault to recover from
                 except BaseException as exc:  # any failure of the backend, SystemExit too: recover
+                    with self._cond:
+                        if self._generation != generation:
+                            return  # the abandoned executor was closed under its hung step
+                        self._step = None
                     log.exception("engine step failed")
                     if not self._recover(exc):
                         return
         except BaseException as exc:  # the worker itself cannot go on: never leave a silent engine
             death = exc
+            if self._generation != generation:
+                return
             if isinstance(exc, KeyboardInterrupt):
                 log.warning("the wafer worker was interrupted: the engine stops")
             else:
                 log.exception("the wafer worker died")
         finally:
-            self._close_executor()
-            self._end_worker(death)
+            if self._generation == generation:
+                self._close_executor()
+                self._end_worker(death)
+
+    def _watchdog(self) -> None:
+        """Fail a step that runs past its deadline, and restart the backend under a fresh worker."""
+        with self._cond:
+            while not self._stop and self._state not in (EngineState.STOPPED, EngineState.FAILED):
+                step = self._step
+                now = time.monotonic()
+                if step is None or now < step[2]:
+                    self._cond.wait(timeout=1.0 if step is None else step[2] - now)
+                    continue
+                self._abandon_hung_step(*step)
+
+    def _abandon_hung_step(self, items: int, started: float, deadline: float) -> None:
+        """(The lock is held.) The running step is hung: fail its requests, start over on a new worker."""
+        limit = deadline - started
+        self.fault = f"step watchdog: a step of {items} items ran past its {limit:.1f} s deadline"
+        log.error("%s; the backend is restarted", self.fault)
+        self._generation += 1  # the hung worker is no longer the engine's
+        self._step = None
+        hung, self._executor = self._executor, None  # its slots are not freed on a hung executor
+        if self._state is EngineState.READY:
+            self._set_state(EngineState.RELOADING)
+        error = StepTimedOut(
+            f"the wafer did not finish a step within {limit:.1f} s (the step watchdog fired); "
+            "the backend is being restarted, retry the request"
+        )
+        for sequence in list(self._scheduler.running):
+            self._end(sequence, error=error)
+        self.restarts += 1
+        self.metrics.wafer_engine_restarts_total.inc()
+        self.metrics.wafer_engine_step_timeouts_total.inc()
+        if hung is not None:
+            threading.Thread(target=close_quietly, args=(hung,), name="wafer-close-hung", daemon=True).start()
+        self._start_worker(first=False)
 
     def _end_worker(self, death: BaseException | None) -> None:
         """The worker is ending: fail what is left, and when it ended on its own, tell the server."""
@@ -317,11 +404,11 @@ class Engine:
         if fatal is not None and self._on_fatal is not None:
             self._on_fatal(fatal)  # the server exits non-zero rather than answer 503 forever
 
-    def _next_plan(self) -> StepPlan | None:
+    def _next_plan(self, generation: int) -> StepPlan | None:
         """Wait for work; None when the worker should stop."""
         with self._cond:
             while True:
-                if self._stop:
+                if self._stop or self._generation != generation:
                     return None
                 self._reap()
                 self._scheduler.admit()
@@ -384,6 +471,7 @@ class Engine:
         with self._cond:
             if self._state is EngineState.READY:
                 self._set_state(EngineState.RELOADING)  # before the failures reach anyone: /health is 503
+            self.fault = f"the wafer worker failed ({type(exc).__name__}: {exc})"
             message = (
                 f"the wafer worker failed while running this request ({type(exc).__name__}: {exc}); "
                 "the model is being reloaded, retry the request"
@@ -398,10 +486,7 @@ class Engine:
     def _close_executor(self) -> None:
         executor, self._executor = self._executor, None
         if executor is not None:
-            try:
-                executor.close()
-            except Exception:
-                log.exception("closing the executor failed")
+            close_quietly(executor)
 
     # ----- inside a step boundary (the lock is held) -----------------------------------------------
 

@@ -67,6 +67,12 @@ class GenerationFailed(ServiceError):
     metric_reason = "generation"
 
 
+class StepTimedOut(GenerationFailed):
+    """The step this request was in ran past the step watchdog's deadline: the backend restarts."""
+
+    status = 504
+
+
 class RequestFailed(ServiceError):
     """This request alone failed inside the server (choosing or decoding its tokens): a 500."""
 

@@ -32,6 +32,10 @@ class ServerSettings:
     max_n: int = 8  # OpenAI `n` x number of prompts per request
     max_body_bytes: int = 1_000_000
     request_timeout_s: float = 600.0  # queue + generation; the request fails with 504 beyond it
+    # The step watchdog: a step may take step_timeout_s + step_timeout_per_item_s x its items; beyond
+    # that its requests fail (504) and the backend is restarted.
+    step_timeout_s: float = 60.0
+    step_timeout_per_item_s: float = 0.25
 
     # Lifecycle.
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may finish after a shutdown signal

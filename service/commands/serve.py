@@ -94,6 +94,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seconds a request may take, queue included",
     )
     parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=defaults.step_timeout_s,
+        metavar="S",
+        help="the step watchdog: seconds a wafer step may take, plus --step-timeout-per-item per item; "
+        f"past that its requests fail (504) and the backend restarts ({defaults.step_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--step-timeout-per-item",
+        type=float,
+        default=defaults.step_timeout_per_item_s,
+        metavar="S",
+        help=f"seconds added to a step's deadline per item it carries ({defaults.step_timeout_per_item_s:g})",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=defaults.shutdown_timeout_s,
@@ -135,9 +150,12 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
     for flag, value in (
         ("--request-timeout", args.request_timeout),
         ("--shutdown-timeout", args.shutdown_timeout),
+        ("--step-timeout", args.step_timeout),
     ):
         if not value > 0:
             raise UserError(f"{flag} must be positive, got {value}")
+    if not args.step_timeout_per_item >= 0:
+        raise UserError(f"--step-timeout-per-item must be 0 or more, got {args.step_timeout_per_item}")
     return ServerSettings(
         host=args.host,
         port=args.port,
@@ -153,6 +171,8 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         max_new_tokens_limit=args.max_new_tokens,
         request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
+        step_timeout_s=args.step_timeout,
+        step_timeout_per_item_s=args.step_timeout_per_item,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key or None,
     )
