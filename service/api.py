@@ -96,7 +96,8 @@ def create_app(
         if not error.counted:
             metrics.record_failure(error.metric_reason)
         path = request.url.path
-        return JSONResponse(error_body(error, path), status_code=error_status(error, path))
+        headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+        return JSONResponse(error_body(error, path), status_code=error_status(error, path), headers=headers)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
@@ -191,11 +192,13 @@ def create_app(
         if engine.ready:
             return Response(status_code=200)
         body = {"error": "unhealthy", "error_type": "healthcheck", "state": engine.state.value}
+        retry = engine.unavailable().retry_after
+        headers = {"Retry-After": str(retry)} if retry is not None else None
         if engine.state is EngineState.FAILED and engine.error:
             body["reason"] = engine.error
         elif engine.state is EngineState.RELOADING and engine.fault:
             body["reason"] = engine.fault
-        return JSONResponse(body, status_code=503)
+        return JSONResponse(body, status_code=503, headers=headers)
 
     @app.get("/info", response_model=TGIInfo)
     async def info() -> TGIInfo:

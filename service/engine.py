@@ -237,7 +237,7 @@ class Engine:
     def executor(self) -> Executor:
         """The running executor, for its shape (slots, context length, vocabulary, top-k)."""
         if self._executor is None:
-            raise Unavailable(self._unavailable_reason())
+            raise self.unavailable()
         return self._executor
 
     def submit(self, request: GenerationRequest) -> Sequence:
@@ -249,7 +249,7 @@ class Engine:
         )
         with self._cond:
             if self._state is not EngineState.READY:
-                raise Unavailable(self._unavailable_reason())
+                raise self.unavailable()
             if not self._scheduler.slots.fits(request.tokens_needed):  # the API checked; never trust twice
                 raise RequestValidationFailed(
                     f"the request needs {request.tokens_needed} KV positions; a slot holds "
@@ -290,6 +290,11 @@ class Engine:
             return {}
         data = plan.to_json()
         return {key: data[key] for key in PLAN_SUMMARY_KEYS if key in data}
+
+    def unavailable(self) -> Unavailable:
+        """Why the engine takes no request now; with Retry-After unless it can never serve again."""
+        final = self._state in (EngineState.FAILED, EngineState.STOPPED)
+        return Unavailable(self._unavailable_reason(), final=final)
 
     def _unavailable_reason(self) -> str:
         return {
@@ -393,7 +398,7 @@ class Engine:
             if death is not None and not isinstance(death, KeyboardInterrupt):
                 self.error = f"the wafer worker died ({type(death).__name__}: {death})"
                 self._set_state(EngineState.FAILED)
-                self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}"))
+                self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}", final=True))
                 fatal = self.error
             else:
                 if self._state is not EngineState.FAILED:
@@ -452,7 +457,7 @@ class Engine:
             return True
         with self._cond:
             self._set_state(EngineState.FAILED)
-            self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}"))
+            self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}", final=True))
         if self._on_fatal is not None:
             self._on_fatal(
                 f"the model could not be loaded: {self.error or 'the executor could not be built'}"

@@ -170,3 +170,26 @@ def test_a_vocabulary_padded_beyond_the_tokenizer_never_emits_unknown_ids():
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
         assert "50300" in refused.text
         assert running.engine.restarts == 0
+
+
+def test_429_and_503_say_when_to_retry(small_params):
+    # One slot, no queue: a second request while one runs is refused with 429.
+    settings = ServerSettings(backend="sim", dtype="fp32", max_concurrent_requests=1, max_queue=0)
+    with running_server(settings, executor_factory("sim", small_params, slots=1)) as server:
+        beside = Stream(server.url, max_tokens=60)
+        beside.start()
+        assert beside.started.wait(30)
+        with server.client() as client:
+            for route, body in (
+                ("/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}),
+                ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
+            ):
+                refused = client.post(route, json=body)
+                assert refused.status_code == 429, refused.text
+                assert int(refused.headers["retry-after"]) >= 1, refused.headers
+            beside.join(60)
+            server.engine.begin_drain()  # shutting down: 503 with a hint to retry (elsewhere) later
+            draining = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+            assert draining.status_code == 503 and int(draining.headers["retry-after"]) >= 1, draining.headers
+            health = client.get("/health")
+            assert health.status_code == 503 and int(health.headers["retry-after"]) >= 1, health.headers

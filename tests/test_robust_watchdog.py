@@ -137,7 +137,7 @@ def test_health_names_the_fault_while_the_backend_restarts(small_params):
         assert health.status_code == 503 and health.json()["state"] == "reloading", health.text
         assert "watchdog" in health.json()["reason"], health.text
         refused = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
-        assert refused.status_code == 503, refused.text
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.headers
         release_second_load.set()
         assert server.engine.wait_ready(30)
         executors[0].release()
