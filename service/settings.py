@@ -37,6 +37,12 @@ class ServerSettings:
     step_timeout_s: float = 60.0
     step_timeout_per_item_s: float = 0.25
 
+    # Connections (service/connections.py): what a client may hold open and for how long.
+    header_timeout_s: float = 10.0  # from connecting (or the next request's first byte) to its headers' end
+    body_timeout_s: float = 30.0  # from the headers' end to the body's end
+    keep_alive_timeout_s: float = 5.0  # idle between two requests on one connection
+    max_connections: int = 1024  # beyond it a new connection gets 503 and is closed
+
     # Lifecycle.
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may finish after a shutdown signal
     api_key: str | None = None  # when set, generation routes need `Authorization: Bearer <key>`

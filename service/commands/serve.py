@@ -122,6 +122,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="B",
         help="largest request body",
     )
+    for flag, dest, what in (
+        ("--header-timeout", "header_timeout_s", "seconds a client may take to send a request's headers"),
+        ("--body-timeout", "body_timeout_s", "seconds a client may take to send a request's body"),
+        ("--keep-alive-timeout", "keep_alive_timeout_s", "seconds an idle connection stays open"),
+    ):
+        default = getattr(defaults, dest)
+        parser.add_argument(
+            flag, type=float, dest=dest, default=default, metavar="S", help=f"{what} ({default:g})"
+        )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        metavar="N",
+        help=f"open connections; a new one beyond gets 503 and is closed ({defaults.max_connections})",
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
@@ -141,6 +157,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--top-k", args.top_k, 1),
         ("--step-token-budget", args.step_token_budget, 1),
         ("--max-body-bytes", args.max_body_bytes, 1),
+        ("--max-connections", args.max_connections, 1),
         ("--context", optional[0], 2),  # one prompt token and one new token
         ("--max-input-tokens", optional[1], 1),
         ("--max-new-tokens", optional[2], 1),
@@ -151,6 +168,9 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--request-timeout", args.request_timeout),
         ("--shutdown-timeout", args.shutdown_timeout),
         ("--step-timeout", args.step_timeout),
+        ("--header-timeout", args.header_timeout_s),
+        ("--body-timeout", args.body_timeout_s),
+        ("--keep-alive-timeout", args.keep_alive_timeout_s),
     ):
         if not value > 0:
             raise UserError(f"{flag} must be positive, got {value}")
@@ -173,6 +193,10 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         shutdown_timeout_s=args.shutdown_timeout,
         step_timeout_s=args.step_timeout,
         step_timeout_per_item_s=args.step_timeout_per_item,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        keep_alive_timeout_s=args.keep_alive_timeout_s,
+        max_connections=args.max_connections,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key or None,
     )
@@ -180,6 +204,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
 
 def run(args: argparse.Namespace) -> int:
     from service.api import create_app
+    from service.log_limits import limit_repeats
     from service.server import ServiceServer
 
     logging.basicConfig(
@@ -218,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {**config.as_dict(), "n_params": config.n_params, "weights": str(weights_path)}
     app = create_app(settings, build, model_summary=summary, on_fatal=on_fatal)
     server = ServiceServer(app, settings, log_level=args.log_level)
+    limit_repeats()  # on the handlers uvicorn has just set up, and the root's
     server.run()
     if failure:
         print(
