@@ -122,7 +122,7 @@ def create_app(
     # --- TGI ---
 
     async def generate_response(request: Request, body: TGIRequest) -> Response:
-        generation = tgi_generation_request(body, limits(), settings)
+        generation = await asyncio.to_thread(tgi_generation_request, body, limits(), settings)
         sequences = submit_all(engine, [generation])
         try:
             (final,) = await wait_for_results(request, engine, sequences)
@@ -131,7 +131,7 @@ def create_app(
         return JSONResponse(tgi_json(tgi_response(body, final, hooks)))
 
     async def generate_stream_response(request: Request, body: TGIRequest) -> Response:
-        generation = tgi_generation_request(body, limits(), settings)
+        generation = await asyncio.to_thread(tgi_generation_request, body, limits(), settings)
         (sequence,) = submit_all(engine, [generation])
         stream = tgi_stream(engine, sequence, body, hooks, request.url.path)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -159,7 +159,7 @@ def create_app(
                 f"the model `{body.model}` does not exist; this server serves `{settings.model_id}`",
                 param="model",
             )
-        choices, generations = openai_generation_requests(body, limits(), settings)
+        choices, generations = await asyncio.to_thread(openai_generation_requests, body, limits(), settings)
         sequences = submit_all(engine, generations)
         model = settings.model_id
         if body.stream:

@@ -28,7 +28,7 @@ from service.sequence import (
     TokenEvent,
 )
 from service.settings import ServerSettings
-from service.validation import OPENAI_FIELDS, Limits, check_request, sampling_params
+from service.validation import OPENAI_FIELDS, Limits, check_request, encode_prompt, sampling_params
 from weights import tokenizer
 
 
@@ -43,18 +43,21 @@ def openai_generation_requests(
     body: CompletionRequest, limits: Limits, settings: ServerSettings
 ) -> tuple[list[Choice], list[GenerationRequest]]:
     prompt = body.prompt
+    single = isinstance(prompt, str) or all(isinstance(item, int) for item in prompt)
+    count = 1 if single else len(prompt)
+    if count * body.n > settings.max_n:  # before tokenizing anything
+        raise RequestValidationFailed(
+            f"`n` x number of prompts must be <= {settings.max_n}, given {body.n} x {count}", param="n"
+        )
+    field = OPENAI_FIELDS.prompt
     if isinstance(prompt, str):
-        prompts = [tokenizer.encode(prompt)]
+        prompts = [encode_prompt(prompt, limits, field)]
     elif all(isinstance(item, str) for item in prompt):
-        prompts = [tokenizer.encode(item) for item in prompt]
+        prompts = [encode_prompt(item, limits, field) for item in prompt]
     elif all(isinstance(item, int) for item in prompt):
         prompts = [list(prompt)]
     else:
         prompts = [list(item) for item in prompt]
-    if len(prompts) * body.n > settings.max_n:
-        raise RequestValidationFailed(
-            f"`n` x number of prompts must be <= {settings.max_n}, given {body.n} x {len(prompts)}", param="n"
-        )
     if body.best_of is not None and body.best_of != body.n:
         raise RequestValidationFailed(
             "`best_of` other than `n` is not supported by this server", param="best_of"

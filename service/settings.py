@@ -24,6 +24,9 @@ class ServerSettings:
 
     # Request limits.
     max_input_tokens: int | None = None  # None: context_length - 1
+    # Longest prompt text, checked before tokenizing. None: max_input_tokens x the most characters one
+    # token stands for, so no prompt that could fit is refused.
+    max_input_chars: int | None = None
     max_new_tokens_default: int = 100  # TGI route when the request does not say
     max_new_tokens_limit: int | None = None  # None: context_length - 1
     max_stop_sequences: int = 4

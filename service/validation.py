@@ -20,6 +20,7 @@ class Limits:
 
     context_length: int
     max_input_tokens: int
+    max_input_chars: int  # prompt text, before tokenizing
     max_new_tokens: int
     max_stop_sequences: int
     max_stop_length: int
@@ -30,9 +31,11 @@ class Limits:
     @classmethod
     def of(cls, settings: ServerSettings, executor: Executor) -> Limits:
         context = executor.context_length
+        max_input_tokens = min(settings.max_input_tokens or context - 1, context - 1)
         return cls(
             context_length=context,
-            max_input_tokens=min(settings.max_input_tokens or context - 1, context - 1),
+            max_input_tokens=max_input_tokens,
+            max_input_chars=settings.max_input_chars or max_input_tokens * tokenizer.longest_token_chars(),
             max_new_tokens=min(settings.max_new_tokens_limit or context - 1, context - 1),
             max_stop_sequences=settings.max_stop_sequences,
             max_stop_length=settings.max_stop_length,
@@ -105,6 +108,18 @@ def check_request(request: GenerationRequest, limits: Limits, names: FieldNames)
     if bad_stop_ids:
         fail(f"`stop_token_ids` id {bad_stop_ids[0]} is outside 0..{limits.vocab_size - 1}", "stop_token_ids")
     return request
+
+
+def encode_prompt(text: str, limits: Limits, field: str) -> list[int]:
+    """The prompt's token ids, once its length in characters allows it (tokenizing a long text is
+    slow; callers run this off the event loop)."""
+    if len(text) > limits.max_input_chars:
+        raise RequestValidationFailed(
+            f"`{field}` must have at most {limits.max_input_chars} characters (no longer text fits in "
+            f"{limits.max_input_tokens} tokens), given {len(text)}",
+            param=field,
+        )
+    return tokenizer.encode(text)
 
 
 def sampling_params(**kwargs) -> SamplingParams:

@@ -6,6 +6,9 @@ What it guarantees (simulator backend, a small model, uvicorn on 127.0.0.1):
   runs to its end, the worker never reloads and /health stays 200;
 - a failure while one request's token is chosen or detokenized ends that request alone (a 500 or an
   error event, whose message carries no internal exception text), never the others and never a reload;
+- prompts of 990 KB are refused by their length in characters before they are tokenized, and prompts
+  that are tokenized are tokenized off the event loop: /health answers within 0.5 s all through a
+  flood of them (tokenizing one on the loop stalled it 0.17 s each);
 - a model whose vocabulary is padded beyond the tokenizer's (50304 rows, 50257 tokens) never emits an id
   the tokenizer does not know, and a prompt of such ids is refused naming the field.
 """
@@ -14,13 +17,15 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import httpx
 import pytest
-from service_harness import executor_factory, running_server, sse_events
+from service_harness import executor_factory, run_concurrently, running_server, sse_events
 
 from service.detokenizer import IncrementalDetokenizer
 from service.settings import ServerSettings
+from weights import tokenizer
 from weights.config import GPT2Config
 from weights.params import GPT2Params
 
@@ -193,3 +198,60 @@ def test_429_and_503_say_when_to_retry(small_params):
             assert draining.status_code == 503 and int(draining.headers["retry-after"]) >= 1, draining.headers
             health = client.get("/health")
             assert health.status_code == 503 and int(health.headers["retry-after"]) >= 1, health.headers
+
+
+class HealthLatency(threading.Thread):
+    """Polls /health every 20 ms and keeps the slowest answer's time."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.slowest, self.stop = url, 0.0, threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while not self.stop.is_set():
+                started = time.monotonic()
+                assert client.get("/health").status_code == 200
+                self.slowest = max(self.slowest, time.monotonic() - started)
+                time.sleep(0.02)
+
+
+def flood_of_huge_prompts(url: str, route: str) -> list[httpx.Response]:
+    prompt = "a" * 990_000  # one pre-token: the slowest text per character for BPE (0.17 s here)
+    body = {"inputs": prompt} if route == "/generate" else {"prompt": [prompt], "max_tokens": 2}
+    calls = [lambda: httpx.post(url + route, json=body, timeout=60) for _ in range(10)]
+    return run_concurrently(calls)
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions"])
+def test_huge_prompts_are_bounded_by_characters_before_tokenizing(server, route):
+    watch = HealthLatency(server.url)
+    watch.start()
+    try:
+        answers = flood_of_huge_prompts(server.url, route)
+    finally:
+        watch.stop.set()
+        watch.join(10)
+    limit = 127 * tokenizer.longest_token_chars()  # the small model: 128 positions
+    for answer in answers:
+        assert answer.status_code in (400, 422), answer.text
+        assert f"at most {limit} characters" in answer.text and "990000" in answer.text, answer.text
+    assert watch.slowest < 0.5, f"/health took {watch.slowest:.2f} s during the flood"
+
+
+def test_tokenizing_runs_off_the_event_loop(small_params):
+    # The character bound raised out of the way: ten 990 KB prompts are tokenized, and /health answers.
+    settings = ServerSettings(
+        backend="sim", dtype="fp32", max_concurrent_requests=2, max_input_chars=2_000_000
+    )
+    with running_server(settings, executor_factory("sim", small_params, slots=2)) as running:
+        watch = HealthLatency(running.url)
+        watch.start()
+        try:
+            answers = flood_of_huge_prompts(running.url, "/generate")
+        finally:
+            watch.stop.set()
+            watch.join(10)
+    for answer in answers:
+        assert answer.status_code == 422 and "must have at most 127 tokens" in answer.text, answer.text
+    assert watch.slowest < 0.5, f"/health took {watch.slowest:.2f} s while prompts were tokenized"

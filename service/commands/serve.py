@@ -84,6 +84,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-input-tokens", type=int, metavar="N", help="longest prompt (default: context - 1)"
     )
     parser.add_argument(
+        "--max-input-chars",
+        type=int,
+        metavar="N",
+        help="longest prompt text, checked before tokenizing (default: max input tokens x 66, the most "
+        "characters one GPT-2 token stands for)",
+    )
+    parser.add_argument(
         "--max-new-tokens", type=int, metavar="N", help="largest max_new_tokens (default: context - 1)"
     )
     parser.add_argument(
@@ -160,6 +167,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--max-connections", args.max_connections, 1),
         ("--context", optional[0], 2),  # one prompt token and one new token
         ("--max-input-tokens", optional[1], 1),
+        ("--max-input-chars", args.max_input_chars, 1),
         ("--max-new-tokens", optional[2], 1),
     ):
         if value is not None and value < minimum:
@@ -188,6 +196,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         top_k=args.top_k,
         step_token_budget=args.step_token_budget,
         max_input_tokens=args.max_input_tokens,
+        max_input_chars=args.max_input_chars,
         max_new_tokens_limit=args.max_new_tokens,
         request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
