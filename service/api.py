@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -19,10 +20,10 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from service.delivery import ClientGone, submit_all, wait_for_results
+from service.delivery import ClientGone, JSONResponse, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory, TokenizerHooks
 from service.errors import NotFound, RequestValidationFailed, ServiceError
 from service.metrics import ServiceMetrics
@@ -41,6 +42,8 @@ from service.settings import ServerSettings
 from service.tgi import tgi_generation_request, tgi_json, tgi_response, tgi_stream
 from service.validation import Limits, format_validation_errors
 from weights import tokenizer
+
+log = logging.getLogger("wafer_gpt2.api")
 
 VERSION = "0.1.0"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -82,7 +85,7 @@ def create_app(
         yield
         await asyncio.to_thread(engine.shutdown, settings.shutdown_timeout_s)
 
-    app = FastAPI(title="wafer-gpt2", version=VERSION, lifespan=lifespan)
+    app = FastAPI(title="wafer-gpt2", version=VERSION, lifespan=lifespan, default_response_class=JSONResponse)
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
@@ -101,8 +104,11 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-        # A bug, not the client's fault: answer in the route's schema; uvicorn logs the traceback.
-        error = ServiceError(f"internal server error ({type(exc).__name__}: {exc})")
+        # A bug, not the client's fault: answer in the route's schema with a reference to the log, which
+        # has the details (the exception's text is no message for a client).
+        reference = uuid.uuid4().hex[:12]
+        log.error("internal error, reference %s, on %s", reference, request.url.path, exc_info=exc)
+        error = ServiceError(f"internal server error (reference {reference}; the server log has the details)")
         return await service_error(request, error)
 
     @app.exception_handler(RequestValidationError)

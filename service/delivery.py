@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi import Request
+from fastapi.responses import JSONResponse as StarletteJSONResponse
 
 from service.engine import Engine
 from service.errors import ServiceError
@@ -78,6 +79,17 @@ def submit_all(engine: Engine, requests: list[GenerationRequest]) -> list[Sequen
             engine.cancel(sequence)
         raise
     return sequences
+
+
+class JSONResponse(StarletteJSONResponse):
+    """JSON as UTF-8, except that text the client sent with lone surrogates (valid JSON escapes, not
+    valid Unicode) is echoed back as the same escapes instead of failing to encode."""
+
+    def render(self, content: object) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def sse(data: dict | str) -> bytes:

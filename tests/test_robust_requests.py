@@ -15,6 +15,7 @@ What it guarantees (simulator backend, a small model, uvicorn on 127.0.0.1):
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -255,3 +256,39 @@ def test_tokenizing_runs_off_the_event_loop(small_params):
     for answer in answers:
         assert answer.status_code == 422 and "must have at most 127 tokens" in answer.text, answer.text
     assert watch.slowest < 0.5, f"/health took {watch.slowest:.2f} s while prompts were tokenized"
+
+
+def test_echoed_lone_surrogates_come_back_escaped_not_as_500(server):
+    with server.client() as client:
+        inputs = "Lone \ud800 surrogate"
+        body = {"inputs": inputs, "parameters": {"max_new_tokens": 3, "return_full_text": True}}
+        response = client.post("/generate", content=json.dumps(body), headers={"content-type": "application/json"})
+        assert response.status_code == 200, response.text
+        assert response.json()["generated_text"].startswith(inputs)
+        body = {"model": "gpt\udc00", "prompt": PROMPT, "max_tokens": 2}
+        response = client.post(
+            "/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["param"] == "model" and "gpt\udc00" in response.json()["error"]["message"]
+        body = {"prompt": PROMPT, "max_tokens": 4, "stop": ["\ud83d"], "echo": True}
+        response = client.post(
+            "/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 200, response.text
+
+
+def test_an_unexpected_error_answers_without_its_internal_text(server, monkeypatch, caplog):
+    import service.api
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret internal state 0xfeedface")
+
+    monkeypatch.setattr(service.api, "tgi_response", broken)
+    with server.client() as client:
+        response = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+    assert response.status_code == 500, response.text
+    assert "0xfeedface" not in response.text and "RuntimeError" not in response.text, response.text
+    reference = re.search(r"reference (\w+)", response.json()["error"])[1]
+    logged = [r for r in caplog.records if reference in r.getMessage()]
+    assert logged and logged[0].exc_info is not None  # the details are in the log, under that reference
