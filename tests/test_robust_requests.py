@@ -262,7 +262,9 @@ def test_echoed_lone_surrogates_come_back_escaped_not_as_500(server):
     with server.client() as client:
         inputs = "Lone \ud800 surrogate"
         body = {"inputs": inputs, "parameters": {"max_new_tokens": 3, "return_full_text": True}}
-        response = client.post("/generate", content=json.dumps(body), headers={"content-type": "application/json"})
+        response = client.post(
+            "/generate", content=json.dumps(body), headers={"content-type": "application/json"}
+        )
         assert response.status_code == 200, response.text
         assert response.json()["generated_text"].startswith(inputs)
         body = {"model": "gpt\udc00", "prompt": PROMPT, "max_tokens": 2}
@@ -270,7 +272,10 @@ def test_echoed_lone_surrogates_come_back_escaped_not_as_500(server):
             "/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"}
         )
         assert response.status_code == 404, response.text
-        assert response.json()["error"]["param"] == "model" and "gpt\udc00" in response.json()["error"]["message"]
+        assert (
+            response.json()["error"]["param"] == "model"
+            and "gpt\udc00" in response.json()["error"]["message"]
+        )
         body = {"prompt": PROMPT, "max_tokens": 4, "stop": ["\ud83d"], "echo": True}
         response = client.post(
             "/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"}

@@ -9,6 +9,7 @@ the server stops with exit status 1.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
@@ -19,6 +20,24 @@ from wafer.backends import BACKENDS, DEFAULT_BACKEND, ExecutorOptions, build_exe
 from weights.checkpoint import load_checkpoint, resolve_weights
 
 API_KEY_ENV = "WAFER_GPT2_API_KEY"
+ALLOW_NO_API_KEY_ENV = "WAFER_GPT2_ALLOW_NO_API_KEY"
+
+
+def exposure_problem(host: str, api_key: str | None, allow_no_api_key: bool) -> str | None:
+    """Why serving on `host` as configured is refused: an address beyond loopback needs an API key or
+    the explicit opt-out. None when it may go ahead."""
+    if api_key or allow_no_api_key:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (
+        f"--host {host} serves beyond loopback and no API key is set: set ${API_KEY_ENV} (or --api-key), "
+        f"or pass --allow-no-api-key (${ALLOW_NO_API_KEY_ENV}=1) to serve without authentication"
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -150,6 +169,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=os.environ.get(API_KEY_ENV),
         help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; unset: no authentication)",
     )
+    parser.add_argument(
+        "--allow-no-api-key",
+        action="store_true",
+        default=os.environ.get(ALLOW_NO_API_KEY_ENV, "") not in ("", "0"),
+        help=f"serve beyond loopback without an API key (default: ${ALLOW_NO_API_KEY_ENV}=1); without it a "
+        "--host other than loopback needs a key",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.set_defaults(func=run)
 
@@ -216,6 +242,9 @@ def run(args: argparse.Namespace) -> int:
     from service.log_limits import limit_repeats
     from service.server import ServiceServer
 
+    problem = exposure_problem(args.host, args.api_key, args.allow_no_api_key)
+    if problem is not None:
+        raise UserError(problem)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
