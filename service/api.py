@@ -89,7 +89,9 @@ def create_app(
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
-    app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key)
+    app.add_middleware(
+        GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key, metrics=metrics
+    )
 
     def limits() -> Limits:
         return Limits.of(settings, engine.executor)

@@ -65,6 +65,13 @@ def read_all(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
+def test_info_does_not_show_where_the_weights_lie(server):
+    port, _ = server
+    info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=5).json()
+    weights = info["model_config_summary"]["weights"]
+    assert weights == "demo-gpt2" and "/" not in weights, weights
+
+
 def test_a_silent_connection_is_closed(server):
     port, _ = server
     with connect(port) as sock:

@@ -297,3 +297,31 @@ def test_an_unexpected_error_answers_without_its_internal_text(server, monkeypat
     reference = re.search(r"reference (\w+)", response.json()["error"])[1]
     logged = [r for r in caplog.records if reference in r.getMessage()]
     assert logged and logged[0].exc_info is not None  # the details are in the log, under that reference
+
+
+def failures(client: httpx.Client, reason: str) -> float:
+    found = re.search(rf'^tgi_request_failure\{{err="{reason}"\}} (\S+)$', client.get("/metrics").text, re.M)
+    return float(found[1]) if found else 0.0
+
+
+def test_a_key_outside_latin1_works_and_refusals_are_counted(small_params):
+    key = "clé-🔑-ключ"
+    settings = ServerSettings(
+        backend="sim", dtype="fp32", max_concurrent_requests=1, api_key=key, max_body_bytes=1000
+    )
+    with (
+        running_server(settings, executor_factory("sim", small_params, slots=1)) as running,
+        running.client() as client,
+    ):
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}
+        good = client.post("/generate", json=body, headers={"Authorization": f"Bearer {key}".encode()})
+        assert good.status_code == 200, good.text
+        auth_before, size_before = failures(client, "authentication"), failures(client, "validation")
+        wrong = client.post("/generate", json=body, headers={"Authorization": "Bearer clé".encode()})
+        assert wrong.status_code == 401
+        too_big = client.post(
+            "/generate", json={"inputs": "x" * 2000}, headers={"Authorization": f"Bearer {key}".encode()}
+        )
+        assert too_big.status_code == 413
+        assert failures(client, "authentication") == auth_before + 1
+        assert failures(client, "validation") == size_before + 1

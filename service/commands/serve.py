@@ -278,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    summary = {**config.as_dict(), "n_params": config.n_params, "weights": str(weights_path)}
+    # The checkpoint's name, not where it lies on the server's disk.
+    summary = {**config.as_dict(), "n_params": config.n_params, "weights": weights_path.name}
     app = create_app(settings, build, model_summary=summary, on_fatal=on_fatal)
     server = ServiceServer(app, settings, log_level=args.log_level)
     limit_repeats()  # on the handlers uvicorn has just set up, and the root's
