@@ -216,6 +216,9 @@ class Engine:
                     self._generation += 1
                     self._set_state(EngineState.STOPPED)
                     self._fail_all(Unavailable("the server shut down before this request finished"))
+                    hung, self._executor = self._executor, None
+                if hung is not None:
+                    threading.Thread(target=close_quietly, args=(hung,), daemon=True).start()
 
     def inject_fault(
         self,
