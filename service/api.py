@@ -13,9 +13,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
@@ -46,7 +48,18 @@ from weights import tokenizer
 log = logging.getLogger("wafer_gpt2.api")
 
 VERSION = "0.1.0"
+# Threads that build requests (tokenizing is the slow part) off the event loop; started with the app.
+REQUEST_THREADS = 2
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def request_pool(threads: int = REQUEST_THREADS) -> ThreadPoolExecutor:
+    """A pool whose threads all exist from the start (a lazily grown pool would look like a leak)."""
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="wafer-request")
+    barrier = threading.Barrier(threads)
+    for started in [pool.submit(barrier.wait) for _ in range(threads)]:
+        started.result()
+    return pool
 
 
 def tokenizer_hooks() -> TokenizerHooks:
@@ -79,11 +92,18 @@ def create_app(
         step_timeout_per_item_s=settings.step_timeout_per_item_s,
     )
 
+    pool = request_pool()
+
+    async def off_loop(build: Callable, *args):
+        """Tokenize and validate in the request pool: a long prompt must not stall the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(pool, build, *args)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         yield
         await asyncio.to_thread(engine.shutdown, settings.shutdown_timeout_s)
+        pool.shutdown(wait=False)
 
     app = FastAPI(title="wafer-gpt2", version=VERSION, lifespan=lifespan, default_response_class=JSONResponse)
     app.state.engine = engine
@@ -130,7 +150,7 @@ def create_app(
     # --- TGI ---
 
     async def generate_response(request: Request, body: TGIRequest) -> Response:
-        generation = await asyncio.to_thread(tgi_generation_request, body, limits(), settings)
+        generation = await off_loop(tgi_generation_request, body, limits(), settings)
         sequences = submit_all(engine, [generation])
         try:
             (final,) = await wait_for_results(request, engine, sequences)
@@ -139,7 +159,7 @@ def create_app(
         return JSONResponse(tgi_json(tgi_response(body, final, hooks)))
 
     async def generate_stream_response(request: Request, body: TGIRequest) -> Response:
-        generation = await asyncio.to_thread(tgi_generation_request, body, limits(), settings)
+        generation = await off_loop(tgi_generation_request, body, limits(), settings)
         (sequence,) = submit_all(engine, [generation])
         stream = tgi_stream(engine, sequence, body, hooks, request.url.path)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -167,7 +187,7 @@ def create_app(
                 f"the model `{body.model}` does not exist; this server serves `{settings.model_id}`",
                 param="model",
             )
-        choices, generations = await asyncio.to_thread(openai_generation_requests, body, limits(), settings)
+        choices, generations = await off_loop(openai_generation_requests, body, limits(), settings)
         sequences = submit_all(engine, generations)
         model = settings.model_id
         if body.stream:
