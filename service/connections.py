@@ -10,8 +10,10 @@ process runs out of file descriptors). `GuardedHttpToolsProtocol` adds:
   sending headers gets 408. Headers larger than `max_header_bytes` get 431.
 - a body deadline: from the end of the headers to the end of the body, `body_timeout_s`; past it 408
   (if no response has started) and the connection is closed, which the app sees as a disconnect.
-- a connection cap: a connection beyond `max_connections` gets 503 with `Retry-After` and is closed
-  at once, so its file descriptor is freed.
+- a connection cap, `max_connections`: at the cap a new connection evicts the oldest one that has no
+  request under way (connected and silent, sending headers, or idle between requests), so a flood of
+  idle sockets cannot lock clients out; only when every connection carries a request does the new one
+  get 503 with `Retry-After`. Either way file descriptors stay bounded.
 - a client that half-closes after sending its request (shutdown(SHUT_WR)) still gets its response;
   the connection closes once it is sent.
 """
@@ -40,11 +42,15 @@ class ConnectionLimits:
 
 def protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
     """uvicorn's `http=` argument: the guarded protocol bound to `limits`."""
-    return type("BoundGuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
+    # `waiting`: this server's connections with no request under way, oldest first (the eviction order).
+    return type(
+        "BoundGuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits, "waiting": {}}
+    )
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits = ConnectionLimits()
+    waiting: dict[GuardedHttpToolsProtocol, None] = {}
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -55,12 +61,30 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._eof = False
         self._refused = False  # answered and half-closed: what the client still sends is discarded
         if len(self.connections) > self.limits.max_connections:
-            log.warning("connection refused: %d connections are open", len(self.connections) - 1)
-            self._refuse(503, "too many connections; retry shortly", b"retry-after: 1\r\n")
-            return
+            if not self.waiting:
+                log.warning(
+                    "connection refused: all %d connections carry requests", len(self.connections) - 1
+                )
+                self._refuse(503, "too many connections; retry shortly", b"retry-after: 1\r\n")
+                return
+            oldest = next(iter(self.waiting))
+            log.warning("%d connections open: the oldest without a request is closed", len(self.connections))
+            oldest.evict()
+        self._set_waiting(True)
         self._arm(self.limits.header_timeout_s, self._header_timed_out)
 
+    def _set_waiting(self, waiting: bool) -> None:
+        self.waiting.pop(self, None)
+        if waiting:
+            self.waiting[self] = None  # to the end: the newest
+
+    def evict(self) -> None:
+        self._set_waiting(False)
+        self._disarm()
+        self.transport.close()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._set_waiting(False)
         self._disarm()
         super().connection_lost(exc)
 
@@ -90,6 +114,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._arm(self.limits.header_timeout_s, self._header_timed_out)
 
     def on_headers_complete(self) -> None:
+        self._set_waiting(False)  # a request is under way: never evicted
         self._in_headers, self._in_body = False, True
         self._header_bytes = 0
         self._arm(self.limits.body_timeout_s, self._body_timed_out)
@@ -104,6 +129,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if self._eof:
             self.transport.close()
+        elif not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._set_waiting(True)  # idle between requests (not a pipelined one under way)
 
     # timers
 
