@@ -17,7 +17,7 @@ PORT ?= 8000
 LOADTEST_DURATION ?= 60s
 LOADTEST_USERS ?= 16
 
-.PHONY: serve test lint format generate clean appliance-venv loadtest
+.PHONY: serve test lint format generate clean appliance-venv loadtest haproxy
 
 $(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ serve: $(RUN_STAMP)
 generate: $(RUN_STAMP)
 	$(VENV)/bin/wafer-gpt2 generate "The meaning of life is"
 
-test: $(TEST_STAMP) $(APPLIANCE_STAMP)
+test: $(TEST_STAMP) $(APPLIANCE_STAMP) haproxy
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest
@@ -52,6 +52,15 @@ loadtest: $(TEST_STAMP) $(APPLIANCE_STAMP)
 
 clean:
 	rm -rf $(VENV) $(APPLIANCE_VENV) .pytest_cache build *.egg-info out
+
+# tests/test_robust_replicas.py runs Debian's HAProxy in front of two servers: installed here when it is
+# missing and we are root with apt-get; otherwise that test skips and says why.
+haproxy:
+	@command -v haproxy >/dev/null 2>&1 || test -x /usr/sbin/haproxy \
+	  || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null 2>&1 \
+	       && { apt-get install -y -q haproxy >/dev/null 2>&1 \
+	            || { apt-get update -q >/dev/null && apt-get install -y -q haproxy >/dev/null; }; }; } \
+	  || echo "haproxy is not installed (needs root and apt-get): tests/test_robust_replicas.py will skip"
 
 appliance-venv: $(APPLIANCE_STAMP)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ PROMPT_MIX = ((0.50, 4, 32), (0.35, 48, 96), (0.15, 128, 192))
 # (share of requests, max_new_tokens)
 NEW_TOKENS_MIX = ((0.35, 16), (0.30, 32), (0.25, 64), (0.10, 128))
 METRIC = "METRIC"
+# The server's API key, when it has one (the service's own variable): sent with every request.
+AUTH = {"Authorization": f"Bearer {key}"} if (key := os.environ.get("WAFER_GPT2_API_KEY")) else {}
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class Workload:
 
     @classmethod
     def from_server(cls, host: str) -> Workload:
-        info = requests.get(host.rstrip("/") + "/info", timeout=30)
+        info = requests.get(host.rstrip("/") + "/info", headers=AUTH, timeout=30)
         info.raise_for_status()
         limits = info.json()
         ids = tuple(tokenizer.encode(" ".join(CORPUS_FILE.read_text().split())))
@@ -148,6 +151,7 @@ class LLMUser(HttpUser):
 
     def on_start(self) -> None:
         self.rng = random.Random(next(USER_SEEDS))
+        self.client.headers.update(AUTH)
 
     def metric(self, name: str, value: float, size: int = 0) -> None:
         self.environment.events.request.fire(

@@ -15,20 +15,22 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from service import tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from service.delivery import ClientGone, submit_all, wait_for_results
+from service.delivery import ClientGone, JSONResponse, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory, TokenizerHooks
 from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
 from service.metrics import ServiceMetrics
@@ -58,7 +60,18 @@ from weights import tokenizer
 log = logging.getLogger("wafer_gpt2.api")
 VERSION = "0.1.0"
 PLACEHOLDER_MODELS = ("dummy", "tgi")  # what TGI clients send as `model` when they do not know it
+# Threads that build requests (tokenizing is the slow part) off the event loop; started with the app.
+REQUEST_THREADS = 2
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def request_pool(threads: int = REQUEST_THREADS) -> ThreadPoolExecutor:
+    """A pool whose threads all exist from the start (a lazily grown pool would look like a leak)."""
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="wafer-request")
+    barrier = threading.Barrier(threads)
+    for started in [pool.submit(barrier.wait) for _ in range(threads)]:
+        started.result()
+    return pool
 
 
 class IgnoredFields:
@@ -91,6 +104,7 @@ def tokenizer_hooks() -> TokenizerHooks:
         token_bytes=tokenizer.token_bytes,
         eos_token_id=tokenizer.EOT_ID,
         special_names={tokenizer.EOT_ID: tokenizer.EOT_TEXT},
+        vocab_size=tokenizer.VOCAB_SIZE,
     )
 
 
@@ -117,19 +131,30 @@ def create_app(
         max_queue=settings.max_queue,
         step_token_budget=settings.step_token_budget,
         on_fatal=on_fatal,
+        step_timeout_s=settings.step_timeout_s,
+        step_timeout_per_item_s=settings.step_timeout_per_item_s,
     )
+
+    pool = request_pool()
+
+    async def off_loop(build: Callable, *args):
+        """Tokenize and validate in the request pool: a long prompt must not stall the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(pool, build, *args)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         yield
         await asyncio.to_thread(engine.shutdown, settings.shutdown_timeout_s)
+        pool.shutdown(wait=False)
 
-    app = FastAPI(title="wafer-gpt2", version=VERSION, lifespan=lifespan)
+    app = FastAPI(title="wafer-gpt2", version=VERSION, lifespan=lifespan, default_response_class=JSONResponse)
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
-    app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key)
+    app.add_middleware(
+        GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key, metrics=metrics
+    )
 
     def limits() -> Limits:
         return Limits.of(settings, engine.executor)
@@ -140,12 +165,16 @@ def create_app(
             metrics.record_failure(error.metric_reason)
         # A route serving two protocols on one path (TGI's and vLLM's /tokenize) names the family to use.
         path = getattr(request.state, "error_path", request.url.path)
-        return JSONResponse(error_body(error, path), status_code=error_status(error, path))
+        headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+        return JSONResponse(error_body(error, path), status_code=error_status(error, path), headers=headers)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-        # A bug, not the client's fault: answer in the route's schema; uvicorn logs the traceback.
-        error = ServiceError(f"internal server error ({type(exc).__name__}: {exc})")
+        # A bug, not the client's fault: answer in the route's schema with a reference to the log, which
+        # has the details (the exception's text is no message for a client).
+        reference = uuid.uuid4().hex[:12]
+        log.error("internal error, reference %s, on %s", reference, request.url.path, exc_info=exc)
+        error = ServiceError(f"internal server error (reference {reference}; the server log has the details)")
         return await service_error(request, error)
 
     @app.exception_handler(RequestValidationError)
@@ -181,7 +210,7 @@ def create_app(
     # --- TGI ---
 
     async def generate_response(request: Request, body: TGIRequest, as_list: bool = False) -> Response:
-        generation = tgi_generation_request(body, limits(), settings)
+        generation = await off_loop(tgi_generation_request, body, limits(), settings)
         sequences = submit_all(engine, [generation])
         try:
             (final,) = await wait_for_results(request, engine, sequences)
@@ -198,7 +227,7 @@ def create_app(
                 "streaming tokens",
                 param="parameters.decoder_input_details",
             )
-        generation = tgi_generation_request(body, limits(), settings)
+        generation = await off_loop(tgi_generation_request, body, limits(), settings)
         (sequence,) = submit_all(engine, [generation])
         stream = tgi_stream(engine, sequence, body, hooks, request.url.path)
         headers = SSE_HEADERS | ignored.headers(body, request.url.path)
@@ -237,7 +266,7 @@ def create_app(
 
     async def completions_response(request: Request, body: CompletionRequest) -> Response:
         check_model(body.model)
-        choices, generations = openai_generation_requests(body, limits(), settings)
+        choices, generations = await off_loop(openai_generation_requests, body, limits(), settings)
         sequences = submit_all(engine, generations)
         model = settings.model_id
         headers = ignored.headers(body, request.url.path)
@@ -267,7 +296,9 @@ def create_app(
 
     async def chat_completions_response(request: Request, body: ChatCompletionRequest) -> Response:
         check_model(body.model)
-        choices, generations = chat_generation_requests(body, chat_template, limits(), settings)
+        choices, generations = await off_loop(
+            chat_generation_requests, body, chat_template, limits(), settings
+        )
         sequences = submit_all(engine, generations)
         headers = ignored.headers(body, request.url.path)
         if body.stream:
@@ -301,12 +332,12 @@ def create_app(
         data, path = await json_body(request), request.url.path
         if tokenize_api.is_tgi_body(data):
             tgi_body = parse_body(TGITokenizeRequest, data)
-            tokens = [t.model_dump() for t in tokenize_api.tgi_tokenize(tgi_body)]
+            tokens = [t.model_dump() for t in await off_loop(tokenize_api.tgi_tokenize, tgi_body)]
             return JSONResponse(tokens, headers=ignored.headers(tgi_body, path))
         request.state.error_path = OPENAI_PREFIX  # vLLM's body: OpenAI's error schema
         body = tokenize_api.vllm_tokenize_body(data)
         check_model(body.model)
-        response = tokenize_api.vllm_tokenize(body, chat_template, limits().context_length)
+        response = await off_loop(tokenize_api.vllm_tokenize, body, chat_template, limits().context_length)
         return JSONResponse(response.model_dump(), headers=ignored.headers(body, path))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, summary="Token ids to text (vLLM)")
@@ -349,9 +380,13 @@ def create_app(
         if engine.ready:
             return Response(status_code=200)
         body = {"error": "unhealthy", "error_type": "healthcheck", "state": engine.state.value}
+        retry = engine.unavailable().retry_after
+        headers = {"Retry-After": str(retry)} if retry is not None else None
         if engine.state is EngineState.FAILED and engine.error:
             body["reason"] = engine.error
-        return JSONResponse(body, status_code=503)
+        elif engine.state is EngineState.RELOADING and engine.fault:
+            body["reason"] = engine.fault
+        return JSONResponse(body, status_code=503, headers=headers)
 
     @app.get("/info", response_model=TGIInfo)
     async def info() -> TGIInfo:

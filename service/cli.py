@@ -23,7 +23,7 @@ COMMANDS = [
 ]
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """A problem the user can fix: printed as one line, exit status 2."""
 
 

@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
+from fastapi.responses import JSONResponse as StarletteJSONResponse
 
 from service.engine import Engine
 from service.errors import ServiceError
@@ -121,6 +122,17 @@ async def openai_sse(
             task.cancel()
         for sequence in sequences:
             engine.cancel(sequence)  # a no-op for those that finished
+
+
+class JSONResponse(StarletteJSONResponse):
+    """JSON as UTF-8, except that text the client sent with lone surrogates (valid JSON escapes, not
+    valid Unicode) is echoed back as the same escapes instead of failing to encode."""
+
+    def render(self, content: object) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def sse(data: dict | str) -> bytes:

@@ -12,12 +12,20 @@ executor and builds a fresh one (/health answers 503 meanwhile) and goes on with
 worker itself dies (an error outside a step, or an interrupt), the engine never sits silently
 stopped: it ends every request, /health answers 503 and `on_fatal` tells the server to exit non-zero.
 Shutdown drains: new requests get 503 while the running ones finish, up to a timeout.
+
+A step that never returns is caught by the step watchdog (a thread of its own): each step gets a
+deadline, `step_timeout_s` plus `step_timeout_per_item_s` per item of the plan. Past it, the requests in
+flight fail (504, `generation`), /health answers 503 `reloading` naming the fault, and a fresh worker
+builds a fresh executor and goes on with the queue. The hung worker is abandoned (a Python thread cannot
+be killed): its executor is closed from another thread, and when its step returns, if ever, it sees that
+it is no longer the current worker and leaves without touching anything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import threading
 import time
@@ -29,9 +37,11 @@ import numpy as np
 from service.detokenizer import IncrementalDetokenizer
 from service.errors import (
     GenerationFailed,
+    RequestFailed,
     RequestTimedOut,
     RequestValidationFailed,
     ServiceError,
+    StepTimedOut,
     Unavailable,
 )
 from service.kv_slots import KVSlotManager, KVUsage
@@ -50,11 +60,15 @@ from service.sequence import (
     State,
     TokenEvent,
 )
-from wafer.executor import Executor, ExecutorError, TokenScores
+from wafer.executor import Executor, ExecutorError, StepItem, TokenScores
 
 log = logging.getLogger("wafer_gpt2.engine")
 
 ExecutorFactory = Callable[[], Executor]
+REQUEST_FAILED_MESSAGE = (
+    "the server could not choose or decode the next token of this request, which was ended; "
+    "other requests are not affected (the server log has the details)"
+)
 RELOAD_ATTEMPTS = 3
 # What /info shows of a wafer plan (its regions and routes are for `wafer-gpt2 plan`, not for /info).
 PLAN_SUMMARY_KEYS = (
@@ -87,14 +101,24 @@ class TokenizerHooks:
     token_bytes: Callable[[int], bytes]
     eos_token_id: int
     special_names: dict[int, str]
+    vocab_size: int | None = None  # ids at or above it are unknown to the tokenizer: never emitted
 
 
-def alternatives(scores: TokenScores, n: int) -> tuple[Alternative, ...]:
-    """The n best candidates the wafer returned, with the model's logprobs."""
-    return tuple(
+def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> tuple[Alternative, ...]:
+    """The n best candidates the wafer returned that the tokenizer knows, with the model's logprobs."""
+    known = (
         Alternative(int(token), scores.logprob(logit))
-        for token, logit in zip(scores.topk_ids[:n], scores.topk_logits[:n], strict=True)
+        for token, logit in zip(scores.topk_ids, scores.topk_logits, strict=True)
+        if vocab_size is None or token < vocab_size
     )
+    return tuple(itertools.islice(known, n))
+
+
+def close_quietly(executor: Executor) -> None:
+    try:
+        executor.close()
+    except Exception:
+        log.exception("closing the executor failed")
 
 
 class Engine:
@@ -106,6 +130,8 @@ class Engine:
         max_queue: int,
         step_token_budget: int,
         on_fatal: Callable[[str], None] | None = None,
+        step_timeout_s: float = 60.0,
+        step_timeout_per_item_s: float = 0.25,
     ):
         self._factory = executor_factory
         self._tokenizer = tokenizer
@@ -113,6 +139,8 @@ class Engine:
         self._max_queue = max_queue
         self._step_token_budget = step_token_budget
         self._on_fatal = on_fatal
+        self._step_timeout_s = step_timeout_s
+        self._step_timeout_per_item_s = step_timeout_per_item_s
 
         self._cond = threading.Condition()
         self._state = EngineState.LOADING
@@ -120,7 +148,10 @@ class Engine:
         self._scheduler: Scheduler | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._generation = 0  # the current worker's number; a worker abandoned by the watchdog is older
+        self._step: tuple[int, float, float] | None = None  # (items, started, deadline) of the running step
         self.error: str | None = None  # why the engine failed, when it did
+        self.fault: str | None = None  # the last fault the worker recovers from (shown by /health)
         self.load_seconds: float | None = None
         self.restarts = 0
         self.steps = 0
@@ -131,8 +162,18 @@ class Engine:
 
     def start(self) -> None:
         """Start the worker; it uploads the model, then serves. Returns at once (/health says when)."""
-        self._thread = threading.Thread(target=self._worker, name="wafer-engine", daemon=True)
+        self._start_worker(first=True)
+        threading.Thread(target=self._watchdog, name="wafer-step-watchdog", daemon=True).start()
+
+    def _start_worker(self, first: bool) -> None:
+        self._thread = threading.Thread(
+            target=self._worker, args=(self._generation, first), name="wafer-engine", daemon=True
+        )
         self._thread.start()
+
+    def step_deadline_s(self, items: int) -> float:
+        """How long a step of `items` items may run before the watchdog fails it."""
+        return self._step_timeout_s + self._step_timeout_per_item_s * items
 
     @property
     def state(self) -> EngineState:
@@ -168,8 +209,18 @@ class Engine:
         with self._cond:
             self._stop = True  # the worker ends what is left (503) at its next step boundary
             self._cond.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(5.0, timeout))
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)  # one step boundary; a step still running by then is hung
+            if thread.is_alive():
+                log.error("a step is still running at shutdown: its worker is abandoned")
+                with self._cond:
+                    self._generation += 1
+                    self._set_state(EngineState.STOPPED)
+                    self._fail_all(Unavailable("the server shut down before this request finished"))
+                    hung, self._executor = self._executor, None
+                if hung is not None:
+                    threading.Thread(target=close_quietly, args=(hung,), daemon=True).start()
 
     def inject_fault(
         self,
@@ -191,7 +242,7 @@ class Engine:
     def executor(self) -> Executor:
         """The running executor, for its shape (slots, context length, vocabulary, top-k)."""
         if self._executor is None:
-            raise Unavailable(self._unavailable_reason())
+            raise self.unavailable()
         return self._executor
 
     def submit(self, request: GenerationRequest) -> Sequence:
@@ -200,12 +251,12 @@ class Engine:
             detokenizer=IncrementalDetokenizer(
                 self._tokenizer.token_bytes, request.stop_sequences, request.include_stop_str_in_output
             ),
-            sampler=Sampler(request.sampling),
+            sampler=Sampler(request.sampling, vocab_size=self._tokenizer.vocab_size),
             loop=asyncio.get_running_loop(),
         )
         with self._cond:
             if self._state is not EngineState.READY:
-                raise Unavailable(self._unavailable_reason())
+                raise self.unavailable()
             if not self._scheduler.slots.fits(request.tokens_needed):  # the API checked; never trust twice
                 raise RequestValidationFailed(
                     f"the request needs {request.tokens_needed} KV positions; a slot holds "
@@ -247,6 +298,11 @@ class Engine:
         data = plan.to_json()
         return {key: data[key] for key in PLAN_SUMMARY_KEYS if key in data}
 
+    def unavailable(self) -> Unavailable:
+        """Why the engine takes no request now; with Retry-After unless it can never serve again."""
+        final = self._state in (EngineState.FAILED, EngineState.STOPPED)
+        return Unavailable(self._unavailable_reason(), final=final)
+
     def _unavailable_reason(self) -> str:
         return {
             EngineState.LOADING: "the model is still being uploaded; retry shortly",
@@ -258,22 +314,29 @@ class Engine:
 
     # ----- the worker thread -----------------------------------------------------------------------
 
-    def _worker(self) -> None:
+    def _worker(self, generation: int, first: bool) -> None:
         death: BaseException | None = None  # what ended the worker when nobody asked it to stop
         try:
-            if not self._load(first=True):
+            if not self._load(first=first):
                 return
             while True:
-                plan = self._next_plan()
+                plan = self._next_plan(generation)
                 if plan is None:
                     break
                 try:
                     started = time.monotonic()
+                    with self._cond:
+                        self._step = (len(plan), started, started + self.step_deadline_s(len(plan)))
+                        executor = self._executor  # this worker's, even if the watchdog replaces it
+                        self._cond.notify_all()  # the watchdog waits for this deadline now
                     if self._injected_step_faults:
                         raise self._injected_step_faults.pop(0)
-                    results = self._executor.step(plan.items)
+                    results = executor.step(plan.items)
                     self.metrics.record_step(time.monotonic() - started, len(plan))
                     with self._cond:
+                        if self._generation != generation:
+                            return  # the watchdog gave up on this step: another worker serves now
+                        self._step = None
                         self.steps += 1
                         self._apply(plan, results)
                         self._record_gauges()
@@ -281,18 +344,59 @@ class Engine:
                 except KeyboardInterrupt:
                     raise  # an interrupt ends the worker (below), it is no backend fault to recover from
                 except BaseException as exc:  # any failure of the backend, SystemExit too: recover
+                    with self._cond:
+                        if self._generation != generation:
+                            return  # the abandoned executor was closed under its hung step
+                        self._step = None
                     log.exception("engine step failed")
                     if not self._recover(exc):
                         return
         except BaseException as exc:  # the worker itself cannot go on: never leave a silent engine
             death = exc
+            if self._generation != generation:
+                return
             if isinstance(exc, KeyboardInterrupt):
                 log.warning("the wafer worker was interrupted: the engine stops")
             else:
                 log.exception("the wafer worker died")
         finally:
-            self._close_executor()
-            self._end_worker(death)
+            if self._generation == generation:
+                self._close_executor()
+                self._end_worker(death)
+
+    def _watchdog(self) -> None:
+        """Fail a step that runs past its deadline, and restart the backend under a fresh worker."""
+        with self._cond:
+            while not self._stop and self._state not in (EngineState.STOPPED, EngineState.FAILED):
+                step = self._step
+                now = time.monotonic()
+                if step is None or now < step[2]:
+                    self._cond.wait(timeout=1.0 if step is None else step[2] - now)
+                    continue
+                self._abandon_hung_step(*step)
+
+    def _abandon_hung_step(self, items: int, started: float, deadline: float) -> None:
+        """(The lock is held.) The running step is hung: fail its requests, start over on a new worker."""
+        limit = deadline - started
+        self.fault = f"step watchdog: a step of {items} items ran past its {limit:.1f} s deadline"
+        log.error("%s; the backend is restarted", self.fault)
+        self._generation += 1  # the hung worker is no longer the engine's
+        self._step = None
+        hung, self._executor = self._executor, None  # its slots are not freed on a hung executor
+        if self._state is EngineState.READY:
+            self._set_state(EngineState.RELOADING)
+        error = StepTimedOut(
+            f"the wafer did not finish a step within {limit:.1f} s (the step watchdog fired); "
+            "the backend is being restarted, retry the request"
+        )
+        for sequence in list(self._scheduler.running):
+            self._end(sequence, error=error)
+        self.restarts += 1
+        self.metrics.wafer_engine_restarts_total.inc()
+        self.metrics.wafer_engine_step_timeouts_total.inc()
+        if hung is not None:
+            threading.Thread(target=close_quietly, args=(hung,), name="wafer-close-hung", daemon=True).start()
+        self._start_worker(first=False)
 
     def _end_worker(self, death: BaseException | None) -> None:
         """The worker is ending: fail what is left, and when it ended on its own, tell the server."""
@@ -301,7 +405,7 @@ class Engine:
             if death is not None and not isinstance(death, KeyboardInterrupt):
                 self.error = f"the wafer worker died ({type(death).__name__}: {death})"
                 self._set_state(EngineState.FAILED)
-                self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}"))
+                self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}", final=True))
                 fatal = self.error
             else:
                 if self._state is not EngineState.FAILED:
@@ -312,11 +416,11 @@ class Engine:
         if fatal is not None and self._on_fatal is not None:
             self._on_fatal(fatal)  # the server exits non-zero rather than answer 503 forever
 
-    def _next_plan(self) -> StepPlan | None:
+    def _next_plan(self, generation: int) -> StepPlan | None:
         """Wait for work; None when the worker should stop."""
         with self._cond:
             while True:
-                if self._stop:
+                if self._stop or self._generation != generation:
                     return None
                 self._reap()
                 self._scheduler.admit()
@@ -360,7 +464,7 @@ class Engine:
             return True
         with self._cond:
             self._set_state(EngineState.FAILED)
-            self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}"))
+            self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}", final=True))
         if self._on_fatal is not None:
             self._on_fatal(
                 f"the model could not be loaded: {self.error or 'the executor could not be built'}"
@@ -379,6 +483,7 @@ class Engine:
         with self._cond:
             if self._state is EngineState.READY:
                 self._set_state(EngineState.RELOADING)  # before the failures reach anyone: /health is 503
+            self.fault = f"the wafer worker failed ({type(exc).__name__}: {exc})"
             message = (
                 f"the wafer worker failed while running this request ({type(exc).__name__}: {exc}); "
                 "the model is being reloaded, retry the request"
@@ -393,10 +498,7 @@ class Engine:
     def _close_executor(self) -> None:
         executor, self._executor = self._executor, None
         if executor is not None:
-            try:
-                executor.close()
-            except Exception:
-                log.exception("closing the executor failed")
+            close_quietly(executor)
 
     # ----- inside a step boundary (the lock is held) -----------------------------------------------
 
@@ -417,30 +519,40 @@ class Engine:
         for item, scores, sequence in zip(plan.items, results, plan.owners, strict=True):
             if sequence.state is not State.RUNNING:
                 continue  # it finished on an earlier item of this step
-            sequence.computed = item.position + 1
-            prompt = sequence.prompt
-            if item.position < len(prompt):
-                if sequence.request.prompt_logprobs:
-                    if item.position == 0:
-                        sequence.prefill.append(PromptToken(prompt[0], None))
-                    if item.target is not None:
-                        request = sequence.request
-                        logprob = scores.logprob(scores.target_logit)
-                        n = request.top_n_tokens if request.prompt_top_n is None else request.prompt_top_n
-                        ranks = np.flatnonzero(scores.topk_ids == item.target)
-                        rank = int(ranks[0]) + 1 if len(ranks) else None
-                        sequence.prefill.append(
-                            PromptToken(item.target, logprob, alternatives(scores, n), rank)
-                        )
-                if item.position < len(prompt) - 1:
-                    continue
-                if sequence.request.max_new_tokens == 0:
-                    # Scoring (OpenAI echo with max_tokens 0): done with the prefill, no decode step.
-                    self._end(sequence, finish=FinishReason.LENGTH)
-                    continue
-            else:
-                sequence.pending_token = None
-            self._sample(sequence, scores)
+            try:
+                self._apply_item(item, scores, sequence)
+            except Exception:
+                # Choosing or detokenizing this request's token failed: a fault of this request (its
+                # parameters, its text), not of the wafer. It ends alone; the others and the model go on.
+                log.exception("request %s failed while its token was chosen or detokenized", sequence.id)
+                if sequence.state is not State.FINISHED:
+                    self._end(sequence, error=RequestFailed(REQUEST_FAILED_MESSAGE))
+
+    def _apply_item(self, item: StepItem, scores: TokenScores | None, sequence: Sequence) -> None:
+        """One item's result: prompt logprobs while prefilling, then the next token."""
+        sequence.computed = item.position + 1
+        prompt = sequence.prompt
+        if item.position < len(prompt):
+            request = sequence.request
+            if request.prompt_logprobs:
+                if item.position == 0:
+                    sequence.prefill.append(PromptToken(prompt[0], None))
+                if item.target is not None:
+                    logprob = scores.logprob(scores.target_logit)
+                    n = request.top_n_tokens if request.prompt_top_n is None else request.prompt_top_n
+                    ranks = np.flatnonzero(scores.topk_ids == item.target)
+                    rank = int(ranks[0]) + 1 if len(ranks) else None
+                    top = alternatives(scores, n, self._tokenizer.vocab_size)
+                    sequence.prefill.append(PromptToken(item.target, logprob, top, rank))
+            if item.position < len(prompt) - 1:
+                return
+            if request.max_new_tokens == 0:
+                # Scoring (OpenAI echo with max_tokens 0): done with the prefill, no decode step.
+                self._end(sequence, finish=FinishReason.LENGTH)
+                return
+        else:
+            sequence.pending_token = None
+        self._sample(sequence, scores)
 
     def _sample(self, sequence: Sequence, scores: TokenScores) -> None:
         request = sequence.request
@@ -468,7 +580,7 @@ class Engine:
             text, released, stop = piece.text, piece.released, piece.stop_sequence
         else:
             text, released, stop = "", "", None  # special and ending tokens add nothing to the text
-        top = alternatives(scores, request.top_n_tokens)
+        top = alternatives(scores, request.top_n_tokens, self._tokenizer.vocab_size)
         sequence.tokens.append(GeneratedToken(token, text, released, logprob, special, top))
 
         if eos or stop_token:

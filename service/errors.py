@@ -11,6 +11,7 @@ class ServiceError(Exception):
     status = 500
     error_type = "incomplete_generation"
     metric_reason = "internal"  # the `err` label of tgi_request_failure
+    retry_after: int | None = None  # seconds, sent as `Retry-After` when set
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -55,6 +56,7 @@ class Overloaded(ServiceError):
     status = 429
     error_type = "overloaded"
     metric_reason = "overloaded"
+    retry_after = 1  # a slot frees at the next step boundary that ends a request
 
 
 class Unavailable(ServiceError):
@@ -63,6 +65,12 @@ class Unavailable(ServiceError):
     status = 503
     error_type = "unavailable"
     metric_reason = "unavailable"
+    retry_after = 5  # loading, reloading, draining
+
+    def __init__(self, message: str, final: bool = False):
+        super().__init__(message)
+        if final:  # the engine failed or stopped: it will not serve again, retrying here cannot help
+            self.retry_after = None
 
 
 class GenerationFailed(ServiceError):
@@ -71,6 +79,16 @@ class GenerationFailed(ServiceError):
     status = 424
     error_type = "generation"
     metric_reason = "generation"
+
+
+class StepTimedOut(GenerationFailed):
+    """The step this request was in ran past the step watchdog's deadline: the backend restarts."""
+
+    status = 504
+
+
+class RequestFailed(ServiceError):
+    """This request alone failed inside the server (choosing or decoding its tokens): a 500."""
 
 
 class RequestTimedOut(ServiceError):

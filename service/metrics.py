@@ -257,6 +257,9 @@ class ServiceMetrics:
         self.wafer_engine_restarts_total = self._add(
             Counter("wafer_engine_restarts_total", "Times the worker reloaded the model after a failure")
         )
+        self.wafer_engine_step_timeouts_total = self._add(
+            Counter("wafer_engine_step_timeouts_total", "Steps failed by the step watchdog (hung backend)")
+        )
 
     def _add(self, metric):
         self._metrics.append(metric)

@@ -1,7 +1,9 @@
 """Guards in front of every route, as plain ASGI middleware (so streaming and client-disconnect
 detection pass through untouched): a request body size limit, and the optional API key.
 
-Both answer in the error schema of the route family (OpenAI's for `/v1/...`, TGI's otherwise).
+Both answer in the error schema of the route family (OpenAI's for `/v1/...`, TGI's otherwise), and
+count their refusals in the failure metric as the routes do. The key is compared as bytes: the header's
+raw bytes against the key's UTF-8, so a key outside Latin-1 matches what clients send.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 from collections.abc import Awaitable, Callable
 
 from service.errors import PayloadTooLarge, ServiceError, Unauthorized
+from service.metrics import ServiceMetrics
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 OPEN_PATHS = ("/health", "/ping", "/metrics")  # probes and scrapers do not carry the key
@@ -75,10 +78,13 @@ async def send_error(
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None):
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, api_key: str | None, metrics: ServiceMetrics | None = None
+    ):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key
+        self.metrics = metrics
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -89,12 +95,12 @@ class GuardMiddleware:
 
         if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(headers):
             error = Unauthorized("missing or wrong API key: send the header `Authorization: Bearer <key>`")
-            await send_error(send, error, path, [(b"www-authenticate", b"Bearer")])
+            await self._refuse(send, error, path, [(b"www-authenticate", b"Bearer")])
             return
 
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await send_error(send, self._too_large(int(declared)), path)
+            await self._refuse(send, self._too_large(int(declared)), path)
             return
 
         # Read the body here (it is small) so a chunked body over the limit is refused too, then replay
@@ -108,7 +114,7 @@ class GuardMiddleware:
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > self.max_body_bytes:
-                    await send_error(send, self._too_large(size, at_least=True), path)
+                    await self._refuse(send, self._too_large(size, at_least=True), path)
                     return
                 chunks.append(chunk)
                 if not message.get("more_body", False):
@@ -127,12 +133,16 @@ class GuardMiddleware:
             return
         await self.app(scope, receive, send)
 
+    async def _refuse(
+        self, send: Callable, error: ServiceError, path: str, extra_headers: list | None = None
+    ):
+        if self.metrics is not None:
+            self.metrics.record_failure(error.metric_reason)
+        await send_error(send, error, path, extra_headers)
+
     def _authorized(self, headers: dict) -> bool:
-        value = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = value.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        )
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key.encode())
 
     def _too_large(self, size: int, at_least: bool = False) -> PayloadTooLarge:
         found = f"at least {size}" if at_least else str(size)

@@ -36,7 +36,7 @@ from service.schemas import (
 )
 from service.sequence import FinishEvent, GeneratedToken, GenerationRequest, Sequence, TokenEvent
 from service.settings import ServerSettings
-from service.validation import Limits
+from service.validation import Limits, encode_prompt
 from weights import tokenizer
 
 
@@ -69,7 +69,7 @@ def chat_generation_requests(
             param="continue_final_message",
         )
     # A template may place <|endoftext|> itself (as `eos_token`): it is the special token, as in vLLM.
-    prompt = tokenizer.encode_prompt(render_chat(body, template))
+    prompt = encode_prompt(render_chat(body, template), limits, "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return generation_requests(
         body,

@@ -34,7 +34,7 @@ from service.sequence import (
     TokenEvent,
 )
 from service.settings import ServerSettings
-from service.validation import OPENAI_FIELDS, Limits, check_request, sampling_params
+from service.validation import OPENAI_FIELDS, Limits, check_request, encode_prompt, sampling_params
 from weights import tokenizer
 
 
@@ -45,12 +45,13 @@ class Choice:
     prompt_text: str
 
 
-def completion_prompts(body: CompletionRequest) -> list[list[int]]:
-    prompt = body.prompt
+def completion_prompts(body: CompletionRequest, limits: Limits) -> list[list[int]]:
+    """The prompts' token ids; text is bounded by characters before it is tokenized."""
+    prompt, field = body.prompt, OPENAI_FIELDS.prompt
     if isinstance(prompt, str):
-        return [tokenizer.encode_prompt(prompt)]
+        return [encode_prompt(prompt, limits, field)]
     if all(isinstance(item, str) for item in prompt):
-        return [tokenizer.encode_prompt(item) for item in prompt]
+        return [encode_prompt(item, limits, field) for item in prompt]
     if all(isinstance(item, int) for item in prompt):
         return [list(prompt)]
     return [list(item) for item in prompt]
@@ -64,13 +65,20 @@ def openai_generation_requests(
             "`max_tokens` must be at least 1, got 0 (0 is allowed with `echo`: score the prompt)",
             param="max_tokens",
         )
+    prompt = body.prompt
+    single = isinstance(prompt, str) or all(isinstance(item, int) for item in prompt)
+    count = 1 if single else len(prompt)
+    if count * body.n > settings.max_n:  # before tokenizing anything
+        raise RequestValidationFailed(
+            f"`n` x number of prompts must be <= {settings.max_n}, given {body.n} x {count}", param="n"
+        )
     if body.best_of is not None and body.best_of != body.n:
         raise RequestValidationFailed(
             "`best_of` other than `n` is not supported by this server", param="best_of"
         )
     return generation_requests(
         body,
-        completion_prompts(body),
+        completion_prompts(body, limits),
         body.max_tokens,
         limits,
         settings,

@@ -11,6 +11,12 @@ penalty or the warpers: logit - logsumexp over the whole vocabulary.
 
 Each request owns a `Sampler` with its own seeded generator, so a seed gives the same tokens whatever
 else shares the batch.
+
+The sampler is total: the parameters are bounded to what the arithmetic carries (temperature and
+repetition penalty in [1e-4, 1e4], finite), the warpers work on logits shifted so that the best is 0
+(a tiny temperature gives the argmax, never NaN), scores the wafer could not compute (NaN) and ids the
+tokenizer does not know (a vocabulary padded beyond it) are no candidates, and the best candidate always
+survives top-k and top-p. `SamplingError` is left only for a step that offers no usable candidate at all.
 """
 
 from __future__ import annotations
@@ -22,6 +28,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from wafer.executor import TokenScores
+
+# What the sampler's arithmetic is guaranteed to carry: beyond these bounds a temperature or penalty is
+# indistinguishable from greedy or uniform, and 1e-320 (a denormal) overflows a division.
+MIN_FACTOR, MAX_FACTOR = 1e-4, 1e4
+
+
+class InvalidSamplingParam(ValueError):
+    """A sampling parameter out of range; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field} must be {message}")
+        self.field = field
+
+
+class SamplingError(RuntimeError):
+    """No candidate of a step can be chosen (every score NaN or outside the tokenizer)."""
 
 
 @dataclass(frozen=True)
@@ -39,21 +61,22 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        for field in ("temperature", "repetition_penalty"):
+            value = getattr(self, field)
+            if not MIN_FACTOR <= value <= MAX_FACTOR:  # NaN fails too
+                raise InvalidSamplingParam(field, f"between {MIN_FACTOR:g} and {MAX_FACTOR:g}, got {value}")
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be > 0, got {self.top_k}")
+            raise InvalidSamplingParam("top_k", f"> 0, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidSamplingParam("top_p", f"in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+            raise InvalidSamplingParam("seed", f"an unsigned 64-bit integer, got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # NaN fails too
+                raise InvalidSamplingParam(name, f"between -2 and 2, got {value}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be between 0 and 1, got {self.min_p}")
+            raise InvalidSamplingParam("min_p", f"between 0 and 1, got {self.min_p}")
 
     @property
     def sampling(self) -> bool:
@@ -67,10 +90,12 @@ class SamplingParams:
 
 
 class Sampler:
-    """One request's token chooser. `seed` is the seed in use (None when greedy)."""
+    """One request's token chooser. `seed` is the seed in use (None when greedy); ids at or above
+    `vocab_size` (the tokenizer's, when the model's vocabulary is padded beyond it) are never chosen."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, vocab_size: int | None = None) -> None:
         self.params = params
+        self.vocab_size = vocab_size
         self.seed: int | None = None
         if params.sampling:
             self.seed = params.seed if params.seed is not None else secrets.randbits(64)
@@ -84,14 +109,17 @@ class Sampler:
         banned: Collection[int] = (),
     ) -> tuple[np.ndarray, np.ndarray]:
         """(candidate ids, their probabilities) after penalties and warpers; greedy gives one candidate.
+        Never empty, never NaN; SamplingError when the wafer offered no usable candidate.
 
         `history` is prompt + generated ids, `output` the generated ones; `banned` ids are never chosen
         (vLLM's min_tokens holds back end-of-text that way), unless they are all the candidates there are."""
         p = self.params
         ids = np.asarray(scores.topk_ids, dtype=np.int64)
-        logits = penalize(
-            np.asarray(scores.topk_logits, dtype=np.float64), ids, history, p.repetition_penalty
-        )
+        logits = np.asarray(scores.topk_logits, dtype=np.float64)
+        usable = ~np.isnan(logits)
+        if self.vocab_size is not None:
+            usable &= ids < self.vocab_size
+        ids, logits = ids[usable], penalize(logits[usable], ids[usable], history, p.repetition_penalty)
         logits = penalize_output(logits, ids, output, p.presence_penalty, p.frequency_penalty)
         if banned:
             allowed = ~np.isin(ids, np.asarray(list(banned), dtype=np.int64))
@@ -99,19 +127,25 @@ class Sampler:
                 ids, logits = ids[allowed], logits[allowed]
         order = np.argsort(-logits, kind="stable")  # the penalty may reorder the candidates
         ids, logits = ids[order], logits[order]
+        if not len(ids) or logits[0] == -np.inf:
+            raise SamplingError(f"none of the {len(scores.topk_ids)} candidates of this step can be chosen")
+        if logits[0] == np.inf:  # overflowed scores: the tied infinite ones share the mass
+            ids, logits = ids[logits == np.inf], np.zeros(int(np.count_nonzero(logits == np.inf)))
         if not p.sampling:
             return ids[:1], np.ones(1)
 
-        logits = logits / p.temperature
         if p.top_k is not None:
             ids, logits = ids[: p.top_k], logits[: p.top_k]
-        probs = np.exp(logits - logits.max())
+        # Shifted so the best is 0 before dividing: (x - best) / T is <= 0 (or -inf) for any T > 0, so
+        # exp never overflows and the best candidate's weight is exactly 1.
+        probs = np.exp((logits - logits[0]) / p.temperature)
         probs /= probs.sum()
         if p.top_p is not None and p.top_p < 1.0:
             # Keep a candidate while the mass of the candidates above it is below top_p (HF's rule:
-            # the smallest head of the distribution whose mass reaches top_p; never empty).
+            # the smallest head of the distribution whose mass reaches top_p); the best always stays.
             mass_above = np.cumsum(probs) - probs
             keep = mass_above < p.top_p
+            keep[0] = True
             ids, probs = ids[keep], probs[keep] / probs[keep].sum()
         if p.min_p > 0.0:
             keep = probs >= p.min_p * probs.max()  # relative to the best: exact over the top-k too

@@ -14,6 +14,7 @@ import threading
 import uvicorn
 from fastapi import FastAPI
 
+from service.connections import ConnectionLimits, protocol_class
 from service.engine import Engine
 from service.settings import ServerSettings
 
@@ -31,6 +32,15 @@ class ServiceServer(uvicorn.Server):
             log_level=log_level,
             access_log=access_log,
             timeout_graceful_shutdown=5,  # by then the engine has ended every request
+            timeout_keep_alive=settings.keep_alive_timeout_s,
+            http=protocol_class(
+                ConnectionLimits(
+                    header_timeout_s=settings.header_timeout_s,
+                    body_timeout_s=settings.body_timeout_s,
+                    keep_alive_timeout_s=settings.keep_alive_timeout_s,
+                    max_connections=settings.max_connections,
+                )
+            ),
         )
         super().__init__(config)
         self.engine: Engine = app.state.engine

@@ -24,6 +24,9 @@ class ServerSettings:
 
     # Request limits.
     max_input_tokens: int | None = None  # None: context_length - 1
+    # Longest prompt text, checked before tokenizing. None: max_input_tokens x the most characters one
+    # token stands for, so no prompt that could fit is refused.
+    max_input_chars: int | None = None
     max_new_tokens_default: int = 100  # TGI route when the request does not say
     max_new_tokens_limit: int | None = None  # None: context_length - 1
     max_stop_sequences: int = 4
@@ -35,6 +38,16 @@ class ServerSettings:
     max_n: int = 8  # OpenAI `n` x number of prompts per request
     max_body_bytes: int = 1_000_000
     request_timeout_s: float = 600.0  # queue + generation; the request fails with 504 beyond it
+    # The step watchdog: a step may take step_timeout_s + step_timeout_per_item_s x its items; beyond
+    # that its requests fail (504) and the backend is restarted.
+    step_timeout_s: float = 60.0
+    step_timeout_per_item_s: float = 0.25
+
+    # Connections (service/connections.py): what a client may hold open and for how long.
+    header_timeout_s: float = 10.0  # from connecting (or the next request's first byte) to its headers' end
+    body_timeout_s: float = 30.0  # from the headers' end to the body's end
+    keep_alive_timeout_s: float = 5.0  # idle between two requests on one connection
+    max_connections: int = 1024  # beyond it a new connection gets 503 and is closed
 
     # Chat: the Jinja source of `--chat-template` (None: the plain transcript of service.chat_template).
     chat_template: str | None = None

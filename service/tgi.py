@@ -20,13 +20,12 @@ from service.schemas import (
 )
 from service.sequence import Alternative, FinishEvent, GeneratedToken, GenerationRequest, Sequence, TokenEvent
 from service.settings import ServerSettings
-from service.validation import TGI_FIELDS, Limits, check_request, sampling_params
-from weights import tokenizer
+from service.validation import TGI_FIELDS, Limits, check_request, encode_prompt, sampling_params
 
 
 def tgi_generation_request(body: TGIRequest, limits: Limits, settings: ServerSettings) -> GenerationRequest:
     p = body.parameters
-    prompt_ids = tokenizer.encode_prompt(body.inputs)
+    prompt_ids = encode_prompt(body.inputs, limits, TGI_FIELDS.prompt)
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate :]
     max_new = p.max_new_tokens

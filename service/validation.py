@@ -12,10 +12,11 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from service.errors import RequestValidationFailed
-from service.sampling import SamplingParams
+from service.sampling import InvalidSamplingParam, SamplingParams
 from service.sequence import GenerationRequest
 from service.settings import ServerSettings
 from wafer.executor import Executor
+from weights import tokenizer
 
 BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
 
@@ -26,27 +27,30 @@ class Limits:
 
     context_length: int
     max_input_tokens: int
+    max_input_chars: int  # prompt text, before tokenizing
     max_new_tokens: int
     max_stop_sequences: int
     max_stop_length: int
     top_k: int  # candidates per token the wafer returns
     max_top_n_tokens: int
-    vocab_size: int
+    vocab_size: int  # token ids the model and the tokenizer both know
     max_stop_chars_total: int = 4000  # all stop sequences of a request together
 
     @classmethod
     def of(cls, settings: ServerSettings, executor: Executor) -> Limits:
         context = executor.context_length
+        max_input_tokens = min(settings.max_input_tokens or context - 1, context - 1)
         return cls(
             context_length=context,
-            max_input_tokens=min(settings.max_input_tokens or context - 1, context - 1),
+            max_input_tokens=max_input_tokens,
+            max_input_chars=settings.max_input_chars or max_input_tokens * tokenizer.longest_token_chars(),
             max_new_tokens=min(settings.max_new_tokens_limit or context - 1, context - 1),
             max_stop_sequences=settings.max_stop_sequences,
             max_stop_length=settings.max_stop_length,
             max_stop_chars_total=settings.max_stop_chars_total,
             top_k=executor.top_k,
             max_top_n_tokens=min(settings.max_top_n_tokens, executor.top_k),
-            vocab_size=executor.vocab_size,
+            vocab_size=min(executor.vocab_size, tokenizer.VOCAB_SIZE),  # ids both model and tokenizer know
         )
 
 
@@ -124,11 +128,23 @@ def check_request(request: GenerationRequest, limits: Limits, names: FieldNames)
     return request
 
 
+def encode_prompt(text: str, limits: Limits, field: str) -> list[int]:
+    """The prompt's token ids, once its length in characters allows it (tokenizing a long text is
+    slow; callers run this off the event loop)."""
+    if len(text) > limits.max_input_chars:
+        raise RequestValidationFailed(
+            f"`{field}` must have at most {limits.max_input_chars} characters (no longer text fits in "
+            f"{limits.max_input_tokens} tokens), given {len(text)}",
+            param=field,
+        )
+    return tokenizer.encode_prompt(text)  # `<|endoftext|>` is the EOT token, as in TGI and vLLM
+
+
 def sampling_params(**kwargs) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:
-        raise RequestValidationFailed(str(exc)) from None
+    except InvalidSamplingParam as exc:
+        raise RequestValidationFailed(str(exc), param=exc.field) from None
 
 
 def parse_body(model: type[BaseModelT], data: Any) -> BaseModelT:

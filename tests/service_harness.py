@@ -89,6 +89,30 @@ class SlowExecutor:
         self.inner.close()
 
 
+class HangingExecutor(SlowExecutor):
+    """A real executor whose next step, once `hang_next()` is called, blocks until `release()`: a
+    backend step that never returns (as a wafer that stops answering would)."""
+
+    def __init__(self, inner: Executor):
+        super().__init__(inner, 0.0)
+        self._armed = threading.Event()
+        self._released = threading.Event()
+        self.hanging = threading.Event()  # set while a step hangs
+
+    def hang_next(self) -> None:
+        self._armed.set()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def step(self, items):
+        if self._armed.is_set():
+            self._armed.clear()
+            self.hanging.set()
+            self._released.wait()
+        return self.inner.step(items)
+
+
 @contextmanager
 def running_server(
     settings: ServerSettings, factory: Callable[[], Executor], wait_ready: bool = True

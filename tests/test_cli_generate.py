@@ -90,7 +90,7 @@ def test_seeded_sampling_is_reproducible(small_checkpoint, capsys):
     [
         (["--greedy", "--temperature", "0.5"], "--greedy cannot be combined with --temperature"),
         (["--top-k", "1000"], "--top-k 1000 exceeds the 64 candidates"),
-        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--temperature", "0"], "--temperature must be between 0.0001 and 10000"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     ],

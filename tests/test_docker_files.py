@@ -5,6 +5,7 @@ image's healthcheck command works against a real server."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -124,7 +125,14 @@ def test_compose_builds_the_service_and_a_locust_runner():
         stage(DOCKER / "Dockerfile", target)  # the stage exists
     args = build_parser().parse_args(server["command"])
     assert args.command == "serve" and args.port == 8000
-    assert server["ports"] == ["8000:8000"]
+    # Published on the host's loopback unless WAFER_GPT2_PUBLISH says otherwise; the key (or the explicit
+    # opt-out) comes from the host's environment: with neither the server refuses to start.
+    assert server["ports"] == ["${WAFER_GPT2_PUBLISH:-127.0.0.1}:8000:8000"]
+    assert server["environment"] == {
+        "WAFER_GPT2_API_KEY": "${WAFER_GPT2_API_KEY:-}",
+        "WAFER_GPT2_ALLOW_NO_API_KEY": "${WAFER_GPT2_ALLOW_NO_API_KEY:-}",
+    }
+    assert locust["environment"] == {"WAFER_GPT2_API_KEY": "${WAFER_GPT2_API_KEY:-}"}
     assert locust["depends_on"]["server"]["condition"] == "service_healthy"
     assert "--host=http://server:8000" in locust["command"] and "--headless" in locust["command"]
     # The runner's locustfile is the repository's.
@@ -153,3 +161,44 @@ def test_readme_documents_the_commands():
         "hadolint",
     ):
         assert needed in readme, needed
+
+
+def serve_refusal(host: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WAFER_GPT2_")}
+    command = [sys.executable, "-m", "service.cli", "serve", "--host", host, "--port", "1"]
+    return subprocess.run(
+        command,
+        cwd=REPO,
+        env={**clean, "PYTHONPATH": str(REPO), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.1", "example.org"])
+def test_serve_beyond_loopback_needs_a_key_or_an_explicit_opt_out(host):
+    # The image's own command (serve --host 0.0.0.0) without a key: refused before anything is loaded.
+    refused = serve_refusal(host, {})
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("wafer-gpt2 serve: error: ") and host in line
+    assert "WAFER_GPT2_API_KEY" in line and "--allow-no-api-key" in line
+
+
+@pytest.mark.parametrize(
+    ("host", "api_key", "allow", "refused"),
+    [
+        ("127.0.0.1", None, False, False),
+        ("localhost", None, False, False),
+        ("::1", None, False, False),
+        ("0.0.0.0", "secret", False, False),
+        ("0.0.0.0", None, True, False),
+        ("0.0.0.0", None, False, True),
+        ("10.0.0.5", None, False, True),
+    ],
+)
+def test_which_binds_need_a_key(host, api_key, allow, refused):
+    from service.commands.serve import exposure_problem
+
+    assert (exposure_problem(host, api_key, allow) is not None) == refused

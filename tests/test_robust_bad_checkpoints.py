@@ -98,7 +98,49 @@ def bad_checkpoints(params, write_checkpoint) -> dict[str, tuple[Path, str]]:
     directory = write_checkpoint(params, "safetensors")
     (directory / "model.safetensors").unlink()
     cases["no weights"] = (directory, "no weights: expected model.safetensors")
+
+    # Configs that used to load and then serve failures, or take minutes and gigabytes to refuse.
+    for field, value, says in (
+        (
+            "layer_norm_epsilon",
+            float("nan"),
+            "config.json: 'layer_norm_epsilon' must be a positive finite number",
+        ),
+        ("layer_norm_epsilon", -1e-5, "config.json: 'layer_norm_epsilon' must be a positive finite number"),
+        ("n_layer", 2.7, "config.json: field 'n_layer' must be an integer, got 2.7"),
+        ("n_layer", 1_000_000, "config.json says n_layer=1000000, the weights hold 2 layers"),
+        ("n_embd", True, "config.json: field 'n_embd' must be a number, got True"),
+    ):
+        directory = write_checkpoint(params, "safetensors")
+        edit_config(directory, **{field: value})
+        cases[f"config: {field} {value}"] = (directory, says)
+
+    directory = write_checkpoint(params, "safetensors")
+    (directory / "config.json").write_text(json.dumps([params.config.to_hf_dict()]))
+    cases["config: a JSON list"] = (directory, "config.json: expected a JSON object, got a list")
+
+    directory = write_checkpoint(params, "safetensors")
+    rewrite_header(directory / "model.safetensors", lambda header: shift_offsets(header, -8))
+    cases["safetensors: negative offsets"] = (directory, "data_offsets [-8, ")
     return cases
+
+
+def rewrite_header(path: Path, change) -> None:
+    """Rewrite a safetensors header in place (same length, padded with spaces)."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = change(json.loads(data[8 : 8 + length]))
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    assert len(encoded) <= length
+    path.write_bytes(data[:8] + encoded.ljust(length) + data[8 + length :])
+
+
+def shift_offsets(header: dict, by: int) -> dict:
+    """Move the first tensor's byte range by `by` (keeping its length, so only the sign gives it away)."""
+    name = next(n for n in header if n != "__metadata__")
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin + by, end + by]
+    return header
 
 
 def start_serve(checkpoint: Path, port: int) -> subprocess.Popen:

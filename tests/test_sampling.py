@@ -163,3 +163,73 @@ def test_vllm_extras_min_p_output_penalties_and_banned_ids():
     assert Sampler(SamplingParams()).choose(SCORES, [], banned={40, 10, 30, 20})[0] == 40
     with pytest.raises(ValueError, match="min_p"):
         SamplingParams(min_p=1.5)
+
+
+# ----- totality: no parameter the validation lets through and no score the wafer returns may leave the
+# sampler without a candidate or with a NaN probability (issue 17: an empty top-p list crashed a step).
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 1e-320),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+        ("repetition_penalty", 1e-320),
+        ("repetition_penalty", 1e300),
+        ("repetition_penalty", float("inf")),
+        ("top_p", float("nan")),
+    ],
+)
+def test_parameters_beyond_what_the_math_carries_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be") as caught:
+        SamplingParams(**{field: value})
+    assert getattr(caught.value, "field", None) == field
+
+
+EXTREME_SCORES = [
+    SCORES,
+    # Ties at the top, a spread far beyond exp's range, and fp16-style overflow from the wafer.
+    TokenScores(np.array([5, 6, 7, 8]), np.array([3.0, 3.0, -60000.0, -65504.0], np.float32), 4.0),
+    TokenScores(np.array([5, 6, 7, 8]), np.array([np.inf, 2.0, np.inf, -np.inf], np.float32), 4.0),
+    TokenScores(np.array([5, 6, 7, 8]), np.array([np.nan, 2.0, 1.0, np.nan], np.float32), 4.0),
+    TokenScores(np.array([5, 6, 7, 8]), np.array([65504.0, 65504.0, 65000.0, -65504.0], np.float32), 70000.0),
+]
+EXTREME_PARAMS = [
+    SamplingParams(temperature=1e-4, top_p=0.5, seed=1),
+    SamplingParams(temperature=1e-4, seed=1),
+    SamplingParams(temperature=1e4, top_p=1e-9, seed=1),
+    SamplingParams(repetition_penalty=1e-4, top_p=0.3, seed=1),
+    SamplingParams(repetition_penalty=1e4, temperature=1e-4, top_k=1, seed=1),
+    SamplingParams(do_sample=True, top_p=0.999999, seed=1),
+    SamplingParams(repetition_penalty=1e-4),
+]
+
+
+@pytest.mark.parametrize("params", EXTREME_PARAMS, ids=range(len(EXTREME_PARAMS)))
+@pytest.mark.parametrize("scores", EXTREME_SCORES, ids=range(len(EXTREME_SCORES)))
+def test_the_sampler_is_total(params, scores):
+    sampler = Sampler(params)
+    for history in ([], [5, 6, 40, 10], [7, 8, 30]):
+        ids, probs = sampler.distribution(scores, history)
+        assert len(ids) >= 1 and len(ids) == len(probs)
+        assert np.isfinite(probs).all() and (probs >= 0).all() and probs.sum() == pytest.approx(1.0)
+        assert set(ids.tolist()) <= set(np.asarray(scores.topk_ids).tolist())
+        token, _ = sampler.choose(scores, history)
+        assert token in ids.tolist()
+        logits = np.asarray(scores.topk_logits, np.float64)
+        assert not np.isnan(logits[list(np.asarray(scores.topk_ids)).index(token)]), "a NaN score was chosen"
+
+
+def test_a_tiny_temperature_picks_the_best_candidate_not_the_worst():
+    for top_p in (None, 0.9):
+        sampler = Sampler(SamplingParams(temperature=1e-4, top_p=top_p, seed=3))
+        assert {sampler.choose(SCORES, [])[0] for _ in range(50)} == {40}
+
+
+def test_candidates_outside_the_tokenizer_are_never_chosen():
+    # A model whose vocabulary is padded beyond the tokenizer's (50304 rows, 50257 tokens).
+    scores = TokenScores(np.array([50300, 50260, 17, 50256]), np.array([9.0, 8.0, 1.0, 0.5], np.float32), 9.5)
+    for params in (SamplingParams(), SamplingParams(do_sample=True, seed=2)):
+        sampler = Sampler(params, vocab_size=50257)
+        assert {sampler.choose(scores, [])[0] for _ in range(50)} <= {17, 50256}

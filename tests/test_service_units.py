@@ -181,6 +181,7 @@ def test_remove_releases_the_slot_in_every_state():
 LIMITS = Limits(
     context_length=64,
     max_input_tokens=63,
+    max_input_chars=63 * 66,
     max_new_tokens=63,
     max_stop_sequences=4,
     max_stop_length=20,

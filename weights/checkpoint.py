@@ -45,6 +45,14 @@ def check_shapes(
     config: GPT2Config, shapes: dict[str, tuple[int, ...]], source: str, config_source: str
 ) -> None:
     """Compare canonical tensor names/shapes with what `config` expects; raise on any difference."""
+    # Layers the config claims beyond the ones the weights hold are refused from the names alone: a
+    # config claiming a million layers must not build (and list) twelve million expected names first.
+    held = {int(n.split(".")[1]) for n in shapes if n.startswith("h.") and n.split(".")[1].isdigit()}
+    if config.n_layer > len(held) and held == set(range(len(held))):
+        raise CheckpointError(
+            f"{source}: missing tensors h.{len(held)}.* .. h.{config.n_layer - 1}.* ({config_source} says "
+            f"n_layer={config.n_layer}, the weights hold {len(held)} layers)"
+        )
     expected = expected_shapes(config)
     missing = expected.keys() - shapes.keys()
     extra = shapes.keys() - expected.keys()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,8 +25,11 @@ class GPT2Config:
     def __post_init__(self) -> None:
         for field in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"config field {field!r} must be a positive integer, got {value!r}")
+        eps = self.layer_norm_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
+            raise ConfigError(f"'layer_norm_epsilon' must be a positive finite number, got {eps!r}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
@@ -62,14 +66,19 @@ class GPT2Config:
     def from_hf_dict(cls, data: dict, name: str = "custom", source: str = "config") -> GPT2Config:
         """The config a `config.json` describes; any ConfigError names `source` (the file)."""
 
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {json_kind(data)}")
+
         def number(field: str, kind: type, default: object = None) -> int | float:
             value = data.get(field, default)
             if value is None:
                 raise ConfigError(f"{source}: missing field {field!r}")
-            try:
-                return kind(value)
-            except (TypeError, ValueError):
-                raise ConfigError(f"{source}: field {field!r} must be a number, got {value!r}") from None
+            # JSON's own types only: 2.7 is no layer count (int() would make it 2), true is no number.
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{source}: field {field!r} must be a number, got {value!r}")
+            if kind is int and not isinstance(value, int):
+                raise ConfigError(f"{source}: field {field!r} must be an integer, got {value!r}")
+            return kind(value)
 
         n_positions = "n_positions" if "n_positions" in data else "n_ctx"
         fields = dict(
@@ -98,6 +107,12 @@ class GPT2Config:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def json_kind(value: object) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), "null" if value is None else "a number"
+    )
 
 
 PRESETS: dict[str, GPT2Config] = {

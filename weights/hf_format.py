@@ -122,6 +122,13 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
             )
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from None
+        offsets = info["data_offsets"]
+        if not all(type(n) is int for n in (begin, end)) or not 0 <= begin <= end:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has data_offsets {offsets}: expected two integers 0 <= begin <= end"
+            )
+        if any(n < 0 for n in shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has a negative dimension in its shape {shape}")
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has dtype {dtype}; expected one of {', '.join(SAFETENSORS_DTYPES)}"

@@ -61,6 +61,14 @@ def decode_bytes(ids: Iterable[int]) -> bytes:
     return get_encoding().decode_bytes(list(ids))
 
 
+@cache
+def longest_token_chars() -> int:
+    """The most characters one token stands for (66 for GPT-2): a text of C characters has at least
+    C / longest_token_chars() tokens, so a prompt can be refused by its length before tokenizing it."""
+    encoding = get_encoding()
+    return max(len(encoding.decode([token])) for token in range(encoding.n_vocab))
+
+
 def token_bytes(token: int) -> bytes:
     """The bytes of one token id."""
     return get_encoding().decode_single_token_bytes(token)

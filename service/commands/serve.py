@@ -9,6 +9,7 @@ the server stops with exit status 1.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
@@ -20,6 +21,24 @@ from wafer.backends import BACKENDS, DEFAULT_BACKEND, ExecutorOptions, build_exe
 from weights.checkpoint import load_checkpoint, resolve_weights
 
 API_KEY_ENV = "WAFER_GPT2_API_KEY"
+ALLOW_NO_API_KEY_ENV = "WAFER_GPT2_ALLOW_NO_API_KEY"
+
+
+def exposure_problem(host: str, api_key: str | None, allow_no_api_key: bool) -> str | None:
+    """Why serving on `host` as configured is refused: an address beyond loopback needs an API key or
+    the explicit opt-out. None when it may go ahead."""
+    if api_key or allow_no_api_key:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (
+        f"--host {host} serves beyond loopback and no API key is set: set ${API_KEY_ENV} (or --api-key), "
+        f"or pass --allow-no-api-key (${ALLOW_NO_API_KEY_ENV}=1) to serve without authentication"
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -86,6 +105,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-input-tokens", type=int, metavar="N", help="longest prompt (default: context - 1)"
     )
     parser.add_argument(
+        "--max-input-chars",
+        type=int,
+        metavar="N",
+        help="longest prompt text, checked before tokenizing (default: max input tokens x 66, the most "
+        "characters one GPT-2 token stands for)",
+    )
+    parser.add_argument(
         "--max-new-tokens", type=int, metavar="N", help="largest max_new_tokens (default: context - 1)"
     )
     parser.add_argument(
@@ -94,6 +120,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=defaults.request_timeout_s,
         metavar="S",
         help="seconds a request may take, queue included",
+    )
+    parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=defaults.step_timeout_s,
+        metavar="S",
+        help="the step watchdog: seconds a wafer step may take, plus --step-timeout-per-item per item; "
+        f"past that its requests fail (504) and the backend restarts ({defaults.step_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--step-timeout-per-item",
+        type=float,
+        default=defaults.step_timeout_per_item_s,
+        metavar="S",
+        help=f"seconds added to a step's deadline per item it carries ({defaults.step_timeout_per_item_s:g})",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -109,10 +150,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="B",
         help="largest request body",
     )
+    for flag, dest, what in (
+        ("--header-timeout", "header_timeout_s", "seconds a client may take to send a request's headers"),
+        ("--body-timeout", "body_timeout_s", "seconds a client may take to send a request's body"),
+        ("--keep-alive-timeout", "keep_alive_timeout_s", "seconds an idle connection stays open"),
+    ):
+        default = getattr(defaults, dest)
+        parser.add_argument(
+            flag, type=float, dest=dest, default=default, metavar="S", help=f"{what} ({default:g})"
+        )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        metavar="N",
+        help=f"open connections; a new one beyond gets 503 and is closed ({defaults.max_connections})",
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
         help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; unset: no authentication)",
+    )
+    parser.add_argument(
+        "--allow-no-api-key",
+        action="store_true",
+        default=os.environ.get(ALLOW_NO_API_KEY_ENV, "") not in ("", "0"),
+        help=f"serve beyond loopback without an API key (default: ${ALLOW_NO_API_KEY_ENV}=1); without it a "
+        "--host other than loopback needs a key",
     )
     parser.add_argument(
         "--chat-template",
@@ -140,8 +204,10 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--top-k", args.top_k, 1),
         ("--step-token-budget", args.step_token_budget, 1),
         ("--max-body-bytes", args.max_body_bytes, 1),
+        ("--max-connections", args.max_connections, 1),
         ("--context", optional[0], 2),  # one prompt token and one new token
         ("--max-input-tokens", optional[1], 1),
+        ("--max-input-chars", args.max_input_chars, 1),
         ("--max-new-tokens", optional[2], 1),
     ):
         if value is not None and value < minimum:
@@ -149,9 +215,15 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
     for flag, value in (
         ("--request-timeout", args.request_timeout),
         ("--shutdown-timeout", args.shutdown_timeout),
+        ("--step-timeout", args.step_timeout),
+        ("--header-timeout", args.header_timeout_s),
+        ("--body-timeout", args.body_timeout_s),
+        ("--keep-alive-timeout", args.keep_alive_timeout_s),
     ):
         if not value > 0:
             raise UserError(f"{flag} must be positive, got {value}")
+    if not args.step_timeout_per_item >= 0:
+        raise UserError(f"--step-timeout-per-item must be 0 or more, got {args.step_timeout_per_item}")
     return ServerSettings(
         host=args.host,
         port=args.port,
@@ -164,9 +236,16 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         top_k=args.top_k,
         step_token_budget=args.step_token_budget,
         max_input_tokens=args.max_input_tokens,
+        max_input_chars=args.max_input_chars,
         max_new_tokens_limit=args.max_new_tokens,
         request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
+        step_timeout_s=args.step_timeout,
+        step_timeout_per_item_s=args.step_timeout_per_item,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        keep_alive_timeout_s=args.keep_alive_timeout_s,
+        max_connections=args.max_connections,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key or None,
         chat_template=chat_template,
@@ -175,8 +254,12 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
 
 def run(args: argparse.Namespace) -> int:
     from service.api import create_app
+    from service.log_limits import limit_repeats
     from service.server import ServiceServer
 
+    problem = exposure_problem(args.host, args.api_key, args.allow_no_api_key)
+    if problem is not None:
+        raise UserError(problem)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -210,9 +293,11 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    summary = {**config.as_dict(), "n_params": config.n_params, "weights": str(weights_path)}
+    # The checkpoint's name, not where it lies on the server's disk.
+    summary = {**config.as_dict(), "n_params": config.n_params, "weights": weights_path.name}
     app = create_app(settings, build, model_summary=summary, on_fatal=on_fatal)
     server = ServiceServer(app, settings, log_level=args.log_level)
+    limit_repeats()  # on the handlers uvicorn has just set up, and the root's
     server.run()
     if failure:
         print(

@@ -1,0 +1,181 @@
+"""Connection limits uvicorn lacks, as its own HTTP protocol (httptools) with a few timers more.
+
+uvicorn's `timeout_keep_alive` closes a connection idle *between* requests; nothing bounds one that never
+sends a request, trickles its headers, stops halfway through its body, or the number of connections
+(`limit_concurrency` answers 503 only once a request has arrived, so idle sockets pile up until the
+process runs out of file descriptors). `GuardedHttpToolsProtocol` adds:
+
+- a header deadline: from the connection (or the first byte of the next request on a kept-alive one)
+  to the end of the request's headers, `header_timeout_s`. An idle connection is closed; one that was
+  sending headers gets 408. Headers larger than `max_header_bytes` get 431.
+- a body deadline: from the end of the headers to the end of the body, `body_timeout_s`; past it 408
+  (if no response has started) and the connection is closed, which the app sees as a disconnect.
+- a connection cap, `max_connections`: at the cap a new connection evicts the oldest one that has no
+  request under way (connected and silent, sending headers, or idle between requests), so a flood of
+  idle sockets cannot lock clients out; only when every connection carries a request does the new one
+  get 503 with `Retry-After`. Either way file descriptors stay bounded.
+- a client that half-closes after sending its request (shutdown(SHUT_WR)) still gets its response;
+  the connection closes once it is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("wafer_gpt2.connections")
+
+REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
+    max_connections: int = 1024
+    max_header_bytes: int = 65536
+
+
+def protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
+    """uvicorn's `http=` argument: the guarded protocol bound to `limits`."""
+    # `waiting`: this server's connections with no request under way, oldest first (the eviction order).
+    return type(
+        "BoundGuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits, "waiting": {}}
+    )
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    limits = ConnectionLimits()
+    waiting: dict[GuardedHttpToolsProtocol, None] = {}
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._timer: asyncio.TimerHandle | None = None
+        self._header_bytes = 0
+        self._in_headers = False  # between a request's first byte and the end of its headers
+        self._in_body = False
+        self._eof = False
+        self._refused = False  # answered and half-closed: what the client still sends is discarded
+        if len(self.connections) > self.limits.max_connections:
+            if not self.waiting:
+                log.warning(
+                    "connection refused: all %d connections carry requests", len(self.connections) - 1
+                )
+                self._refuse(503, "too many connections; retry shortly", b"retry-after: 1\r\n")
+                return
+            oldest = next(iter(self.waiting))
+            log.warning("%d connections open: the oldest without a request is closed", len(self.connections))
+            oldest.evict()
+        self._set_waiting(True)
+        self._arm(self.limits.header_timeout_s, self._header_timed_out)
+
+    def _set_waiting(self, waiting: bool) -> None:
+        self.waiting.pop(self, None)
+        if waiting:
+            self.waiting[self] = None  # to the end: the newest
+
+    def evict(self) -> None:
+        self._set_waiting(False)
+        self._disarm()
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._set_waiting(False)
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self._in_headers and not self.transport.is_closing():  # the headers go on past this chunk
+            self._header_bytes += len(data)
+            if self._header_bytes > self.limits.max_header_bytes:
+                self._refuse(431, f"request headers larger than {self.limits.max_header_bytes} bytes")
+
+    def eof_received(self) -> bool | None:
+        if self._refused:
+            return None
+        if self.cycle is not None and not self.cycle.response_complete and not self._in_body:
+            self._eof = True  # half-closed after the request: keep writing its response
+            return True
+        return None  # nothing to answer: let the transport close
+
+    # httptools callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_headers = True
+        if self._timer is None:  # a kept-alive connection's next request: its headers get a deadline
+            self._arm(self.limits.header_timeout_s, self._header_timed_out)
+
+    def on_headers_complete(self) -> None:
+        self._set_waiting(False)  # a request is under way: never evicted
+        self._in_headers, self._in_body = False, True
+        self._header_bytes = 0
+        self._arm(self.limits.body_timeout_s, self._body_timed_out)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._eof:
+            self.transport.close()
+        elif not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._set_waiting(True)  # idle between requests (not a pipelined one under way)
+
+    # timers
+
+    def _arm(self, seconds: float, callback) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, callback)
+
+    def _disarm(self) -> None:
+        if getattr(self, "_timer", None) is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _header_timed_out(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if self._in_headers:
+            self._refuse(408, f"request headers not received within {self.limits.header_timeout_s:g} s")
+        else:
+            self.transport.close()  # connected and silent
+
+    def _body_timed_out(self) -> None:
+        self._timer = None
+        if self.transport.is_closing() or not self._in_body:
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            self._refuse(408, f"request body not received within {self.limits.body_timeout_s:g} s")
+        else:
+            self.transport.close()
+        if cycle is not None:
+            cycle.disconnected = True  # the app reads a disconnect now; what it sends goes nowhere
+            cycle.message_event.set()
+
+    def _refuse(self, status: int, message: str, extra_headers: bytes = b"") -> None:
+        """Answer `status` and close gently: half-close, discard what still arrives for a second, then
+        close (closing with unread data would reset the connection and lose the answer)."""
+        body = message.encode()
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n%s\r\n%s" % (status, REASONS[status], len(body), extra_headers, body)
+        )
+        self._refused = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self._arm(1.0, self.transport.close)
+        else:
+            self.transport.close()
