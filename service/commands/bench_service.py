@@ -211,7 +211,7 @@ def run_direct(
 
 
 async def _engine_requests(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from service.sequence import ErrorEvent, FinishEvent, GenerationRequest
+    from service.request import ErrorEvent, FinishEvent, GenerationRequest
 
     sequences = [engine.submit(GenerationRequest(tuple(p), new_tokens, ignore_eos=True)) for p in prompts]
     out = []

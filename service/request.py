@@ -1,9 +1,10 @@
 """One request's life inside the engine: what it asked for, how far it got, what it produced.
 
-`GenerationRequest` is what the API hands the engine after validation and tokenization. `Sequence` is
-the engine's per-request state (slot, positions fed to the wafer, generated tokens, detokenizer,
-sampler). Its events (`TokenEvent` per token, then one `FinishEvent` or `ErrorEvent`) travel from the
-worker thread to the request's asyncio queue on the server's event loop.
+`GenerationRequest` is what the API hands the engine after validation and tokenization. `RequestState` is
+the engine core's per-request state (slot, positions fed to the wafer, generated tokens, detokenizer,
+sampler). Its events (`TokenEvent` per token, then one `FinishEvent` or `ErrorEvent`) are returned by
+`EngineCore.step`; under the server they also travel from the worker thread to the request's asyncio
+queue on the event loop.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class ErrorEvent:
 Event = TokenEvent | FinishEvent | ErrorEvent
 
 
-class State(enum.Enum):
+class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -111,14 +112,14 @@ _request_numbers = itertools.count(1)
 
 
 @dataclass(eq=False)
-class Sequence:
+class RequestState:
     request: GenerationRequest
     detokenizer: IncrementalDetokenizer
     sampler: Sampler
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None = None  # None: a synchronous caller reads `step()`'s events
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: str = field(default_factory=lambda: f"req-{next(_request_numbers)}")
-    state: State = State.WAITING
+    status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     computed: int = 0  # positions whose K/V are in the slot
     pending_token: int | None = None  # sampled but not yet fed to the wafer
@@ -148,7 +149,9 @@ class Sequence:
         return [*self.prompt, *(token.id for token in self.tokens)]
 
     def emit(self, event: Event) -> None:
-        """Hand an event to the request's handler (called from the worker thread)."""
+        """Hand an event to the request's handler on its event loop (called from the worker thread)."""
+        if self.loop is None:
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:
