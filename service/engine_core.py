@@ -336,3 +336,24 @@ class EngineCore:
             self._outputs.append((state, event))
         else:
             state.emit(event)
+
+
+def bare_greedy(executor: Executor, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The bare-executor baseline the benchmarks time the core against (`bench`, `bench service`'s
+    direct mode): equal-length prompts in slots 0.., all in one step, then one step per new token,
+    each slot taking the wafer's top-1 id. No scheduler, sampler, detokenizer or stop check: it is what
+    a step costs with nothing of the engine around it, so it must not run through the core."""
+    n = len(prompts[0])
+    items = [
+        StepItem(slot, pos, tok, want_scores=pos == n - 1)
+        for slot, prompt in enumerate(prompts)
+        for pos, tok in enumerate(prompt)
+    ]
+    scores = [s for s in executor.step(items) if s is not None]
+    generated: list[list[int]] = [[] for _ in prompts]
+    for step in range(new_tokens):
+        for slot, s in enumerate(scores):
+            generated[slot].append(int(s.topk_ids[0]))
+        if step + 1 < new_tokens:
+            scores = executor.step([StepItem(slot, n + step, ids[-1]) for slot, ids in enumerate(generated)])
+    return generated

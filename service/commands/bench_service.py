@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.cli import UserError
-from wafer.executor import Executor, StepItem, TokenScores
+from service.engine_core import bare_greedy
+from wafer.executor import Executor, TokenScores
 
 GOAL_OVERHEAD_PCT = 10.0  # of step time, at 16 concurrent streams
 MODES = ("direct", "engine", "http")
@@ -192,20 +193,8 @@ def run_direct(
     """All prompts in one step, then one step per new token, greedy (the top-1 id the wafer returns)."""
     executor.reset()
     first = len(executor.steps)
-    n = len(prompts[0])
     start = time.perf_counter()
-    items = [
-        StepItem(slot, pos, tok, want_scores=pos == n - 1)
-        for slot, prompt in enumerate(prompts)
-        for pos, tok in enumerate(prompt)
-    ]
-    scores = [s for s in executor.step(items) if s is not None]
-    generated: list[list[int]] = [[] for _ in prompts]
-    for step in range(new_tokens):
-        for slot, s in enumerate(scores):
-            generated[slot].append(int(s.topk_ids[0]))
-        if step + 1 < new_tokens:
-            scores = executor.step([StepItem(slot, n + step, ids[-1]) for slot, ids in enumerate(generated)])
+    generated = bare_greedy(executor, prompts, new_tokens)
     wall = time.perf_counter() - start
     return ModeRun(wall, len(prompts) * new_tokens, executor.steps[first:]), generated
 
