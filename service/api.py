@@ -33,6 +33,7 @@ from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, JSONResponse, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory, TokenizerHooks
 from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
+from service.logs import RequestIdMiddleware
 from service.metrics import ServiceMetrics
 from service.middleware import OPENAI_PREFIX, GuardMiddleware, error_body, error_status
 from service.openai_chat import chat_generation_requests, chat_response, chat_stream
@@ -57,7 +58,7 @@ from service.tgi import tgi_generation_request, tgi_json, tgi_response, tgi_stre
 from service.validation import Limits, format_validation_errors, json_body, parse_body
 from weights import tokenizer
 
-log = logging.getLogger("wafer_gpt2.api")
+log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 PLACEHOLDER_MODELS = ("dummy", "tgi")  # what TGI clients send as `model` when they do not know it
 # Threads that build requests (tokenizing is the slow part) off the event loop; started with the app.
@@ -152,6 +153,7 @@ def create_app(
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
+    app.add_middleware(RequestIdMiddleware)  # outermost of ours: the guards' refusals carry the id too
     app.add_middleware(
         GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key, metrics=metrics
     )

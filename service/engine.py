@@ -287,7 +287,8 @@ class Engine:
                         if self._generation != generation:
                             return  # the abandoned executor was closed under its hung step
                         self._step = None
-                    log.exception("engine step failed")
+                    ids = ",".join(dict.fromkeys(state.id for state in batch.owners))
+                    log.exception("engine step failed (requests %s)", ids, extra={"request_id": ids})
                     if not self._recover(exc):
                         return
         except BaseException as exc:  # the worker itself cannot go on: never leave a silent engine

@@ -218,7 +218,11 @@ class EngineCore:
             except Exception:
                 # Choosing or detokenizing this request's token failed: a fault of this request (its
                 # parameters, its text), not of the wafer. It ends alone; the others and the model go on.
-                log.exception("request %s failed while its token was chosen or detokenized", state.id)
+                log.exception(
+                    "request %s failed while its token was chosen or detokenized",
+                    state.id,
+                    extra={"request_id": state.id},
+                )
                 if state.status is not RequestStatus.FINISHED:
                     self._end(state, error=RequestFailed(REQUEST_FAILED_MESSAGE))
 
@@ -301,7 +305,7 @@ class EngineCore:
             try:
                 self.executor.free_slot(slot)
             except Exception:
-                log.exception("freeing slot %d failed", slot)
+                log.exception("freeing slot %d failed", slot, extra={"request_id": state.id})
         now = time.monotonic()
         if finish is not None:
             tail = state.detokenizer.flush() if finish is not FinishReason.STOP else ""

@@ -15,6 +15,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from service import logs
 from service.detokenizer import IncrementalDetokenizer
 from service.errors import ServiceError
 from service.sampling import Sampler, SamplingParams
@@ -111,6 +112,12 @@ class RequestStatus(enum.Enum):
 _request_numbers = itertools.count(1)
 
 
+def _new_id() -> str:
+    """Named after the HTTP request it serves (when there is one), so its log lines can be found."""
+    http = logs.request_id.get()
+    return f"req-{next(_request_numbers)}" if http == logs.NO_REQUEST else f"{http}.{next(_request_numbers)}"
+
+
 @dataclass(eq=False)
 class RequestState:
     request: GenerationRequest
@@ -118,7 +125,7 @@ class RequestState:
     sampler: Sampler
     loop: asyncio.AbstractEventLoop | None = None  # None: a synchronous caller reads `step()`'s events
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    id: str = field(default_factory=lambda: f"req-{next(_request_numbers)}")
+    id: str = field(default_factory=_new_id)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     computed: int = 0  # positions whose K/V are in the slot
