@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from service.errors import Overloaded
 from service.kv_slots import KVSlotManager
 from service.request import RequestState, RequestStatus
+from wafer.errors import InvalidInput
 from wafer.executor import StepItem
 
 
@@ -33,7 +34,7 @@ class StepBatch:
 class Scheduler:
     def __init__(self, slots: KVSlotManager, max_queue: int, step_token_budget: int):
         if step_token_budget < slots.num_slots:
-            raise ValueError(
+            raise InvalidInput(
                 f"step_token_budget ({step_token_budget}) must be at least the number of KV slots "
                 f"({slots.num_slots}): every running request decodes one token per step"
             )

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import numpy as np
 
+from wafer.errors import WaferGPT2Error
+
 
 @dataclass(frozen=True)
 class StepItem:
@@ -40,7 +42,7 @@ class TokenScores:
         return float(logit) - self.logsumexp
 
 
-class ExecutorError(RuntimeError):
+class ExecutorError(WaferGPT2Error, RuntimeError):
     """The executor could not run a step (a bad item, or a failure of the backend)."""
 
 

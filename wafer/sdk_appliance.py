@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from wafer.errors import WaferGPT2Error
 from wafer.runtime import MemcpyDataType, MemcpyOrder
 
 if TYPE_CHECKING:
     from wafer.compile import CompileJob
 
 
-class ApplianceUnavailableError(RuntimeError):
+class ApplianceUnavailableError(WaferGPT2Error, RuntimeError):
     """cerebras-sdk is not installed in this environment."""
 
 

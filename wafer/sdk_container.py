@@ -15,12 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from wafer.errors import WaferGPT2Error
 from wafer.runtime import MemcpyDataType, MemcpyOrder, WaferRuntimeError
 
 SDK_MODULE = "cerebras.sdk.runtime.sdkruntimepybind"
 
 
-class SdkUnavailableError(RuntimeError):
+class SdkUnavailableError(WaferGPT2Error, RuntimeError):
     """The Cerebras SDK is not installed here."""
 
 
