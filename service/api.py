@@ -393,12 +393,13 @@ def create_app(
     @app.get("/info", response_model=TGIInfo)
     async def info() -> TGIInfo:
         lim = limits()
+        executor = engine.describe()
         return TGIInfo(
             model_id=settings.model_id,
-            model_dtype="fp32" if settings.backend == "reference" else settings.dtype,  # reference: fp32
-            model_device_type="wafer" if settings.backend.startswith("sdk") else settings.backend,
-            backend=settings.backend,
-            max_concurrent_requests=engine.executor.num_slots,
+            model_dtype=executor["dtype"],
+            model_device_type=executor["device_type"],
+            backend=executor["backend"],
+            max_concurrent_requests=executor["num_slots"],
             max_queue=settings.max_queue,
             max_input_tokens=lim.max_input_tokens,
             max_total_tokens=lim.context_length,
@@ -407,17 +408,17 @@ def create_app(
             max_best_of=1,
             max_top_n_tokens=lim.max_top_n_tokens,
             top_k=lim.top_k,
-            kv_slots=engine.executor.num_slots,
+            kv_slots=executor["num_slots"],
             context_length=lim.context_length,
             version=VERSION,
             model_config_summary=model_summary or {},
-            plan=engine.describe(),
+            plan=executor["plan"],
             engine={
                 "state": engine.state.value,
                 "load_seconds": engine.load_seconds,
                 "restarts": engine.restarts,
                 "steps": engine.steps,
-                "step_token_budget": max(settings.step_token_budget, engine.executor.num_slots),
+                "step_token_budget": max(settings.step_token_budget, executor["num_slots"]),
                 "kv_usage": dataclasses.asdict(engine.kv_usage()),
             },
         )

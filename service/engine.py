@@ -44,19 +44,6 @@ log = logging.getLogger(__name__)
 
 ExecutorFactory = Callable[[], Executor]
 RELOAD_ATTEMPTS = 3
-# What /info shows of a wafer plan (its regions and routes are for `wafer-gpt2 plan`, not for /info).
-PLAN_SUMMARY_KEYS = (
-    "version",
-    "arch",
-    "dtype",
-    "objective",
-    "slots",
-    "context",
-    "top_k",
-    "fabric",
-    "kernel",
-    "summary",
-)
 
 
 class EngineState(enum.Enum):
@@ -232,12 +219,8 @@ class Engine:
             return len(self._core.scheduler.waiting), len(self._core.scheduler.running)
 
     def describe(self) -> dict:
-        """The wafer plan in brief (the wafer backends carry one; the reference backend has none)."""
-        plan = getattr(self._core and self._core.executor, "plan", None)
-        if plan is None or not hasattr(plan, "to_json"):
-            return {}
-        data = plan.to_json()
-        return {key: data[key] for key in PLAN_SUMMARY_KEYS if key in data}
+        """What runs the model (`Executor.describe`): backend, dtype, shape, the plan in brief."""
+        return self.executor.describe()
 
     def unavailable(self) -> Unavailable:
         """Why the engine takes no request now; with Retry-After unless it can never serve again."""

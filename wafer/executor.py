@@ -66,6 +66,12 @@ class Executor(Protocol):
 
     def close(self) -> None: ...
 
+    def describe(self) -> dict:
+        """What runs the model, for /info and logs (so that callers never check backend names):
+        `backend`, `device_type`, `dtype`, `num_slots`, `context_length`, `vocab_size`, `top_k`, and
+        `plan`, the wafer plan in brief ({} where there is none)."""
+        ...
+
 
 def validate_items(items: Sequence[StepItem], num_slots: int, context_length: int, vocab_size: int) -> None:
     """The checks every executor makes before touching its cache: bad items never reach the wafer."""

@@ -28,6 +28,20 @@ from wafer.runtime import MemcpyDataType, MemcpyOrder, Runtime, Task, from_wire,
 from wafer.wire import D2H_COLOR, H2D_COLOR, decode_scores, encode_items, record_words
 from weights.params import GPT2Params
 
+# What `describe` shows of the plan (its regions and routes are for `wafer-gpt2 plan`, not for /info).
+PLAN_SUMMARY_KEYS = (
+    "version",
+    "arch",
+    "dtype",
+    "objective",
+    "slots",
+    "context",
+    "top_k",
+    "fabric",
+    "kernel",
+    "summary",
+)
+
 
 class WaferGPT2:
     """GPT-2 on a wafer: implements `wafer.executor.Executor`."""
@@ -48,6 +62,21 @@ class WaferGPT2:
             runtime.run()
         if params is not None:
             self.upload(params, progress=progress)
+
+    def describe(self) -> dict:
+        # Each runtime names its backend; the host program is the same on all of them.
+        backend = getattr(self.runtime, "backend", type(self.runtime).__name__)
+        plan = self.plan.to_json() if hasattr(self.plan, "to_json") else {}
+        return {
+            "backend": backend,
+            "device_type": "wafer" if backend.startswith("sdk") else backend,
+            "dtype": self.plan.dtype,
+            "num_slots": self.num_slots,
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "top_k": self.top_k,
+            "plan": {key: plan[key] for key in PLAN_SUMMARY_KEYS if key in plan},
+        }
 
     # -- weights -----------------------------------------------------------------------------------
 

@@ -94,5 +94,17 @@ class ReferenceExecutor:
         for cache in self._caches:
             cache.reset()
 
+    def describe(self) -> dict:
+        return {
+            "backend": "reference",
+            "device_type": "reference",
+            "dtype": "fp32",  # the NumPy oracle computes in fp32 whatever the plan's dtype would be
+            "num_slots": self.num_slots,
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "top_k": self.top_k,
+            "plan": {},  # nothing is planned: no wafer
+        }
+
     def close(self) -> None:
         self._caches = []

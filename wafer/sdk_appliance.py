@@ -109,6 +109,8 @@ def compiler() -> type:
 class ApplianceRuntime:
     """Our runtime contract on the appliance client (same argument conventions as the SDK)."""
 
+    backend = "sdk-appliance"  # what `WaferGPT2.describe` reports
+
     def __init__(self, artifact_path: str | Path, simulator: bool = False, **client_options: Any) -> None:
         _, self._data_types, self._orders = import_client()
         self._runtime = _classes()[0](str(artifact_path), simulator=simulator, **client_options)

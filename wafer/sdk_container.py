@@ -41,6 +41,8 @@ class SdkContainerRuntime:
     """`load/run/stop/get_id/memcpy_h2d/memcpy_d2h/launch` forwarded to the SDK's SdkRuntime, with our
     enums translated to the SDK's. Same argument conventions (the contract was shaped after it)."""
 
+    backend = "sdk-container"  # what `WaferGPT2.describe` reports
+
     # The scored items a message may carry (wafer.host): io.out (kernels/pe/io_out.csl) holds one
     # record, and memcpy runs one command at a time, so the host reads each record before it sends on.
     records_in_flight = 1

@@ -83,7 +83,6 @@ class TimedExecutor:
         self.context_length = inner.context_length
         self.vocab_size = inner.vocab_size
         self.top_k = inner.top_k
-        self.plan = getattr(inner, "plan", None)
         self.steps: list[tuple[float, float, int]] = []  # (start, end, items) of every step so far
 
     def step(self, items) -> list[TokenScores | None]:
@@ -97,6 +96,9 @@ class TimedExecutor:
 
     def reset(self) -> None:
         self.inner.reset()
+
+    def describe(self) -> dict:
+        return self.inner.describe()
 
     def close(self) -> None:
         pass  # the benchmark closes `inner` once every mode is done
