@@ -31,7 +31,8 @@ from starlette.exceptions import HTTPException
 from service import tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, JSONResponse, submit_all, wait_for_results
-from service.engine import Engine, EngineState, ExecutorFactory, TokenizerHooks
+from service.engine import Engine, EngineState, ExecutorFactory
+from service.engine_core import TokenizerHooks
 from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
 from service.logs import RequestIdMiddleware
 from service.metrics import ServiceMetrics

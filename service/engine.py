@@ -30,15 +30,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from service.engine_core import EngineCore, TokenizerHooks, alternatives
+from service.engine_core import EngineCore, TokenizerHooks
 from service.errors import GenerationFailed, StepTimedOut, Unavailable
 from service.kv_slots import KVUsage
 from service.metrics import ServiceMetrics
 from service.request import GenerationRequest, RequestState
 from service.scheduler import StepBatch
 from wafer.executor import Executor, ExecutorError
-
-__all__ = ["Engine", "EngineState", "ExecutorFactory", "TokenizerHooks", "alternatives"]
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ outside it so that requests can arrive and the watchdog can act while the wafer 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -110,7 +111,9 @@ class EngineCore:
 
     # ----- requests --------------------------------------------------------------------------------
 
-    def new_request(self, request: GenerationRequest, loop=None) -> RequestState:
+    def new_request(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
+    ) -> RequestState:
         """A request's engine state (not yet queued); `loop`: the event loop its events go to."""
         return RequestState(
             request=request,

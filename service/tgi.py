@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from service.delivery import events, sse, token_string
-from service.engine import Engine, TokenizerHooks
+from service.engine import Engine
+from service.engine_core import TokenizerHooks
 from service.middleware import error_body
 from service.request import (
     Alternative,
