@@ -18,6 +18,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from service.engine_core import EngineCore, TokenizerHooks  # noqa: E402
+from service.request import FinishEvent, GenerationRequest  # noqa: E402
+from service.sampling import SamplingParams  # noqa: E402
 from wafer.backends import ExecutorOptions, build_executor  # noqa: E402
 from wafer.executor import StepItem  # noqa: E402
 from weights import tokenizer  # noqa: E402
@@ -54,16 +57,17 @@ def teacher_forced(executor, tokens: list[int]) -> list:
 
 
 def greedy(executor, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy continuation through the engine core (end-of-text ignored: always `new_tokens`)."""
     executor.reset()
-    scores = executor.step(
-        [StepItem(0, i, t, want_scores=i == len(prompt) - 1) for i, t in enumerate(prompt)]
-    )[-1]
-    out: list[int] = []
-    for step in range(new_tokens):
-        out.append(int(scores.topk_ids[0]))
-        if step + 1 < new_tokens:
-            (scores,) = executor.step([StepItem(0, len(prompt) + step, out[-1])])
-    return out
+    hooks = TokenizerHooks(tokenizer.token_bytes, tokenizer.EOT_ID, {tokenizer.EOT_ID: tokenizer.EOT_TEXT})
+    core = EngineCore(executor, hooks, max_queue=0, step_token_budget=len(prompt))
+    request = GenerationRequest(tuple(prompt), new_tokens, SamplingParams(do_sample=False), ignore_eos=True)
+    core.add(request)
+    while core.has_work():
+        for _, event in core.step():
+            if isinstance(event, FinishEvent):
+                return [token.id for token in event.tokens]
+    raise RuntimeError("the engine core ended the request without a result")
 
 
 def measure(weights: str | None, new_tokens: int) -> dict:

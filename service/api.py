@@ -31,8 +31,10 @@ from starlette.exceptions import HTTPException
 from service import tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, JSONResponse, submit_all, wait_for_results
-from service.engine import Engine, EngineState, ExecutorFactory, TokenizerHooks
+from service.engine import Engine, EngineState, ExecutorFactory
+from service.engine_core import TokenizerHooks
 from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
+from service.logs import RequestIdMiddleware
 from service.metrics import ServiceMetrics
 from service.middleware import OPENAI_PREFIX, GuardMiddleware, error_body, error_status
 from service.openai_chat import chat_generation_requests, chat_response, chat_stream
@@ -57,7 +59,7 @@ from service.tgi import tgi_generation_request, tgi_json, tgi_response, tgi_stre
 from service.validation import Limits, format_validation_errors, json_body, parse_body
 from weights import tokenizer
 
-log = logging.getLogger("wafer_gpt2.api")
+log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 PLACEHOLDER_MODELS = ("dummy", "tgi")  # what TGI clients send as `model` when they do not know it
 # Threads that build requests (tokenizing is the slow part) off the event loop; started with the app.
@@ -152,6 +154,7 @@ def create_app(
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
+    app.add_middleware(RequestIdMiddleware)  # outermost of ours: the guards' refusals carry the id too
     app.add_middleware(
         GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key, metrics=metrics
     )
@@ -391,12 +394,13 @@ def create_app(
     @app.get("/info", response_model=TGIInfo)
     async def info() -> TGIInfo:
         lim = limits()
+        executor = engine.describe()
         return TGIInfo(
             model_id=settings.model_id,
-            model_dtype="fp32" if settings.backend == "reference" else settings.dtype,  # reference: fp32
-            model_device_type="wafer" if settings.backend.startswith("sdk") else settings.backend,
-            backend=settings.backend,
-            max_concurrent_requests=engine.executor.num_slots,
+            model_dtype=executor["dtype"],
+            model_device_type=executor["device_type"],
+            backend=executor["backend"],
+            max_concurrent_requests=executor["num_slots"],
             max_queue=settings.max_queue,
             max_input_tokens=lim.max_input_tokens,
             max_total_tokens=lim.context_length,
@@ -405,17 +409,17 @@ def create_app(
             max_best_of=1,
             max_top_n_tokens=lim.max_top_n_tokens,
             top_k=lim.top_k,
-            kv_slots=engine.executor.num_slots,
+            kv_slots=executor["num_slots"],
             context_length=lim.context_length,
             version=VERSION,
             model_config_summary=model_summary or {},
-            plan=engine.describe(),
+            plan=executor["plan"],
             engine={
                 "state": engine.state.value,
                 "load_seconds": engine.load_seconds,
                 "restarts": engine.restarts,
                 "steps": engine.steps,
-                "step_token_budget": max(settings.step_token_budget, engine.executor.num_slots),
+                "step_token_budget": max(settings.step_token_budget, executor["num_slots"]),
                 "kv_usage": dataclasses.asdict(engine.kv_usage()),
             },
         )

@@ -22,6 +22,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from wafer.errors import WaferGPT2Error
 from weights import tokenizer
 
 # One line per message, then the cue for the reply. GPT-2 continues "Assistant:" with a reply and, left
@@ -35,7 +36,7 @@ DEFAULT_TEMPLATE = (
 DEFAULT_STOP = ("\nUser:",)
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(WaferGPT2Error, ValueError):
     """The template cannot be compiled, or cannot render these messages (the message says why)."""
 
 

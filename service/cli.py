@@ -1,7 +1,8 @@
 """`wafer-gpt2`: one entry point, one module per subcommand under `service/commands/`.
 
 Each command module defines `register(subparsers)`, which adds its parser and sets `func`
-(called with the parsed args, returning an exit code). Errors a user can fix print one line.
+(called with the parsed args, returning an exit code). Errors a user can fix print one line (exit 2);
+a bug shows its traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from wafer.errors import WaferGPT2Error
 
 # Subcommand modules, in the order `--help` lists them.
 COMMANDS = [
@@ -23,7 +26,7 @@ COMMANDS = [
 ]
 
 
-class UserError(ValueError):
+class UserError(WaferGPT2Error, ValueError):
     """A problem the user can fix: printed as one line, exit status 2."""
 
 
@@ -38,17 +41,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What the CLI reports as one line (exit 2): the project's own errors, and the operating system's
+    (a missing file, a port in use). Anything else is a bug: its traceback shows, exit 1."""
+    from kernels.program.errors import ProgramError
+    from wafer.runtime import WaferRuntimeError
+    from weights.checkpoint import CheckpointError
+    from weights.config import ConfigError
+
+    # Not yet under WaferGPT2Error (their packages sit below wafer/errors.py or are another change's).
+    return (WaferGPT2Error, OSError, CheckpointError, ConfigError, ProgramError, WaferRuntimeError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UserError, ValueError, FileNotFoundError, RuntimeError) as exc:
-        # The loaders, the planner and the runtime raise ValueError/RuntimeError subclasses whose
-        # message names the file, tensor or limit at fault: that message is the whole report.
-        print(f"wafer-gpt2 {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not isinstance(exc, user_errors()):
+            raise  # a bug: Python prints the traceback and exits 1
+        # The message names the file, tensor, flag or limit at fault: that is the whole report.
+        print(f"wafer-gpt2 {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-log = logging.getLogger("wafer_gpt2.connections")
+log = logging.getLogger(__name__)
 
 REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 

@@ -14,11 +14,11 @@ from fastapi.responses import JSONResponse as StarletteJSONResponse
 from service.engine import Engine
 from service.errors import ServiceError
 from service.middleware import error_body
-from service.sequence import ErrorEvent, FinishEvent, GenerationRequest, Sequence, TokenEvent
+from service.request import ErrorEvent, FinishEvent, GenerationRequest, RequestState, TokenEvent
 from weights import tokenizer
 
 
-async def events(sequence: Sequence) -> AsyncIterator[TokenEvent | FinishEvent | ErrorEvent]:
+async def events(sequence: RequestState) -> AsyncIterator[TokenEvent | FinishEvent | ErrorEvent]:
     while True:
         event = await sequence.events.get()
         yield event
@@ -26,7 +26,7 @@ async def events(sequence: Sequence) -> AsyncIterator[TokenEvent | FinishEvent |
             return
 
 
-async def last_event(sequence: Sequence) -> FinishEvent | ErrorEvent:
+async def last_event(sequence: RequestState) -> FinishEvent | ErrorEvent:
     async for event in events(sequence):
         if not isinstance(event, TokenEvent):
             return event
@@ -45,7 +45,9 @@ class ClientGone(Exception):
     pass
 
 
-async def wait_for_results(request: Request, engine: Engine, sequences: list[Sequence]) -> list[FinishEvent]:
+async def wait_for_results(
+    request: Request, engine: Engine, sequences: list[RequestState]
+) -> list[FinishEvent]:
     """The final event of each request; a client that disconnects cancels them all."""
     watcher = asyncio.create_task(client_gone(request))
     waits = [asyncio.create_task(last_event(sequence)) for sequence in sequences]
@@ -69,9 +71,9 @@ async def wait_for_results(request: Request, engine: Engine, sequences: list[Seq
     return results
 
 
-def submit_all(engine: Engine, requests: list[GenerationRequest]) -> list[Sequence]:
+def submit_all(engine: Engine, requests: list[GenerationRequest]) -> list[RequestState]:
     """Queue every request or none (a refusal cancels the ones already queued)."""
-    sequences: list[Sequence] = []
+    sequences: list[RequestState] = []
     try:
         for request in requests:
             sequences.append(engine.submit(request))
@@ -84,7 +86,7 @@ def submit_all(engine: Engine, requests: list[GenerationRequest]) -> list[Sequen
 
 async def openai_sse(
     engine: Engine,
-    sequences: list[Sequence],
+    sequences: list[RequestState],
     path: str,
     render: Callable[[int, TokenEvent | FinishEvent], list[bytes]],
     usage_chunk: Callable[[int], bytes | None],
@@ -95,7 +97,7 @@ async def openai_sse(
     goes away cancels the choices still running."""
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(position: int, sequence: Sequence) -> None:
+    async def pump(position: int, sequence: RequestState) -> None:
         async for event in events(sequence):
             await merged.put((position, event))
 

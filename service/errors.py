@@ -6,8 +6,10 @@ The engine raises or delivers these; `service.api` renders them in the schema of
 
 from __future__ import annotations
 
+from wafer.errors import WaferGPT2Error
 
-class ServiceError(Exception):
+
+class ServiceError(WaferGPT2Error):
     status = 500
     error_type = "incomplete_generation"
     metric_reason = "internal"  # the `err` label of tgi_request_failure

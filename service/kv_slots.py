@@ -12,8 +12,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from wafer.errors import InvalidInput, WaferGPT2Error
 
-class SlotError(RuntimeError):
+
+class SlotError(WaferGPT2Error, RuntimeError):
     """Misuse of the slot manager (freeing a slot nobody holds): a bug in the engine, never user input."""
 
 
@@ -33,7 +35,9 @@ class KVUsage:
 class KVSlotManager:
     def __init__(self, num_slots: int, context_length: int):
         if num_slots <= 0 or context_length <= 0:
-            raise ValueError(f"need at least one slot and one position (got {num_slots} x {context_length})")
+            raise InvalidInput(
+                f"need at least one slot and one position (got {num_slots} x {context_length})"
+            )
         self.num_slots = num_slots
         self.context_length = context_length
         self._lock = threading.Lock()

@@ -21,6 +21,7 @@ from service.openai_completions import (
     prompt_logprobs_of,
     usage_of,
 )
+from service.request import FinishEvent, GeneratedToken, GenerationRequest, RequestState, TokenEvent
 from service.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -34,7 +35,6 @@ from service.schemas import (
     ChatTopLogprob,
     TokenizeChatRequest,
 )
-from service.sequence import FinishEvent, GeneratedToken, GenerationRequest, Sequence, TokenEvent
 from service.settings import ServerSettings
 from service.validation import Limits, encode_prompt
 from weights import tokenizer
@@ -129,7 +129,7 @@ async def chat_stream(
     engine: Engine,
     body: ChatCompletionRequest,
     choices: list[Choice],
-    sequences: list[Sequence],
+    sequences: list[RequestState],
     model: str,
     path: str,
 ) -> AsyncIterator[bytes]:

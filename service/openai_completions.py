@@ -13,6 +13,16 @@ from service.delivery import openai_sse, sse, token_string
 from service.detokenizer import IncrementalDetokenizer
 from service.engine import Engine
 from service.errors import RequestValidationFailed
+from service.request import (
+    Alternative,
+    FinishEvent,
+    FinishReason,
+    GeneratedToken,
+    GenerationRequest,
+    PromptToken,
+    RequestState,
+    TokenEvent,
+)
 from service.schemas import (
     CompletionChoice,
     CompletionLogprobs,
@@ -22,16 +32,6 @@ from service.schemas import (
     PromptLogprob,
     PromptLogprobs,
     Usage,
-)
-from service.sequence import (
-    Alternative,
-    FinishEvent,
-    FinishReason,
-    GeneratedToken,
-    GenerationRequest,
-    PromptToken,
-    Sequence,
-    TokenEvent,
 )
 from service.settings import ServerSettings
 from service.validation import OPENAI_FIELDS, Limits, check_request, encode_prompt, sampling_params
@@ -288,7 +288,7 @@ async def openai_stream(
     engine: Engine,
     body: CompletionRequest,
     choices: list[Choice],
-    sequences: list[Sequence],
+    sequences: list[RequestState],
     model: str,
     path: str,
 ) -> AsyncIterator[bytes]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from wafer.errors import WaferGPT2Error
 from wafer.executor import TokenScores
 
 # What the sampler's arithmetic is guaranteed to carry: beyond these bounds a temperature or penalty is
@@ -42,7 +43,7 @@ class InvalidSamplingParam(ValueError):
         self.field = field
 
 
-class SamplingError(RuntimeError):
+class SamplingError(WaferGPT2Error, RuntimeError):
     """No candidate of a step can be chosen (every score NaN or outside the tokenizer)."""
 
 

@@ -17,14 +17,15 @@ from dataclasses import dataclass
 
 from service.errors import Overloaded
 from service.kv_slots import KVSlotManager
-from service.sequence import Sequence, State
+from service.request import RequestState, RequestStatus
+from wafer.errors import InvalidInput
 from wafer.executor import StepItem
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepBatch:
     items: list[StepItem]
-    owners: list[Sequence]  # owners[i] is the request of items[i]
+    owners: list[RequestState]  # owners[i] is the request of items[i]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -33,22 +34,22 @@ class StepPlan:
 class Scheduler:
     def __init__(self, slots: KVSlotManager, max_queue: int, step_token_budget: int):
         if step_token_budget < slots.num_slots:
-            raise ValueError(
+            raise InvalidInput(
                 f"step_token_budget ({step_token_budget}) must be at least the number of KV slots "
                 f"({slots.num_slots}): every running request decodes one token per step"
             )
         self.slots = slots
         self.max_queue = max_queue
         self.step_token_budget = step_token_budget
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
 
     @property
     def capacity(self) -> int:
         """Requests the engine holds at most: one per slot running, `max_queue` more waiting."""
         return self.slots.num_slots + self.max_queue
 
-    def add(self, sequence: Sequence) -> None:
+    def add(self, sequence: RequestState) -> None:
         if len(self.waiting) + len(self.running) >= self.capacity:
             raise Overloaded(
                 f"the server is at capacity ({len(self.running)} requests running, {len(self.waiting)} "
@@ -56,20 +57,20 @@ class Scheduler:
             )
         self.waiting.append(sequence)
 
-    def remove(self, sequence: Sequence) -> int | None:
+    def remove(self, sequence: RequestState) -> int | None:
         """Take a request out, whatever its state; returns the KV slot it held (already released)."""
         slot = sequence.slot
-        if sequence.state is State.WAITING:
+        if sequence.status is RequestStatus.WAITING:
             self.waiting.remove(sequence)
-        elif sequence.state is State.RUNNING:
+        elif sequence.status is RequestStatus.RUNNING:
             self.running.remove(sequence)
             if slot is not None:
                 self.slots.free(slot)
-        sequence.state = State.FINISHED
+        sequence.status = RequestStatus.FINISHED
         sequence.slot = None
         return slot
 
-    def admit(self) -> list[Sequence]:
+    def admit(self) -> list[RequestState]:
         """Give free slots to waiting requests, oldest first."""
         admitted = []
         while self.waiting:
@@ -79,15 +80,15 @@ class Scheduler:
                 break
             self.waiting.popleft()
             sequence.slot = slot
-            sequence.state = State.RUNNING
+            sequence.status = RequestStatus.RUNNING
             sequence.admitted_at = time.monotonic()
             self.running.append(sequence)
             admitted.append(sequence)
         return admitted
 
-    def build_step(self) -> StepPlan:
+    def build_step(self) -> StepBatch:
         items: list[StepItem] = []
-        owners: list[Sequence] = []
+        owners: list[RequestState] = []
         for sequence in self.running:
             if not sequence.prefilling and sequence.pending_token is not None:
                 items.append(StepItem(sequence.slot, sequence.computed, sequence.pending_token))
@@ -117,7 +118,7 @@ class Scheduler:
                 )
                 owners.append(sequence)
             budget -= stop - start
-        return StepPlan(items, owners)
+        return StepBatch(items, owners)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

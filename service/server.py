@@ -18,15 +18,24 @@ from service.connections import ConnectionLimits, protocol_class
 from service.engine import Engine
 from service.settings import ServerSettings
 
-log = logging.getLogger("wafer_gpt2.server")
+log = logging.getLogger(__name__)
 
 
 class ServiceServer(uvicorn.Server):
     def __init__(
-        self, app: FastAPI, settings: ServerSettings, log_level: str = "info", access_log: bool = True
+        self,
+        app: FastAPI,
+        settings: ServerSettings,
+        log_level: str = "info",
+        access_log: bool = True,
+        own_log_format: bool = False,
     ):
+        """`own_log_format`: uvicorn installs no handlers of its own; its records reach the root logger's
+        (`service.logs.configure`), in the same format as the service's (JSON lines, say)."""
+        extra = {"log_config": None} if own_log_format else {}
         config = uvicorn.Config(
             app,
+            **extra,
             host=settings.host,
             port=settings.port,
             log_level=log_level,

@@ -7,8 +7,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from service.delivery import events, sse, token_string
-from service.engine import Engine, TokenizerHooks
+from service.engine import Engine
+from service.engine_core import TokenizerHooks
 from service.middleware import error_body
+from service.request import (
+    Alternative,
+    FinishEvent,
+    GeneratedToken,
+    GenerationRequest,
+    RequestState,
+    TokenEvent,
+)
 from service.schemas import (
     TGIDetails,
     TGIPrefillToken,
@@ -18,7 +27,6 @@ from service.schemas import (
     TGIStreamEvent,
     TGIToken,
 )
-from service.sequence import Alternative, FinishEvent, GeneratedToken, GenerationRequest, Sequence, TokenEvent
 from service.settings import ServerSettings
 from service.validation import TGI_FIELDS, Limits, check_request, encode_prompt, sampling_params
 
@@ -96,7 +104,7 @@ def tgi_response(body: TGIRequest, final: FinishEvent, hooks: TokenizerHooks) ->
 
 
 async def tgi_stream(
-    engine: Engine, sequence: Sequence, body: TGIRequest, hooks: TokenizerHooks, path: str
+    engine: Engine, sequence: RequestState, body: TGIRequest, hooks: TokenizerHooks, path: str
 ) -> AsyncIterator[bytes]:
     p = body.parameters
     finished = False

@@ -12,8 +12,8 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from service.errors import RequestValidationFailed
+from service.request import GenerationRequest
 from service.sampling import InvalidSamplingParam, SamplingParams
-from service.sequence import GenerationRequest
 from service.settings import ServerSettings
 from wafer.executor import Executor
 from weights import tokenizer

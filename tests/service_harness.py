@@ -85,6 +85,9 @@ class SlowExecutor:
     def reset(self) -> None:
         self.inner.reset()
 
+    def describe(self) -> dict:
+        return self.inner.describe()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -11,9 +11,9 @@ from service.detokenizer import IncrementalDetokenizer
 from service.errors import Overloaded, RequestValidationFailed
 from service.kv_slots import KVSlotManager, SlotError
 from service.metrics import ServiceMetrics
+from service.request import GenerationRequest, RequestState
 from service.sampling import Sampler, SamplingParams
 from service.scheduler import Scheduler
-from service.sequence import GenerationRequest, Sequence
 from service.validation import OPENAI_FIELDS, TGI_FIELDS, Limits, check_request
 from weights import tokenizer
 
@@ -104,7 +104,7 @@ def test_slots_allocate_free_and_report_usage():
 # ----- scheduler -----------------------------------------------------------------------------------
 
 
-LOOP = asyncio.new_event_loop()  # a Sequence's events go to a loop; none runs in these tests
+LOOP = asyncio.new_event_loop()  # a RequestState's events go to a loop; none runs in these tests
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,13 +113,13 @@ def close_loop():
     LOOP.close()
 
 
-def make_sequence(prompt_len: int, max_new: int = 4, prompt_logprobs: bool = False) -> Sequence:
+def make_sequence(prompt_len: int, max_new: int = 4, prompt_logprobs: bool = False) -> RequestState:
     request = GenerationRequest(
         prompt_ids=tuple(range(100, 100 + prompt_len)),
         max_new_tokens=max_new,
         prompt_logprobs=prompt_logprobs,
     )
-    return Sequence(
+    return RequestState(
         request=request,
         detokenizer=IncrementalDetokenizer(tokenizer.token_bytes),
         sampler=Sampler(SamplingParams()),

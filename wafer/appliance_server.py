@@ -48,6 +48,7 @@ from cerebras.appliance.pb.sdk.sdk_appliance_pb2_grpc import (
     sdk_applianceServicer,
 )
 
+from wafer.errors import InvalidInput
 from wafer.runtime import MemcpyDataType, MemcpyOrder, WaferRuntimeError
 
 CHUNK_BYTES = 1 << 22  # download / d2h stream pieces (the client accepts any size below 2 GB)
@@ -76,7 +77,7 @@ class ApplianceServicer(sdk_applianceServicer):
     def _path(self, name: str) -> Path:
         path = (self.root / name).resolve()
         if self.root.resolve() not in path.parents and path != self.root.resolve():
-            raise ValueError(f"{name!r} lies outside the worker's directory")
+            raise InvalidInput(f"{name!r} lies outside the worker's directory")
         return path
 
     def sdk_upload_files(self, request_iterator, context):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from wafer.errors import InvalidInput
+
 # What every PE keeps back from its 48 KB for things that are not planned data (see `sram_reserve_bytes`).
 SRAM_RESERVE_BYTES = 8 * 1024
 
@@ -57,7 +59,7 @@ class Arch:
             return self.fp16_macs_per_cycle
         if dtype == "fp32":
             return self.fp32_macs_per_cycle
-        raise ValueError(f"unknown dtype {dtype!r}: expected fp16 or fp32")
+        raise InvalidInput(f"unknown dtype {dtype!r}: expected fp16 or fp32")
 
 
 ARCHS: dict[str, Arch] = {
@@ -70,5 +72,5 @@ def resolve_arch(arch: str | Arch) -> Arch:
     if isinstance(arch, Arch):
         return arch
     if arch not in ARCHS:
-        raise ValueError(f"unknown architecture {arch!r}: expected one of {', '.join(ARCHS)}")
+        raise InvalidInput(f"unknown architecture {arch!r}: expected one of {', '.join(ARCHS)}")
     return ARCHS[arch]

@@ -4,6 +4,7 @@ Cerebras SDK). Every backend returns an `Executor`."""
 
 from __future__ import annotations
 
+from wafer.errors import InvalidInput
 from wafer.executor import Executor
 from wafer.host import ExecutorOptions, plan_for, start_model
 from weights.params import GPT2Params
@@ -32,7 +33,7 @@ def build_executor(backend: str, params: GPT2Params, options: ExecutorOptions | 
         from wafer import sdk_appliance
 
         return sdk_appliance.build_executor(params, options)
-    raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    raise InvalidInput(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
 
 
 def build_sim_executor(params: GPT2Params, options: ExecutorOptions, progress: bool = False) -> Executor:

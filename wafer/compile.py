@@ -23,6 +23,7 @@ from kernels.program import LAYOUT_HEADER, build_program, layout_csl, layout_par
 from kernels.program.build import Program
 from wafer.arch import Arch, resolve_arch
 from wafer.contract import EXPORTED_ARRAYS, HOST_FUNCTIONS
+from wafer.errors import InvalidInput, WaferGPT2Error
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 SOURCE_DIRS = ("pe", "comm", "lib")  # what a compile needs besides the generated layout.csl
@@ -32,7 +33,7 @@ FABRIC_OFFSETS = (4, 1)
 FABRIC_MARGIN = (7, 2)
 
 
-class CompileError(RuntimeError):
+class CompileError(WaferGPT2Error, RuntimeError):
     """cslc (or the appliance compiler) refused the program, or is not available."""
 
 
@@ -103,7 +104,7 @@ def prepare_sources(plan, out_dir: str | Path, simfabric: bool = False, channels
     """Lay out OUT/src (the PE programs + the plan's layout.csl) and describe the compile of `plan`
     (its architecture, dtype and top-k). `program` saves rebuilding it when the caller has it."""
     if not 1 <= channels <= 16:
-        raise ValueError(
+        raise InvalidInput(
             f"--channels must be 1..16 (the memcpy I/O channels a program may ask for), got {channels}"
         )
     program = program or build_program(plan)
@@ -170,7 +171,7 @@ def plan_from_request(request: dict):
                           context=request["context"], objective=request["objective"], replicas=request["replicas"],
                           top_k=request["top_k"])  # fmt: skip
     except (KeyError, TypeError) as exc:
-        raise ValueError(f"a plan request needs model, arch, dtype, slots, context, objective, replicas and "
+        raise InvalidInput(f"a plan request needs model, arch, dtype, slots, context, objective, replicas and "
                          f"top_k: {exc}") from None  # fmt: skip
 
 
@@ -210,28 +211,28 @@ def check_compile_request(src_dir: str | Path, options: list[str]) -> dict[str, 
         for kernel in sorted((KERNEL_DIR / name).glob("*.csl")):
             uploaded = src_dir / name / kernel.name
             if not uploaded.is_file():
-                raise ValueError(f"the upload has no {name}/{kernel.name}")
+                raise InvalidInput(f"the upload has no {name}/{kernel.name}")
             if uploaded.read_bytes() != kernel.read_bytes():
-                raise ValueError(
+                raise InvalidInput(
                     f"{name}/{kernel.name} differs from this repository's kernels/{name}/{kernel.name}"
                 )
     layout = (src_dir / "layout.csl").read_text() if (src_dir / "layout.csl").is_file() else ""
     header = next((line for line in layout.splitlines() if line.startswith(LAYOUT_HEADER)), None)
     if header is None:
-        raise ValueError("the upload has no layout.csl written by wafer/compile.py (no plan request in it)")
+        raise InvalidInput("the upload has no layout.csl written by wafer/compile.py (no plan request in it)")
     request = json.loads(header[len(LAYOUT_HEADER) :])
     plan = plan_from_request(request)
     program = build_program(plan)
     if layout_csl(program, plan_request(plan)) != layout:
-        raise ValueError("layout.csl is not what kernels/program/ writes for the plan it names")
+        raise InvalidInput("layout.csl is not what kernels/program/ writes for the plan it names")
     if not options or options[0] != "layout.csl":
-        raise ValueError(f"the main file must be layout.csl, got {options[:1]}")
+        raise InvalidInput(f"the main file must be layout.csl, got {options[:1]}")
     arch = resolve_arch(request["arch"])
     wanted = {tuple(CompileJob(arch.name, src_dir, src_dir, fabric_dims(program, arch, sim), layout_params(),
               1).options[:4]) for sim in (False, True)}  # fmt: skip
     given = tuple(o for o in options[1:] if not o.startswith("--channels"))[:4]
     if given not in wanted or "--memcpy" not in options:
-        raise ValueError(
+        raise InvalidInput(
             f"cslc options {' '.join(options[1:])} are not the ones wafer/compile.py gives this plan"
         )
     return {

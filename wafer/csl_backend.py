@@ -48,6 +48,8 @@ def compile_plan(plan, out_dir: str | Path | None = None) -> Path:
 class CslExecutorRuntime(SdkContainerRuntime):
     """SdkContainerRuntime on the executor's SdkRuntime."""
 
+    backend = "csl"  # what `WaferGPT2.describe` reports
+
     def __init__(self, compiled_dir: str | Path) -> None:
         super().__init__(compiled_dir, cmaddr=None, sdk=runtime_module())
 

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import numpy as np
 
+from wafer.errors import WaferGPT2Error
+
 
 @dataclass(frozen=True)
 class StepItem:
@@ -40,7 +42,7 @@ class TokenScores:
         return float(logit) - self.logsumexp
 
 
-class ExecutorError(RuntimeError):
+class ExecutorError(WaferGPT2Error, RuntimeError):
     """The executor could not run a step (a bad item, or a failure of the backend)."""
 
 
@@ -63,6 +65,12 @@ class Executor(Protocol):
         ...
 
     def close(self) -> None: ...
+
+    def describe(self) -> dict:
+        """What runs the model, for /info and logs (so that callers never check backend names):
+        `backend`, `device_type`, `dtype`, `num_slots`, `context_length`, `vocab_size`, `top_k`, and
+        `plan`, the wafer plan in brief ({} where there is none)."""
+        ...
 
 
 def validate_items(items: Sequence[StepItem], num_slots: int, context_length: int, vocab_size: int) -> None:

@@ -22,10 +22,25 @@ from tqdm import tqdm
 
 from wafer import memory_layout
 from wafer.contract import CYCLES_SYMBOL, WEIGHT_SYMBOLS
+from wafer.errors import InvalidInput
 from wafer.executor import Executor, ExecutorError, StepItem, TokenScores, validate_items
 from wafer.runtime import MemcpyDataType, MemcpyOrder, Runtime, Task, from_wire, hwl_to_flat, to_wire
 from wafer.wire import D2H_COLOR, H2D_COLOR, decode_scores, encode_items, record_words
 from weights.params import GPT2Params
+
+# What `describe` shows of the plan (its regions and routes are for `wafer-gpt2 plan`, not for /info).
+PLAN_SUMMARY_KEYS = (
+    "version",
+    "arch",
+    "dtype",
+    "objective",
+    "slots",
+    "context",
+    "top_k",
+    "fabric",
+    "kernel",
+    "summary",
+)
 
 
 class WaferGPT2:
@@ -48,6 +63,21 @@ class WaferGPT2:
         if params is not None:
             self.upload(params, progress=progress)
 
+    def describe(self) -> dict:
+        # Each runtime names its backend; the host program is the same on all of them.
+        backend = getattr(self.runtime, "backend", type(self.runtime).__name__)
+        plan = self.plan.to_json() if hasattr(self.plan, "to_json") else {}
+        return {
+            "backend": backend,
+            "device_type": "wafer" if backend.startswith("sdk") else backend,
+            "dtype": self.plan.dtype,
+            "num_slots": self.num_slots,
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "top_k": self.top_k,
+            "plan": {key: plan[key] for key in PLAN_SUMMARY_KEYS if key in plan},
+        }
+
     # -- weights -----------------------------------------------------------------------------------
 
     def upload(self, params: GPT2Params, progress: bool = False) -> None:
@@ -57,7 +87,7 @@ class WaferGPT2:
         have, want = params.config, self.plan.config
         shape = ("n_layer", "n_head", "n_embd", "vocab_size")
         if any(getattr(have, f) != getattr(want, f) for f in shape):
-            raise ValueError(
+            raise InvalidInput(
                 "the checkpoint's config ("
                 + ", ".join(f"{f}={getattr(have, f)}" for f in shape)
                 + ") does not match the plan's ("
@@ -81,7 +111,7 @@ class WaferGPT2:
         dtype = memory_layout.symbol_dtype(spec.dtype)
         values = tiles.astype(dtype)
         if not np.isfinite(values).all() and np.isfinite(tiles).all():
-            raise ValueError(
+            raise InvalidInput(
                 f"region {region.name!r} symbol {symbol!r}: a weight overflows {dtype} (|w| > 65504)"
             )
         flat = values.reshape(*values.shape[:-1], -1)
@@ -274,7 +304,7 @@ def plan_for(params: GPT2Params, options: ExecutorOptions):
     from wafer.plan import build_plan
 
     if options.replicas < 1 or options.slots % options.replicas:
-        raise ValueError(
+        raise InvalidInput(
             f"slots ({options.slots}) must be a positive multiple of replicas ({options.replicas}): "
             "every replica holds the same number of slots"
         )

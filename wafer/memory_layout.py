@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from wafer.errors import WaferGPT2Error
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, ceil_div
 
 
-class LayoutError(ValueError):
+class LayoutError(WaferGPT2Error, ValueError):
     """A region whose axes do not describe its rectangle."""
 
 

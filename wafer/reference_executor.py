@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from wafer.errors import InvalidInput
 from wafer.executor import ExecutorError, StepItem, TokenScores, validate_items
 from weights.params import GPT2Params
 from weights.reference import KVCache, Segment, forward_hidden, lm_head, logsumexp
@@ -35,11 +36,11 @@ class ReferenceExecutor:
         cfg = params.config
         context = cfg.n_positions if context is None else context
         if slots < 1:
-            raise ValueError(f"slots must be at least 1, got {slots}")
+            raise InvalidInput(f"slots must be at least 1, got {slots}")
         if not 0 < context <= cfg.n_positions:
-            raise ValueError(f"context {context} outside 1..{cfg.n_positions} (the model's n_positions)")
+            raise InvalidInput(f"context {context} outside 1..{cfg.n_positions} (the model's n_positions)")
         if not 0 < top_k <= cfg.vocab_size:
-            raise ValueError(f"top_k {top_k} outside 1..{cfg.vocab_size} (the vocabulary size)")
+            raise InvalidInput(f"top_k {top_k} outside 1..{cfg.vocab_size} (the vocabulary size)")
         self.params = params
         self.num_slots = slots
         self.context_length = context
@@ -92,6 +93,18 @@ class ReferenceExecutor:
     def reset(self) -> None:
         for cache in self._caches:
             cache.reset()
+
+    def describe(self) -> dict:
+        return {
+            "backend": "reference",
+            "device_type": "reference",
+            "dtype": "fp32",  # the NumPy oracle computes in fp32 whatever the plan's dtype would be
+            "num_slots": self.num_slots,
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "top_k": self.top_k,
+            "plan": {},  # nothing is planned: no wafer
+        }
 
     def close(self) -> None:
         self._caches = []

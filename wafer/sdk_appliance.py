@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from wafer.errors import WaferGPT2Error
 from wafer.runtime import MemcpyDataType, MemcpyOrder
 
 if TYPE_CHECKING:
     from wafer.compile import CompileJob
 
 
-class ApplianceUnavailableError(RuntimeError):
+class ApplianceUnavailableError(WaferGPT2Error, RuntimeError):
     """cerebras-sdk is not installed in this environment."""
 
 
@@ -107,6 +108,8 @@ def compiler() -> type:
 
 class ApplianceRuntime:
     """Our runtime contract on the appliance client (same argument conventions as the SDK)."""
+
+    backend = "sdk-appliance"  # what `WaferGPT2.describe` reports
 
     def __init__(self, artifact_path: str | Path, simulator: bool = False, **client_options: Any) -> None:
         _, self._data_types, self._orders = import_client()

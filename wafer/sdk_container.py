@@ -15,12 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from wafer.errors import WaferGPT2Error
 from wafer.runtime import MemcpyDataType, MemcpyOrder, WaferRuntimeError
 
 SDK_MODULE = "cerebras.sdk.runtime.sdkruntimepybind"
 
 
-class SdkUnavailableError(RuntimeError):
+class SdkUnavailableError(WaferGPT2Error, RuntimeError):
     """The Cerebras SDK is not installed here."""
 
 
@@ -39,6 +40,8 @@ def import_sdk() -> Any:
 class SdkContainerRuntime:
     """`load/run/stop/get_id/memcpy_h2d/memcpy_d2h/launch` forwarded to the SDK's SdkRuntime, with our
     enums translated to the SDK's. Same argument conventions (the contract was shaped after it)."""
+
+    backend = "sdk-container"  # what `WaferGPT2.describe` reports
 
     # The scored items a message may carry (wafer.host): io.out (kernels/pe/io_out.csl) holds one
     # record, and memcpy runs one command at a time, so the host reads each record before it sends on.

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from wafer.errors import WaferGPT2Error
 from wafer.executor import TokenScores
 
 # The memcpy streaming colors (kernels/layout.csl: MEMCPYH2D_DATA_1_ID and MEMCPYD2H_DATA_1_ID).
@@ -43,7 +44,7 @@ WANT_SCORES = 1
 HAS_TARGET = 2
 
 
-class WireError(RuntimeError):
+class WireError(WaferGPT2Error, RuntimeError):
     """A stream message that does not follow this format."""
 
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from service.cli import UserError
 from service.commands import bench_service
+from service.engine_core import bare_greedy
 from wafer.backends import ExecutorOptions, build_executor
-from wafer.executor import StepItem
 from wafer.sim import parallel
 from weights.config import resolve_config
 from weights.params import GPT2Params
@@ -199,19 +199,7 @@ def _run_simulator(
 ) -> tuple[float, float, list[int]]:
     """`batch` sequences in slots 0..batch-1: every prompt in one step, then one step per new token."""
     executor.reset()
-    n = len(prompt)
     start, start_cpu = time.perf_counter(), time.process_time()
-    items = [
-        StepItem(slot, pos, tok, want_scores=pos == n - 1)
-        for slot in range(batch)
-        for pos, tok in enumerate(prompt)
-    ]
-    scores = [s for s in executor.step(items) if s is not None]
-    generated: list[list[int]] = [[] for _ in range(batch)]
-    for step in range(new_tokens):
-        for slot in range(batch):
-            generated[slot].append(int(scores[slot].topk_ids[0]))
-        if step + 1 < new_tokens:
-            scores = executor.step([StepItem(slot, n + step, generated[slot][-1]) for slot in range(batch)])
+    generated = bare_greedy(executor, [prompt] * batch, new_tokens)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     return batch * new_tokens / elapsed, batch * new_tokens / cpu, generated[0]

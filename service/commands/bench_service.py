@@ -41,7 +41,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.cli import UserError
-from wafer.executor import Executor, StepItem, TokenScores
+from service.engine_core import bare_greedy
+from wafer.errors import WaferGPT2Error
+from wafer.executor import Executor, TokenScores
+
+
+class BenchFailed(WaferGPT2Error, RuntimeError):
+    """The benchmark could not run (its server, engine or clients failed): one line, exit 2."""
+
 
 GOAL_OVERHEAD_PCT = 10.0  # of step time, at 16 concurrent streams
 MODES = ("direct", "engine", "http")
@@ -76,7 +83,6 @@ class TimedExecutor:
         self.context_length = inner.context_length
         self.vocab_size = inner.vocab_size
         self.top_k = inner.top_k
-        self.plan = getattr(inner, "plan", None)
         self.steps: list[tuple[float, float, int]] = []  # (start, end, items) of every step so far
 
     def step(self, items) -> list[TokenScores | None]:
@@ -90,6 +96,9 @@ class TimedExecutor:
 
     def reset(self) -> None:
         self.inner.reset()
+
+    def describe(self) -> dict:
+        return self.inner.describe()
 
     def close(self) -> None:
         pass  # the benchmark closes `inner` once every mode is done
@@ -192,26 +201,14 @@ def run_direct(
     """All prompts in one step, then one step per new token, greedy (the top-1 id the wafer returns)."""
     executor.reset()
     first = len(executor.steps)
-    n = len(prompts[0])
     start = time.perf_counter()
-    items = [
-        StepItem(slot, pos, tok, want_scores=pos == n - 1)
-        for slot, prompt in enumerate(prompts)
-        for pos, tok in enumerate(prompt)
-    ]
-    scores = [s for s in executor.step(items) if s is not None]
-    generated: list[list[int]] = [[] for _ in prompts]
-    for step in range(new_tokens):
-        for slot, s in enumerate(scores):
-            generated[slot].append(int(s.topk_ids[0]))
-        if step + 1 < new_tokens:
-            scores = executor.step([StepItem(slot, n + step, ids[-1]) for slot, ids in enumerate(generated)])
+    generated = bare_greedy(executor, prompts, new_tokens)
     wall = time.perf_counter() - start
     return ModeRun(wall, len(prompts) * new_tokens, executor.steps[first:]), generated
 
 
 async def _engine_requests(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from service.sequence import ErrorEvent, FinishEvent, GenerationRequest
+    from service.request import ErrorEvent, FinishEvent, GenerationRequest
 
     sequences = [engine.submit(GenerationRequest(tuple(p), new_tokens, ignore_eos=True)) for p in prompts]
     out = []
@@ -219,7 +216,7 @@ async def _engine_requests(engine, prompts: list[list[int]], new_tokens: int) ->
         while True:
             event = await sequence.events.get()
             if isinstance(event, ErrorEvent):
-                raise RuntimeError(f"the engine failed a request: {event.error}")
+                raise BenchFailed(f"the engine failed a request: {event.error}")
             if isinstance(event, FinishEvent):
                 out.append([token.id for token in event.tokens])
                 break
@@ -249,18 +246,18 @@ async def _http_streams(url: str, prompts: list[list[int]], new_tokens: int) -> 
         generated = None
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
-                raise RuntimeError(
+                raise BenchFailed(
                     f"the server answered {response.status_code}: {(await response.aread())[:300]!r}"
                 )
             async for line in response.aiter_lines():
                 if line.startswith("data:") and line[5:].strip() != "[DONE]":
                     chunk = json.loads(line[5:])
                     if "error" in chunk:
-                        raise RuntimeError(f"stream error: {chunk['error']}")
+                        raise BenchFailed(f"stream error: {chunk['error']}")
                     if chunk.get("usage"):
                         generated = chunk["usage"]["completion_tokens"]
         if generated is None:
-            raise RuntimeError("the stream ended without a usage chunk")
+            raise BenchFailed("the stream ended without a usage chunk")
         return generated
 
     limits = httpx.Limits(max_connections=len(prompts) + 1)
@@ -304,10 +301,10 @@ class _Clients:
 
     def _answer(self, timeout_s: float, what: str):
         if not self.connection.poll(timeout_s):
-            raise RuntimeError(f"the benchmark's client process did not {what} within {timeout_s:g} s")
+            raise BenchFailed(f"the benchmark's client process did not {what} within {timeout_s:g} s")
         status, value = self.connection.recv()
         if status == "error":
-            raise RuntimeError(f"the benchmark's clients failed: {value}")
+            raise BenchFailed(f"the benchmark's clients failed: {value}")
         return value
 
     def streams(self, url: str, prompts: list[list[int]], new_tokens: int) -> int:
@@ -364,10 +361,10 @@ class _Server:
         deadline = time.monotonic() + 60
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the benchmark's server did not start {self.fatal}")
+                raise BenchFailed(f"the benchmark's server did not start {self.fatal}")
             time.sleep(0.01)
         if not self.engine.wait_ready(600):
-            raise RuntimeError(f"the engine did not become ready: {self.engine.state} {self.engine.error}")
+            raise BenchFailed(f"the engine did not become ready: {self.engine.state} {self.engine.error}")
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         return self

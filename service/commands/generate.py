@@ -1,7 +1,7 @@
 """`wafer-gpt2 generate "PROMPT"`: continue a prompt from the command line, streaming the text.
 
-One request, one KV slot: the prompt streams through the model in one step (only its last token's
-scores are needed), then one step per new token. Text goes to stdout as soon as it forms complete
+One request, one KV slot, driven by the engine core the server runs: the prompt streams through the
+model in one step (only its last token's scores are needed), then one step per new token. Text goes to stdout as soon as it forms complete
 UTF-8 characters; the timing line and the seed go to stderr.
 """
 
@@ -13,10 +13,10 @@ import sys
 import time
 
 from service.cli import UserError
-from service.detokenizer import IncrementalDetokenizer
-from service.sampling import Sampler, SamplingParams
+from service.engine_core import EngineCore, TokenizerHooks
+from service.request import ErrorEvent, FinishEvent, FinishReason, GenerationRequest, TokenEvent
+from service.sampling import SamplingParams
 from wafer.backends import BACKENDS, DEFAULT_BACKEND, ExecutorOptions, build_executor
-from wafer.executor import StepItem
 from weights import tokenizer
 from weights.checkpoint import load_checkpoint, resolve_weights
 
@@ -103,24 +103,33 @@ def run(args: argparse.Namespace) -> int:
         params,
         ExecutorOptions(slots=1, context=len(prompt) + max_new, dtype=args.dtype, top_k=WAFER_TOP_K),
     )
-    sampler = Sampler(params_for_sampling)
-    detokenizer = IncrementalDetokenizer(tokenizer.token_bytes)
-    history = list(prompt)
+    # The engine core, as the server runs it: the prompt in one step (a budget that holds it whole),
+    # then one step per token. Special tokens print as text (--ignore-eos goes on past <|endoftext|>).
+    core = EngineCore(executor, cli_tokenizer_hooks(), max_queue=0, step_token_budget=len(prompt))
+    request = GenerationRequest(
+        tuple(prompt),
+        max_new,
+        sampling=params_for_sampling,
+        ignore_eos=args.ignore_eos,
+        skip_special_tokens=False,
+    )
+    state = core.add(request)
+    first_token_s = None
+    final: FinishEvent | None = None
     start = time.perf_counter()
     try:
-        # The whole prompt in one step; only its last token's scores are needed.
-        items = [StepItem(0, pos, tok, want_scores=pos == len(prompt) - 1) for pos, tok in enumerate(prompt)]
-        scores = executor.step(items)[-1]
-        first_token_s = time.perf_counter() - start
-        for generated in range(1, max_new + 1):
-            token, _ = sampler.choose(scores, history)
-            if token == tokenizer.EOT_ID and not args.ignore_eos:
-                break
-            history.append(token)
-            emit(detokenizer.add(token).released)
-            if generated < max_new:
-                (scores,) = executor.step([StepItem(0, len(history) - 1, token)])
-        emit(detokenizer.flush() + "\n")
+        while final is None:
+            for _, event in core.step():
+                if first_token_s is None:
+                    first_token_s = time.perf_counter() - start
+                if isinstance(event, ErrorEvent):
+                    raise event.error
+                if isinstance(event, TokenEvent):
+                    emit(event.token.released)
+                elif isinstance(event, FinishEvent):
+                    last = event.tokens[-1] if event.tokens else None
+                    emit((last.released if last else "") + event.tail + "\n")
+                    final = event
     except BrokenPipeError:
         # The reader went away (e.g. `| head`): stop quietly, and keep Python from complaining at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -128,8 +137,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         executor.close()
 
-    new_tokens = len(history) - len(prompt)
+    ended_on_eos = final.finish_reason is FinishReason.EOS
+    new_tokens = len(final.tokens) - ended_on_eos  # the end-of-text token is not text
     elapsed = time.perf_counter() - start
+    sampler = state.sampler
     seed = f", seed {sampler.seed}" if sampler.seed is not None else ""
     print(
         f"[{new_tokens} tokens in {elapsed:.2f} s measured on backend {args.backend}: first token after "
@@ -137,6 +148,14 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def cli_tokenizer_hooks() -> TokenizerHooks:
+    return TokenizerHooks(
+        token_bytes=tokenizer.token_bytes,
+        eos_token_id=tokenizer.EOT_ID,
+        special_names={tokenizer.EOT_ID: tokenizer.EOT_TEXT},
+    )
 
 
 def emit(text: str) -> None:

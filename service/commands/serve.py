@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import logging
 import os
 import sys
 
 from service.chat_template import ChatTemplateError, load_chat_template
 from service.cli import UserError
+from service.logs import LOG_FORMATS
+from service.logs import configure as configure_logging
 from service.settings import ServerSettings
 from wafer.backends import BACKENDS, DEFAULT_BACKEND, ExecutorOptions, build_executor, build_sim_executor
 from weights.checkpoint import load_checkpoint, resolve_weights
@@ -185,6 +186,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "default: a plain 'User: ... / Assistant:' transcript a base model can continue",
     )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object per line (uvicorn's lines too); both carry the request id",
+    )
     parser.set_defaults(func=run)
 
 
@@ -260,9 +267,7 @@ def run(args: argparse.Namespace) -> int:
     problem = exposure_problem(args.host, args.api_key, args.allow_no_api_key)
     if problem is not None:
         raise UserError(problem)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format)
     weights_path = resolve_weights(args.weights)
     params = load_checkpoint(weights_path, progress=True)
     config = params.config
@@ -296,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     # The checkpoint's name, not where it lies on the server's disk.
     summary = {**config.as_dict(), "n_params": config.n_params, "weights": weights_path.name}
     app = create_app(settings, build, model_summary=summary, on_fatal=on_fatal)
-    server = ServiceServer(app, settings, log_level=args.log_level)
+    server = ServiceServer(app, settings, log_level=args.log_level, own_log_format=args.log_format == "json")
     limit_repeats()  # on the handlers uvicorn has just set up, and the root's
     server.run()
     if failure:

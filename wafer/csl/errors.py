@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from wafer.errors import WaferGPT2Error
 
-class CslError(Exception):
+
+class CslError(WaferGPT2Error):
     """The root of everything the executor raises about a CSL program."""
 
 

@@ -8,6 +8,7 @@ from typing import Literal
 
 from wafer.arch import Arch
 from wafer.cost import CLOCK_HZ, SDK_CLOCK_HZ, StageCost, stream_cycles
+from wafer.errors import WaferGPT2Error
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from weights.config import GPT2Config
 
@@ -21,7 +22,7 @@ SYMBOL_BYTES = {"f16": 2, "f32": 4, "i32": 4, "u32": 4}
 KINDS = ("io", "embed", "embed_head", "layernorm", "gemv", "attention", "residual")
 
 
-class PlanError(ValueError):
+class PlanError(WaferGPT2Error, ValueError):
     """A request no plan can meet; the message names the limit and by how much it is exceeded."""
 
 

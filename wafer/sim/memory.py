@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from wafer.errors import WaferGPT2Error
 from wafer.memory_layout import symbol_dtype
 from wafer.runtime import MemcpyDataType, WaferRuntimeError
 
 SRAM_BYTES = 48 * 1024  # per PE on WSE-2 and WSE-3 (Cerebras architecture papers)
 
 
-class PlanMemoryError(ValueError):
+class PlanMemoryError(WaferGPT2Error, ValueError):
     """A plan whose symbols do not fit the PEs (or whose regions collide)."""
 
 

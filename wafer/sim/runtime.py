@@ -21,6 +21,8 @@ from wafer.wire import D2H_COLOR, H2D_COLOR, HEADER_WORDS, decode_items, message
 
 
 class SimRuntime(Runtime):
+    backend = "sim"  # what `WaferGPT2.describe` reports
+
     def __init__(self, plan: Any) -> None:
         super().__init__()
         self.plan = plan

@@ -1,9 +1,10 @@
 """One request's life inside the engine: what it asked for, how far it got, what it produced.
 
-`GenerationRequest` is what the API hands the engine after validation and tokenization. `Sequence` is
-the engine's per-request state (slot, positions fed to the wafer, generated tokens, detokenizer,
-sampler). Its events (`TokenEvent` per token, then one `FinishEvent` or `ErrorEvent`) travel from the
-worker thread to the request's asyncio queue on the server's event loop.
+`GenerationRequest` is what the API hands the engine after validation and tokenization. `RequestState` is
+the engine core's per-request state (slot, positions fed to the wafer, generated tokens, detokenizer,
+sampler). Its events (`TokenEvent` per token, then one `FinishEvent` or `ErrorEvent`) are returned by
+`EngineCore.step`; under the server they also travel from the worker thread to the request's asyncio
+queue on the event loop.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from service import logs
 from service.detokenizer import IncrementalDetokenizer
 from service.errors import ServiceError
 from service.sampling import Sampler, SamplingParams
@@ -101,7 +103,7 @@ class ErrorEvent:
 Event = TokenEvent | FinishEvent | ErrorEvent
 
 
-class State(enum.Enum):
+class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -110,15 +112,21 @@ class State(enum.Enum):
 _request_numbers = itertools.count(1)
 
 
+def _new_id() -> str:
+    """Named after the HTTP request it serves (when there is one), so its log lines can be found."""
+    http = logs.request_id.get()
+    return f"req-{next(_request_numbers)}" if http == logs.NO_REQUEST else f"{http}.{next(_request_numbers)}"
+
+
 @dataclass(eq=False)
-class Sequence:
+class RequestState:
     request: GenerationRequest
     detokenizer: IncrementalDetokenizer
     sampler: Sampler
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None = None  # None: a synchronous caller reads `step()`'s events
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    id: str = field(default_factory=lambda: f"req-{next(_request_numbers)}")
-    state: State = State.WAITING
+    id: str = field(default_factory=_new_id)
+    status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     computed: int = 0  # positions whose K/V are in the slot
     pending_token: int | None = None  # sampled but not yet fed to the wafer
@@ -148,7 +156,9 @@ class Sequence:
         return [*self.prompt, *(token.id for token in self.tokens)]
 
     def emit(self, event: Event) -> None:
-        """Hand an event to the request's handler (called from the worker thread)."""
+        """Hand an event to the request's handler on its event loop (called from the worker thread)."""
+        if self.loop is None:
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:

@@ -1,0 +1,366 @@
+"""The engine core: synchronous continuous batching over one executor (vLLM's `LLMEngine`).
+
+`add` queues a request, `step` runs one step (drop cancelled and timed-out requests, admit waiting ones
+into free KV slots, run the decode items of running requests and the prompt chunks of new ones
+together, sample, detokenize, check stops) and returns the events it produced, `abort` ends a request at
+the next step boundary. A request created with an event loop (the server's) gets its events on that
+loop's queue instead. Every decode loop in the tree drives it: the server's worker thread
+(`service/engine.py`, which adds the thread, reload, drain, watchdog and fault hooks), `wafer-gpt2
+generate` and the benchmarks.
+
+Not thread-safe: the worker calls it under its own lock, and runs the executor's step (`execute`)
+outside it so that requests can arrive and the watchdog can act while the wafer computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.detokenizer import IncrementalDetokenizer
+from service.errors import RequestFailed, RequestTimedOut, RequestValidationFailed, ServiceError
+from service.kv_slots import KVSlotManager
+from service.metrics import ServiceMetrics
+from service.request import (
+    Alternative,
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    FinishReason,
+    GeneratedToken,
+    GenerationRequest,
+    PromptToken,
+    RequestState,
+    RequestStatus,
+    TokenEvent,
+)
+from service.sampling import Sampler
+from service.scheduler import Scheduler, StepBatch
+from wafer.executor import Executor, ExecutorError, StepItem, TokenScores
+
+log = logging.getLogger(__name__)
+
+REQUEST_FAILED_MESSAGE = (
+    "the server could not choose or decode the next token of this request, which was ended; "
+    "other requests are not affected (the server log has the details)"
+)
+
+Output = tuple[RequestState, Event]  # an event and the request it belongs to
+
+
+@dataclass(frozen=True)
+class TokenizerHooks:
+    """What the engine needs from the tokenizer: bytes per token, and which ids are special."""
+
+    token_bytes: Callable[[int], bytes]
+    eos_token_id: int
+    special_names: dict[int, str]
+    vocab_size: int | None = None  # ids at or above it are unknown to the tokenizer: never emitted
+
+
+def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> tuple[Alternative, ...]:
+    """The n best candidates the wafer returned that the tokenizer knows, with the model's logprobs."""
+    known = (
+        Alternative(int(token), scores.logprob(logit))
+        for token, logit in zip(scores.topk_ids, scores.topk_logits, strict=True)
+        if vocab_size is None or token < vocab_size
+    )
+    return tuple(itertools.islice(known, n))
+
+
+class EngineCore:
+    def __init__(
+        self,
+        executor: Executor,
+        tokenizer: TokenizerHooks,
+        max_queue: int,
+        step_token_budget: int,
+        metrics: ServiceMetrics | None = None,
+    ):
+        self._tokenizer = tokenizer
+        self._max_queue = max_queue
+        self._step_token_budget = step_token_budget
+        self.metrics = metrics if metrics is not None else ServiceMetrics("wafer-gpt2")
+        self.steps = 0
+        self.executor: Executor | None = None
+        self.scheduler: Scheduler | None = None
+        self._outputs: list[Output] = []
+        self.attach(executor)
+
+    # ----- the executor ----------------------------------------------------------------------------
+
+    def attach(self, executor: Executor) -> None:
+        """Serve on `executor` (a fresh one after a reload): fresh KV slots, the queue kept."""
+        slots = KVSlotManager(executor.num_slots, executor.context_length)
+        scheduler = Scheduler(slots, self._max_queue, max(self._step_token_budget, slots.num_slots))
+        if self.scheduler is not None:
+            scheduler.waiting.extend(self.scheduler.waiting)
+        self.executor, self.scheduler = executor, scheduler
+        self.record_gauges()
+
+    def detach(self) -> Executor | None:
+        """Stop using the executor (it failed or hangs): requests that end now free no wafer slot."""
+        executor, self.executor = self.executor, None
+        return executor
+
+    # ----- requests --------------------------------------------------------------------------------
+
+    def new_request(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
+    ) -> RequestState:
+        """A request's engine state (not yet queued); `loop`: the event loop its events go to."""
+        return RequestState(
+            request=request,
+            detokenizer=IncrementalDetokenizer(
+                self._tokenizer.token_bytes, request.stop_sequences, request.include_stop_str_in_output
+            ),
+            sampler=Sampler(request.sampling, vocab_size=self._tokenizer.vocab_size),
+            loop=loop,
+        )
+
+    def add(self, request: GenerationRequest | RequestState) -> RequestState:
+        """Queue a request (Overloaded when the queue is full)."""
+        state = request if isinstance(request, RequestState) else self.new_request(request)
+        needed = state.request.tokens_needed
+        if not self.scheduler.slots.fits(needed):  # the API checked; never trust twice
+            raise RequestValidationFailed(
+                f"the request needs {needed} KV positions; a slot holds {self.scheduler.slots.context_length}"
+            )
+        self.scheduler.add(state)
+        self.metrics.record_arrival(len(state.request.prompt_ids))
+        self.record_gauges()
+        return state
+
+    def abort(self, state: RequestState) -> None:
+        """The client went away: the request leaves at the next step boundary (its slot with it)."""
+        if state.status is RequestStatus.FINISHED:
+            return
+        state.cancelled = True
+        state.cancelled_at_step = self.steps
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ----- one step --------------------------------------------------------------------------------
+
+    def step(self) -> list[Output]:
+        """Schedule, run and apply one step; the events it produced (none when there is no work)."""
+        batch = self.schedule()
+        if not batch.items:
+            return self.take_outputs()
+        return self.finish(batch, self.execute(batch))
+
+    def schedule(self) -> StepBatch:
+        """At a step boundary: drop cancelled and timed-out requests, admit waiting ones, batch."""
+        self._reap()
+        self.scheduler.admit()
+        batch = self.scheduler.build_step()
+        self.record_gauges()
+        return batch
+
+    def execute(self, batch: StepBatch, executor: Executor | None = None) -> list[TokenScores | None]:
+        """Run the batch on the executor. The worker calls this outside its lock, naming the executor it
+        took under the lock (the watchdog may detach it meanwhile)."""
+        started = time.monotonic()
+        results = (executor or self.executor).step(batch.items)
+        self.metrics.record_step(time.monotonic() - started, len(batch))
+        return results
+
+    def finish(self, batch: StepBatch, results: list[TokenScores | None]) -> list[Output]:
+        """Apply a step's results: sample, detokenize, check stops; the events produced since the last
+        call (including those of requests that ended at the boundary)."""
+        self.steps += 1
+        self._apply(batch, results)
+        self.record_gauges()
+        return self.take_outputs()
+
+    def take_outputs(self) -> list[Output]:
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def end_all(self, error: ServiceError, states: Iterable[RequestState] | None = None) -> None:
+        """End requests with `error` (default: every queued and running one)."""
+        if states is None:
+            states = [*self.scheduler.running, *self.scheduler.waiting]
+        for state in list(states):
+            self._end(state, error=error)
+
+    def record_gauges(self) -> None:
+        scheduler = self.scheduler
+        self.metrics.record_scheduler_state(
+            len(scheduler.waiting), len(scheduler.running), scheduler.slots.usage()
+        )
+
+    # ----- inside a step boundary ------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for state in [*self.scheduler.running, *self.scheduler.waiting]:
+            if state.cancelled:
+                self._end(state, error=None)
+                self.metrics.record_failure("cancelled")
+                self.metrics.wafer_cancel_latency_steps.observe(self.steps - state.cancelled_at_step)
+            elif state.deadline is not None and now > state.deadline:
+                limit = state.request.timeout_s
+                self._end(state, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
+
+    def _apply(self, batch: StepBatch, results: list[TokenScores | None]) -> None:
+        if len(results) != len(batch.items):
+            raise ExecutorError(f"the executor returned {len(results)} results for {len(batch.items)} items")
+        for item, scores, state in zip(batch.items, results, batch.owners, strict=True):
+            if state.status is not RequestStatus.RUNNING:
+                continue  # it finished on an earlier item of this step
+            try:
+                self._apply_item(item, scores, state)
+            except Exception:
+                # Choosing or detokenizing this request's token failed: a fault of this request (its
+                # parameters, its text), not of the wafer. It ends alone; the others and the model go on.
+                log.exception(
+                    "request %s failed while its token was chosen or detokenized",
+                    state.id,
+                    extra={"request_id": state.id},
+                )
+                if state.status is not RequestStatus.FINISHED:
+                    self._end(state, error=RequestFailed(REQUEST_FAILED_MESSAGE))
+
+    def _apply_item(self, item: StepItem, scores: TokenScores | None, state: RequestState) -> None:
+        """One item's result: prompt logprobs while prefilling, then the next token."""
+        state.computed = item.position + 1
+        prompt = state.prompt
+        if item.position < len(prompt):
+            request = state.request
+            if request.prompt_logprobs:
+                if item.position == 0:
+                    state.prefill.append(PromptToken(prompt[0], None))
+                if item.target is not None:
+                    logprob = scores.logprob(scores.target_logit)
+                    n = request.top_n_tokens if request.prompt_top_n is None else request.prompt_top_n
+                    ranks = np.flatnonzero(scores.topk_ids == item.target)
+                    rank = int(ranks[0]) + 1 if len(ranks) else None
+                    top = alternatives(scores, n, self._tokenizer.vocab_size)
+                    state.prefill.append(PromptToken(item.target, logprob, top, rank))
+            if item.position < len(prompt) - 1:
+                return
+            if request.max_new_tokens == 0:
+                # Scoring (OpenAI echo with max_tokens 0): done with the prefill, no decode step.
+                self._end(state, finish=FinishReason.LENGTH)
+                return
+        else:
+            state.pending_token = None
+        self._sample(state, scores)
+
+    def _sample(self, state: RequestState, scores: TokenScores) -> None:
+        request = state.request
+        generated = len(state.tokens)
+        early = generated < request.min_tokens  # min_tokens: no end yet
+        ends = request.stop_token_ids | (
+            frozenset() if request.ignore_eos else {self._tokenizer.eos_token_id}
+        )
+        banned = ends if early else ()
+        output = [t.id for t in state.tokens]
+        token, logprob = state.sampler.choose(scores, state.history(), output, banned)
+        now = time.monotonic()
+        first = not state.tokens
+        self.metrics.record_token(now - (state.last_token_at or state.arrived_at), first)
+        state.last_token_at = now
+
+        eos = token == self._tokenizer.eos_token_id and not request.ignore_eos
+        stop_token = token in request.stop_token_ids
+        special = token in self._tokenizer.special_names
+        shown = not special or not request.skip_special_tokens
+        if eos or stop_token:
+            shown = shown and request.include_stop_str_in_output  # an ending token's text is cut (vLLM)
+        if shown:
+            piece = state.detokenizer.add(token, check_stops=not early)
+            text, released, stop = piece.text, piece.released, piece.stop_sequence
+        else:
+            text, released, stop = "", "", None  # special and ending tokens add nothing to the text
+        top = alternatives(scores, request.top_n_tokens, self._tokenizer.vocab_size)
+        state.tokens.append(GeneratedToken(token, text, released, logprob, special, top))
+
+        if eos or stop_token:
+            self._end(state, finish=FinishReason.EOS)
+        elif stop is not None:
+            self._end(state, finish=FinishReason.STOP)
+        elif (
+            len(state.tokens) >= request.max_new_tokens
+            or state.computed >= self.scheduler.slots.context_length
+        ):
+            self._end(state, finish=FinishReason.LENGTH)
+        else:
+            state.pending_token = token
+            index = len(state.tokens)
+            prefill = tuple(state.prefill) if index == 1 else ()
+            self._emit(state, TokenEvent(index, state.tokens[-1], prefill))
+
+    def _end(
+        self, state: RequestState, finish: FinishReason | None = None, error: ServiceError | None = None
+    ) -> None:
+        """The one way out of the engine: release the slot (scheduler and wafer), report, notify."""
+        slot = self.scheduler.remove(state)
+        if slot is not None and self.executor is not None:
+            try:
+                self.executor.free_slot(slot)
+            except Exception:
+                log.exception("freeing slot %d failed", slot, extra={"request_id": state.id})
+        now = time.monotonic()
+        if finish is not None:
+            tail = state.detokenizer.flush() if finish is not FinishReason.STOP else ""
+            admitted = state.admitted_at or now
+            self.metrics.record_success(
+                "stop" if finish is not FinishReason.LENGTH else "length",
+                queue_s=admitted - state.arrived_at,
+                inference_s=now - admitted,
+                generated_tokens=len(state.tokens),
+            )
+            self._emit(
+                state,
+                FinishEvent(
+                    finish_reason=finish,
+                    text=state.detokenizer.text,
+                    tail=tail,
+                    tokens=tuple(state.tokens),
+                    prefill=tuple(state.prefill),
+                    seed=state.sampler.seed,
+                    input_length=len(state.prompt),
+                    stop_sequence=state.detokenizer.stop_sequence,
+                ),
+            )
+        elif error is not None:
+            self.metrics.record_failure(error.metric_reason)
+            error.counted = True  # the API's error handler must not count it again
+            self._emit(state, ErrorEvent(error))
+
+    def _emit(self, state: RequestState, event: Event) -> None:
+        """To the request's event loop when it has one (the server), else to `step()`'s result."""
+        if state.loop is None:
+            self._outputs.append((state, event))
+        else:
+            state.emit(event)
+
+
+def bare_greedy(executor: Executor, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The bare-executor baseline the benchmarks time the core against (`bench`, `bench service`'s
+    direct mode): equal-length prompts in slots 0.., all in one step, then one step per new token,
+    each slot taking the wafer's top-1 id. No scheduler, sampler, detokenizer or stop check: it is what
+    a step costs with nothing of the engine around it, so it must not run through the core."""
+    n = len(prompts[0])
+    items = [
+        StepItem(slot, pos, tok, want_scores=pos == n - 1)
+        for slot, prompt in enumerate(prompts)
+        for pos, tok in enumerate(prompt)
+    ]
+    scores = [s for s in executor.step(items) if s is not None]
+    generated: list[list[int]] = [[] for _ in prompts]
+    for step in range(new_tokens):
+        for slot, s in enumerate(scores):
+            generated[slot].append(int(s.topk_ids[0]))
+        if step + 1 < new_tokens:
+            scores = executor.step([StepItem(slot, n + step, ids[-1]) for slot, ids in enumerate(generated)])
+    return generated
