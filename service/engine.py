@@ -28,6 +28,7 @@ import enum
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 from service.engine_core import EngineCore, TokenizerHooks
@@ -51,6 +52,11 @@ class EngineState(enum.Enum):
     DRAINING = "draining"  # shutting down: running requests finish, new ones are refused
     STOPPED = "stopped"
     FAILED = "failed"  # the model could not be (re)loaded: the server cannot serve
+
+
+def log_reference() -> str:
+    """A short id that ties a client's error message to the log line with the details."""
+    return uuid.uuid4().hex[:12]
 
 
 def close_quietly(executor: Executor) -> None:
@@ -323,10 +329,13 @@ class Engine:
         fatal = None
         with self._cond:
             if death is not None and not isinstance(death, KeyboardInterrupt):
-                self.error = f"the wafer worker died ({type(death).__name__}: {death})"
+                reference = log_reference()
+                log.error("the wafer worker died (reference %s)", reference, exc_info=death)
+                # Clients see the reference, the log the exception (issue 17: no internal text in bodies).
+                self.error = f"the wafer worker died (reference {reference}; the server log has the details)"
                 self._set_state(EngineState.FAILED)
                 self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}", final=True))
-                fatal = self.error
+                fatal = f"the wafer worker died ({type(death).__name__}: {death}; reference {reference})"
             else:
                 if self._state is not EngineState.FAILED:
                     self._set_state(EngineState.STOPPED)
@@ -395,9 +404,12 @@ class Engine:
         with self._cond:
             if self._state is EngineState.READY:
                 self._set_state(EngineState.RELOADING)  # before the failures reach anyone: /health is 503
-            self.fault = f"the wafer worker failed ({type(exc).__name__}: {exc})"
+            reference = log_reference()
+            log.error("the wafer worker failed (reference %s): %s: %s", reference, type(exc).__name__, exc)
+            details = f"reference {reference}; the server log has the details"
+            self.fault = f"the wafer worker failed ({details})"
             message = (
-                f"the wafer worker failed while running this request ({type(exc).__name__}: {exc}); "
+                f"the wafer worker failed while running this request ({details}); "
                 "the model is being reloaded, retry the request"
             )
             self._core.end_all(GenerationFailed(message), self._core.scheduler.running)

@@ -111,10 +111,14 @@ def restarts(server) -> int:
         return int(float(re.search(r"^wafer_engine_restarts_total (\S+)$", c.get("/metrics").text, re.M)[1]))
 
 
-def run_fault_drill(server, inject, names_the_fault: str) -> None:
+REFERENCE = re.compile(r"\(reference ([0-9a-f]{12}); the server log has the details\)")
+
+
+def run_fault_drill(server, inject, names_the_fault: str, caplog) -> None:
     """Two requests running (a TGI stream, a non-streaming OpenAI request), two queued (a non-streaming
     TGI request, an OpenAI stream); `inject()` fails the worker; check what each gets and what follows.
-    The errors of the requests in flight must match the regular expression `names_the_fault`."""
+    The errors of the requests in flight carry a log reference, not the fault's text (issue 17); the
+    log line with that reference matches the regular expression `names_the_fault`."""
     url = server.url
     restarts_before = restarts(server)
     streaming = threading.Event()
@@ -151,10 +155,13 @@ def run_fault_drill(server, inject, names_the_fault: str) -> None:
     tgi_stream, openai_call = (result for _, result in running)
     assert tgi_stream["status"] == 200 and len(tgi_stream["events"]) < LONG
     last = tgi_stream["events"][-1]
-    assert last["error_type"] == "generation" and re.search(names_the_fault, last["error"]), last
+    assert last["error_type"] == "generation" and not re.search(names_the_fault, last["error"]), last
+    reference = REFERENCE.search(last["error"])[1]
     assert openai_call["status"] == 424, openai_call
     error = openai_call["body"]["error"]
-    assert error["type"] == "generation_error" and re.search(names_the_fault, error["message"]), error
+    assert error["type"] == "generation_error" and REFERENCE.search(error["message"])[1] == reference, error
+    (logged,) = [r.getMessage() for r in caplog.records if f"(reference {reference})" in r.getMessage()]
+    assert re.search(names_the_fault, logged), logged
 
     # /health said 503 while the worker reloaded, then 200 again.
     assert (503, "reloading") in health.seen and health.seen[-1] == (200, None), health.seen
@@ -174,13 +181,13 @@ def run_fault_drill(server, inject, names_the_fault: str) -> None:
     assert server.engine.state is EngineState.READY
 
 
-def test_a_failed_step_fails_the_requests_in_flight_and_the_worker_reloads(server):
+def test_a_failed_step_fails_the_requests_in_flight_and_the_worker_reloads(server, caplog):
     run_fault_drill(
-        server, lambda: server.engine.inject_fault("injected: fabric link down"), "fabric link down"
+        server, lambda: server.engine.inject_fault("injected: fabric link down"), "fabric link down", caplog
     )
 
 
-def test_a_fault_inside_the_simulated_wafer_fails_the_step(server):
+def test_a_fault_inside_the_simulated_wafer_fails_the_step(server, caplog):
     def corrupt_the_input_stream() -> None:
         # A message whose slot lies outside the program: the PE program's guard raises (KernelFault) in
         # the runtime's command thread, mid-way between the engine's own messages.
@@ -192,20 +199,21 @@ def test_a_fault_inside_the_simulated_wafer_fails_the_step(server):
             H2D_COLOR, words, port_in.x, port_in.y, 1, 1, words.size, streaming=True, nonblock=True
         )
 
-    run_fault_drill(server, corrupt_the_input_stream, "is outside the program's")
+    run_fault_drill(server, corrupt_the_input_stream, "is outside the program's", caplog)
 
 
-def test_the_simulated_wafer_going_away_fails_the_step(server):
+def test_the_simulated_wafer_going_away_fails_the_step(server, caplog):
     # The step in flight meets the stopped runtime's own refusal (never the thread pool's error).
     stopped = r"the runtime was stopped; no command is accepted after stop\(\)"
-    run_fault_drill(server, lambda: server.engine.executor.runtime.stop(), stopped)
+    run_fault_drill(server, lambda: server.engine.executor.runtime.stop(), stopped, caplog)
 
 
-def test_a_step_raising_system_exit_is_a_fault_the_worker_recovers_from(server):
+def test_a_step_raising_system_exit_is_a_fault_the_worker_recovers_from(server, caplog):
     run_fault_drill(
         server,
         lambda: server.engine.inject_fault("injected: backend called exit", error=SystemExit),
         r"SystemExit: injected: backend called exit",
+        caplog,
     )
     assert server.fatal == []
 
@@ -213,7 +221,7 @@ def test_a_step_raising_system_exit_is_a_fault_the_worker_recovers_from(server):
 @pytest.mark.parametrize(
     ("error", "reloads", "state", "names_it"),
     [
-        (SystemExit, 1, "failed", "the wafer worker died (SystemExit: injected: no way back)"),
+        (SystemExit, 1, "failed", "the wafer worker died (SystemExit: injected: no way back"),
         (KeyboardInterrupt, 0, "stopped", "interrupted (KeyboardInterrupt)"),
     ],
 )
@@ -238,4 +246,8 @@ def test_a_worker_that_cannot_go_on_ends_every_request_and_the_server(
         assert refused.status_code == 503, refused.text
         assert len(running.fatal) == 1 and names_it in running.fatal[0], running.fatal
         if state == "failed":
-            assert names_it in health.json()["reason"] and names_it in refused.json()["error"]
+            # clients get the log reference the server's exit message names, never the exception's text
+            reason, error = health.json()["reason"], refused.json()["error"]
+            reference = REFERENCE.search(reason)[1]
+            assert reason.startswith("the wafer worker died (reference") and reference in running.fatal[0]
+            assert REFERENCE.search(error)[1] == reference and "injected" not in reason + error
