@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from weights.checkpoint import (
+from weights.config import ConfigError, GPT2Config
+from weights.params import GPT2Params
+from weights.tensors import (
     LLMC_MAGIC,
     CheckpointError,
     bf16_bits,
@@ -26,8 +28,6 @@ from weights.checkpoint import (
     progress_bar,
     to_float32,
 )
-from weights.config import ConfigError, GPT2Config
-from weights.params import GPT2Params
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4

@@ -17,14 +17,13 @@ refused, as it would collide with the library on the hardware.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from wafer.csl import ast, timing
-from wafer.csl.compiler import CExpr, Ctx, known
 from wafer.csl.errors import CslRuntimeError
-from wafer.csl.libs import NativeFn, NativeModule
+from wafer.csl.native import NativeFn, NativeModule
 from wafer.csl.types import (
     COMPTIME_STRUCT,
     F32,
@@ -39,6 +38,10 @@ from wafer.csl.types import (
     Struct,
     TaskId,
 )
+from wafer.csl.values import CExpr, known
+
+if TYPE_CHECKING:
+    from wafer.csl.compiler import Ctx
 
 
 class C2dParams(NativeModule):

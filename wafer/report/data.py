@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from wafer import plan as planner
 from wafer.plan import Plan, build_plan, price_candidates
+from wafer.report.measured import Measured
 from wafer.report.peers import GPUS, PUBLISHED, BandwidthFloor, PublishedFigure, bandwidth_floor
 from weights.config import PRESETS, GPT2Config, resolve_config
 
@@ -244,7 +245,7 @@ class ReportData:
     replica_curves: list[ReplicaCurve]
     floors: list[BandwidthFloor]
     published: tuple[PublishedFigure, ...] = PUBLISHED
-    measured: object | None = None  # wafer.report.measured.Measured when --measure ran
+    measured: Measured | None = None  # when --measure ran
     size_notes: list[str] = field(default_factory=list)  # sizes no plan could meet, and why
     replica_notes: list[str] = field(default_factory=list)  # replica counts no plan could meet, and why
 
