@@ -134,6 +134,7 @@ def load_llmc(path: Path, progress: bool = True) -> GPT2Params:
                 tensors["wte.weight"] = np.ascontiguousarray(array[: dims["V"]])  # padding rows dropped
                 check_finite(tensors["wte.weight"], path, name)
             elif name in GLOBAL_TENSORS:
+                assert canonical is not None  # only wte has no canonical name
                 tensors[canonical] = array
                 check_finite(array, path, name)
             else:
@@ -164,6 +165,7 @@ def save_llmc(params: GPT2Params, path: str | Path, version: int = 3) -> Path:
             if name == "wte":
                 array = wte
             elif name in GLOBAL_TENSORS:
+                assert suffix is not None  # only wte has no canonical name
                 array = canonical[suffix]
             else:
                 per_layer = [canonical[f"h.{i}.{suffix}"] for i in range(n_layer)]

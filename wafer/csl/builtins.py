@@ -1,7 +1,7 @@
 """CSL's `@builtins`: what each one means at comptime and the code it becomes at run time.
 
-Sources for every rule: the SDK's "Builtins", "DSDs", "Task IDs" pages and the csl-examples programs,
-as collected in shared/csl-semantics.md. Resource rules that the compiler enforces (queue ids, task
+Sources for every rule: the Cerebras SDK documentation's "Builtins", "DSDs", "Task IDs" pages and the
+`Cerebras/csl-examples` programs. Resource rules that the compiler enforces (queue ids, task
 id ranges, memcpy's reservations) live in `wafer.csl.arch`; this module calls them where the program
 names a resource.
 """

@@ -1,7 +1,7 @@
 """The SDK libraries a CSL program imports with `@import_module("<...>")`, implemented natively.
 
 Their sources are not public; what each function does is taken from the SDK's "Libraries" page and
-from how csl-examples use them (shared/csl-semantics.md section 7):
+from how `Cerebras/csl-examples` use them:
 - `<memcpy/get_params>` (layout) and `<memcpy/memcpy>` (PE): the streaming colors, `unblock_cmd_stream`.
 - `<layout>`: the PE's coordinates in the kernel rectangle.
 - `<time>`: the 48-bit timestamp counter (TSC), as three u16 words, counting the executor's cycles.
