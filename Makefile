@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine: `make serve` and `make test`.
+# Two entry points for a fresh machine: `make serve` and `make test` (`make test-fast` is the inner loop).
 # Each creates (or reuses) .venv and installs what it needs; the stamps make reruns cheap.
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +17,7 @@ PORT ?= 8000
 LOADTEST_DURATION ?= 60s
 LOADTEST_USERS ?= 16
 
-.PHONY: serve test lint format generate clean appliance-venv loadtest haproxy
+.PHONY: serve test test-fast typecheck lint format generate clean appliance-venv loadtest haproxy
 
 $(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,10 +34,22 @@ serve: $(RUN_STAMP)
 generate: $(RUN_STAMP)
 	$(VENV)/bin/wafer-gpt2 generate "The meaning of life is"
 
+# Everything CI runs: lint, the type checker (mypy on wafer/ and weights/, pyproject's [tool.mypy]), then
+# every test, the slow ones included.
 test: $(TEST_STAMP) $(APPLIANCE_STAMP) haproxy
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest
+
+# The inner loop: stops at the first failure and leaves out the tests marked slow (pyproject's markers).
+test-fast: $(TEST_STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+	$(PY) -m pytest -x -m "not slow and not executor_full"
+
+typecheck: $(TEST_STAMP)
+	$(PY) -m mypy
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check .

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 # On the project's shared 2-core machines OpenBLAS's thread hand-off costs milliseconds per call when
-# the other core is busy (measured: a 768x3072 GEMV 7.4 ms with 2 threads, 0.43 ms with 1). Set before
+# the other core is busy (docs/simulator.md, "Speed", has the measurement). Set before
 # NumPy is first imported; an explicit setting in the environment wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from weights import checkpoint
+from weights import tensors
 from weights.checkpoint import CheckpointError, bf16_round, load_checkpoint
 from weights.config import GPT2Config
 from weights.hf_format import save_hf, write_safetensors
@@ -106,7 +106,7 @@ def test_progress_bar_on_stderr_for_big_loads(tiny_params, write_checkpoint, mon
     directory = write_checkpoint(tiny_params)
     load_checkpoint(directory, progress=True)
     assert "loading" not in capsys.readouterr().err  # small: no bar
-    monkeypatch.setattr(checkpoint, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(tensors, "PROGRESS_MIN_BYTES", 0)
     load_checkpoint(directory, progress=True)
     assert f"loading {directory.name}" in capsys.readouterr().err
     load_checkpoint(directory, progress=False)

@@ -52,6 +52,7 @@ def test_each_defect_is_refused_with_its_rule(variant, arch, message):
         compile_variant(variant, arch)
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 def test_the_gpt2_layout_computes_roles_from_coordinates():
     """The old layout had about 190k distinct tile codes and 1.9M @set_color_config calls for GPT-2
     124M on WSE-2 (each its own statement). The PE programs now compute their indices from their coordinates (lib/frame.csl),

@@ -2,8 +2,7 @@
 
 tests/data/csl_executor/builtins/pe.csl runs every builtin once on one PE (one compile and one run
 per architecture, shared by the tests below); each writes its own slot of an exported result array.
-The semantics come from the SDK's "Builtins" and "DSDs" pages as shared/csl-semantics.md (sections 2
-and 3) collects them: f32 operations are IEEE binary32 rounded to nearest even after every operation
+The semantics come from the Cerebras SDK documentation's "Builtins" and "DSDs" pages: f32 operations are IEEE binary32 rounded to nearest even after every operation
 (no fused multiply-add), the `h` forms the same in binary16, `@fmachs` multiplies f16 values exactly
 and accumulates in f32, `@mov16`/`@mov32` copy raw words. Inputs include the cases where rounding
 shows: ties to even, a product that a fused FMA would keep, fp16 overflow to infinity.

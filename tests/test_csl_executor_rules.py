@@ -3,8 +3,8 @@
 tests/data/csl_executor/rules/ is a three-PE program ((0, 0) sends four f32 on color 4 to (1, 0),
 (2, 0) is idle) whose `variant` param breaks one rule at a time; the broken line carries a
 `// RULE name` comment, and every refusal must start with that file's path and line and name the
-rule. The rules are the SDK's as shared/csl-semantics.md section 6 and docs/csl-executor.md list
-them: queue counts per architecture and the queues memcpy keeps (input queue 0 on WSE-2; input and
+rule. The rules are the SDK's (its "Task IDs", "DSDs" and "Tensor streaming" pages), as
+docs/csl-executor.md lists them: queue counts per architecture and the queues memcpy keeps (input queue 0 on WSE-2; input and
 output queues 0-1 on WSE-3), routable colors 0-23 and memcpy's 21-23, WSE-2's one ID space of
 colors and task IDs, WSE-3's local task IDs 8-30, memcpy's task IDs, one color per input queue,
 one route per color and PE, 48 KB per PE, the fabric memcpy needs, `@comptime_assert`, and

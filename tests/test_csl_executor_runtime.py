@@ -2,8 +2,8 @@
 deadlock report, the trace of one PE and the `<time>` counter, on three programs of our own
 (tests/data/csl_executor/{tasks,fabric,memcpy}), on WSE-2 and WSE-3.
 
-What they check comes from the SDK documentation as shared/csl-semantics.md collects it (sections 1,
-2, 4, 5 and 7): a task runs when its ID is activated and unblocked, activation is a flag, tasks run
+What they check comes from the Cerebras SDK documentation (its task, builtin, fabric, host runtime
+and library pages) and the csl-examples programs: a task runs when its ID is activated and unblocked, activation is a flag, tasks run
 to completion (the executor's picker takes the highest ID first, `WAFER_CSL_PICKER` changes it); a
 data task runs once per wavelet with the payload split into 16-bit halves for two arguments; a
 control wavelet runs the control task its entrypoint names; an async operation's `.activate` and

@@ -90,6 +90,7 @@ def greedy(executor, prompt: list[int], new_tokens: int, slot: int = 0) -> list[
     return out
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 @pytest.mark.parametrize("arch", ["wse2", "wse3"])
 def test_fp32_scores_equal_the_simulator(tiny_params, arch):
     csl, sim = executors(tiny_params, arch, "fp32")
@@ -128,6 +129,7 @@ def test_fp32_greedy_equals_the_reference_and_hugging_face(tiny_params, arch, wr
     assert hf[0, len(prompt) :].tolist() == ours
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 @pytest.mark.parametrize("arch", ["wse2", "wse3"])
 def test_fp16_stays_within_the_simulators_bound(tiny_params, arch):
     csl, sim = executors(tiny_params, arch, "fp16")
@@ -143,6 +145,7 @@ def test_fp16_stays_within_the_simulators_bound(tiny_params, arch):
         sim.close()
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 def test_a_message_with_more_records_than_the_wafer_buffers_needs_the_host_bound(tiny_params):
     """The defect the host had: every H2D of a step before any D2H. memcpy runs one command at a
     time, so when a message's records fill what the pipeline and io.out hold, the H2D never ends and
@@ -183,6 +186,7 @@ def test_full_vocabulary_fp32_scores_equal_the_simulator(arch):
         sim.close()
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 def test_two_level_reductions_equal_the_simulator():
     """A plan whose GEMVs, LayerNorms, attention merges and head merge all reduce in two levels (the
     latency objective picks them for this config), with 8-PE strips, a folded attention snake and

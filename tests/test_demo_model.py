@@ -153,6 +153,7 @@ def test_split_holds_out_a_seeded_disjoint_fraction() -> None:
     assert (stream == EOT_ID).sum().item() == 4 and stream[-1].item() == EOT_ID
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 def test_training_run_writes_a_loadable_checkpoint_and_card(tmp_path: Path) -> None:
     data = write_fortune_dir(tmp_path / "fortunes")
     out = tmp_path / "model"

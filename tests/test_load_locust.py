@@ -15,11 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 DURATION = "20s"
 USERS = 16
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 def test_locust_run_against_the_simulator_has_no_failed_request(small_params, write_checkpoint, tmp_path):
     checkpoint = write_checkpoint(small_params, "safetensors")
     out = tmp_path / "loadtest"

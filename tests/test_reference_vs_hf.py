@@ -70,6 +70,7 @@ def test_small_safetensors_matches_hf(small_params, write_checkpoint):
     assert_close(reference_logits(ours, tokens), hf_logits(load_hf_model(directory), tokens))
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 def test_gpt2_124m_safetensors_matches_hf(gpt2_params, write_checkpoint):
     directory = write_checkpoint(gpt2_params, "safetensors")
     ours = load_checkpoint(directory, progress=False)

@@ -130,16 +130,29 @@ def test_published_figures_name_their_source_and_follow_from_it():
     assert derived >= 2
 
 
-def test_sim_summary_line_is_read():
-    from wafer.report.measured import parse_sim_summary
+def test_sim_bench_returns_data_its_summary_line_is_printed_from():
+    from service.commands.bench import SimBatchRate, SimBenchResult
 
-    line = (
-        "bench sim summary: transformers batch 1 1.4 tok/s; simulator batch 1 2.5 tok/s = 1.70x (goal >= 0.7x: "
-        "met); batch 16 7.5 tok/s = 5.17x (goal >= 5.0x: met)"
+    result = SimBenchResult(
+        "simulator", "fp16", 1.4, 1.0, (SimBatchRate(1, 2.38, 2.0), SimBatchRate(16, 7.5, 6.0)), True
     )
-    assert parse_sim_summary("transformers   batch  1: ...\n" + line) == (1.4, {1: 2.5, 16: 7.5})
-    with pytest.raises(RuntimeError, match="no summary line"):
-        parse_sim_summary("bench sim: crashed")
+    assert result.summary_line() == (
+        "bench sim summary: transformers batch 1 1.4 tok/s; simulator batch 1 2.4 tok/s = 1.70x (goal >= 0.7x: "
+        "met; 2.00x per CPU-second); batch 16 7.5 tok/s = 5.36x (goal >= 5.0x: met; 6.00x per CPU-second)"
+    )
+
+
+def test_report_rows_come_from_the_benchmarks_data(monkeypatch):
+    from service.commands import bench, report
+    from service.commands.bench import SimBatchRate, SimBenchResult
+
+    result = SimBenchResult("simulator", "fp16", 2.0, 1.0, (SimBatchRate(1, 3.0, 2.0),), True)
+    monkeypatch.setattr(bench, "measure_sim", lambda *args, **kwargs: result)
+    rows, text = report.measure_sim_rows(lambda message: None)
+    assert [(r.label, r.tokens_per_s, r.peer_tokens_per_s, r.ratio) for r in rows] == [
+        ("simulator, batch 1", 3.0, 2.0, 1.5)
+    ]
+    assert text.splitlines()[-1] == result.summary_line()
 
 
 def test_machine_description_names_what_timings_depend_on():

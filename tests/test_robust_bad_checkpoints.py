@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 from safetensors.numpy import load_file, save_file
 from service_harness import free_port
 
@@ -160,6 +161,7 @@ def listening(port: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 def test_serve_refuses_bad_checkpoints_and_never_listens(small_params, write_checkpoint):
     cases = bad_checkpoints(small_params, write_checkpoint)
     running = {

@@ -142,6 +142,7 @@ def footprint(server) -> dict[str, int]:
     }
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 def test_a_disconnect_storm_frees_every_slot_and_leaks_nothing(server):
     tracemalloc.start()
     try:

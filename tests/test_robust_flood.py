@@ -85,6 +85,7 @@ async def flood(url: str) -> tuple[list[dict], list[tuple[int, float]]]:
         return await clients, await health
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 def test_a_flood_gets_429_at_once_and_every_accepted_request_completes(server):
     results, health = asyncio.run(flood(server.url))
 

@@ -105,6 +105,7 @@ def long_request(url: str) -> httpx.Response | httpx.HTTPError:
         return exc
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 @pytest.mark.skipif(HAPROXY is None, reason=NO_HAPROXY)
 def test_two_replicas_behind_haproxy_survive_losing_one(tmp_path):
     ports = [free_port(), free_port()]

@@ -143,6 +143,7 @@ def test_health_names_the_fault_while_the_backend_restarts(small_params):
         executors[0].release()
 
 
+@pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 @pytest.mark.parametrize("shutdown_timeout", [1.0])
 def test_shutdown_with_a_hung_step_does_not_overrun(small_params, shutdown_timeout):
     executors: list[HangingExecutor] = []

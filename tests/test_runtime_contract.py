@@ -195,3 +195,57 @@ def test_reading_more_than_the_program_sent_is_refused(plan):
     with pytest.raises(WaferRuntimeError, match="earlier command failed"):
         rt.launch("reset_cycles")
     rt.stop()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The Protocol: the simulator, the CSL executor and both SDK adapters satisfy `wafer.runtime.Runtime`.
+
+
+def _runtime_classes():
+    from wafer.csl_backend import CslExecutorRuntime
+    from wafer.sdk_appliance import ApplianceRuntime
+    from wafer.sdk_container import SdkContainerRuntime
+
+    return [SimRuntime, CslExecutorRuntime, SdkContainerRuntime, ApplianceRuntime]
+
+
+def _protocol_members() -> list[str]:
+    from wafer.runtime import Runtime
+
+    return sorted(name for name in vars(Runtime) if not name.startswith("_"))
+
+
+@pytest.mark.parametrize("cls", _runtime_classes(), ids=lambda cls: cls.__name__)
+def test_every_runtime_satisfies_the_protocol(cls):
+    """isinstance (runtime_checkable) on an instance made without the class's own __init__ (the SDK
+    adapters need the SDK to construct), and each method's parameters named and kinded as the
+    Protocol's (mypy checks the types: see `make typecheck`)."""
+    import inspect
+
+    from wafer.runtime import CheckedRuntime, Runtime
+
+    instance = cls.__new__(cls)
+    if isinstance(instance, CheckedRuntime):
+        CheckedRuntime.__init__(instance)  # the state `running` reads
+    assert isinstance(instance, Runtime)
+    if isinstance(instance, CheckedRuntime):
+        instance.stop()
+    for name in _protocol_members():
+        assert hasattr(cls, name), name
+        if name == "running":
+            continue
+        want = inspect.signature(getattr(Runtime, name)).parameters
+        have = inspect.signature(getattr(cls, name)).parameters
+        assert [(p.name, p.kind) for p in have.values()] == [(p.name, p.kind) for p in want.values()], name
+
+
+def test_the_simulator_runtime_is_a_runtime(runtime):
+    from wafer.runtime import Runtime
+
+    assert isinstance(runtime, Runtime) and runtime.running
+
+
+def test_something_else_is_not_a_runtime():
+    from wafer.runtime import Runtime
+
+    assert not isinstance(object(), Runtime)

@@ -1,7 +1,7 @@
 """The two wafers the planner targets, as numbers with their public sources.
 
-Sources: /work/shared/csl-notes.md (Cerebras SDK documentation, `Cerebras/csl-examples`) and
-/work/shared/design.md sections 5 and 7.
+Sources: the Cerebras SDK documentation and the `Cerebras/csl-examples` repository (fabric sizes,
+memcpy's fabric offsets), and Cerebras' published CS-2 / CS-3 specifications.
 - Fabric and kernel size: CS-2 fabric 757 x 996 with the kernel at most 750 x 994; memcpy takes three
   columns west and two east of the kernel plus a one-PE halo (`--fabric-offsets=4,1`), so the kernel
   is (fabric_w - 7) x (fabric_h - 2). CS-3: 762 x 1172 as projects use it, hence 755 x 1170.

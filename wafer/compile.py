@@ -18,12 +18,16 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kernels.program import LAYOUT_HEADER, build_program, layout_csl, layout_params
 from kernels.program.build import Program
 from wafer.arch import Arch, resolve_arch
 from wafer.contract import EXPORTED_ARRAYS, HOST_FUNCTIONS
 from wafer.errors import InvalidInput, WaferGPT2Error
+
+if TYPE_CHECKING:
+    from wafer.plan.model import Plan
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 SOURCE_DIRS = ("pe", "comm", "lib")  # what a compile needs besides the generated layout.csl
@@ -79,7 +83,7 @@ def fabric_dims(program: Program, arch: Arch, simfabric: bool) -> tuple[int, int
     return (arch.fabric_w, arch.fabric_h)
 
 
-def plan_request(plan) -> dict:
+def plan_request(plan: Plan) -> dict:
     """What `plan_from_request` needs to build the same plan again (build_plan is deterministic)."""
     c = plan.config
     return {
@@ -99,7 +103,7 @@ def write_sources(src_dir: Path, layout: str) -> None:
     (src_dir / "layout.csl").write_text(layout)
 
 
-def prepare_sources(plan, out_dir: str | Path, simfabric: bool = False, channels: int = 1, write: bool = True,
+def prepare_sources(plan: Plan, out_dir: str | Path, simfabric: bool = False, channels: int = 1, write: bool = True,
                     program: Program | None = None) -> CompileJob:  # fmt: skip
     """Lay out OUT/src (the PE programs + the plan's layout.csl) and describe the compile of `plan`
     (its architecture, dtype and top-k). `program` saves rebuilding it when the caller has it."""

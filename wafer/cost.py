@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from wafer.arch import Arch, resolve_arch
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, ceil_div
+from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, Reduction, ceil_div
 
 # --- Named constants --------------------------------------------------------------------------------
 # Clock: 1.1 GHz is the figure of the architecture talks (Hot Chips 34) and WaferLLM's conversion; the
@@ -117,10 +117,11 @@ def allreduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
     return reduce_cycles(kind, n, words, group) + (n - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
 
 
-def reduction_options(n: int) -> list[tuple[str, int]]:
+def reduction_options(n: int) -> list[tuple[Reduction, int]]:
     """(kind, group) of every reduction the program implements over n PEs: the chain, and the
     two-level reduction with each run length that leaves at least two runs."""
-    return [("chain", 0)] + [("two_level", g) for g in range(2, n) if n > 2]
+    chain: list[tuple[Reduction, int]] = [("chain", 0)]
+    return chain + [("two_level", g) for g in range(2, n) if n > 2]
 
 
 def best_reduction(n: int, words: int) -> tuple[str, int]:

@@ -12,8 +12,12 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from wafer.sdk_container import SdkContainerRuntime
+
+if TYPE_CHECKING:
+    from wafer.plan.model import Plan
 
 BUILD_DIR = Path("build/csl-executor")
 
@@ -25,7 +29,7 @@ def runtime_module():
     return sdkruntimepybind
 
 
-def compile_plan(plan, out_dir: str | Path | None = None) -> Path:
+def compile_plan(plan: Plan, out_dir: str | Path | None = None) -> Path:
     """Generate and compile `plan`'s CSL on the executor; returns the output folder for SdkRuntime.
     The default folder is keyed by the plan request and the program's sources, so a rebuild happens
     only when either changed; a folder given by the caller is always rebuilt."""

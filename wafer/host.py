@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -27,6 +27,9 @@ from wafer.executor import Executor, ExecutorError, StepItem, TokenScores, valid
 from wafer.runtime import MemcpyDataType, MemcpyOrder, Runtime, Task, from_wire, hwl_to_flat, to_wire
 from wafer.wire import D2H_COLOR, H2D_COLOR, decode_scores, encode_items, record_words
 from weights.params import GPT2Params
+
+if TYPE_CHECKING:
+    from wafer.plan.model import Plan
 
 # What `describe` shows of the plan (its regions and routes are for `wafer-gpt2 plan`, not for /info).
 PLAN_SUMMARY_KEYS = (
@@ -47,7 +50,7 @@ class WaferGPT2:
     """GPT-2 on a wafer: implements `wafer.executor.Executor`."""
 
     def __init__(
-        self, plan: Any, runtime: Runtime, params: GPT2Params | None = None, progress: bool = False
+        self, plan: Plan, runtime: Runtime, params: GPT2Params | None = None, progress: bool = False
     ) -> None:
         """Start the program (load + run, unless the runtime already runs) and, given `params`, upload them."""
         self.plan = plan
@@ -299,7 +302,7 @@ class ExecutorOptions:
     objective: str | None = None  # the plan's objective; None: latency, compact for the csl backend
 
 
-def plan_for(params: GPT2Params, options: ExecutorOptions):
+def plan_for(params: GPT2Params, options: ExecutorOptions) -> Plan:
     """The plan every wafer backend (sim and SDK) runs for these options: slots split among the replicas."""
     from wafer.plan import build_plan
 
@@ -320,7 +323,7 @@ def plan_for(params: GPT2Params, options: ExecutorOptions):
     )
 
 
-def start_model(plan, runtime, params: GPT2Params, progress: bool = False) -> Executor:
+def start_model(plan: Plan, runtime: Runtime, params: GPT2Params, progress: bool = False) -> Executor:
     """The host program on a runtime: load and run the wafer program, upload the weights; if any of
     that fails the runtime is stopped (no half-started wafer is left behind)."""
     try:

@@ -52,7 +52,7 @@ def symbol_dtype(dtype: Any) -> np.dtype:
     return resolved
 
 
-def _default_axes(tiling: Any) -> dict[str, str]:
+def default_axes(tiling: Any) -> dict[str, str]:
     if isinstance(tiling, HeadTiling):
         tiling = tiling.gemv
     if isinstance(tiling, GemvTiling):
@@ -73,7 +73,7 @@ def _place(index: np.ndarray, spec: str, region: Any) -> tuple[str, np.ndarray]:
 
 
 def _grid(region: Any, shape: tuple[int, int], names: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
-    axes = {**_default_axes(region.tiling), **(getattr(region, "axes", None) or {})}
+    axes = {**default_axes(region.tiling), **(getattr(region, "axes", None) or {})}
     first, second = np.meshgrid(np.arange(shape[0]), np.arange(shape[1]), indexing="ij")
     coords: dict[str, np.ndarray] = {}
     for index, name in ((first, names[0]), (second, names[1])):
@@ -109,14 +109,14 @@ def pe_coords(region: Any) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _strip(region: Any, pes: int) -> tuple[np.ndarray, np.ndarray]:
-    axes = {**_default_axes(region.tiling), **(getattr(region, "axes", None) or {})}
+    axes = {**default_axes(region.tiling), **(getattr(region, "axes", None) or {})}
     axis, value = _place(np.arange(pes), axes.get("i", "+x"), region)
     zeros = np.zeros(pes, dtype=np.int64)
     return (zeros, value) if axis == "x" else (value, zeros)
 
 
 def _snake(region: Any, tiling: AttentionTiling) -> tuple[np.ndarray, np.ndarray]:
-    axes = {**_default_axes(tiling), **(getattr(region, "axes", None) or {})}
+    axes = {**default_axes(tiling), **(getattr(region, "axes", None) or {})}
     row_len = ceil_div(tiling.chain, tiling.fold)
     group, chain = np.meshgrid(np.arange(tiling.head_groups), np.arange(tiling.chain), indexing="ij")
     row, step = chain // row_len, chain % row_len

@@ -1,6 +1,6 @@
 """The runtime contract: the one interface through which the host program talks to a wafer.
 
-It is shaped like the Cerebras SDK's `SdkRuntime` (see /work/shared/csl-notes.md, "Host side"), so
+It is shaped like the Cerebras SDK's `SdkRuntime` (Cerebras SDK documentation, the host runtime `cerebras.sdk.runtime.sdkruntimepybind`), so
 the host code that drives the embedded simulator (`wafer.sim`) drives the SDK unchanged:
 
     runtime.load(); runtime.run()
@@ -18,8 +18,13 @@ out (h, w, elems) for ROW_MAJOR and (elems, w, h) for COL_MAJOR; copy mode write
 exported symbol of every PE of the rectangle, streaming mode sends wavelets to the kernel on a memcpy
 color; commands execute in issue order; a non-blocking call returns a `Task` to wait on.
 
-`Runtime` implements the argument checks, the lifecycle and the in-order command queue once;
-a backend supplies the primitives (`_copy_in`, `_copy_out`, `_stream_in`, `_stream_out`, `_launch`).
+`Runtime` is the contract as a `typing.Protocol`: what the host program (`wafer.host`) calls. Four
+classes satisfy it: the simulator's `wafer.sim.SimRuntime`, the CSL executor's
+`wafer.csl_backend.CslExecutorRuntime`, and the SDK adapters `wafer.sdk_container.SdkContainerRuntime`
+and `wafer.sdk_appliance.ApplianceRuntime` (tests/test_runtime_contract.py checks each).
+`CheckedRuntime` implements the argument checks, the lifecycle and the in-order command queue once for
+the simulator; a subclass supplies the primitives (`_copy_in`, `_copy_out`, `_stream_in`,
+`_stream_out`, `_launch`). The SDK adapters leave those checks to the SDK they forward to.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -106,8 +111,64 @@ def flat_to_hwl(flat: np.ndarray, h: int, w: int, elems: int, order: MemcpyOrder
 # ----------------------------------------------------------------------------------------------------
 
 
-class Runtime(ABC):
-    """The SdkRuntime-shaped contract with its checks; subclasses provide the wafer (or simulator)."""
+@runtime_checkable
+class Runtime(Protocol):
+    """The SdkRuntime-shaped contract the host program drives (see the module's docstring)."""
+
+    @property
+    def running(self) -> bool:
+        """True between `run()` and `stop()`; the host loads and runs a runtime that is not running yet."""
+        ...
+
+    def load(self) -> None: ...
+
+    def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def get_id(self, symbol: str) -> int: ...
+
+    def memcpy_h2d(
+        self,
+        dest: int,
+        src: np.ndarray,
+        px: int,
+        py: int,
+        w: int,
+        h: int,
+        elems_per_pe: int,
+        *,
+        streaming: bool = False,
+        data_type: MemcpyDataType = MemcpyDataType.MEMCPY_32BIT,
+        order: MemcpyOrder = MemcpyOrder.ROW_MAJOR,
+        nonblock: bool = False,
+    ) -> Any: ...
+
+    def memcpy_d2h(
+        self,
+        dest: np.ndarray,
+        src: int,
+        px: int,
+        py: int,
+        w: int,
+        h: int,
+        elems_per_pe: int,
+        *,
+        streaming: bool = False,
+        data_type: MemcpyDataType = MemcpyDataType.MEMCPY_32BIT,
+        order: MemcpyOrder = MemcpyOrder.ROW_MAJOR,
+        nonblock: bool = False,
+    ) -> Any: ...
+
+    def launch(self, name: str, *args: Any, nonblock: bool = False) -> Any: ...
+
+    def task_wait(self, task: Any) -> Any: ...
+
+    def is_task_done(self, task: Any) -> bool: ...
+
+
+class CheckedRuntime(ABC):
+    """`Runtime` with its checks, lifecycle and command queue; subclasses provide the wafer (or simulator)."""
 
     #: (width, height) of the kernel rectangle, in PEs; set by the backend.
     kernel_wh: tuple[int, int]
@@ -359,7 +420,7 @@ class Runtime(ABC):
             task.wait()
         return task
 
-    def __enter__(self) -> Runtime:
+    def __enter__(self) -> CheckedRuntime:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -59,7 +59,7 @@ def import_client() -> tuple[Any, Any, Any]:
 @cache
 def _classes() -> tuple[type, type]:
     """(SdkRuntime, SdkCompiler) that connect to a `grpc_address` directly when one is given."""
-    client, _, _ = import_client()
+    client: Any = import_client()[0]  # a module of the appliance venv: its classes are known at run time
 
     class _DirectContext(client.SdkContext):
         """The appliance context for a known worker address: no cluster management round trip."""
@@ -110,6 +110,7 @@ class ApplianceRuntime:
     """Our runtime contract on the appliance client (same argument conventions as the SDK)."""
 
     backend = "sdk-appliance"  # what `WaferGPT2.describe` reports
+    running = False  # set by run() and stop()
 
     def __init__(self, artifact_path: str | Path, simulator: bool = False, **client_options: Any) -> None:
         _, self._data_types, self._orders = import_client()
@@ -244,7 +245,7 @@ def check(address: str, work_dir: str | Path) -> dict:
             for g, w in zip(got, want, strict=True):
                 if (g is None) != (w is None):
                     same = False
-                elif g is not None:
+                elif g is not None and w is not None:
                     same &= bool(
                         np.array_equal(g.topk_ids, w.topk_ids)
                         and np.array_equal(g.topk_logits, w.topk_logits)

@@ -46,6 +46,7 @@ class SdkContainerRuntime:
     # The scored items a message may carry (wafer.host): io.out (kernels/pe/io_out.csl) holds one
     # record, and memcpy runs one command at a time, so the host reads each record before it sends on.
     records_in_flight = 1
+    running = False  # set by run() and stop()
 
     def __init__(self, compiled_dir: str | Path, cmaddr: str | None = None, sdk: Any = None) -> None:
         self._sdk = sdk or import_sdk()
@@ -98,6 +99,9 @@ class SdkContainerRuntime:
 
     def task_wait(self, task: Any) -> None:
         self._runner.task_wait(task)
+
+    def is_task_done(self, task: Any) -> bool:
+        return self._runner.is_task_done(task)
 
 
 def build_executor(params, options, out_dir: str | Path = "build/sdk-container", cmaddr: str | None = None):

@@ -92,7 +92,7 @@ class GemvTiling:
         if self.n_split == 1:
             return [i if i < self.n else -1 for i in range(self.cols * self.tile_n)]
         seg, st = self.n // self.n_split, self.segment_tile
-        order = []
+        order: list[int] = []
         for c in range(self.cols):
             for s in range(self.n_split):
                 order.extend(s * seg + i if i < seg else -1 for i in range(c * st, (c + 1) * st))

@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -69,7 +70,7 @@ class GPT2Config:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {json_kind(data)}")
 
-        def number(field: str, kind: type, default: object = None) -> int | float:
+        def number(field: str, kind: type, default: object = None) -> Any:
             value = data.get(field, default)
             if value is None:
                 raise ConfigError(f"{source}: missing field {field!r}")

@@ -19,7 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from weights import tokenizer
-from weights.checkpoint import (
+from weights.config import ConfigError, GPT2Config
+from weights.hf_tokenizer import write_tokenizer_files
+from weights.params import GPT2Params
+from weights.tensors import (
     CheckpointError,
     bf16_bits,
     check_finite,
@@ -27,9 +30,6 @@ from weights.checkpoint import (
     progress_bar,
     to_float32,
 )
-from weights.config import ConfigError, GPT2Config
-from weights.hf_tokenizer import write_tokenizer_files
-from weights.params import GPT2Params
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from weights.checkpoint import (
+from weights.config import ConfigError, GPT2Config
+from weights.params import GPT2Params
+from weights.tensors import (
     LLMC_MAGIC,
     CheckpointError,
     bf16_bits,
@@ -26,8 +28,6 @@ from weights.checkpoint import (
     progress_bar,
     to_float32,
 )
-from weights.config import ConfigError, GPT2Config
-from weights.params import GPT2Params
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -134,6 +134,7 @@ def load_llmc(path: Path, progress: bool = True) -> GPT2Params:
                 tensors["wte.weight"] = np.ascontiguousarray(array[: dims["V"]])  # padding rows dropped
                 check_finite(tensors["wte.weight"], path, name)
             elif name in GLOBAL_TENSORS:
+                assert canonical is not None  # only wte has no canonical name
                 tensors[canonical] = array
                 check_finite(array, path, name)
             else:
@@ -164,6 +165,7 @@ def save_llmc(params: GPT2Params, path: str | Path, version: int = 3) -> Path:
             if name == "wte":
                 array = wte
             elif name in GLOBAL_TENSORS:
+                assert suffix is not None  # only wte has no canonical name
                 array = canonical[suffix]
             else:
                 per_layer = [canonical[f"h.{i}.{suffix}"] for i in range(n_layer)]

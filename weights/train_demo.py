@@ -329,9 +329,10 @@ def generate_samples(model: transformers.GPT2LMHeadModel, seed: int, new_tokens:
     for prompt in SAMPLE_PROMPTS:
         ids = torch.tensor([encode(prompt)])
         new_tokens = min(new_tokens, model.config.n_positions - ids.shape[1])  # stay within the context
-        greedy = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=EOT_ID)
+        # transformers types generate's self as GenerativePreTrainedModel, which GPT2LMHeadModel mixes in
+        greedy = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=EOT_ID)  # type: ignore[misc]
         torch.manual_seed(seed)
-        sampled = model.generate(
+        sampled = model.generate(  # type: ignore[misc]
             ids, max_new_tokens=new_tokens, do_sample=True, temperature=0.8, top_k=40, pad_token_id=EOT_ID
         )
         samples.append(

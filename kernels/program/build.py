@@ -19,13 +19,16 @@ each region's task IDs are picked clear of the colors that reach its PEs (WSE-2 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kernels.program.errors import ProgramError
 from kernels.program.frames import Frame, frame_of
 from kernels.program.routes import Flow, Pos, assign_colors, make_flow, ramp_colors
 from wafer.tiling import ceil_div, reduction_runs
 from wafer.wire import D2H_COLOR, H2D_COLOR, record_words
+
+if TYPE_CHECKING:
+    from wafer.plan.model import Plan
 
 # comm/chain.csl and comm/gather.csl roles
 FIRST, MIDDLE, LAST, ALONE, NONE = 0, 1, 2, 3, 4
@@ -84,7 +87,7 @@ class Tile:
 
 @dataclass
 class Program:
-    plan: Any
+    plan: Plan
     width: int
     height: int
     tiles: dict[Pos, Tile]
@@ -108,7 +111,7 @@ class _Connection:
 
 
 class _Builder:
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.flows: list[Flow] = []
         self.params: dict[Pos, dict[str, Any]] = {}
@@ -383,7 +386,7 @@ def _distance(a: Pos, b: Pos) -> int:
     return abs(a[0] - b[0]) + abs(a[1] - b[1])
 
 
-def build_program(plan: Any) -> Program:
+def build_program(plan: Plan) -> Program:
     """Lay out `plan` as a CSL program (raises ProgramError where the plan's geometry does not fit)."""
     b = _Builder(plan)
     for replica in range(plan.replicas):
@@ -418,7 +421,7 @@ RENAMES = {
 }
 
 
-def _tiles(b: _Builder, plan: Any) -> dict[Pos, Tile]:
+def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
     """Every region's PEs with their full params (the connections' plus each kind's own)."""
     from wafer.memory_layout import embed_geometry
 

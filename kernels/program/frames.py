@@ -63,11 +63,11 @@ class Frame:
 
 def frame_of(region: Any) -> Frame:
     """The frame of a region from its kind and its plan axes."""
-    from wafer.memory_layout import _default_axes
+    from wafer.memory_layout import default_axes
 
     if region.kind not in FRAME_AXES:
         raise ProgramError(f"region {region.name!r}: no frame for kind {region.kind!r}")
-    axes = {**_default_axes(region.tiling), **(region.axes or {})}
+    axes = {**default_axes(region.tiling), **(region.axes or {})}
     a_name, b_name = FRAME_AXES[region.kind]
     a_spec = axes.get(a_name, "+x")
     other = "y" if a_spec[1] == "x" else "x"

@@ -15,6 +15,8 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,7 +25,7 @@ from service.commands import bench_service
 from service.engine_core import bare_greedy
 from wafer.backends import ExecutorOptions, build_executor
 from wafer.sim import parallel
-from weights.config import resolve_config
+from weights.config import GPT2Config, resolve_config
 from weights.params import GPT2Params
 
 GOAL_BATCH1 = 0.7  # simulator / transformers at batch 1
@@ -100,6 +102,77 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"prompt + new tokens ({args.prompt_tokens + args.new_tokens}) exceed the context {config.n_positions}"
         )
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be at least 1, got {args.threads}")
+    result = measure_sim(
+        config,
+        batches,
+        new_tokens=args.new_tokens,
+        prompt_tokens=args.prompt_tokens,
+        dtype=args.dtype,
+        reps=args.reps,
+        seed=args.seed,
+        backend=args.backend,
+        threads=args.threads,
+        log=lambda message: print(message, file=sys.stderr),
+    )
+    print_sim_result(result)
+    return 0
+
+
+@dataclass(frozen=True)
+class SimBatchRate:
+    """One batch size's medians: generated tokens per wall-clock second and per CPU-second."""
+
+    batch: int
+    tokens_per_s: float
+    tokens_per_cpu_s: float
+
+
+@dataclass(frozen=True)
+class SimBenchResult:
+    """What `bench sim` measured; `print_sim_result` prints it, `wafer-gpt2 report --measure` tabulates it."""
+
+    label: str  # "simulator" or "CSL executor"
+    dtype: str
+    peer_tokens_per_s: float  # transformers, batch 1
+    peer_tokens_per_cpu_s: float
+    rates: tuple[SimBatchRate, ...]
+    same_tokens: bool  # the greedy tokens of both sides agree
+
+    def ratio(self, rate: SimBatchRate) -> float:
+        return rate.tokens_per_s / self.peer_tokens_per_s
+
+    def summary_line(self) -> str:
+        parts = []
+        for rate in self.rates:
+            ratio, cpu_ratio = self.ratio(rate), rate.tokens_per_cpu_s / self.peer_tokens_per_cpu_s
+            goal = GOAL_BATCH1 if rate.batch == 1 else GOAL_BATCHED
+            parts.append(
+                f"batch {rate.batch} {rate.tokens_per_s:.1f} tok/s = {ratio:.2f}x (goal >= {goal}x: "
+                f"{'met' if ratio >= goal else 'MISSED'}; {cpu_ratio:.2f}x per CPU-second)"
+            )
+        return (
+            f"bench sim summary: transformers batch 1 {self.peer_tokens_per_s:.1f} tok/s; {self.label} "
+            + "; ".join(parts)
+        )
+
+
+def measure_sim(
+    config: GPT2Config,
+    batches: list[int],
+    new_tokens: int = 32,
+    prompt_tokens: int = 16,
+    dtype: str = "fp16",
+    reps: int = 3,
+    seed: int = 0,
+    backend: str = "sim",
+    threads: int | None = None,
+    log: Callable[[str], None] = print,
+) -> SimBenchResult:
+    """The simulator (or CSL executor) against transformers at batch 1; every figure measured here.
+
+    Raises UserError when torch or transformers is missing."""
     try:
         import torch
         from transformers import GPT2Config as HFConfig
@@ -107,29 +180,27 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise UserError("the peer needs torch and transformers: pip install -e '.[test]'") from None
 
-    threads = f"torch {torch.get_num_threads()} threads, simulator {parallel.threads()}"
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-        parallel.SIM_THREADS = args.threads  # read when the simulator next splits work
-        threads = f"{args.threads} thread(s) each"
-    params = GPT2Params.random(config, seed=args.seed)
-    prompt = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.prompt_tokens).tolist()
-    context = args.prompt_tokens + args.new_tokens
+    batches = sorted(batches)
+    thread_note = f"torch {torch.get_num_threads()} threads, simulator {parallel.threads()}"
+    if threads is not None:
+        torch.set_num_threads(threads)
+        parallel.SIM_THREADS = threads  # read when the simulator next splits work
+        thread_note = f"{threads} thread(s) each"
+    params = GPT2Params.random(config, seed=seed)
+    prompt = np.random.default_rng(seed).integers(0, config.vocab_size, prompt_tokens).tolist()
+    context = prompt_tokens + new_tokens
 
-    print(
-        f"bench sim: {config.name} random weights, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens "
-        f"per sequence, greedy, simulator {args.dtype}, {threads}, median of {args.reps}",
-        file=sys.stderr,
+    log(
+        f"bench sim: {config.name} random weights, prompt {prompt_tokens} tokens, {new_tokens} new tokens "
+        f"per sequence, greedy, simulator {dtype}, {thread_note}, median of {reps}"
     )
     hf = GPT2LMHeadModel(HFConfig(**config.to_hf_dict())).eval()
     hf.load_state_dict(_hf_state_dict(params, torch), strict=False)
     executor = build_executor(
-        args.backend, params, ExecutorOptions(slots=max(batches), context=context, dtype=args.dtype)
+        backend, params, ExecutorOptions(slots=max(batches), context=context, dtype=dtype)
     )
 
-    label = "simulator" if args.backend == "sim" else "CSL executor"
+    label = "simulator" if backend == "sim" else "CSL executor"
     hf_runs: list[tuple[float, float]] = []
     sim_runs: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
     hf_tokens = sim_tokens = None
@@ -138,11 +209,11 @@ def run(args: argparse.Namespace) -> int:
         # torch warms its allocator, neither of which a long-lived server pays per request.
         _run_transformers(hf, torch, prompt, 2)
         _run_simulator(executor, prompt, 2, max(batches))
-        for _ in range(args.reps):
-            wall, cpu, hf_tokens = _run_transformers(hf, torch, prompt, args.new_tokens)
+        for _ in range(reps):
+            wall, cpu, hf_tokens = _run_transformers(hf, torch, prompt, new_tokens)
             hf_runs.append((wall, cpu))
             for batch in batches:
-                wall, cpu, tokens = _run_simulator(executor, prompt, args.new_tokens, batch)
+                wall, cpu, tokens = _run_simulator(executor, prompt, new_tokens, batch)
                 sim_runs[batch].append((wall, cpu))
                 sim_tokens = sim_tokens or tokens
     finally:
@@ -151,24 +222,25 @@ def run(args: argparse.Namespace) -> int:
     # Rates: generated tokens per wall-clock second, and per CPU-second of this process (steadier
     # on a shared machine, comparable when both sides use the same number of threads).
     hf_wall, hf_cpu = (statistics.median(run[i] for run in hf_runs) for i in (0, 1))
+    rates = tuple(
+        SimBatchRate(batch, *(statistics.median(run[i] for run in sim_runs[batch]) for i in (0, 1)))
+        for batch in batches
+    )
+    return SimBenchResult(label, dtype, hf_wall, hf_cpu, rates, hf_tokens == sim_tokens)
+
+
+def print_sim_result(result: SimBenchResult) -> None:
+    hf_wall, hf_cpu, label = result.peer_tokens_per_s, result.peer_tokens_per_cpu_s, result.label
     print(f"transformers   batch  1: {hf_wall:8.1f} tokens/s, {hf_cpu:8.1f} per CPU-second (measured)")
-    parts = []
-    for batch in batches:
-        wall, cpu = (statistics.median(run[i] for run in sim_runs[batch]) for i in (0, 1))
-        ratio, cpu_ratio = wall / hf_wall, cpu / hf_cpu
+    for rate in result.rates:
+        ratio, cpu_ratio = rate.tokens_per_s / hf_wall, rate.tokens_per_cpu_s / hf_cpu
         print(
-            f"{label:<14} batch {batch:2d}: {wall:8.1f} tokens/s, {cpu:8.1f} per CPU-second (measured); "
-            f"{ratio:.2f}x transformers batch 1 ({cpu_ratio:.2f}x per CPU-second)"
+            f"{label:<14} batch {rate.batch:2d}: {rate.tokens_per_s:8.1f} tokens/s, {rate.tokens_per_cpu_s:8.1f} "
+            f"per CPU-second (measured); {ratio:.2f}x transformers batch 1 ({cpu_ratio:.2f}x per CPU-second)"
         )
-        goal = GOAL_BATCH1 if batch == 1 else GOAL_BATCHED
-        parts.append(
-            f"batch {batch} {wall:.1f} tok/s = {ratio:.2f}x (goal >= {goal}x: {'met' if ratio >= goal else 'MISSED'}; "
-            f"{cpu_ratio:.2f}x per CPU-second)"
-        )
-    same = "identical" if hf_tokens == sim_tokens else "different"
-    print(f"greedy tokens of {label} and transformers: {same} ({args.dtype} {label} vs fp32 transformers)")
-    print(f"bench sim summary: transformers batch 1 {hf_wall:.1f} tok/s; {label} " + "; ".join(parts))
-    return 0
+    same = "identical" if result.same_tokens else "different"
+    print(f"greedy tokens of {label} and transformers: {same} ({result.dtype} {label} vs fp32 transformers)")
+    print(result.summary_line())
 
 
 def _hf_state_dict(params: GPT2Params, torch) -> dict:

@@ -4,12 +4,19 @@ and, with --measure, benchmarks run on this machine."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from service.cli import UserError
 from wafer.arch import ARCHS
+
+if TYPE_CHECKING:  # wafer.report draws with matplotlib: imported when a report is written, not at start-up
+    from wafer.report.measured import Measured, MeasuredRow
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,9 +56,79 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr, flush=True)
 
     command = default_command(Path(args.out), settings)
-    report = generate_report(args.out, settings, measure=args.measure, command=command, progress=progress)
+    measured = measure_all(progress) if args.measure else None
+    report = generate_report(args.out, settings, measured=measured, command=command, progress=progress)
     print(
         f"wrote {report.markdown_path} and {len(report.figures)} figures in "
         f"{report.markdown_path.parent / 'performance'} ({time.perf_counter() - start:.1f} s)"
     )
     return 0
+
+
+def measure_sim_rows(progress: Callable[[str], None]) -> tuple[list[MeasuredRow], str]:
+    """`bench sim` with the report's settings: the simulator at batch 1 and 16 against transformers."""
+    from service.commands.bench import measure_sim, print_sim_result
+    from wafer.report.measured import REPS, SIM_COMMAND, SIM_NEW_TOKENS, MeasuredRow
+    from weights.config import PRESETS
+
+    progress(f"measuring: {SIM_COMMAND} (minutes on a busy machine)")
+    result = measure_sim(PRESETS["gpt2"], [1, 16], new_tokens=SIM_NEW_TOKENS, reps=REPS, log=progress)
+    rows = [
+        MeasuredRow(
+            f"simulator, batch {rate.batch}",
+            rate.tokens_per_s,
+            "transformers, batch 1 (CPU, fp32)",
+            result.peer_tokens_per_s,
+            "GPT-2 124M, random weights, greedy; the simulator runs the whole wafer program in NumPy",
+        )
+        for rate in result.rates
+    ]
+    return rows, _printed(print_sim_result, result)
+
+
+def measure_service_rows(progress: Callable[[str], None]) -> tuple[list[MeasuredRow], str]:
+    """`bench service` with the report's settings: decode throughput at 16 streams, HTTP against direct."""
+    from service.commands.bench_service import measure, print_result
+    from wafer.report.measured import NEW_TOKENS, REPS, SERVICE_COMMAND, STREAMS, MeasuredRow
+    from weights.config import PRESETS
+    from weights.params import GPT2Params
+
+    progress(f"measuring: {SERVICE_COMMAND}")
+    params = GPT2Params.random(PRESETS["gpt2"], seed=0)
+    result = measure(
+        params, "gpt2 (random weights)", streams=STREAMS, new_tokens=NEW_TOKENS, reps=REPS, log=progress
+    )
+    # Decode throughput at 16 streams from the full-decode step times: the same work in both modes.
+    row = MeasuredRow(
+        f"HTTP service, {STREAMS} streams, decode",
+        STREAMS * 1e3 / result.period_ms("http"),
+        "direct executor steps, decode",
+        STREAMS * 1e3 / result.period_ms("direct"),
+        f"decode step {result.period_ms('http'):.1f} ms vs {result.period_ms('direct'):.1f} ms direct: service "
+        f"overhead {result.overhead_pct('http'):+.1f}% of step time; end to end with the prompts "
+        f"{result.tokens_per_s('http'):.1f} vs {result.tokens_per_s('direct'):.1f} tokens/s",
+    )
+    return [row], _printed(print_result, result)
+
+
+def measure_all(progress: Callable[[str], None] | None = None) -> Measured:
+    """Both benchmarks on GPT-2 124M (whatever model the modeled figures are about), as the report's rows."""
+    from wafer.report.measured import SERVICE_COMMAND, SIM_COMMAND, Measured, describe_machine
+
+    say = progress or (lambda message: None)
+    measured = Measured(describe_machine(), f"{SIM_COMMAND}; {SERVICE_COMMAND}")
+    outputs = []
+    for run_rows in (measure_sim_rows, measure_service_rows):
+        rows, output = run_rows(say)
+        measured.rows.extend(rows)
+        outputs.append(output.strip())
+    measured.text = "Their output:\n\n```\n" + "\n\n".join(outputs) + "\n```"
+    return measured
+
+
+def _printed(print_fn: Callable[[Any], None], result: Any) -> str:
+    """What a benchmark's print function writes for `result` (quoted in the report)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_fn(result)
+    return out.getvalue()

@@ -1,6 +1,6 @@
 """Per-architecture resources and the rules a compiler enforces on them, with their sources.
 
-Sources (shared/csl-semantics.md section 6 collects them): the SDK's "Task IDs" and "DSDs" pages
+Sources: the Cerebras SDK documentation's "Task IDs" and "DSDs" pages
 (queue counts and depths, task ID ranges), "Tensor streaming" (what memcpy reserves), and the task
 ID maps at the top of csl-examples' tutorial programs (WSE-3 reserves data task IDs 0-1, which are
 input queues 0-1, for memcpy). Each rule raises `CslCompileError` naming the file, line and rule.

@@ -1,7 +1,7 @@
 """CSL's `@builtins`: what each one means at comptime and the code it becomes at run time.
 
-Sources for every rule: the SDK's "Builtins", "DSDs", "Task IDs" pages and the csl-examples programs,
-as collected in shared/csl-semantics.md. Resource rules that the compiler enforces (queue ids, task
+Sources for every rule: the Cerebras SDK documentation's "Builtins", "DSDs", "Task IDs" pages and the
+`Cerebras/csl-examples` programs. Resource rules that the compiler enforces (queue ids, task
 id ranges, memcpy's reservations) live in `wafer.csl.arch`; this module calls them where the program
 names a resource.
 """
@@ -9,22 +9,10 @@ names a resource.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wafer.csl import arch as archs
 from wafer.csl import ast
-from wafer.csl.compiler import (
-    VOID_EXPR,
-    CExpr,
-    Ctx,
-    CVar,
-    MemArray,
-    MemPlace,
-    is_float,
-    is_int,
-    known,
-    scalar_of,
-)
 from wafer.csl.program import ColorConfig, FnSym
 from wafer.csl.types import (
     BOOL,
@@ -69,6 +57,20 @@ from wafer.csl.types import (
     TaskId,
     UtId,
 )
+from wafer.csl.values import (
+    VOID_EXPR,
+    CExpr,
+    CVar,
+    MemArray,
+    MemPlace,
+    is_float,
+    is_int,
+    known,
+    scalar_of,
+)
+
+if TYPE_CHECKING:
+    from wafer.csl.compiler import Ctx
 
 BUILTINS: dict[str, Any] = {}
 
@@ -1027,12 +1029,12 @@ def _map(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     if len(node.args) < 2:
         raise ctx.error(node, "@map takes a function and its operands")
     fnce = ctx.cx(node.args[0])
-    from wafer.csl.libs import NativeFn
+    from wafer.csl.native import NativeFn
 
     if isinstance(fnce.value, FnSym):
         fn = fnce.value
         ctx.comp.ensure_compiled(fn)
-        fctx = Ctx(ctx.comp, fn.module, "comptime")
+        fctx = type(ctx)(ctx.comp, fn.module, "comptime")
         ptypes = [fctx.ctype(p.type) for p in fn.decl.params]
         rtype = fctx.ctype(fn.decl.ret)
         target: Any = fn

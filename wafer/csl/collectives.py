@@ -1,8 +1,8 @@
 """`<collectives_2d/params>` and `<collectives_2d/pe>`, implemented by the executor.
 
 The SDK ships this library without its source, so the executor provides it the way it provides
-memcpy: natively, with the documented behaviour (SDK "Libraries" page; shared/csl-semantics.md
-section 7) and a modeled cost, not as wavelets on the fabric.
+memcpy: natively, with the documented behaviour (the Cerebras SDK documentation's "Libraries"
+page) and a modeled cost, not as wavelets on the fabric.
 - `params.get_params(Px, Py, .{ .x_colors, .x_entrypoints, .y_colors, .y_entrypoints })` gives each
   PE its place on its row (x) and column (y), with two colors and two local task IDs per axis.
 - `pe` is imported once per axis with `.dim_params`, `.queues` (2) and DSR ids; it exposes `pe_id`,
@@ -17,14 +17,13 @@ refused, as it would collide with the library on the hardware.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from wafer.csl import ast, timing
-from wafer.csl.compiler import CExpr, Ctx, known
 from wafer.csl.errors import CslRuntimeError
-from wafer.csl.libs import NativeFn, NativeModule
+from wafer.csl.native import NativeFn, NativeModule
 from wafer.csl.types import (
     COMPTIME_STRUCT,
     F32,
@@ -39,6 +38,10 @@ from wafer.csl.types import (
     Struct,
     TaskId,
 )
+from wafer.csl.values import CExpr, known
+
+if TYPE_CHECKING:
+    from wafer.csl.compiler import Ctx
 
 
 class C2dParams(NativeModule):

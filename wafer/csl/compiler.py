@@ -45,7 +45,6 @@ from wafer.csl.types import (
     TYPE,
     U16,
     U32,
-    VOID,
     VOID_T,
     ArrayType,
     ArrayValue,
@@ -66,39 +65,23 @@ from wafer.csl.types import (
     Void,
     type_of_value,
 )
-
-NOT = object()  # "not known at comptime"
-
-
-@dataclass
-class CExpr:
-    type: CslType
-    value: Any = NOT
-    code: str | None = None
-
-    @property
-    def known(self) -> bool:
-        return self.value is not NOT
-
-
-def known(value: Any, ctype: CslType | None = None) -> CExpr:
-    return CExpr(ctype if ctype is not None else type_of_value(value), value)
-
-
-VOID_EXPR = CExpr(VOID_T, VOID)
-
+from wafer.csl.values import (  # below the compiler: the builtins and libraries build on them too
+    NOT,
+    VOID_EXPR,
+    CExpr,
+    CVar,
+    MemArray,
+    MemPlace,
+    int_fits,
+    is_float,
+    is_int,
+    is_num,
+    known,
+    scalar_of,
+)
 
 # ---------------------------------------------------------------------------------------------------
 # Bindings of local names
-
-
-@dataclass
-class CVar:
-    """A name bound at comptime (a comptime local, a parameter of a comptime call, a loop variable)."""
-
-    value: Any
-    type: CslType
-    mutable: bool = False
 
 
 @dataclass
@@ -215,31 +198,6 @@ def fold(code: str) -> Any:
 
 # ---------------------------------------------------------------------------------------------------
 # Type helpers
-
-
-def is_int(t: CslType) -> bool:
-    return isinstance(t, IntType) or t is COMPTIME_INT
-
-
-def is_float(t: CslType) -> bool:
-    return isinstance(t, FloatType) or t is COMPTIME_FLOAT
-
-
-def is_num(t: CslType) -> bool:
-    return is_int(t) or is_float(t)
-
-
-def int_fits(src: IntType, dst: IntType) -> bool:
-    """Zig's implicit integer widening."""
-    if src.signed == dst.signed:
-        return dst.bits >= src.bits
-    return (not src.signed) and dst.signed and dst.bits > src.bits
-
-
-def scalar_of(t: CslType) -> CslType:
-    while isinstance(t, ArrayType):
-        t = t.elem
-    return t
 
 
 VIEW_OF = {"f32": "mF", "u32": "mI", "i32": "mi", "u16": "mH", "i16": "mh", "f16": "mH", "bool": "mH"}
@@ -460,7 +418,7 @@ class Ctx:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 return float(v)
         elif isinstance(target, (SimpleType, FnType)):
-            from wafer.csl.libs import NativeFn
+            from wafer.csl.native import NativeFn
 
             if type_of_value(v) == target or (
                 isinstance(target, FnType) and isinstance(v, (FnSym, NativeFn))
@@ -555,7 +513,7 @@ class Ctx:
             return CExpr(b.csl_type or FN_ANY, b)
         if isinstance(b, ModuleInstance):
             return CExpr(MODULE, b)
-        from wafer.csl.libs import NativeFn
+        from wafer.csl.native import NativeFn
 
         if isinstance(b, NativeFn):
             return CExpr(FN_ANY, b)
@@ -1063,7 +1021,7 @@ class Ctx:
     def x_Call(self, node: ast.Call) -> CExpr:
         callee = self.cx(node.func)
         v = callee.value
-        from wafer.csl.libs import NativeFn
+        from wafer.csl.native import NativeFn
 
         if isinstance(v, NativeFn):
             return v.call(self, node.args, node)
@@ -1588,23 +1546,6 @@ def _contains(node: Any, kinds: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------------------
 # Places
-
-
-@dataclass
-class MemPlace:
-    type: CslType
-    addr: CExpr  # word address, known or run-time
-    var: MemVar | None
-    const: bool = False
-
-
-class MemArray(CExpr):
-    """An array in memory used as a value (for DSDs, `.len`, iteration): its address and type."""
-
-    def __init__(self, t: ArrayType, addr: CExpr, var: MemVar | None) -> None:
-        super().__init__(t, NOT, None)
-        self.addr = addr
-        self.var = var
 
 
 @dataclass

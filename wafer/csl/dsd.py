@@ -1,7 +1,7 @@
 """DSDs at run time: building and moving them, reading and writing what they address, and the
 element-wise arithmetic of the DSD builtins.
 
-Semantics (shared/csl-semantics.md sections 2-3): an operation steps through its operands element by
+Semantics (the Cerebras SDK documentation's "DSDs" and "Builtins" pages): an operation steps through its operands element by
 element, as many elements as its shortest DSD operand (FIFOs, scalars and scalar pointers do not end
 it); each step reads one element of every source and writes one of the destination; f32 and f16
 operations round to nearest even after every arithmetic step (an fmac rounds its product, then its

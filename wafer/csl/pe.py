@@ -6,7 +6,7 @@ waiting on the fabric can suspend it while the rest of the machine goes on. The 
 clock `t`: a task advances it by `timing.TASK_START`, one cycle per statement and the cycles of its
 DSD operations; what it sends leaves at the cycle it was sent.
 
-Picker (shared/csl-semantics.md section 1): a task runs when its ID is activated and not blocked.
+Picker (the Cerebras SDK documentation's "Tasks" and "Task IDs" pages): a task runs when its ID is activated and not blocked.
 A local task's activation is a flag (several @activate before it runs make one run). A data task is
 activated by each wavelet at the head of its channel (the color on WSE-2, the input queue on WSE-3)
 and runs once per wavelet with the wavelet as its argument. A control wavelet at the head of a

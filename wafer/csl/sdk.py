@@ -5,7 +5,7 @@ for the compiler's output folder, so that `cslc` + `cs_python run.py` scripts ru
 that run.py scripts read, and an `executor` section that records the layout, options and a digest of
 every source, so that `SdkRuntime(OUT)` can rebuild the program (and refuses if a source changed).
 
-`SdkRuntime` follows the SDK's API (shared/csl-semantics.md section 5): `load()`, `run()`,
+`SdkRuntime` follows the SDK's API (Cerebras SDK documentation, `cerebras.sdk.runtime.sdkruntimepybind`): `load()`, `run()`,
 `get_id()`, `memcpy_h2d` / `memcpy_d2h` in copy and streaming mode, `launch`, `task_wait`,
 `is_task_done`, `stop()`. Commands are serialized; `nonblock=True` returns a task at once and the
 command runs the next time the host waits. Host arrays hold 32-bit elements; 16-bit data sits in the

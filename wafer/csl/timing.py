@@ -1,7 +1,7 @@
 """The executor's cycle model: every cycle count it reports is built from these constants.
 
 They are the same public figures the planner's cost model (`wafer.cost`) starts from
-(shared/csl-notes.md, "Hardware facts"), so that executor cycles and modeled cycles can be compared
+(the Cerebras SDK documentation and Cerebras' published hardware figures), so that executor cycles and modeled cycles can be compared
 region by region; where no public figure exists the value is an assumption, said so.
 Queue depths are the SDK's (`wafer.csl.arch`). The executor models the timing of a program's
 structure (hops, queues, back-pressure, task order), not the micro-architecture: see

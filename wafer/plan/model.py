@@ -182,20 +182,10 @@ class Plan:
         times = [s.cycles for s in self.layer_stage_costs]
         return max(times) / (sum(times) / len(times))
 
-    def modeled(self, clock_hz: float = CLOCK_HZ) -> dict:
-        latency_s = self.decode_cycles / clock_hz
-        single = 1.0 / latency_s
-        # Decode: a slot's next token needs its previous one, so one replica has at most `slots`
-        # items in flight; it also cannot accept items faster than its slowest stage.
-        per_replica = min(self.slots / latency_s, clock_hz / self.bottleneck_cycles)
-        return {
-            "clock_ghz": clock_hz / 1e9,
-            "decode_latency_us": round(latency_s * 1e6, 3),
-            "tokens_per_s_single_stream": round(single, 1),
-            "tokens_per_s_per_replica": round(per_replica, 1),
-            "tokens_per_s_total": round(per_replica * self.replicas, 1),
-            "bottleneck_stage_us": round(self.bottleneck_cycles / clock_hz * 1e6, 3),
-        }
+    def modeled(self, clock_hz: float = CLOCK_HZ) -> dict[str, float]:
+        return modeled_figures(
+            self.decode_cycles, self.bottleneck_cycles, self.slots, self.replicas, clock_hz
+        )
 
     @property
     def pes_used(self) -> int:
@@ -339,3 +329,22 @@ def _tiling_json(tiling: object | None) -> dict | None:
     data = {"type": type(tiling).__name__}
     data.update({k: v for k, v in vars(tiling).items()})
     return data
+
+
+def modeled_figures(
+    decode_cycles: int, bottleneck_cycles: int, slots: int, replicas: int, clock_hz: float = CLOCK_HZ
+) -> dict[str, float]:
+    """Latency and throughput of a pipeline (`Plan.modeled`; the report's operating points use it too)."""
+    latency_s = decode_cycles / clock_hz
+    single = 1.0 / latency_s
+    # Decode: a slot's next token needs its previous one, so one replica has at most `slots`
+    # items in flight; it also cannot accept items faster than its slowest stage.
+    per_replica = min(slots / latency_s, clock_hz / bottleneck_cycles)
+    return {
+        "clock_ghz": clock_hz / 1e9,
+        "decode_latency_us": round(latency_s * 1e6, 3),
+        "tokens_per_s_single_stream": round(single, 1),
+        "tokens_per_s_per_replica": round(per_replica, 1),
+        "tokens_per_s_total": round(per_replica * replicas, 1),
+        "bottleneck_stage_us": round(bottleneck_cycles / clock_hz * 1e6, 3),
+    }

@@ -3,8 +3,10 @@ rectangles filled with each region's tiling, per-PE arrays and axes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from wafer.plan.geometry import _Geometry, _route_words, exit_dirs
-from wafer.plan.model import Region, Route
+from wafer.plan.model import Region, Route, Symbol
 from wafer.plan.symbols import (
     attention_symbols,
     embed_symbols,
@@ -58,7 +60,7 @@ def _place_replica(
         regions.append(
             Region(name, kind, None, replica, ox + x, oy + y, w, h, with_cycles(symbols), tiling, 0, axes)
         )
-    content = {
+    content: dict[str, tuple[dict[str, Symbol], Any]] = {
         "qkv": (gemv_symbols(lt.qkv, dtype), lt.qkv),
         "attn": (attention_symbols(lt.attn, dtype), lt.attn),
         "attn_proj": (gemv_symbols(lt.attn_proj, dtype), lt.attn_proj),

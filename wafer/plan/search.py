@@ -177,7 +177,7 @@ def build_plan(
     context = _check_request(config, dtype, slots, context, top_k, objective)
     if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
         raise PlanError(f"replicas must be a positive integer or 'auto', got {replicas!r}")
-    _check_total_capacity(config, arch, dtype, slots, context, 1 if replicas == "auto" else replicas)
+    _check_total_capacity(config, arch, dtype, slots, context, 1 if isinstance(replicas, str) else replicas)
 
     search = price_candidates(config, arch, dtype, slots, context, top_k, compact=objective == "compact")
     closest = search.nearest_miss
@@ -185,7 +185,7 @@ def build_plan(
     ranked = []
     for cand in search.priced:
         fit = cand.replicas_fit
-        wanted = fit if replicas == "auto" else replicas
+        wanted = fit if isinstance(replicas, str) else replicas  # a str is "auto" (checked above)
         if fit < wanted:
             if most_replicas is None or fit > most_replicas[0]:
                 g = cand.geometry

@@ -3,6 +3,8 @@ what the per-PE memory limit is checked against and what the simulator allocates
 
 from __future__ import annotations
 
+from typing import Literal
+
 from wafer.contract import CYCLES_SYMBOL
 from wafer.plan.model import Symbol
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
@@ -21,7 +23,7 @@ def pe_bytes(symbols: dict[str, Symbol]) -> int:
     return sum(s.nbytes for s in with_cycles(symbols).values())
 
 
-def weight_symbol_dtype(dtype: str) -> str:
+def weight_symbol_dtype(dtype: str) -> Literal["f16", "f32"]:
     return "f16" if dtype == "fp16" else "f32"
 
 

@@ -15,7 +15,7 @@ from wafer.cost import (
     reduction_options,
 )
 from wafer.plan.model import Knobs
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
+from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, Reduction
 from weights.config import GPT2Config
 
 
@@ -46,7 +46,7 @@ def layer_tilings(
     return LayerTilings(ln, qkv, attn, o, fc, proj)
 
 
-def _scalar_reduction(pes: int) -> tuple[str, int]:
+def _scalar_reduction(pes: int) -> tuple[Reduction, int]:
     return min(reduction_options(pes), key=lambda kg: allreduce_cycles(kg[0], pes, 1, kg[1]))
 
 

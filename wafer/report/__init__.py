@@ -1,8 +1,8 @@
 """The performance report: `generate_report(out_dir)` writes `performance.md` and its PNGs.
 
 data.py gathers the modeled figures from the planner, peers.py holds the published and computed
-comparisons, measured.py runs the benchmarks (only with `measure=True`), plots.py draws, markdown.py
-writes. `wafer-gpt2 report --out DIR` is the command line for it.
+comparisons, measured.py holds the benchmarks' rows (measured by the command line and passed in as
+`measured`), plots.py draws, markdown.py writes. `wafer-gpt2 report --out DIR` is the command line for it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 from wafer.report.data import ReportSettings, collect
 from wafer.report.markdown import FIGURE_DIR, render
+from wafer.report.measured import Measured
 from wafer.report.plots import Figure, draw_all
 
 
@@ -24,19 +25,20 @@ class Report:
 def generate_report(
     out_dir: str | Path,
     settings: ReportSettings | None = None,
-    measure: bool = False,
+    measured: Measured | None = None,
     command: str | None = None,
     progress=None,
 ) -> Report:
-    """Write <out_dir>/performance.md and <out_dir>/performance/*.png; return where they went."""
+    """Write <out_dir>/performance.md and <out_dir>/performance/*.png; return where they went.
+
+    `measured`: benchmark rows measured on this machine (`wafer-gpt2 report --measure` runs them); without
+    them every figure is modeled."""
     out_dir = Path(out_dir)
     settings = settings or ReportSettings()
     command = command or default_command(out_dir, settings)
     data = collect(settings, progress)
-    if measure:
-        from wafer.report.measured import measure_all
-
-        data.measured = measure_all(progress)
+    if measured is not None:
+        data.measured = measured
     figures = draw_all(data, out_dir / FIGURE_DIR, command)
     markdown_path = out_dir / "performance.md"
     markdown_path.write_text(render(data, figures, command))

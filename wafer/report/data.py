@@ -13,7 +13,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from wafer import plan as planner
+from wafer.cost import CLOCK_HZ
 from wafer.plan import Plan, build_plan, price_candidates
+from wafer.plan.model import modeled_figures
+from wafer.report.measured import Measured
 from wafer.report.peers import GPUS, PUBLISHED, BandwidthFloor, PublishedFigure, bandwidth_floor
 from weights.config import PRESETS, GPT2Config, resolve_config
 
@@ -61,15 +64,19 @@ def cached_plan(
 
 @dataclass(frozen=True)
 class OperatingPoint:
-    """A pipeline with `slots` streams in flight per replica. `modeled` *is* `Plan.modeled`, so the
-    throughput formula (streams / latency, capped by the slowest stage) lives in one place."""
+    """A pipeline with `slots` streams in flight per replica. `modeled` is `Plan.modeled`'s formula
+    (`wafer.plan.model.modeled_figures`), so the throughput (streams / latency, capped by the slowest
+    stage) lives in one place."""
 
     decode_cycles: int
     bottleneck_cycles: int
     slots: int
     replicas: int = 1
 
-    modeled = Plan.modeled
+    def modeled(self, clock_hz: float = CLOCK_HZ) -> dict[str, float]:
+        return modeled_figures(
+            self.decode_cycles, self.bottleneck_cycles, self.slots, self.replicas, clock_hz
+        )
 
     @classmethod
     def of(cls, plan: Plan, streams: int) -> OperatingPoint:
@@ -244,13 +251,13 @@ class ReportData:
     replica_curves: list[ReplicaCurve]
     floors: list[BandwidthFloor]
     published: tuple[PublishedFigure, ...] = PUBLISHED
-    measured: object | None = None  # wafer.report.measured.Measured when --measure ran
+    measured: Measured | None = None  # when --measure ran
     size_notes: list[str] = field(default_factory=list)  # sizes no plan could meet, and why
     replica_notes: list[str] = field(default_factory=list)  # replica counts no plan could meet, and why
 
 
 def replica_curves(config: GPT2Config, settings: ReportSettings, notes: list[str]) -> list[ReplicaCurve]:
-    curves = []
+    curves: list[ReplicaCurve] = []
     for count in settings.replica_counts:
         try:
             plan = cached_plan(
@@ -277,7 +284,9 @@ def collect(settings: ReportSettings | None = None, progress=None) -> ReportData
     config = resolve_config(settings.model)
     say(f"planning {config.name} ({settings.arch}, {settings.dtype}, {settings.slots} slots)")
     plan = cached_plan(config, settings.arch, settings.dtype, settings.slots, top_k=settings.top_k)
-    sizes, size_notes, replica_notes = {}, [], []
+    sizes: dict[str, Plan] = {}
+    size_notes: list[str] = []
+    replica_notes: list[str] = []
     for name in settings.sizes:
         say(f"planning {name}")
         try:

@@ -146,7 +146,7 @@ def render(data: ReportData, figures: list[Figure], command: str) -> str:
             f"modeled at {m['decode_latency_us']:,.2f} us. "
             "Candidates are priced before the routing-color check, which `build_plan` applies to the ones it "
             "keeps."
-            if cands
+            if best_lat is not None
             else "No candidate was priced."
         )
     )
@@ -224,12 +224,12 @@ def render(data: ReportData, figures: list[Figure], command: str) -> str:
 
     usable = plan.arch.data_bytes_per_pe
     sram_rows = []
-    for name, classes in sram_per_pe(plan):
+    for name, bytes_by_class in sram_per_pe(plan):
         region = plan.region(name)
-        used = sum(classes.values())
+        used = sum(bytes_by_class.values())
         sram_rows.append(
             [name, region.kind, f"{region.pes:,}"]
-            + [f"{classes[c]:,}" for c in SYMBOL_CLASSES]
+            + [f"{bytes_by_class[c]:,}" for c in SYMBOL_CLASSES]
             + [f"{used:,}", f"{100 * used / usable:.0f}%", f"{used * region.pes / 2**20:,.2f}"]
         )
     parts.append(

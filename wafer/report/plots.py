@@ -32,7 +32,8 @@ from wafer.report.data import (  # noqa: E402
 DPI = 120
 MODELED = "modeled"
 MEASURED = "measured"
-OP_COLORS = dict(zip(LAYER_OPS, plt.get_cmap("tab10").colors, strict=False))
+TAB10 = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]  # tab10 is a ListedColormap
+OP_COLORS = dict(zip(LAYER_OPS, TAB10, strict=False))
 # Stages outside the layers, in colors none of the layer operations use.
 OUTER_COLORS = {
     "io.in": "#d9d9d9",
@@ -281,7 +282,7 @@ def sizes(data: ReportData, out_dir: Path, command: str) -> Figure:
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.2))
     for ax, (title, values, fmt) in zip(axes, panels, strict=True):
-        bars = ax.bar(names, values, color=plt.get_cmap("tab10").colors[: len(names)])
+        bars = ax.bar(names, values, color=TAB10[: len(names)])
         for bar, v in zip(bars, values, strict=True):
             ax.text(
                 bar.get_x() + bar.get_width() / 2,

@@ -70,15 +70,14 @@ def gemv_bias_cache(tiles: np.ndarray, tiling: GemvTiling) -> np.ndarray:
 # The partial sums are formed `group` reduction indices at a time over blocks of output columns, so a
 # group's [group, B, block] partials stay in cache while they are combined (few NumPy calls when B is
 # small, cache-sized pieces when it is large). For a two-level reduction a group is one of its runs,
-# whose sum is one term of the second level. 4 MB of partials (L3, not L2, here) measured 10% faster
-# per decode step than 1 MB: fewer, larger NumPy calls.
+# whose sum is one term of the second level. The sizes below were tuned by measurement (docs/simulator.md,
+# "Speed": the thresholds and what they were measured at).
 GEMV_CACHE_ELEMS = 1 << 20
 GEMV_GROUP_BLOCK = 2048  # grow the group while its blocks stay at least this wide
 GEMV_MIN_BLOCK = 128
 GEMV_ALIGN = 16  # block widths are a multiple of this many columns (whole SIMD vectors)
 # Below this many multiply-adds a GEMV runs on one thread: handing blocks to the pool costs more than
-# it saves (measured on 2 cores: GPT-2 124M's layer GEMVs at one item took 0.96 ms on two threads,
-# 0.52 ms on one; its attn_proj at 16 items, 9.4M MACs, was no faster on two).
+# it saves (docs/simulator.md, "Speed").
 GEMV_PARALLEL_MACS = 1 << 24
 
 

@@ -13,7 +13,7 @@ from them are rebuilt whenever the host writes the symbol again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,10 +25,11 @@ from wafer.sim.memory import RegionMemory, WaferMemory
 from wafer.tiling import AttentionTiling
 from wafer.wire import WireItems, encode_scores
 
+if TYPE_CHECKING:
+    from wafer.plan.model import Plan
+
 # Steps of at least this many items run the layers as one part per thread, split by slot; smaller ones
-# split the work inside each region instead. Measured on 2 cores, GPT-2 124M, medians of 4 in one
-# process: a 256-item prefill took 0.46-0.48 s split by slot and 0.61 s split inside the regions; a
-# 16-item decode step took 91 ms split by slot and 82 ms split inside the regions.
+# split the work inside each region instead (the measurement behind it: docs/simulator.md, "Speed").
 LAYER_SPLIT_ITEMS = 64
 
 
@@ -82,7 +83,7 @@ class _PipelineCosts:
 
 
 class WaferProgram:
-    def __init__(self, plan: Any, memory: WaferMemory) -> None:
+    def __init__(self, plan: Plan, memory: WaferMemory) -> None:
         self.plan = plan
         self.memory = memory
         self.config = plan.config
@@ -96,7 +97,7 @@ class WaferProgram:
         self.total_cycles = np.zeros(len(memory.regions), dtype=np.uint64)
 
     @staticmethod
-    def _pipeline(plan: Any, memory: WaferMemory, replica: int) -> Pipeline:
+    def _pipeline(plan: Plan, memory: WaferMemory, replica: int) -> Pipeline:
         by_name = {m.region.name: m for m in memory.regions if m.region.replica == replica}
         try:
             pipeline = Pipeline(

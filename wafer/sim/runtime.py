@@ -9,21 +9,24 @@ output port until the host reads them with a streaming memcpy_d2h.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from wafer.contract import HOST_FUNCTIONS
-from wafer.runtime import MemcpyDataType, Runtime, WaferRuntimeError
+from wafer.runtime import CheckedRuntime, MemcpyDataType, WaferRuntimeError
 from wafer.sim.memory import WaferMemory
 from wafer.sim.program import WaferProgram
 from wafer.wire import D2H_COLOR, H2D_COLOR, HEADER_WORDS, decode_items, message_words
 
+if TYPE_CHECKING:
+    from wafer.plan.model import Plan
 
-class SimRuntime(Runtime):
+
+class SimRuntime(CheckedRuntime):
     backend = "sim"  # what `WaferGPT2.describe` reports
 
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: Plan) -> None:
         super().__init__()
         self.plan = plan
         self.kernel_wh = (plan.arch.kernel_w, plan.arch.kernel_h)
