@@ -12,6 +12,7 @@ connected components:
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -153,6 +154,29 @@ def test_lower_layers_never_import_service():
         if dep.split(".")[0] == "service"
     )
     assert not bad, "lower layers import the service:\n" + "\n".join(bad)
+
+
+def test_serving_needs_no_tool_and_plotting_says_what_to_install():
+    """Issue 15: training, the loopback appliance and plotting are tools. Building the CLI (every
+    command registered) and the app imports none of them; with matplotlib absent, drawing fails with
+    one line naming the extra."""
+    code = """
+import sys
+sys.modules["matplotlib"] = None  # as if the `report` extra were not installed
+from service.cli import build_parser
+from service.api import create_app
+build_parser()
+tools = [m for m in sys.modules if m.startswith(("weights.train_demo", "wafer.appliance_server", "wafer.report.plots", "wafer.wafer_map", "torch"))]
+assert not tools, tools
+from wafer.errors import MissingExtra
+try:
+    import wafer.wafer_map
+except MissingExtra as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'wafer-gpt2[report]'" in out.stdout
 
 
 if __name__ == "__main__":

@@ -13,3 +13,7 @@ class WaferGPT2Error(Exception):
 
 class InvalidInput(WaferGPT2Error, ValueError):
     """A value given to the project (a flag, a shape, a file's content) that it cannot work with."""
+
+
+class MissingExtra(WaferGPT2Error, ImportError):
+    """A tool that needs an optional dependency the install left out (e.g. plotting: `[report]`)."""

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from wafer.plotting import pyplot
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+plt = pyplot()  # MissingExtra with the install line when matplotlib is left out
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from wafer.plan import KINDS, Plan  # noqa: E402

@@ -8,10 +8,9 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
+from wafer.plotting import pyplot
 
-matplotlib.use("Agg")  # files only: no display on servers and CI
-import matplotlib.pyplot as plt  # noqa: E402
+plt = pyplot()  # MissingExtra with the install line when matplotlib is left out
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter  # noqa: E402
 
 from wafer.cost import cycles_to_us  # noqa: E402
