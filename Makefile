@@ -34,7 +34,7 @@ serve: $(RUN_STAMP)
 generate: $(RUN_STAMP)
 	$(VENV)/bin/wafer-gpt2 generate "The meaning of life is"
 
-# Everything CI runs: lint, the type checker (mypy on wafer/ and weights/, pyproject's [tool.mypy]), then
+# Everything CI runs: lint, the type checker (mypy on wafer/, weights/ and service/, pyproject's [tool.mypy]), then
 # every test, the slow ones included.
 test: $(TEST_STAMP) $(APPLIANCE_STAMP) haproxy
 	$(PY) -m ruff check .

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ class ChatTemplate:
     source: str
     stop: tuple[str, ...] = ()  # stop strings every chat request gets (the default template's turn cue)
     name: str = "default"
+    _compiled: jinja2.Template = field(init=False, repr=False, compare=False)  # set from `source`
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_compiled", _environment().from_string(self.source))

@@ -97,7 +97,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if self._header_bytes > self.limits.max_header_bytes:
                 self._refuse(431, f"request headers larger than {self.limits.max_header_bytes} bytes")
 
-    def eof_received(self) -> bool | None:
+    # asyncio.Protocol's eof_received returns bool | None (True keeps the half-closed transport open);
+    # uvicorn annotates its override `-> None`.
+    def eof_received(self) -> bool | None:  # type: ignore[override]
         if self._refused:
             return None
         if self.cycle is not None and not self.cycle.response_complete and not self._in_body:
@@ -139,8 +141,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = self.loop.call_later(seconds, callback)
 
     def _disarm(self) -> None:
-        if getattr(self, "_timer", None) is not None:
-            self._timer.cancel()
+        timer: asyncio.TimerHandle | None = getattr(self, "_timer", None)  # unset before __init__ ends
+        if timer is not None:
+            timer.cancel()
             self._timer = None
 
     def _header_timed_out(self) -> None:

@@ -65,10 +65,12 @@ async def wait_for_results(
             task.cancel()
         for sequence in sequences:
             engine.cancel(sequence)  # a no-op for those that finished
+    finals: list[FinishEvent] = []
     for result in results:
         if isinstance(result, ErrorEvent):
             raise result.error
-    return results
+        finals.append(result)
+    return finals
 
 
 def submit_all(engine: Engine, requests: list[GenerationRequest]) -> list[RequestState]:

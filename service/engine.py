@@ -199,14 +199,15 @@ class Engine:
         with self._cond:
             if self._state is not EngineState.READY:
                 raise self.unavailable()
-            state = self._core.add(self._core.new_request(request, loop))
+            core = self._built_core()
+            state = core.add(core.new_request(request, loop))
             self._cond.notify_all()
         return state
 
     def cancel(self, state: RequestState) -> None:
         """The client went away: the request leaves at the next step boundary (its slot with it)."""
         with self._cond:
-            self._core.abort(state)
+            self._built_core().abort(state)
             self._cond.notify_all()
 
     def kv_usage(self) -> KVUsage:
@@ -255,7 +256,7 @@ class Engine:
                     started = time.monotonic()
                     with self._cond:
                         self._step = (len(batch), started, started + self.step_deadline_s(len(batch)))
-                        core = self._core
+                        core = self._built_core()
                         executor = core.executor  # this worker's, even if the watchdog detaches it
                         self._cond.notify_all()  # the watchdog waits for this deadline now
                     if self._injected_step_faults:
@@ -309,14 +310,15 @@ class Engine:
         log.error("%s; the backend is restarted", self.fault)
         self._generation += 1  # the hung worker is no longer the engine's
         self._step = None
-        hung = self._core.detach()  # its slots are not freed on a hung executor
+        core = self._built_core()  # a step was running: the first load built it
+        hung = core.detach()  # its slots are not freed on a hung executor
         if self._state is EngineState.READY:
             self._set_state(EngineState.RELOADING)
         error = StepTimedOut(
             f"the wafer did not finish a step within {limit:.1f} s (the step watchdog fired); "
             "the backend is being restarted, retry the request"
         )
-        self._core.end_all(error, self._core.scheduler.running)
+        core.end_all(error, core.scheduler.running)
         self.restarts += 1
         self.metrics.wafer_engine_restarts_total.inc()
         self.metrics.wafer_engine_step_timeouts_total.inc()
@@ -351,7 +353,7 @@ class Engine:
             while True:
                 if self._stop or self._generation != generation:
                     return None
-                batch = self._core.schedule()
+                batch = self._built_core().schedule()
                 if batch.items:
                     return batch
                 self._cond.notify_all()  # wake wait_drained
@@ -412,7 +414,8 @@ class Engine:
                 f"the wafer worker failed while running this request ({details}); "
                 "the model is being reloaded, retry the request"
             )
-            self._core.end_all(GenerationFailed(message), self._core.scheduler.running)
+            core = self._built_core()  # a step failed: the first load built it
+            core.end_all(GenerationFailed(message), core.scheduler.running)
             self.restarts += 1
             self.metrics.wafer_engine_restarts_total.inc()
         self._close_executor()
@@ -424,6 +427,12 @@ class Engine:
             close_quietly(executor)
 
     # ----- (the lock is held) ---------------------------------------------------------------------
+
+    def _built_core(self) -> EngineCore:
+        """The core, where only an engine that has loaded gets here (READY, a request, a step)."""
+        if self._core is None:
+            raise RuntimeError("the engine core is not built: no executor has been loaded")
+        return self._core
 
     def _fail_all(self, error) -> None:
         if self._core is not None:

@@ -64,6 +64,13 @@ class TokenizerHooks:
     vocab_size: int | None = None  # ids at or above it are unknown to the tokenizer: never emitted
 
 
+def _wanted(scores: TokenScores | None) -> TokenScores:
+    """An item's scores where the item wanted them (a decode item, a prompt's last or scored token)."""
+    if scores is None:
+        raise ExecutorError("the executor returned no scores for an item that wanted them")
+    return scores
+
+
 def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> tuple[Alternative, ...]:
     """The n best candidates the wafer returned that the tokenizer knows, with the model's logprobs."""
     known = (
@@ -88,21 +95,23 @@ class EngineCore:
         self._step_token_budget = step_token_budget
         self.metrics = metrics if metrics is not None else ServiceMetrics("wafer-gpt2")
         self.steps = 0
-        self.executor: Executor | None = None
-        self.scheduler: Scheduler | None = None
         self._outputs: list[Output] = []
-        self.attach(executor)
+        self.executor: Executor | None = executor
+        self.scheduler: Scheduler = self._new_scheduler(executor)
+        self.record_gauges()
 
     # ----- the executor ----------------------------------------------------------------------------
 
     def attach(self, executor: Executor) -> None:
         """Serve on `executor` (a fresh one after a reload): fresh KV slots, the queue kept."""
-        slots = KVSlotManager(executor.num_slots, executor.context_length)
-        scheduler = Scheduler(slots, self._max_queue, max(self._step_token_budget, slots.num_slots))
-        if self.scheduler is not None:
-            scheduler.waiting.extend(self.scheduler.waiting)
+        scheduler = self._new_scheduler(executor)
+        scheduler.waiting.extend(self.scheduler.waiting)
         self.executor, self.scheduler = executor, scheduler
         self.record_gauges()
+
+    def _new_scheduler(self, executor: Executor) -> Scheduler:
+        slots = KVSlotManager(executor.num_slots, executor.context_length)
+        return Scheduler(slots, self._max_queue, max(self._step_token_budget, slots.num_slots))
 
     def detach(self) -> Executor | None:
         """Stop using the executor (it failed or hangs): requests that end now free no wafer slot."""
@@ -167,8 +176,11 @@ class EngineCore:
     def execute(self, batch: StepBatch, executor: Executor | None = None) -> list[TokenScores | None]:
         """Run the batch on the executor. The worker calls this outside its lock, naming the executor it
         took under the lock (the watchdog may detach it meanwhile)."""
+        runner = executor or self.executor
+        if runner is None:  # detached (failed or hung) and the caller named none
+            raise ExecutorError("no executor is attached to run the step")
         started = time.monotonic()
-        results = (executor or self.executor).step(batch.items)
+        results = runner.step(batch.items)
         self.metrics.record_step(time.monotonic() - started, len(batch))
         return results
 
@@ -239,6 +251,9 @@ class EngineCore:
                 if item.position == 0:
                     state.prefill.append(PromptToken(prompt[0], None))
                 if item.target is not None:
+                    scores = _wanted(scores)
+                    if scores.target_logit is None:
+                        raise ExecutorError("the executor returned no logit for a prompt token's target")
                     logprob = scores.logprob(scores.target_logit)
                     n = request.top_n_tokens if request.prompt_top_n is None else request.prompt_top_n
                     ranks = np.flatnonzero(scores.topk_ids == item.target)
@@ -253,7 +268,7 @@ class EngineCore:
                 return
         else:
             state.pending_token = None
-        self._sample(state, scores)
+        self._sample(state, _wanted(scores))
 
     def _sample(self, state: RequestState, scores: TokenScores) -> None:
         request = state.request
@@ -362,5 +377,6 @@ def bare_greedy(executor: Executor, prompts: list[list[int]], new_tokens: int) -
         for slot, s in enumerate(scores):
             generated[slot].append(int(s.topk_ids[0]))
         if step + 1 < new_tokens:
-            scores = executor.step([StepItem(slot, n + step, ids[-1]) for slot, ids in enumerate(generated)])
+            step_items = [StepItem(slot, n + step, ids[-1]) for slot, ids in enumerate(generated)]
+            scores = [_wanted(s) for s in executor.step(step_items)]
     return generated

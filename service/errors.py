@@ -67,7 +67,7 @@ class Unavailable(ServiceError):
     status = 503
     error_type = "unavailable"
     metric_reason = "unavailable"
-    retry_after = 5  # loading, reloading, draining
+    retry_after: int | None = 5  # loading, reloading, draining
 
     def __init__(self, message: str, final: bool = False):
         super().__init__(message)

@@ -93,7 +93,11 @@ class GuardMiddleware:
         path = scope["path"]
         headers = dict(scope.get("headers") or [])
 
-        if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(headers):
+        if (
+            self.api_key is not None
+            and path not in OPEN_PATHS
+            and not self._authorized(headers, self.api_key)
+        ):
             error = Unauthorized("missing or wrong API key: send the header `Authorization: Bearer <key>`")
             await self._refuse(send, error, path, [(b"www-authenticate", b"Bearer")])
             return
@@ -140,9 +144,9 @@ class GuardMiddleware:
             self.metrics.record_failure(error.metric_reason)
         await send_error(send, error, path, extra_headers)
 
-    def _authorized(self, headers: dict) -> bool:
+    def _authorized(self, headers: dict, api_key: str) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key.encode())
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode())
 
     def _too_large(self, size: int, at_least: bool = False) -> PayloadTooLarge:
         found = f"at least {size}" if at_least else str(size)

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Literal
 
 from service.delivery import openai_sse, sse, token_string
 from service.detokenizer import IncrementalDetokenizer
@@ -159,7 +160,9 @@ def generation_requests(
     return choices, requests
 
 
-def openai_finish_reason(final: FinishEvent, body: OpenAIGenerationBody) -> tuple[str, str | int | None]:
+def openai_finish_reason(
+    final: FinishEvent, body: OpenAIGenerationBody
+) -> tuple[Literal["stop", "length"], str | int | None]:
     """OpenAI's finish_reason and vLLM's stop_reason (the stop string or stop token, None for EOS)."""
     if final.finish_reason is FinishReason.LENGTH:
         return "length", None
@@ -217,6 +220,8 @@ def prompt_logprobs_of(choice: Choice, prefill: tuple[PromptToken, ...], n: int)
     model's n best candidates, keyed by token id."""
     out: PromptLogprobs = [None]
     for known in prefill[1:]:
+        if known.logprob is None:  # only the first prompt token has none (nothing predicts it)
+            raise ValueError(f"prompt token {known.id} has no logprob")
         entries = {
             str(a.id): PromptLogprob(logprob=a.logprob, rank=rank, decoded_token=token_string(a.id))
             for rank, a in enumerate(known.top[:n], start=1)
@@ -325,16 +330,16 @@ async def openai_stream(
             started[position] = True
             if body.echo:
                 prefix = choice.prompt_text
-                if want:
+                if body.logprobs is not None:
                     prefix_logprobs = builders[position].prompt(choice, event.prefill, body.logprobs)
         if isinstance(event, TokenEvent):
             logprobs = builders[position].generated([event.token]) if want else None
-            if prefix_logprobs is not None:
+            if prefix_logprobs is not None and logprobs is not None:  # both or neither: `want`
                 logprobs = merge_logprobs(prefix_logprobs, logprobs)
             return [chunk(position, event.index, prefix + event.token.released, logprobs)]
         last = event.tokens[-1:]  # none when only the prompt was scored (max_tokens 0)
         logprobs = builders[position].generated(last) if want else None
-        if prefix_logprobs is not None:
+        if prefix_logprobs is not None and logprobs is not None:  # both or neither: `want`
             logprobs = merge_logprobs(prefix_logprobs, logprobs)
         reason, stop_reason = openai_finish_reason(event, body)
         text = prefix + "".join(t.released for t in last) + event.tail

@@ -22,6 +22,13 @@ from wafer.errors import InvalidInput
 from wafer.executor import StepItem
 
 
+def _slot(sequence: RequestState) -> int:
+    """A running request's KV slot (admission gave it one)."""
+    if sequence.slot is None:
+        raise RuntimeError(f"running request {sequence.id} holds no KV slot")
+    return sequence.slot
+
+
 @dataclass(frozen=True)
 class StepBatch:
     items: list[StepItem]
@@ -91,7 +98,7 @@ class Scheduler:
         owners: list[RequestState] = []
         for sequence in self.running:
             if not sequence.prefilling and sequence.pending_token is not None:
-                items.append(StepItem(sequence.slot, sequence.computed, sequence.pending_token))
+                items.append(StepItem(_slot(sequence), sequence.computed, sequence.pending_token))
                 owners.append(sequence)
 
         budget = self.step_token_budget - len(items)
@@ -108,7 +115,7 @@ class Scheduler:
                 wants_logprob = sequence.request.prompt_logprobs and not last
                 items.append(
                     StepItem(
-                        slot=sequence.slot,
+                        slot=_slot(sequence),
                         position=position,
                         token=prompt[position],
                         want_scores=last or wants_logprob,

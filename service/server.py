@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -32,7 +33,7 @@ class ServiceServer(uvicorn.Server):
     ):
         """`own_log_format`: uvicorn installs no handlers of its own; its records reach the root logger's
         (`service.logs.configure`), in the same format as the service's (JSON lines, say)."""
-        extra = {"log_config": None} if own_log_format else {}
+        extra: dict[str, Any] = {"log_config": None} if own_log_format else {}
         config = uvicorn.Config(
             app,
             **extra,
@@ -41,7 +42,8 @@ class ServiceServer(uvicorn.Server):
             log_level=log_level,
             access_log=access_log,
             timeout_graceful_shutdown=5,  # by then the engine has ended every request
-            timeout_keep_alive=settings.keep_alive_timeout_s,
+            # uvicorn annotates int but only hands it to loop.call_later: fractional seconds work.
+            timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
             http=protocol_class(
                 ConnectionLimits(
                     header_timeout_s=settings.header_timeout_s,

@@ -29,8 +29,9 @@ def is_tgi_body(data: Any) -> bool:
 
 
 def vllm_tokenize_body(data: Any) -> TokenizePromptRequest | TokenizeChatRequest:
-    chat = isinstance(data, dict) and "messages" in data
-    return parse_body(TokenizeChatRequest if chat else TokenizePromptRequest, data)
+    if isinstance(data, dict) and "messages" in data:
+        return parse_body(TokenizeChatRequest, data)
+    return parse_body(TokenizePromptRequest, data)
 
 
 def vllm_tokenize(

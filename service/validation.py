@@ -5,6 +5,7 @@ say which field broke which rule (the route-independent part; pydantic checks ea
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -164,7 +165,7 @@ async def json_body(request: Request) -> Any:
         raise RequestValidationFailed(f"request body is not valid JSON ({exc})") from None
 
 
-def format_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
+def format_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """pydantic's errors as one line: `field: problem; field: problem`."""
     parts, first_param = [], None
     for error in errors:
