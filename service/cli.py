@@ -42,15 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """What the CLI reports as one line (exit 2): the project's own errors, and the operating system's
-    (a missing file, a port in use). Anything else is a bug: its traceback shows, exit 1."""
-    from kernels.program.errors import ProgramError
-    from wafer.runtime import WaferRuntimeError
-    from weights.checkpoint import CheckpointError
-    from weights.config import ConfigError
-
-    # Not yet under WaferGPT2Error (their packages sit below wafer/errors.py or are another change's).
-    return (WaferGPT2Error, OSError, CheckpointError, ConfigError, ProgramError, WaferRuntimeError)
+    """What the CLI reports as one line (exit 2): the project's own errors (all under WaferGPT2Error,
+    the loaders', the program generator's and the runtime's included), and the operating system's (a
+    missing file, a port in use). Anything else is a bug: its traceback shows, exit 1."""
+    return (WaferGPT2Error, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:

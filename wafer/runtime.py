@@ -38,6 +38,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from wafer.errors import WaferGPT2Error
+
 
 class MemcpyDataType(Enum):
     MEMCPY_32BIT = 32
@@ -49,7 +51,7 @@ class MemcpyOrder(Enum):
     COL_MAJOR = 1  # host array (elems, w, h)
 
 
-class WaferRuntimeError(RuntimeError):
+class WaferRuntimeError(WaferGPT2Error, RuntimeError):
     """Misuse of the runtime or a failure on the wafer, worded like the SDK's errors."""
 
 

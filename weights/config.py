@@ -8,8 +8,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from wafer.errors import WaferGPT2Error
 
-class ConfigError(ValueError):
+
+class ConfigError(WaferGPT2Error, ValueError):
     """A configuration that cannot describe a GPT-2 model."""
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from wafer.errors import WaferGPT2Error
 from weights.config import GPT2Config
 from weights.params import expected_shapes
 
@@ -18,7 +19,7 @@ LLMC_MAGIC = 20240326
 PROGRESS_MIN_BYTES = 64 * 2**20  # below this a load takes well under a second: no bar
 
 
-class CheckpointError(ValueError):
+class CheckpointError(WaferGPT2Error, ValueError):
     """A checkpoint that cannot be loaded: the message names the file (and tensor) at fault."""
 
 
