@@ -9,7 +9,7 @@ names a resource.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from wafer.csl import arch as archs
 from wafer.csl import ast
@@ -71,6 +71,7 @@ from wafer.csl.values import (
 
 if TYPE_CHECKING:
     from wafer.csl.compiler import Ctx
+    from wafer.csl.layout import LayoutProgram
 
 BUILTINS: dict[str, Any] = {}
 
@@ -180,7 +181,7 @@ def _bitcast(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     elif t is F16:
         out = f"H2F[{bits}]"
     else:
-        out = t.wrap_code(bits)
+        out = cast(IntType, t).wrap_code(bits)  # checked above: t is F32, F16 or an integer type
     return ctx.finish(t, out, v.known)
 
 
@@ -193,7 +194,7 @@ def _ptrcast(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
         raise ctx.error(node, "@ptrcast converts a pointer to another pointer type")
     if v.known:
         return known(Pointer(v.value.addr, t, v.value.symbol), t)
-    return ctx.dyn(t, v.code)
+    return ctx.dyn(t, ctx.code(v))
 
 
 @builtin("type_of")
@@ -389,7 +390,7 @@ def _get_ut_id(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr
 
 def task_id_of(
     ctx: Ctx, v: Any, node: ast.Node, kinds: tuple[str, ...] = ("local", "data", "control")
-) -> int:
+) -> int | tuple[str, FnSym]:
     """The task table index an @activate/@block/... argument names (a task ID, a color on WSE-2, an
     input queue on WSE-3, or a task function that is bound)."""
     if isinstance(v, TaskId):
@@ -500,51 +501,53 @@ def _export_symbol(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> C
 @builtin("export_name")
 def _export_name(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     _argc(ctx, node, 2, 3)
-    _layout_only(ctx, node)
+    lp = _layout_only(ctx, node)
     name = _known_arg(ctx, node, 0, "name")
     t = ctx.ctype(node.args[1])
     mutable = _known_arg(ctx, node, 2, "mutability") if len(node.args) > 2 else False
-    ctx.program.export_name(name, t, mutable, ctx.where(node))
+    lp.export_name(name, t, mutable, ctx.where(node))
     return VOID_EXPR
 
 
-def _layout_only(ctx: Ctx, node: ast.BuiltinCall) -> None:
+def _layout_only(ctx: Ctx, node: ast.BuiltinCall) -> LayoutProgram:
     if not ctx.layout:
         raise ctx.error(node, f"@{node.name} is only allowed in a layout block")
+    # A layout block's module belongs to the layout file, whose program is its LayoutProgram.
+    return cast("LayoutProgram", ctx.program)
 
 
 @builtin("set_rectangle")
 def _set_rectangle(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     _argc(ctx, node, 2)
-    _layout_only(ctx, node)
-    ctx.program.set_rectangle(_int_arg(ctx, node, 0), _int_arg(ctx, node, 1), ctx.where(node))
+    lp = _layout_only(ctx, node)
+    lp.set_rectangle(_int_arg(ctx, node, 0), _int_arg(ctx, node, 1), ctx.where(node))
     return VOID_EXPR
 
 
 @builtin("set_tile_code")
 def _set_tile_code(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     _argc(ctx, node, 3, 4)
-    _layout_only(ctx, node)
+    lp = _layout_only(ctx, node)
     x, y = _int_arg(ctx, node, 0), _int_arg(ctx, node, 1)
     path = _known_arg(ctx, node, 2, "file")
     params = _known_arg(ctx, node, 3, "parameters") if len(node.args) > 3 else Struct(())
     if not isinstance(path, str) or not isinstance(params, Struct):
         raise ctx.error(node, "@set_tile_code takes (x, y, file, params struct)")
     full = str((Path(ctx.mod.path).parent / path).resolve())
-    ctx.program.set_tile_code(x, y, full, params, ctx.where(node))
+    lp.set_tile_code(x, y, full, params, ctx.where(node))
     return VOID_EXPR
 
 
 @builtin("set_color_config")
 def _set_color_config(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     _argc(ctx, node, 4)
-    _layout_only(ctx, node)
+    lp = _layout_only(ctx, node)
     x, y = _int_arg(ctx, node, 0), _int_arg(ctx, node, 1)
     color = _known_arg(ctx, node, 2, "color")
     config = _known_arg(ctx, node, 3, "config")
     if not isinstance(color, Color):
         raise ctx.error(node.args[2], f"expected a color, found {color!r}")
-    ctx.program.set_color_config(x, y, color, color_config(ctx, config, node), ctx.where(node))
+    lp.set_color_config(x, y, color, color_config(ctx, config, node), ctx.where(node))
     return VOID_EXPR
 
 
@@ -858,7 +861,7 @@ def _dsd_mutator(name: str):
         if d.type not in (MEM1D_DSD, MEM4D_DSD, FABIN_DSD, FABOUT_DSD):
             raise ctx.error(node, f"@{name} takes a DSD, found {d.type.name}")
         v = ctx.cx(node.args[1])
-        where = ctx.fb.const(ctx.where(node)) if ctx.fb else repr(ctx.where(node))
+        where = ctx.fb.const(ctx.where(node)) if ctx.fb_opt else repr(ctx.where(node))
         if name == "increment_dsd_offset":
             t = ctx.ctype(node.args[2])
             if not is_int(v.type):
@@ -877,7 +880,7 @@ def _dsd_mutator(name: str):
             if not is_int(v.type):
                 raise ctx.error(node, f"@{name} takes an integer")
             args = ctx.code(v)
-        code = f"DSD.{name}({ctx.code(d) if not d.known else (ctx.fb.const(d.value) if ctx.fb else 'D')}, {args}, {where})"
+        code = f"DSD.{name}({ctx.code(d) if not d.known else (ctx.fb.const(d.value) if ctx.fb_opt else 'D')}, {args}, {where})"
         if d.known and v.known:
             from wafer.csl import dsd as dsd_mod
 
@@ -946,7 +949,7 @@ for _name in DSD_OPS:
     BUILTINS[_name] = _dsd_op(_name)
 
 
-def operand(ctx: Ctx, a: ast.Node, elem: str, node: ast.Node) -> tuple[str, Any]:
+def operand(ctx: Ctx, a: ast.Node, elem: str, node: ast.BuiltinCall) -> tuple[str, Any]:
     """Python code for one DSD operation operand, and its kind for the static checks."""
     ce = ctx.cx(a)
     t = ce.type

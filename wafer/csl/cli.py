@@ -163,7 +163,7 @@ def run_example(folder: Path, root: Path, arch: str, wrappers: Path, timeout: fl
             )
             code, out = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
-            code, out = -1, f"timed out after {timeout:.0f} s\n{exc.stdout or ''}{exc.stderr or ''}"
+            code, out = -1, f"timed out after {timeout:.0f} s\n{exc.stdout or ''!s}{exc.stderr or ''!s}"
         wall = time.perf_counter() - start
         stats_file = Path(env["WAFER_CSL_STATS"])
         runs = (

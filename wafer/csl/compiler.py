@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from wafer.csl import ast, rt, timing
 from wafer.csl.errors import CslCompileError, CslError
@@ -235,7 +236,7 @@ class Ctx:
         self.mod = mod
         self.mode = mode
         self.scope = scope or Scope()
-        self.fb = fb
+        self.fb_opt = fb  # the function being generated; None at comptime and in layouts
         self.fn = fn
         self.layout = layout
         self.ret_type: CslType = VOID_T
@@ -245,6 +246,13 @@ class Ctx:
     @property
     def runtime(self) -> bool:
         return self.mode == "runtime"
+
+    @property
+    def fb(self) -> FnBuilder:
+        """The function being generated; only a run-time function's context has one."""
+        if self.fb_opt is None:
+            raise RuntimeError(f"internal: {self.mod.path}: a {self.mode} context has no function builder")
+        return self.fb_opt
 
     @property
     def program(self) -> Program:
@@ -258,7 +266,7 @@ class Ctx:
         return CslCompileError(f"{self.where(node)}: {message}")
 
     def child(self, **kw: Any) -> Ctx:
-        c = Ctx(self.comp, self.mod, self.mode, Scope(self.scope), self.fb, self.fn, self.layout)
+        c = Ctx(self.comp, self.mod, self.mode, Scope(self.scope), self.fb_opt, self.fn, self.layout)
         c.ret_type = self.ret_type
         c.unchecked = self.unchecked
         for k, v in kw.items():
@@ -268,12 +276,11 @@ class Ctx:
     # -- code ----------------------------------------------------------------------------------------
     def code(self, ce: CExpr) -> str:
         if ce.known:
-            return lit(ce.value, self.fb)
+            return lit(ce.value, self.fb_opt)
         assert ce.code is not None
         return ce.code
 
     def emit(self, code: str, line: int) -> None:
-        assert self.fb is not None
         self.fb.emit(code, line)
 
     def dyn(self, ctype: CslType, code: str) -> CExpr:
@@ -286,7 +293,6 @@ class Ctx:
         return ce.value
 
     def view(self, name: str) -> str:
-        assert self.fb is not None
         self.fb.views.add(name)
         return name
 
@@ -643,7 +649,7 @@ class Ctx:
         if not self.runtime:
             raise self.error(node, "index must be comptime-known here")
         t = self.fb.temp("i")
-        where = lit(self.where(node), self.fb)
+        where = lit(self.where(node), self.fb_opt)
         return self.dyn(
             idx.type, f"({t} if 0 <= ({t} := {self.code(idx)}) < {n} else OOB({t}, {n}, {where}))"
         )
@@ -707,7 +713,8 @@ class Ctx:
         wide = view in ("mF", "mI", "mi")
         if addr.known:
             return str(addr.value >> 1 if wide else addr.value)
-        return f"({addr.code}) >> 1" if wide else addr.code
+        code = self.code(addr)  # not known: its run-time expression
+        return f"({code}) >> 1" if wide else code
 
     def mem_write(self, addr: CExpr, t: CslType, value_code: str, node: ast.Node) -> str:
         if isinstance(t, EnumType):
@@ -854,7 +861,8 @@ class Ctx:
             if t is COMPTIME_INT:
                 return self.finish(t, f"({self.code(a)} {op} {self.code(b)})", a.known and b.known)
             helper = "SHL" if op == "<<" else "SHR"
-            code = f"{helper}({self.code(a)}, {self.code(b)}, {t.bits})"
+            bits = cast(IntType, t).bits  # is_int and not comptime_int: a sized integer type
+            code = f"{helper}({self.code(a)}, {self.code(b)}, {bits})"
             return self.finish(t, wrap(t, code) if op == "<<" else code, a.known and b.known)
         if isinstance(a.type, (PointerType,)) or isinstance(b.type, PointerType):
             if op in ("==", "!="):
@@ -915,7 +923,12 @@ class Ctx:
         b = self.cx(node.other, expect) if node.other is not None else VOID_EXPR
         if expect is not None and is_num(expect) and a.type in (COMPTIME_INT, COMPTIME_FLOAT):
             a = self.coerce(a, expect, node.then)
-        if expect is not None and is_num(expect) and b.type in (COMPTIME_INT, COMPTIME_FLOAT):
+        if (
+            expect is not None
+            and is_num(expect)
+            and b.type in (COMPTIME_INT, COMPTIME_FLOAT)
+            and node.other is not None  # else b is void
+        ):
             b = self.coerce(b, expect, node.other)
         t = self.peer(a, b, node)
         a, b = self.coerce(a, t, node), self.coerce(b, t, node)
@@ -1000,6 +1013,7 @@ class Ctx:
                 COMPTIME_STRUCT,
             )
         tnode = node.type
+        at: CslType
         if isinstance(tnode, ast.ArrayTypeExpr) and tnode.length is None:
             at = ArrayType(len(items), self.ctype(tnode.elem))
         else:
@@ -1229,7 +1243,7 @@ class Ctx:
         elif isinstance(s, ast.ExprStmt):
             ce = self.cx(s.expr)
             if not ce.known:
-                self.emit(ce.code, s.line)
+                self.emit(self.code(ce), s.line)
         elif isinstance(s, ast.Block):
             if s.label is not None:
                 raise self.error(s, "labeled blocks are not supported in run-time code")
@@ -1434,6 +1448,7 @@ class Ctx:
             var = self.comp.local_array(self, s, t)
             self.scope.names[s.name] = LocalArray(var)
             if init is not None:
+                assert s.init is not None  # init is s.init compiled
                 value = self.need_known(init, s.init, "local array initializer")
                 self.emit(f"pe.write_array({var.addr}, {self.fb.const(value)})", s.line)
             return
@@ -1441,7 +1456,7 @@ class Ctx:
             # Its address is taken: it lives in memory (placed statically, as local arrays are).
             var = self.comp.local_array(self, s, t)
             self.scope.names[s.name] = LocalArray(var)
-            value = self.code(init) if init is not None else lit(self.comp.zero_value(t), self.fb)
+            value = self.code(init) if init is not None else lit(self.comp.zero_value(t), self.fb_opt)
             self.emit(self.mem_write(CExpr(U32, var.addr), t, value, s), s.line)
             return
         if s.kind == "const" and init is not None and init.known:
@@ -1452,13 +1467,13 @@ class Ctx:
         if init is not None:
             self.emit(f"{py} = {self.code(init)}", s.line)
         else:
-            self.emit(f"{py} = {lit(self.comp.zero_value(t), self.fb)}", s.line)
+            self.emit(f"{py} = {lit(self.comp.zero_value(t), self.fb_opt)}", s.line)
 
     def assign_runtime(self, s: ast.Assign) -> None:
         if isinstance(s.target, ast.Ident) and s.target.name == "_":
             ce = self.cx(s.value)
             if not ce.known:
-                self.emit(ce.code, s.line)
+                self.emit(self.code(ce), s.line)
             return
         p = self.place(s.target)
         if isinstance(p, CVar):
@@ -1563,7 +1578,8 @@ class ArrayElemPlace:
         n = arr.type.elem.count if isinstance(arr.type.elem, ArrayType) else 1
         if n == 1:
             return arr.items[self.index]
-        return ArrayValue(arr.type.elem, arr.items[self.index * n : (self.index + 1) * n])
+        elem = cast(ArrayType, arr.type.elem)  # n > 1 only for an array of arrays
+        return ArrayValue(elem, arr.items[self.index * n : (self.index + 1) * n])
 
     def expr(self) -> CExpr:
         arr: ArrayValue = self.cvar.value
@@ -1649,6 +1665,7 @@ class Compiler:
         """Evaluate every top-level declaration and comptime block, in source order."""
         ctx = Ctx(self, mod, "comptime", layout=layout)
         self._check_params(mod)
+        assert mod.file is not None  # a native module is never evaluated from source
         for decl in mod.file.decls:
             if isinstance(decl, (ast.VarDecl, ast.FnDecl)) and _evaluated_eagerly(decl):
                 self.resolve(mod, decl.name, decl)
@@ -1768,7 +1785,7 @@ class Compiler:
         k = (addr - var.addr) // max(1, t.words)
         return init.items[k] if 0 <= k < len(init.items) else None
 
-    def local_array(self, ctx: Ctx, s: ast.VarDecl, t: ArrayType) -> MemVar:
+    def local_array(self, ctx: Ctx, s: ast.VarDecl, t: CslType) -> MemVar:
         fn = ctx.fn.name if ctx.fn else "?"
         return ctx.program.allocate(f"{fn}.{s.name}", t, True, (ctx.mod.path, s.line))
 
@@ -1813,7 +1830,7 @@ class Compiler:
         sym = self.resolve(mod, name, node)
         if sym is None:
             raise ctx.error(node, f"module {Path(mod.path).name} has no member {name!r}")
-        inner = Ctx(self, mod, ctx.mode, fb=ctx.fb, fn=ctx.fn)
+        inner = Ctx(self, mod, ctx.mode, fb=ctx.fb_opt, fn=ctx.fn)
         return inner.binding_expr(sym, node)
 
     # -- calls ---------------------------------------------------------------------------------------
@@ -1822,7 +1839,7 @@ class Compiler:
         if len(arg_nodes) != len(decl.params):
             raise ctx.error(node, f"{decl.name} expects {len(decl.params)} arguments, found {len(arg_nodes)}")
         fctx = Ctx(self, fn.module, "comptime")
-        comptime_params = {}
+        comptime_params: dict[str, Any] = {}
         args: list[CExpr] = []
         for p, a in zip(decl.params, arg_nodes, strict=True):
             scope_ctx = Ctx(self, fn.module, "comptime", Scope(), layout=False)
@@ -1905,7 +1922,7 @@ class Compiler:
         ctx.gen(decl.body.stmts)
         return self.assemble(fb, [py for py, _ in params])
 
-    def assemble(self, fb: FnBuilder, params: list[str], prologue: list[str] = ()) -> Any:
+    def assemble(self, fb: FnBuilder, params: list[str], prologue: Sequence[str] = ()) -> Any:
         head = [f"def {_pyname(fb.name)}(pe{''.join(', ' + p for p in params)}):"]
         setup = (
             ["    S = pe.S"]
@@ -1915,7 +1932,7 @@ class Compiler:
         body = fb.lines or ["    pass"]
         source = "\n".join(head + setup + body) + "\n"
         code = compile(source, fb.filename, "exec")
-        namespace = dict(rt.HELPERS)
+        namespace: dict[str, Any] = dict(rt.HELPERS)
         namespace.update(_runtime_namespace())
         namespace["K"] = fb.consts
         exec(code, namespace)

@@ -218,22 +218,27 @@ def op_length(operands: tuple) -> int:
     """Steps of an operation: its shortest memory DSD operand, or, when it has none, its shortest
     fabric DSD. A fabric extent does not cut short an operation over memory: topic-12 and topic-13
     send a 5-element buffer through a fabout_dsd of extent 1 and expect all 5 wavelets."""
-    mem = [dsd_length(o) for o in operands if isinstance(o, Dsd) and o.kind in ("mem1d", "mem4d")]
+    mem = [_extent(o) for o in operands if isinstance(o, Dsd) and o.kind in ("mem1d", "mem4d")]
     if mem:
         return min(mem)
-    fab = [dsd_length(o) for o in operands if isinstance(o, Dsd)]
+    fab = [_extent(o) for o in operands if isinstance(o, Dsd)]
     return min(fab) if fab else 1
+
+
+def _extent(d: Dsd) -> int:
+    """Elements a DSD can supply or take."""
+    if d.kind == "mem4d":
+        n = 1
+        for extent, _ in d.dims:
+            n *= extent
+        return n
+    return d.length
 
 
 def dsd_length(d: Any) -> int | None:
     """Elements an operand can supply or take (None: unbounded)."""
     if isinstance(d, Dsd):
-        if d.kind == "mem4d":
-            n = 1
-            for extent, _ in d.dims:
-                n *= extent
-            return n
-        return d.length
+        return _extent(d)
     return None
 
 

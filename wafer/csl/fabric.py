@@ -20,6 +20,7 @@ by the old switch position) and pops it as its `pop_mode` says.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from wafer.csl import timing
@@ -93,7 +94,7 @@ class Channel:
         self.space_waiters: list = []
         self.data_waiters: list = []
         self.machine = machine
-        self.on_push = None
+        self.on_push: Callable[[int], None] | None = None
 
     def __len__(self) -> int:
         return len(self.q)
@@ -231,7 +232,7 @@ class RouterColor:
         cached = self.targets_cache.get(self.cur)
         if cached is not None:
             return cached
-        out = []
+        out: list[tuple[str, Any, str | None]] = []
         for d in self.positions[self.cur][1]:
             if d == "RAMP":
                 out.append(("RAMP", None, None))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from wafer.csl import arch as archs
+from wafer.csl import ast
 from wafer.csl.compiler import Compiler, _freeze
 from wafer.csl.errors import CslCompileError
 from wafer.csl.parse import parse_file
@@ -109,12 +110,19 @@ class CompiledLayout:
     params: dict[str, int]
 
     @property
+    def rectangle(self) -> tuple[int, int]:
+        """The kernel's size (compile_layout rejects a layout that never calls @set_rectangle)."""
+        if self.layout.rectangle is None:
+            raise RuntimeError("internal: a compiled layout without a rectangle")
+        return self.layout.rectangle
+
+    @property
     def width(self) -> int:
-        return self.layout.rectangle[0]
+        return self.rectangle[0]
 
     @property
     def height(self) -> int:
-        return self.layout.rectangle[1]
+        return self.rectangle[1]
 
 
 def compile_layout(layout_path: str | Path, options: Options) -> CompiledLayout:
@@ -122,7 +130,7 @@ def compile_layout(layout_path: str | Path, options: Options) -> CompiledLayout:
     comp = Compiler(options.arch, {"memcpy": options.memcpy})
     lp = LayoutProgram(options.arch, layout_path)
     file = parse_file(layout_path)
-    declared = {d.name for d in file.decls if getattr(d, "kind", None) == "param"}
+    declared = {d.name for d in file.decls if isinstance(d, ast.VarDecl) and d.kind == "param"}
     given: dict[str, Any] = dict(options.params)
     types: dict[str, CslType] = {k: COMPTIME_INT for k in given}
     for name, cid in options.colors.items():  # --colors gives a layout's `param name: color`
@@ -209,6 +217,7 @@ def finish_program(comp: Compiler, prog: Program) -> None:
         binding.fn.py.decode = wavelet_decoder(types)
     for exp in prog.exports.values():
         if exp.kind == "fn":
+            assert exp.fn is not None  # a "fn" export always carries its FnSym
             decl = exp.fn.decl
             if decl.is_task:
                 raise CslCompileError(f"{exp.where}: a task cannot be exported; export a fn")
@@ -296,7 +305,7 @@ def merge_routes(c: CompiledLayout) -> dict[tuple[int, int, int], ColorConfig]:
 
 def check_layout(c: CompiledLayout) -> None:
     rules = archs.rules(c.options.arch)
-    w, h = c.layout.rectangle
+    w, h = c.rectangle
     # Exported names: each must exist, with one type, on the PEs that export it.
     for name, (t, _mutable, where) in c.layout.export_names.items():
         found = [(xy, p.exports[name]) for xy, p in c.pe_program.items() if name in p.exports]
@@ -308,6 +317,7 @@ def check_layout(c: CompiledLayout) -> None:
                     raise CslCompileError(
                         f"{exp.where}: {name!r} is exported as a function, the layout says data"
                     )
+                assert exp.elem is not None  # a "data" export always carries its element type
                 if exp.elem.words != t.elem.words or exp.elem.name != t.elem.name:
                     raise CslCompileError(
                         f"{exp.where}: {name!r} points to {exp.elem.name} on PE ({x}, {y}), the layout says {t.elem.name}"

@@ -237,7 +237,7 @@ class Control(NativeModule):
         super().__init__(comp, ctx, params, node)
         from wafer.csl.fabric import encode_control, encode_single
 
-        def entry(v: Any) -> int:
+        def entry(v: Any) -> int | None:
             if isinstance(v, Void):
                 return None
             if isinstance(v, TaskId):

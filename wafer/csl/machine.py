@@ -239,8 +239,8 @@ class Machine:
                 for d, nb, _ in r.targets():
                     if d == "RAMP":
                         ce = self.pes.get((r.x, r.y))
-                        ch = ce.inputs.get(r.color) if ce else None
-                        if ch is not None and ch.free() <= 0:
+                        ce_in = ce.inputs.get(r.color) if ce else None
+                        if ce_in is not None and ce_in.free() <= 0:
                             blocking.append("its CE input is full")
                     elif nb.buf.free() <= 0:
                         blocking.append(f"{d} neighbour full")
@@ -335,6 +335,7 @@ class CopyCommand(Command):
                     )
                 sel = idx[j, i]
                 a = exp.addr
+                view: np.ndarray
                 if self.wpe == 2:
                     view = pe.mem16[a : a + 2 * self.elems].view(np.uint32)
                     if self.to_device:
@@ -491,7 +492,9 @@ class StreamD2H(Command):
 class _Drain:
     def __init__(self, cmd: StreamD2H, pe: PE, i: int, j: int) -> None:
         self.cmd, self.pe, self.i, self.j = cmd, pe, i, j
-        self.ch = cmd.m.memcpy_egress(pe, cmd.color)
+        ch = cmd.m.memcpy_egress(pe, cmd.color)
+        assert ch is not None  # a D2H stream's color is a memcpy D2H color by construction
+        self.ch = ch
         self.at = -1
 
     def kick(self, t: int) -> None:

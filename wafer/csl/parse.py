@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
+from typing import NoReturn, cast
 
 from wafer.csl import ast
 from wafer.csl.errors import CslSyntaxError
@@ -145,7 +146,7 @@ class _Converter:
         self.layout_lines = layout_lines
 
     # -- helpers -------------------------------------------------------------------------------------
-    def fail(self, node, what: str):
+    def fail(self, node, what: str) -> NoReturn:
         raise CslSyntaxError(f"{self.path}:{node.start_point[0] + 1}: unsupported CSL: {what}")
 
     @staticmethod
@@ -441,7 +442,9 @@ class _Converter:
         if not isinstance(extents, (ast.ListLit, ast.StructLit)) or not isinstance(names, ast.ListLit):
             raise CslSyntaxError(f"{self.path}:{marker.line}: malformed tensor access")
         ext = extents.items if isinstance(extents, ast.ListLit) else []
-        return ast.TensorAccess(marker.line, [n.name for n in names.items], list(ext), expr)
+        # The marker's names list holds the tensor's index identifiers, by the grammar.
+        idents = [cast(ast.Ident, n).name for n in names.items]
+        return ast.TensorAccess(marker.line, idents, list(ext), expr)
 
     def _rotate_not(self, built: ast.Node, inner_attr: str) -> ast.Node:
         """`(!f)(x)` from the grammar -> `!(f(x))`."""

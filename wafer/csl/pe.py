@@ -227,6 +227,7 @@ class PE:
     def runnable(self, t: int) -> tuple[int, tuple] | None:
         """The next task to run, by the machine's picker policy (see `Machine.picker`)."""
         cands: list[tuple[int, int, str, int | None]] = []  # (stamp, id, kind, color)
+        color: int | None
         for color, ch in list(self.inputs.items()):
             if not ch.head_ready(t):
                 continue
@@ -244,14 +245,14 @@ class PE:
         for tid, color in self.data_channel.items():
             if self.blocked[tid]:
                 continue
-            ch = self.inputs.get(color)
+            ich = self.inputs.get(color)
             if (
-                ch is not None
-                and ch.head_ready(t)
-                and not ch.q[0][1] & CTRL
+                ich is not None
+                and ich.head_ready(t)
+                and not ich.q[0][1] & CTRL
                 and not self._fabin_reading(color)
             ):
-                cands.append((ch.q[0][0], tid, "data", color))
+                cands.append((ich.q[0][0], tid, "data", color))
         for tid in self.activated:
             if not self.blocked[tid]:
                 cands.append((self.active_since[tid], tid, "local", None))
@@ -270,6 +271,7 @@ class PE:
             if self.task_kind[tid] is None:
                 raise CslRuntimeError(f"{self}: task ID {tid} is activated but no task is bound to it")
             return tid, ()
+        assert color is not None  # "data" and "ctrl" candidates carry their color
         w = self.inputs[color].pop(t)
         return tid, self.task_decode[tid](w & 0xFFFFFFFF)
 
@@ -731,8 +733,8 @@ class StreamOp:
         self.sync = False
         self.at = -1
         self.blocked_on = ""
-        self.didx = None
-        self.sidx = [None] * len(self.srcs)
+        self.didx: np.ndarray | None = None
+        self.sidx: list[np.ndarray | None] = [None] * len(self.srcs)
         where = spec.where
         if isinstance(self.dest, (Dsd, D.ScalarPtr)) and not (
             isinstance(self.dest, Dsd) and self.dest.kind == "fabout"
@@ -741,17 +743,18 @@ class StreamOp:
             pe._bounds(self.didx, spec.dtype, where)
         for k, (s, st) in enumerate(zip(self.srcs, self.stypes, strict=True)):
             if isinstance(s, D.ScalarPtr) or (isinstance(s, Dsd) and s.kind in ("mem1d", "mem4d")):
-                self.sidx[k] = D.mem_indices(s, n, D.WORDS[st], where)
-                pe._bounds(self.sidx[k], st, where)
+                sidx = D.mem_indices(s, n, D.WORDS[st], where)
+                self.sidx[k] = sidx
+                pe._bounds(sidx, st, where)
         if isinstance(self.dest, Dsd) and self.dest.kind == "fabout":
-            pe.output_queue(self.dest.queue if self.dest.queue is not None else 0, self.dest.color.id)
+            pe.output_queue(self.dest.queue if self.dest.queue is not None else 0, self.dest.fabric_color.id)
         if pe.arch.name == "wse3":
             for s in self.srcs:
                 if isinstance(s, Dsd) and s.kind == "fabin":
-                    bound = pe.program.queue_colors.get(("input", s.queue))
-                    if bound is None or bound[0] != s.color.id:
+                    bound = pe.program.queue_colors.get(("input", s.queue)) if s.queue is not None else None
+                    if bound is None or bound[0] != s.fabric_color.id:
                         raise CslRuntimeError(
-                            f"{where}: on WSE-3 input queue {s.queue} must be bound to color {s.color.id} "
+                            f"{where}: on WSE-3 input queue {s.queue} must be bound to color {s.fabric_color.id} "
                             "with @initialize_queue before an operation reads it"
                         )
         if self.done:
@@ -762,7 +765,7 @@ class StreamOp:
 
     def reads_color(self, color: int) -> bool:
         return not self.done and any(
-            isinstance(s, Dsd) and s.kind == "fabin" and s.color.id == color for s in self.srcs
+            isinstance(s, Dsd) and s.kind == "fabin" and s.fabric_color.id == color for s in self.srcs
         )
 
     def queues(self) -> list[tuple[str, int]]:
@@ -806,7 +809,7 @@ class StreamOp:
         later = None
         for s in self.srcs:
             if isinstance(s, Dsd) and s.kind == "fabin":
-                ch = pe.input(s.color.id)
+                ch = pe.input(s.fabric_color.id)
                 r = ch.ready_data(t, k)
                 if r < k:
                     k = r
@@ -822,7 +825,7 @@ class StreamOp:
                     blockers.append(("data", ch))
         d = self.dest
         if isinstance(d, Dsd) and d.kind == "fabout":
-            ch = pe.output_queue(d.queue if d.queue is not None else 0, d.color.id)
+            ch = pe.output_queue(d.queue if d.queue is not None else 0, d.fabric_color.id)
             if ch.free() < k:
                 k = ch.free()
                 blockers.append(("space", ch))
@@ -863,7 +866,7 @@ class StreamOp:
             elif isinstance(s, D.Scalar):
                 values.append(D.scalar_array(s, k, st))
             elif isinstance(s, Dsd) and s.kind == "fabin":
-                ch = pe.input(s.color.id)
+                ch = pe.input(s.fabric_color.id)
                 values.append(D.from_wavelets([ch.pop(t) & 0xFFFFFFFF for _ in range(k)], st))
             elif isinstance(s, Fifo):
                 ch = pe.fifos[s.index]
@@ -876,12 +879,13 @@ class StreamOp:
             payloads = D.to_wavelets(out, spec.dtype)
             if d.control:
                 payloads = [p | CTRL for p in payloads]
-            pe.send(d.queue, d.color.id, payloads, t + 1)
+            pe.send(d.queue, d.fabric_color.id, payloads, t + 1)
         elif isinstance(d, Fifo):
             ch = pe.fifos[d.index]
             for i, p in enumerate(D.to_wavelets(out, spec.dtype)):
                 ch.push(t + 1 + i, p)
         else:
+            assert self.didx is not None  # set in __init__ for every memory destination
             D.write_mem(pe.mem16, self.didx[self.pos : self.pos + k], out, spec.dtype, where)
 
     def finish(self, t: int) -> None:

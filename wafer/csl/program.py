@@ -123,7 +123,9 @@ class Program:
     symbols: list[MemVar] = field(default_factory=list)
     slots: list[SlotVar] = field(default_factory=list)
     tasks: dict[int, TaskBinding] = field(default_factory=dict)
-    startup: list[tuple[str, int, str]] = field(default_factory=list)  # (activate|block|unblock, id, where)
+    # (activate|block|unblock, task ID, where); ("load_dsr", (dsr, dsd, opts), where); before
+    # finishing, a task ID may still be ("fn", FnSym), resolved by the layout.
+    startup: list[tuple[str, Any, str]] = field(default_factory=list)
     exports: dict[str, Export] = field(default_factory=dict)
     local_colors: dict[int, ColorConfig] = field(default_factory=dict)
     queue_colors: dict[tuple[str, int], tuple[int, str]] = field(default_factory=dict)
@@ -206,7 +208,8 @@ class ModuleInstance:
     file: ast.SourceFile | None
     params: Struct
     native: Any = None  # a native library module (wafer.csl.libs), or None for a CSL file
-    symbols: dict[str, Any] = field(default_factory=dict)
+    # names, and ("__spec__", fn name) -> that function's specialisations
+    symbols: dict[str | tuple[str, str], Any] = field(default_factory=dict)
     decls: dict[str, ast.Node] = field(default_factory=dict)
     evaluating: set[str] = field(default_factory=set)
     csl_type: Any = None

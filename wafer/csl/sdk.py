@@ -55,7 +55,7 @@ def write_output(compiled: CompiledLayout, out_dir: str | Path) -> Path:
             "layout": compiled.layout.path,
             "options": asdict(opts),
             "sources": _sources(compiled),
-            "rectangle": list(compiled.layout.rectangle),
+            "rectangle": list(compiled.rectangle),
             "programs": len(compiled.programs),
             "memory_words": {Path(p.path).name: p.memory_words for p in compiled.programs},
         },
@@ -128,10 +128,16 @@ class SdkRuntime:
             raise CslRuntimeError("SdkRuntime.run() needs load() first")
         self.state = "running"
 
+    def _loaded(self) -> Machine:
+        """The machine load() made; callers check the state first, so a missing one is an internal error."""
+        if self.machine is None:
+            raise RuntimeError(f"internal: SdkRuntime is {self.state} but has no machine")
+        return self.machine
+
     def stop(self) -> None:
         if self.state != "running":
             raise CslRuntimeError("SdkRuntime.stop() needs a running program")
-        m = self.machine
+        m = self._loaded()
         try:
             m.run_until(
                 lambda: m.active is None and not m.commands, "the pending memcpy commands before stop()"
@@ -149,14 +155,14 @@ class SdkRuntime:
     def _save_traces(self) -> None:
         if self.bindir is None:
             return
-        traces = {f"{x},{y}": pe.traces for (x, y), pe in self.machine.pes.items() if pe.traces}
+        traces = {f"{x},{y}": pe.traces for (x, y), pe in self._loaded().pes.items() if pe.traces}
         if traces:
             (self.bindir / TRACES_JSON).write_text(json.dumps(traces))
 
     def _running(self, what: str) -> Machine:
         if self.state != "running":
             raise CslRuntimeError(f"{what}: the runtime is {self.state}; call load() and run() first")
-        return self.machine
+        return self._loaded()
 
     def get_id(self, name: str) -> int:
         if name not in self.compiled.layout.export_names:
@@ -166,7 +172,7 @@ class SdkRuntime:
 
     # -- memcpy --------------------------------------------------------------------------------------
     def _rect(self, what: str, px: int, py: int, w: int, h: int) -> tuple[int, int, int, int]:
-        W, H = self.compiled.layout.rectangle
+        W, H = self.compiled.rectangle
         px, py, w, h = int(px), int(py), int(w), int(h)
         if w <= 0 or h <= 0 or px < 0 or py < 0 or px + w > W or py + h > H:
             raise CslRuntimeError(
@@ -197,7 +203,7 @@ class SdkRuntime:
         return name, self.compiled.layout.export_names[name]
 
     def _submit(self, cmd, nonblock: bool):
-        m = self.machine
+        m = self._loaded()
         m.submit(cmd)
         task = Task(self, cmd)
         if not nonblock:
@@ -338,6 +344,7 @@ class SdkRuntime:
         exports = next((pe.program.exports.get(name) for pe in m.pes.values()), None)
         if exports is None or exports.kind != "fn":
             raise CslRuntimeError(f"call({name!r}): no PE exports such a function")
+        assert exports.fn is not None  # a "fn" export always carries its FnSym
         from wafer.csl.compiler import Compiler, Ctx
         from wafer.csl.rt import H2F, U2F
 

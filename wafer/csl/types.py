@@ -95,8 +95,8 @@ class FloatType(CslType):
 class SimpleType(CslType):
     """A type with no structure of its own: bool, void, color, queues, task IDs, DSD kinds, ..."""
 
-    name: str  # type: ignore[assignment]
-    words: int = 0  # type: ignore[assignment]
+    name: str
+    words: int = 0
 
 
 @dataclass(frozen=True, eq=True, repr=False)
@@ -135,7 +135,7 @@ class PointerType(CslType):
     def name(self) -> str:  # type: ignore[override]
         return f"{'[*]' if self.many else '*'}{'const ' if self.const else ''}{self.elem.name}"
 
-    words = 1  # type: ignore[assignment]
+    words = 1
 
 
 @dataclass(frozen=True, eq=True, repr=False)
@@ -444,6 +444,13 @@ class Dsd:
     simd_mode: str = ""
     symbol: str = ""
     extras: tuple[tuple[str, Any], ...] = field(default=())
+
+    @property
+    def fabric_color(self) -> Color:
+        """The color of a fabin/fabout DSD, which always has one (mem1d/mem4d have none)."""
+        if self.color is None:
+            raise RuntimeError(f"internal: a {self.kind} DSD without a color")
+        return self.color
 
     @property
     def type(self) -> CslType:

@@ -90,6 +90,8 @@ class MemPlace:
 class MemArray(CExpr):
     """An array in memory used as a value (for DSDs, `.len`, iteration): its address and type."""
 
+    type: ArrayType
+
     def __init__(self, t: ArrayType, addr: CExpr, var: MemVar | None) -> None:
         super().__init__(t, NOT, None)
         self.addr = addr
