@@ -34,7 +34,7 @@ from service.delivery import ClientGone, JSONResponse, submit_all, wait_for_resu
 from service.engine import Engine, EngineState, ExecutorFactory
 from service.engine_core import TokenizerHooks
 from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
-from service.logs import RequestIdMiddleware
+from service.logs import RequestIdMiddleware, log_reference
 from service.metrics import ServiceMetrics
 from service.middleware import OPENAI_PREFIX, GuardMiddleware, error_body, error_status
 from service.openai_chat import chat_generation_requests, chat_response, chat_stream
@@ -175,7 +175,7 @@ def create_app(
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not the client's fault: answer in the route's schema with a reference to the log, which
         # has the details (the exception's text is no message for a client).
-        reference = uuid.uuid4().hex[:12]
+        reference = log_reference()
         log.error("internal error, reference %s, on %s", reference, request.url.path, exc_info=exc)
         error = ServiceError(f"internal server error (reference {reference}; the server log has the details)")
         return await service_error(request, error)

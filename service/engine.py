@@ -28,12 +28,12 @@ import enum
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 from service.engine_core import EngineCore, TokenizerHooks
 from service.errors import GenerationFailed, StepTimedOut, Unavailable
 from service.kv_slots import KVUsage
+from service.logs import log_reference
 from service.metrics import ServiceMetrics
 from service.request import GenerationRequest, RequestState
 from service.scheduler import StepBatch
@@ -52,11 +52,6 @@ class EngineState(enum.Enum):
     DRAINING = "draining"  # shutting down: running requests finish, new ones are refused
     STOPPED = "stopped"
     FAILED = "failed"  # the model could not be (re)loaded: the server cannot serve
-
-
-def log_reference() -> str:
-    """A short id that ties a client's error message to the log line with the details."""
-    return uuid.uuid4().hex[:12]
 
 
 def close_quietly(executor: Executor) -> None:

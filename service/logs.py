@@ -85,3 +85,8 @@ class RequestIdMiddleware:
         # Not reset afterwards: each request runs in a task of its own, whose context dies with it, and
         # Starlette's error handler (outside this middleware) still logs under the id.
         await self.app(scope, receive, send_with_id)
+
+
+def log_reference() -> str:
+    """A short id that ties a client's error message to the log line with the details."""
+    return uuid.uuid4().hex[:12]

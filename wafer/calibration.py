@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from wafer.arch import ARCHS
 from wafer.cost import (
     DSD_OP_START_CYCLES,
     FP32_OPS_PER_CYCLE,
@@ -39,7 +40,7 @@ from wafer.tiling import ceil_div
 SOURCE = "FxPiGaAo/WaferLLM@5c67053 MeshGEMV/WSE-3/wse_result.json (CS-3; WaferLLM, OSDI 2025)"
 # Synchronous DSD operations started one after another on the loop's critical cycle (see above).
 MESHGEMV_SERIAL_OPS = 10
-WSE3_FP16_SIMD = 8
+WSE3_FP16_SIMD = ARCHS["wse3"].macs_per_cycle("fp16")  # the runs are fp16 on a CS-3
 
 
 @dataclass(frozen=True)

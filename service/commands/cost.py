@@ -19,7 +19,7 @@ from wafer.cost import CLOCK_HZ, SDK_CLOCK_HZ, cycles_to_us, standalone_gemv_cos
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "cost",
-        help="modeled cycles of one operation (gemv)",
+        help="modeled cycles of one operation (gemv), and the model's calibration (calibrate)",
         description="Modeled cost of one operation on the wafer, from the cycle model in wafer/cost.py.",
     )
     ops = parser.add_subparsers(dest="op", required=True, metavar="OP")
@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="y[N] = x[K] @ W[K, N] on a P x Q grid",
         description="Modeled cycles of one GEMV y = x @ W with W (K x N) tiled over P x Q PEs: P PEs along K "
         "(the reduction axis), Q PEs along N. The input enters at the grid's edge; the reduction (chain or "
-        "tree) is the one the model finds faster.",
+        "two-level) is the one the model finds faster.",
     )
     gemv.add_argument("--arch", choices=tuple(ARCHS), default="wse2")
     gemv.add_argument("--grid", required=True, metavar="PxQ", help="PEs along K x PEs along N, e.g. 16x8")
