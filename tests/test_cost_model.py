@@ -3,8 +3,6 @@ PE, S per DSD operation started, T per task activation, 20 per exp, fp16 SIMD 4 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from wafer import calibration, cost
@@ -117,18 +115,30 @@ def test_attention_cost_by_hand() -> None:
 def test_head_cost_by_hand() -> None:
     head = HeadTiling(vocab=8, dim=4, gemv=GemvTiling(4, 8, 2, 2, "k_along_x"), top_k=2, merge="chain")
     c = cost.head_cost(head, "wse2", "fp16")
-    merge_step = H + R + T + (2 * 2 + 3) + 20 + 2 * 28  # hop, ramp, task, record, exp, k merge steps
-    # 4 logits scanned; expected heap insertions 2 + 2 ln(4 / 2), then 1 sort step; 1 level each
-    local_topk = int(4 * 4 + (2 + 2 * math.log(2) + 1) * 1 * 24)
+    # One merge: a record of 1 column meets one of 1, so 2 * 1/2 entries of b enter, each after a
+    # binary search of 2 probes and with two block moves; then a's last run (two moves) and 2k words.
+    per_entry = 2 * 6 + 10 + 2 * S
+    merge_step = H + R + T + (2 * 2 + 3) + 20 + 1 * per_entry + 2 * S + 2 * 2
+    # 4 logits: the bins' first slots (3 statements per bin), a placement pass (6 per logit), k and a
+    # 64th of a bin kept (10 each, no inversions: fewer logits than bins), the record's copy (k * 5).
+    local_topk = int(3 * 64 + 4 * 6 + (2 + 4 / 64 / 2) * 10 + 2 * 5)
     assert c.phases == {
         "input multicast": H + R,
         "tile FMAC": S + 2 * (M + 1),
         "chain reduction": STEP + 4,
-        "local max + exp-sum": 4 * 21,
+        "local max + min": 4 * 4,
+        "exp-sum + histogram": 4 * (20 + 6),
         "local top-k": local_topk,
         "top-k/LSE chain merge": merge_step,
     }
-    assert local_topk == 121 and c.cycles == sum(c.phases.values())
+    assert local_topk == 246 and c.cycles == sum(c.phases.values())
+
+
+def test_merge_winners_fall_along_a_chain() -> None:
+    """Half of the k best come from the second column, a tenth from the tenth (random order)."""
+    assert cost.merge_winners(64, 1, 1) == 32
+    assert cost.merge_winners(64, 9, 1) == pytest.approx(6.4)
+    assert cost.kept_logits(256, 64) == pytest.approx(66) and cost.kept_logits(16, 64) == 16
 
 
 def test_calibration_within_the_issue_bounds() -> None:

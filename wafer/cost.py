@@ -56,15 +56,24 @@ GELU_CYCLES = EXP_CYCLES + 18
 # reciprocal square root / division in software. Assumption: 10 cycles (Newton steps on fp32).
 RSQRT_CYCLES = 10
 # The head's top-k (kernels/lib/topk.csl) is scalar code; no public figure prices a CE's scalar
-# instructions, so these count the operations of the CSL as written at one cycle each (assumption,
-# the CSL executor's own rule: docs/csl-executor.md). Per logit, the scan loads it and compares it
-# with the worst kept entry; an entry that beats it sinks through a binary heap of k entries, one
-# level at a time (two children compared, one moved up); the heap is sorted once at the end.
+# instructions, so these count the statements of the CSL as written at one cycle each (assumption,
+# the CSL executor's own rule: docs/csl-executor.md).
+# A column's k best: a scan for its max and min (load, two compares); in the exp-sum pass and again
+# in the placement pass a logit's bin (subtract, multiply, clamp, convert) and its count or slot;
+# per kept logit the insertion sort's step and its copy into the record, and per inversion (logits
+# out of order inside a bin) one move.
 TOPK_SCAN_CYCLES = 4
-HEAP_LEVEL_CYCLES = 24
-# Merging two sorted k-lists (topk.csl `merge`): per output entry two loads, a compare with the id
-# tie-break and two stores, then the copy of the merged list back into the record.
-MERGE_CYCLES_PER_ELEMENT = 28
+TOPK_BIN_CYCLES = 6
+TOPK_KEEP_CYCLES = 10
+TOPK_INVERSION_CYCLES = 4
+# The histogram a column's top-k is selected with: bins over [min, max] of its logits. More bins leave
+# fewer logits to sort by hand but cost a few statements each in every pass over them.
+TOPK_BINS = 64
+# Merging two sorted k-lists (topk.csl `merge`): per entry of b that enters, a binary search of a
+# (a probe: the midpoint, two loads, the compare with the id tie-break) and its own store, then a's
+# run before it moved as two blocks (ids, values: DSD moves, DSD_OP_START_CYCLES each).
+MERGE_PROBE_CYCLES = 6
+MERGE_ENTRY_CYCLES = 10
 
 
 def cycles_to_us(cycles: float, clock_hz: float = CLOCK_HZ) -> float:
@@ -300,45 +309,68 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     gemv = gemv_cost(tiling.gemv, arch, dtype, name=name)
     cost = StageCost(name, {k: v for k, v in gemv.phases.items() if k != "bias + epilogue"})
     g, k = tiling.gemv, tiling.top_k
-    cost.add("local max + exp-sum", g.tile_n * (1 + EXP_CYCLES))
+    cost.add("local max + min", g.tile_n * TOPK_SCAN_CYCLES)
+    cost.add("exp-sum + histogram", g.tile_n * (EXP_CYCLES + TOPK_BIN_CYCLES))
     cost.add("local top-k", local_topk_cycles(g.tile_n, k))
     cols = g.cols
     if tiling.merge == "chain" or not 1 < tiling.merge_group < cols:
-        merge = (cols - 1) * _merge_step(1, k)
+        merge = sum(_merge_step(1, k, covered, 1) for covered in range(1, cols))
     else:
         run = tiling.merge_group
-        merge = (run - 1) * _merge_step(1, k) + (ceil_div(cols, run) - 1) * _merge_step(run, k)
+        runs = ceil_div(cols, run)
+        merge = sum(_merge_step(1, k, covered, 1) for covered in range(1, run))
+        merge += sum(_merge_step(run, k, covered, 1) for covered in range(1, runs))
     cost.add(f"top-k/LSE {tiling.merge} merge", merge)
     return cost
 
 
-def heap_insertions(n: int, k: int) -> float:
-    """Expected entries that enter a k-heap while n logits in random order are scanned: the j-th
-    beats the k kept so far with probability min(1, k / j)."""
-    if n <= k:
-        return float(n)
-    return k + k * (math.log(n / k))
+def kept_logits(n: int, k: int) -> float:
+    """Logits a column keeps after its histogram (kernels/lib/topk.csl): the bins up to the one that
+    reaches k, so k and about half a bin more (logits spread evenly over the bins: a data assumption)."""
+    return float(n) if n <= k else min(float(n), k + n / TOPK_BINS / 2)
 
 
 def local_topk_cycles(n: int, k: int) -> int:
-    """A column's k best of its n logits, best first, as kernels/lib/topk.csl selects them: the scan,
-    the expected heap insertions (logits in random order: a data assumption; ascending logits would
-    insert every one), each sinking log2(k) levels, and the heap sort of the k kept."""
-    levels = max(1, int(math.log2(max(k, 2))))
-    sinks = heap_insertions(n, k) + max(k - 1, 0)
-    return int(n * TOPK_SCAN_CYCLES + sinks * levels * HEAP_LEVEL_CYCLES)
+    """A column's k best of its n logits, best first, as kernels/lib/topk.csl selects them after the
+    exp-sum pass has counted the histogram: the bins' first slots, the placement pass, the insertion
+    sort (inversions only between logits of one bin: n / BINS per bin in random order), the copy into
+    the record. The heap it falls back to (a column with an infinite logit) is not priced."""
+    kept = kept_logits(n, k)
+    per_bin = n / TOPK_BINS
+    inversions = kept * max(0.0, per_bin - 1) / 4
+    return int(
+        3 * TOPK_BINS
+        + n * TOPK_BIN_CYCLES
+        + kept * TOPK_KEEP_CYCLES
+        + inversions * TOPK_INVERSION_CYCLES
+        + k * TOPK_KEEP_CYCLES // 2
+    )
 
 
-def _merge_step(hops: int, k: int) -> int:
-    """Receive a partner's (ids, logits, max, sum, target) record and merge it into the local one."""
+def merge_winners(k: int, covered: float, joining: float) -> float:
+    """Entries of the joining record that enter the running top-k when a record covering `covered`
+    columns meets one covering `joining`: each of the k best of their union is the joining record's
+    with probability joining / (covered + joining) (logits in random order: a data assumption)."""
+    return k * joining / (covered + joining)
+
+
+def _merge_step(hops: int, k: int, covered: int, joining: int) -> int:
+    """Receive a partner's (ids, logits, max, sum, target) record covering `covered` columns (or runs)
+    and merge it with the local one covering `joining` (topk.csl `merge`): per entry that enters a
+    binary search and two block moves, then a's last run; the k entries move once."""
     record = 2 * k + 3
-    return (
+    probes = math.ceil(math.log2(k + 1))
+    per_entry = probes * MERGE_PROBE_CYCLES + MERGE_ENTRY_CYCLES + 2 * DSD_OP_START_CYCLES
+    winners = merge_winners(k, covered, joining)
+    return int(
         hops * HOP_CYCLES
         + ROUTER_TO_PE_CYCLES
         + TASK_ACTIVATION_CYCLES
         + record
         + EXP_CYCLES
-        + k * MERGE_CYCLES_PER_ELEMENT
+        + winners * per_entry
+        + 2 * DSD_OP_START_CYCLES
+        + 2 * k
     )
 
 

@@ -17,7 +17,7 @@ DTYPES = ("fp16", "fp32")
 # latency: fastest decode token; throughput: most tokens/s with replicas; compact: the smallest
 # footprint that fits (for running the CSL itself on the executor, where every PE costs time).
 OBJECTIVES = ("latency", "throughput", "compact")
-SYMBOL_BYTES = {"f16": 2, "f32": 4, "i32": 4, "u32": 4}
+SYMBOL_BYTES = {"f16": 2, "u16": 2, "f32": 4, "i32": 4, "u32": 4}
 # Wafer kinds of region, in the order the map's legend lists them.
 KINDS = ("io", "embed", "embed_head", "layernorm", "gemv", "attention", "residual")
 
@@ -30,7 +30,7 @@ class PlanError(WaferGPT2Error, ValueError):
 class Symbol:
     """One array a PE program declares (and the simulator allocates)."""
 
-    dtype: Literal["f16", "f32", "i32", "u32"]
+    dtype: Literal["f16", "u16", "f32", "i32", "u32"]
     elems: int
 
     @property

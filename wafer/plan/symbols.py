@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 from wafer.contract import CYCLES_SYMBOL
+from wafer.cost import TOPK_BINS
 from wafer.plan.model import Symbol
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer.wire import ITEM_WORDS
@@ -88,7 +89,10 @@ def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
         "row": Symbol("f32", g.tile_k),  # the token's wte chunk on its way to the embed region
         "x": Symbol("f32", g.tile_k),
         "acc": Symbol("f32", g.tile_n),  # logits of the column
-        "records": Symbol("u32", 3 * record),  # own, a partner's, the merge's scratch
+        "records": Symbol("u32", 3 * record),  # own, a partner's, the merge's output
+        "topk_bins": Symbol("u16", TOPK_BINS),  # lib/topk.csl's histogram of the column's logits
+        "topk_order": Symbol("u16", g.tile_n),  # and its counting sort's indices
+        "topk_span": Symbol("u32", 1),  # the template of its block moves
         "comm": COMM,
     }
 
