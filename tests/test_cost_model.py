@@ -115,10 +115,15 @@ def test_attention_cost_by_hand() -> None:
 def test_head_cost_by_hand() -> None:
     head = HeadTiling(vocab=8, dim=4, gemv=GemvTiling(4, 8, 2, 2, "k_along_x"), top_k=2, merge="chain")
     c = cost.head_cost(head, "wse2", "fp16")
-    # One merge: a record of 1 column meets one of 1, so 2 * 1/2 entries of b enter, each after a
-    # binary search of 2 probes and with two block moves; then a's last run (two moves) and 2k words.
-    per_entry = 2 * 6 + 10 + 2 * S
-    merge_step = H + R + T + (2 * 2 + 3) + 20 + 1 * per_entry + 2 * S + 2 * 2
+    # One merge: a record of 1 column meets one of 1, so 2 * 1/2 entries of b enter. Before it a run
+    # of a of length r, geometric with p = 2/3: r = 0 costs a probe and the store; a short run (r <= 4)
+    # a probe, a 2-probe search, the store and r copies; a longer one two block moves instead. Then
+    # a's last run (two moves) and the 2k words.
+    p = 2 / 3
+    winner = p * (6 + 10)
+    winner += sum(p * (1 - p) ** r * (6 + 12 + 10 + 5 * r) for r in range(1, 5))
+    winner += (1 - p) ** 5 * (6 + 12 + 10 + 2 * S)
+    merge_step = int(H + R + T + (2 * 2 + 3) + 20 + 1 * winner + 2 * S + 2 * 2)
     # 4 logits: the bins' first slots (3 statements per bin), a placement pass (6 per logit), k and a
     # 64th of a bin kept (10 each, no inversions: fewer logits than bins), the record's copy (k * 5).
     local_topk = int(3 * 64 + 4 * 6 + (2 + 4 / 64 / 2) * 10 + 2 * 5)

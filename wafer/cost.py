@@ -69,11 +69,15 @@ TOPK_INVERSION_CYCLES = 4
 # The histogram a column's top-k is selected with: bins over [min, max] of its logits. More bins leave
 # fewer logits to sort by hand but cost a few statements each in every pass over them.
 TOPK_BINS = 64
-# Merging two sorted k-lists (topk.csl `merge`): per entry of b that enters, a binary search of a
-# (a probe: the midpoint, two loads, the compare with the id tie-break) and its own store, then a's
-# run before it moved as two blocks (ids, values: DSD moves, DSD_OP_START_CYCLES each).
+# Merging two sorted k-lists (topk.csl `merge`): per entry of b that enters, a probe of a's next
+# entry (the loads and the compare with the id tie-break); where a's entry wins, a binary search of
+# the rest of a (a probe each) and a's run before b's entry moved, entry by entry up to
+# MERGE_SHORT_RUN (two loads and two stores each), else as two blocks (ids, values: DSD moves); then
+# b's entry stored.
 MERGE_PROBE_CYCLES = 6
 MERGE_ENTRY_CYCLES = 10
+MERGE_COPY_CYCLES = 5
+MERGE_SHORT_RUN = 4
 
 
 def cycles_to_us(cycles: float, clock_hz: float = CLOCK_HZ) -> float:
@@ -354,13 +358,25 @@ def merge_winners(k: int, covered: float, joining: float) -> float:
     return k * joining / (covered + joining)
 
 
+def winner_cycles(k: int, winners: float) -> float:
+    """Expected cycles of one entry of b entering a merge (topk.csl `merge`), with the run of a before
+    it of length r geometric, P(r) = p (1 - p)^r, p = (winners + 1) / (k + 1) (the k - winners
+    entries of a and the winners in random order: the data assumption of `merge_winners`)."""
+    p = min(1.0, (winners + 1) / (k + 1))
+    search = MERGE_PROBE_CYCLES * math.ceil(math.log2(k + 1))
+    total = p * (MERGE_PROBE_CYCLES + MERGE_ENTRY_CYCLES)  # r = 0: lands at once
+    for r in range(1, MERGE_SHORT_RUN + 1):
+        total += p * (1 - p) ** r * (MERGE_PROBE_CYCLES + search + MERGE_ENTRY_CYCLES + r * MERGE_COPY_CYCLES)
+    longer = (1 - p) ** (MERGE_SHORT_RUN + 1)
+    total += longer * (MERGE_PROBE_CYCLES + search + MERGE_ENTRY_CYCLES + 2 * DSD_OP_START_CYCLES)
+    return total
+
+
 def _merge_step(hops: int, k: int, covered: int, joining: int) -> int:
     """Receive a partner's (ids, logits, max, sum, target) record covering `covered` columns (or runs)
-    and merge it with the local one covering `joining` (topk.csl `merge`): per entry that enters a
-    binary search and two block moves, then a's last run; the k entries move once."""
+    and merge it with the local one covering `joining` (topk.csl `merge`): the entries that enter
+    (`winner_cycles` each), then a's last run as two blocks; the k entries move once."""
     record = 2 * k + 3
-    probes = math.ceil(math.log2(k + 1))
-    per_entry = probes * MERGE_PROBE_CYCLES + MERGE_ENTRY_CYCLES + 2 * DSD_OP_START_CYCLES
     winners = merge_winners(k, covered, joining)
     return int(
         hops * HOP_CYCLES
@@ -368,7 +384,7 @@ def _merge_step(hops: int, k: int, covered: int, joining: int) -> int:
         + TASK_ACTIVATION_CYCLES
         + record
         + EXP_CYCLES
-        + winners * per_entry
+        + winners * winner_cycles(k, winners)
         + 2 * DSD_OP_START_CYCLES
         + 2 * k
     )
