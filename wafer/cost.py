@@ -148,12 +148,17 @@ class StageCost:
 # --- GEMV ------------------------------------------------------------------------------------------
 
 
+def map_fmac_cycles(steps: int, width: int, macs_per_cycle: int) -> int:
+    """kernels/lib/fmac.csl `accumulate`: one @map of `steps` steps with the accumulator and the matrix
+    row in DSD registers, each step `width` FMACs at the SIMD width (fp32 accumulate) plus the step's
+    overhead (calibrated, MAP_STEP_CYCLES); one DSD operation start for the whole @map."""
+    return DSD_OP_START_CYCLES + steps * (MAP_STEP_CYCLES + ceil_div(width, macs_per_cycle))
+
+
 def gemv_compute_cycles(tiling: GemvTiling, arch: Arch, dtype: str) -> int:
-    """One PE's tile as kernels/pe/gemv.csl computes it: one @map over its tile_k inputs with the
-    accumulator and W's row in DSD registers, each step tile_n FMACs at the SIMD width (fp32
-    accumulate) plus the step's overhead (calibrated, MAP_STEP_CYCLES)."""
-    per_input = MAP_STEP_CYCLES + ceil_div(tiling.tile_n, arch.macs_per_cycle(dtype))
-    return DSD_OP_START_CYCLES + tiling.tile_k * per_input
+    """One PE's tile as kernels/pe/gemv.csl computes it: one @map over its tile_k inputs, each step a
+    row of tile_n FMACs (`map_fmac_cycles`)."""
+    return map_fmac_cycles(tiling.tile_k, tiling.tile_n, arch.macs_per_cycle(dtype))
 
 
 def gemv_cost(
@@ -234,7 +239,10 @@ def attention_cost(
     1. q of a head group enters the group's rows and is multicast over its block (every PE needs all
        of q); k and v follow on the same lanes and are kept by the PE that owns the new position, which
        meanwhile works on its older positions (only the excess over that work delays it).
-    2. each PE: scores q.k over its positions (SIMD FMAC), exp, then exp-weighted V.
+    2. each PE, per head (kernels/pe/attention.csl `local_partials`): the scores of all its positions
+       as one @map over the head dimension (K stored transposed: step d adds q_d * K^T[d, :], ppp
+       FMACs), exp per visible position, then the exp-weighted V as one @map over the visible
+       positions (step j adds e_j * V[j, :], head_dim FMACs): both `map_fmac_cycles`.
     3. log-sum-exp merge of (max, sum, acc[hpp * head_dim]) along the whole chain (kernels/pe/
        attention.csl merges every PE, an empty one as (-inf, 0, 0)): each step is a task (one exp
        per head rescales both sides), then the incoming acc streams in and is folded with one FMAC
@@ -252,11 +260,11 @@ def attention_cost(
     cost = StageCost(name)
     cost.add("q multicast", stream_cycles(hpp * dim, (width - 1) + (tiling.fold - 1)))
     cost.add("k/v to the owner (not hidden)", max(0, 2 * hpp * dim - (local - 1) * per_position))
-    # kernels/pe/attention.csl: the scores are one DSD operation per head dimension over the PE's
-    # positions, the weighted V one per position over the head dimension (each started in a loop)
-    cost.add("scores q.k", hpp * dim * (DSD_OP_START_CYCLES + ceil_div(local, macs)) + TASK_ACTIVATION_CYCLES)
+    # The scores' @map runs over all positions_per_pe (its K^T register steps a whole row per step);
+    # the later steps see only the visible ones.
+    cost.add("scores q.k", hpp * map_fmac_cycles(dim, tiling.positions_per_pe, macs) + TASK_ACTIVATION_CYCLES)
     cost.add("exp", local * hpp * EXP_CYCLES)
-    cost.add("weighted V", local * hpp * (DSD_OP_START_CYCLES + ceil_div(dim, macs)))
+    cost.add("weighted V", hpp * map_fmac_cycles(local, dim, macs))
     step = TASK_ACTIVATION_CYCLES + hpp * EXP_CYCLES
     record = hpp * (dim + 2)
     n = tiling.chain
