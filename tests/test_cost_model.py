@@ -102,6 +102,17 @@ def test_attention_cost_by_hand() -> None:
     # runs of 2: one step and a pass of the record, then the ends (2 hops apart) one step and a pass
     assert c2.phases["LSE two_level merge"] == merge_step + 10 + (merge_step + H) + 10
     assert c2.cycles == c.cycles - c.phases["LSE chain merge"] + c2.phases["LSE two_level merge"]
+    # two_sided over the 4 PEs: 0 -> 1 -> 2 <- 3; the meeting PE takes 3's partials (one link) and its
+    # record first, then 1's (two links away; here its step waits for 3's record: link + record + step
+    # > 2 * link), then 1's record
+    link, step = merge_step, T + 20
+    sided = cost.attention_cost(AttentionTiling(**{**vars(t), "reduction": "two_sided"}), "wse2", "fp16")
+    assert sided.phases["LSE two_sided merge"] == max(2 * link, link + 10 + step) + 10
+    # two_sided in runs of 2: each run a chain (nothing on the far side), the 2 runs' results likewise
+    sided2 = cost.attention_cost(
+        AttentionTiling(**{**vars(t), "reduction": "two_sided", "group": 2}), "wse2", "fp16"
+    )
+    assert sided2.phases["LSE two_sided merge"] == c2.phases["LSE two_level merge"]
     # The first token: only the owner works, and it waits for its k and v; the merge still runs the
     # whole chain (the empty PEs pass (-inf, 0, 0) on).
     first = cost.attention_cost(t, "wse2", "fp16", positions=1)

@@ -21,7 +21,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from wafer.arch import Arch, resolve_arch
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, Reduction, ceil_div
+from wafer.tiling import (
+    AttentionTiling,
+    GemvTiling,
+    HeadTiling,
+    NormTiling,
+    Reduction,
+    ceil_div,
+    meeting_index,
+)
 
 # --- Named constants --------------------------------------------------------------------------------
 # Clock: 1.1 GHz is the figure of the architecture talks (Hot Chips 34) and WaferLLM's conversion; the
@@ -247,8 +255,9 @@ def attention_cost(
        attention.csl merges every PE, an empty one as (-inf, 0, 0)): each step is a task (one exp
        per head rescales both sides), then the incoming acc streams in and is folded with one FMAC
        per word. two_level: the runs merge at the same time, then the runs' ends (`group` PEs
-       apart along the snake) merge theirs, a second pass of the record.
-    4. 1/sum on the chain's last PE and the hand-off to its rows of the O GEMV.
+       apart along the snake) merge theirs, a second pass of the record. two_sided: every chain of
+       the two levels meets in its middle (`merge_level_cycles`).
+    4. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV.
     """
     arch = resolve_arch(arch)
     positions = tiling.context if positions is None else max(1, min(positions, tiling.context))
@@ -267,27 +276,48 @@ def attention_cost(
     cost.add("weighted V", hpp * map_fmac_cycles(local, dim, macs))
     step = TASK_ACTIVATION_CYCLES + hpp * EXP_CYCLES
     record = hpp * (dim + 2)
-    n = tiling.chain
-    if tiling.reduction == "chain" or not 1 < tiling.group < n:
-        merge = (n - 1) * (HOP_CYCLES + ROUTER_TO_PE_CYCLES + step) + (record if n > 1 else 0)
-    else:
-        g = tiling.group
-        merge = (g - 1) * (HOP_CYCLES + ROUTER_TO_PE_CYCLES + step) + record
-        merge += (ceil_div(n, g) - 1) * (_fold_distance(g, width) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step)
-        merge += record
+    kind, runs = tiling.reduction, tiling.runs()
+    link = HOP_CYCLES + ROUTER_TO_PE_CYCLES + step
+    merge = merge_level_cycles(kind, len(runs[0]), link, step, record)
+    if len(runs) > 1:
+        g = len(runs[0])
+        end_link = _fold_distance(g, width) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step
+        merge += merge_level_cycles(kind, len(runs), end_link, step, record)
     cost.add(f"LSE {tiling.reduction} merge", merge)
     cost.add("normalise", hpp * RSQRT_CYCLES + hpp * dim)
-    # The chain's last PE sends the group's output to its O rows (a multicast over them).
+    # The PE that ends the merge sends the group's output to its O rows (a multicast over them).
     cost.add("to the O rows", stream_cycles(hpp * dim, width - 1 + tiling.fold - 1))
     return cost
 
 
+def merge_level_cycles(kind: str, members: int, link: int, step: int, record: int) -> int:
+    """One level of attention's log-sum-exp merge over `members` PEs (kernels/pe/attention.csl): a
+    `link` (hops, ramp and the receiver's step) per PE passed, then one pass of the `record`. chain and
+    two_level: one chain. two_sided: the chains from both ends meet at index members // 2
+    (wafer.tiling.meeting_index); the meeting PE takes the far side's shorter chain first, then the
+    near side's (whose step waits for the far record if that is still streaming), one record each."""
+    if members <= 1:
+        return 0
+    if kind != "two_sided":
+        return (members - 1) * link + record
+    near = meeting_index(members)
+    far = members - 1 - near
+    if far == 0:
+        return near * link + record
+    return max(near * link, far * link + record + step) + record
+
+
 @lru_cache(maxsize=4096)
 def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> AttentionTiling:
-    """The attention tiling (chain, or two_level with its best run length) the model finds fastest."""
+    """The attention tiling the model finds fastest: chain, two_level or two_sided (attention.csl's
+    merge implements all three), each with its best run length."""
     options = [
         AttentionTiling(**{**vars(tiling), "reduction": kind, "group": group})
         for kind, group in reduction_options(tiling.chain)
+    ]
+    options += [
+        AttentionTiling(**{**vars(tiling), "reduction": "two_sided", "group": group})
+        for kind, group in [("chain", 0), *reduction_options(tiling.chain)[1:]]
     ]
     return min(options, key=lambda t: attention_cost(t, arch, dtype).cycles)
 

@@ -24,7 +24,15 @@ import numpy as np
 
 from wafer.memory_layout import tiled_positions
 from wafer.sim import parallel
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, ceil_div, reduction_runs
+from wafer.tiling import (
+    AttentionTiling,
+    GemvTiling,
+    HeadTiling,
+    NormTiling,
+    ceil_div,
+    meeting_index,
+    reduction_runs,
+)
 
 F32 = np.float32
 
@@ -41,11 +49,22 @@ def chain_sum(partials: np.ndarray) -> np.ndarray:
 
 def combine(partials: np.ndarray, reduction: str, group: int = 0) -> np.ndarray:
     """Sum over axis 0 in the order of `wafer.tiling.reduction_runs`: each run chained, then the runs'
-    sums chained. May overwrite `partials`."""
+    sums chained; two_sided: every chain meets in its middle (`meet`). May overwrite `partials`."""
     runs = reduction_runs(partials.shape[0], reduction, group)
+    total = meet if reduction == "two_sided" else chain_sum
     if len(runs) == 1:
-        return chain_sum(partials)
-    return chain_sum(np.stack([chain_sum(partials[run.start : run.stop]) for run in runs]))
+        return total(partials)
+    return total(np.stack([total(partials[run.start : run.stop]) for run in runs]))
+
+
+def meet(partials: np.ndarray) -> np.ndarray:
+    """two_sided (wafer.tiling): the chain from index 0 to the meeting index r, plus the chain from the
+    far end down to r + 1, added on r."""
+    r = meeting_index(partials.shape[0])
+    near = chain_sum(partials[: r + 1])
+    if r + 1 == partials.shape[0]:
+        return near
+    return near + chain_sum(partials[r + 1 :][::-1])
 
 
 # ----------------------------------------------------------------------------------------------------
