@@ -81,15 +81,15 @@ def test_attention_cost_by_hand() -> None:
     t = AttentionTiling(
         n_head=2, head_dim=8, slots=1, context=8, head_groups=2, chain=4, fold=1, reduction="chain"
     )
-    # 4 PEs x 2 positions, one head per PE: the scores start one operation per head dimension (8) over
-    # 2 positions, the weighted V one per position over 8 dimensions.
+    # 4 PEs x 2 positions, one head per PE: the scores are one @map of 8 steps (head dimensions) over
+    # 2 positions, the weighted V one @map of 2 steps (positions) over 8 dimensions.
     c = cost.attention_cost(t, "wse2", "fp16")
     assert c.phases["q multicast"] == 3 * H + R + 8
     assert c.phases["k/v to the owner (not hidden)"] == 0  # 16 words arrive while it works on 1 position (24)
     assert (c.phases["scores q.k"], c.phases["exp"], c.phases["weighted V"]) == (
-        8 * (S + 1) + T,
+        S + 8 * (M + 1) + T,
         2 * 20,
-        2 * (S + 2),
+        S + 2 * (M + 2),
     )
     merge_step = H + R + T + 20  # a task, one exp per head
     assert c.phases["LSE chain merge"] == 3 * merge_step + (8 + 2)
@@ -100,15 +100,27 @@ def test_attention_cost_by_hand() -> None:
     # runs of 2: one step and a pass of the record, then the ends (2 hops apart) one step and a pass
     assert c2.phases["LSE two_level merge"] == merge_step + 10 + (merge_step + H) + 10
     assert c2.cycles == c.cycles - c.phases["LSE chain merge"] + c2.phases["LSE two_level merge"]
+    # two_sided over the 4 PEs: 0 -> 1 -> 2 <- 3; the meeting PE takes 3's partials (one link) and its
+    # record first, then 1's (two links away; here its step waits for 3's record: link + record + step
+    # > 2 * link), then 1's record
+    link, step = merge_step, T + 20
+    sided = cost.attention_cost(AttentionTiling(**{**vars(t), "reduction": "two_sided"}), "wse2", "fp16")
+    assert sided.phases["LSE two_sided merge"] == max(2 * link, link + 10 + step) + 10
+    # two_sided in runs of 2: each run a chain (nothing on the far side), the 2 runs' results likewise
+    sided2 = cost.attention_cost(
+        AttentionTiling(**{**vars(t), "reduction": "two_sided", "group": 2}), "wse2", "fp16"
+    )
+    assert sided2.phases["LSE two_sided merge"] == c2.phases["LSE two_level merge"]
     # The first token: only the owner works, and it waits for its k and v; the merge still runs the
     # whole chain (the empty PEs pass (-inf, 0, 0) on).
     first = cost.attention_cost(t, "wse2", "fp16", positions=1)
     assert first.phases["k/v to the owner (not hidden)"] == 16
     assert first.phases["LSE chain merge"] == c.phases["LSE chain merge"]
+    # the scores' @map still runs over both positions of the PE; the weighted V over the visible one
     assert (first.phases["scores q.k"], first.phases["exp"], first.phases["weighted V"]) == (
-        8 * (S + 1) + T,
+        S + 8 * (M + 1) + T,
         20,
-        S + 2,
+        S + (M + 2),
     )
 
 

@@ -188,17 +188,18 @@ def test_full_vocabulary_fp32_scores_equal_the_simulator(arch):
 
 @pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 def test_two_level_reductions_equal_the_simulator():
-    """A plan whose GEMVs, LayerNorms, attention merges and head merge all reduce in two levels (the
-    latency objective picks them for this config), with 8-PE strips, a folded attention snake and
-    gathers between regions: the generator's general case, on WSE-3 (whose queue rules are the
-    tighter ones)."""
+    """A plan whose GEMVs, LayerNorms and head merge all reduce in two levels and whose attention
+    merges meet in the middle of two levels (two_sided; the latency objective picks them for this
+    config), with 8-PE strips, a folded attention snake and gathers between regions: the generator's
+    general case, on WSE-3 (whose queue rules are the tighter ones)."""
     from wafer.plan import build_plan
 
     config = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-two-level")
     plan = build_plan(config, arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
     tilings = [r.tiling for r in plan.regions if r.tiling is not None]
     kinds = {type(t).__name__: getattr(t, "reduction", getattr(t, "merge", None)) for t in tilings}
-    assert set(kinds.values()) == {"two_level"} and len(kinds) == 4, kinds
+    assert kinds.pop("AttentionTiling") == "two_sided"
+    assert set(kinds.values()) == {"two_level"} and len(kinds) == 3, kinds
     params = GPT2Params.random(config, seed=5)
     options = ExecutorOptions(arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
     csl, sim = build_executor("csl", params, options), build_executor("sim", params, options)
@@ -207,6 +208,36 @@ def test_two_level_reductions_equal_the_simulator():
             StepItem(0, p, 3 * p + 1, want_scores=p >= 4, target=9 if p == 5 else None) for p in range(6)
         ]
         items.append(StepItem(1, 0, 5, want_scores=True))
+        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+    finally:
+        csl.close()
+        sim.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_two_sided_attention_merge_equals_the_simulator(arch):
+    """Attention merges meeting in the middle on both levels: chain 8 in runs of 3 ([0 1 2] [3 4 5]
+    [6 7], meeting on 1, 4 and 6; the runs meet on run 1), so both levels have a far chain; 24
+    positions fill six of the eight PEs, the far chains' included."""
+    from dataclasses import replace
+
+    from wafer.csl_backend import CslExecutorRuntime, compile_plan
+    from wafer.host import start_model
+    from wafer.plan import build_plan
+    from wafer.sim import SimRuntime
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-two-sided")
+    plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
+    for region in plan.regions:
+        if region.kind == "attention":
+            assert region.tiling.chain == 8
+            region.tiling = replace(region.tiling, reduction="two_sided", group=3)
+    params = GPT2Params.random(config, seed=7)
+    csl = start_model(plan, CslExecutorRuntime(compile_plan(plan)), params)
+    sim = start_model(plan, SimRuntime(plan), params)
+    try:
+        items = [StepItem(0, p, (5 * p + 2) % 100, want_scores=p in (3, 13, 23)) for p in range(24)]
         assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
     finally:
         csl.close()

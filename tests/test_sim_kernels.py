@@ -34,6 +34,25 @@ def test_reductions_follow_the_tiling_order_bit_for_bit(n):
         total = total + run
     assert np.array_equal(kernels.combine(partials.copy(), "two_level", 3), total)
 
+    # two_sided, runs of 3: each run's chains meet on its index 1 (0 -> 1 <- 2), the runs' results
+    # on run len(runs) // 2 the same way
+    def meet(values: list[np.ndarray]) -> np.ndarray:
+        r = len(values) // 2
+        near = values[0].copy()
+        for v in values[1 : r + 1]:
+            near = near + v
+        if r + 1 == len(values):
+            return near
+        far = values[-1].copy()
+        for v in values[r + 1 : -1][::-1]:
+            far = far + v
+        return near + far
+
+    runs = [meet(list(partials[start : start + 3])) for start in range(0, n, 3)]
+    expected = meet(runs) if n > 3 else runs[0]
+    assert np.array_equal(kernels.combine(partials.copy(), "two_sided", 3), expected)
+    assert np.array_equal(kernels.combine(partials.copy(), "two_sided", 0), meet(list(partials)))
+
 
 def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
     rng = np.random.default_rng(0)
@@ -154,7 +173,8 @@ def test_slot_parts_keep_slots_whole_ordered_and_balanced():
     assert [r.tolist() for r in slot_parts(np.array([2, 2, 2]), 2)] == [[0, 1, 2]]
 
 
-def test_kv_logical_reads_back_what_write_kv_stored(small_config):
+@pytest.mark.parametrize("symbol", ["k_cache", "v_cache"])
+def test_kv_logical_reads_back_what_write_kv_stored(small_config, symbol):
     """The float32 [slot, head, position, head_dim] view attention reads is the PE memory's content."""
     plan = build_plan(small_config, "wse2", "fp16", slots=3, context=40)
     region = next(r for r in plan.regions if r.kind == "attention" and r.replica == 0)
@@ -163,12 +183,21 @@ def test_kv_logical_reads_back_what_write_kv_stored(small_config):
     memory = np.zeros((region.h, region.w, region.symbols["k_cache"].elems), np.float16)
     slots, positions = np.array([0, 2, 2, 1]), np.array([5, 0, 1, 39])
     values = np.random.default_rng(3).standard_normal((4, t.n_head * t.head_dim)).astype(np.float32)
-    kernels.write_kv(memory, values, slots, positions, t, pe_y, pe_x)
+    kernels.write_kv(memory, values, slots, positions, t, pe_y, pe_x, symbol)
 
-    logical = kernels.kv_logical(memory, t, pe_y, pe_x)
+    logical = kernels.kv_logical(memory, t, pe_y, pe_x, symbol)
     assert logical.shape == (t.slots, t.n_head, t.chain * t.positions_per_pe, t.head_dim)
     stored = values.astype(np.float16).astype(np.float32).reshape(4, t.n_head, t.head_dim)
     np.testing.assert_array_equal(logical[slots, :, positions], stored)
     untouched = np.ones(logical.shape[:3], dtype=bool)
     untouched[slots, :, positions] = False
     assert not logical[untouched].any()
+    # the PE's own order (kernels/pe/attention.csl): K^T per head, V row by row
+    hpp, ppp, dim = t.heads_per_pe, t.positions_per_pe, t.head_dim
+    owner, j = divmod(int(positions[0]), ppp)
+    held = memory[pe_y[0, owner], pe_x[0, owner]].astype(np.float32)
+    if symbol == "k_cache":
+        rows = held.reshape(t.slots, hpp, dim, ppp)[slots[0], :, :, j]
+    else:
+        rows = held.reshape(t.slots, hpp, ppp, dim)[slots[0], :, j, :]
+    np.testing.assert_array_equal(rows, stored[0, :hpp])

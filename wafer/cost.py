@@ -21,7 +21,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from wafer.arch import Arch, resolve_arch
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, Reduction, ceil_div
+from wafer.tiling import (
+    AttentionTiling,
+    GemvTiling,
+    HeadTiling,
+    NormTiling,
+    Reduction,
+    ceil_div,
+    meeting_index,
+)
 
 # --- Named constants --------------------------------------------------------------------------------
 # Clock: 1.1 GHz is the figure of the architecture talks (Hot Chips 34) and WaferLLM's conversion; the
@@ -161,12 +169,17 @@ class StageCost:
 # --- GEMV ------------------------------------------------------------------------------------------
 
 
+def map_fmac_cycles(steps: int, width: int, macs_per_cycle: int) -> int:
+    """kernels/lib/fmac.csl `accumulate`: one @map of `steps` steps with the accumulator and the matrix
+    row in DSD registers, each step `width` FMACs at the SIMD width (fp32 accumulate) plus the step's
+    overhead (calibrated, MAP_STEP_CYCLES); one DSD operation start for the whole @map."""
+    return DSD_OP_START_CYCLES + steps * (MAP_STEP_CYCLES + ceil_div(width, macs_per_cycle))
+
+
 def gemv_compute_cycles(tiling: GemvTiling, arch: Arch, dtype: str) -> int:
-    """One PE's tile as kernels/pe/gemv.csl computes it: one @map over its tile_k inputs with the
-    accumulator and W's row in DSD registers, each step tile_n FMACs at the SIMD width (fp32
-    accumulate) plus the step's overhead (calibrated, MAP_STEP_CYCLES)."""
-    per_input = MAP_STEP_CYCLES + ceil_div(tiling.tile_n, arch.macs_per_cycle(dtype))
-    return DSD_OP_START_CYCLES + tiling.tile_k * per_input
+    """One PE's tile as kernels/pe/gemv.csl computes it: one @map over its tile_k inputs, each step a
+    row of tile_n FMACs (`map_fmac_cycles`)."""
+    return map_fmac_cycles(tiling.tile_k, tiling.tile_n, arch.macs_per_cycle(dtype))
 
 
 def gemv_cost(
@@ -247,13 +260,17 @@ def attention_cost(
     1. q of a head group enters the group's rows and is multicast over its block (every PE needs all
        of q); k and v follow on the same lanes and are kept by the PE that owns the new position, which
        meanwhile works on its older positions (only the excess over that work delays it).
-    2. each PE: scores q.k over its positions (SIMD FMAC), exp, then exp-weighted V.
+    2. each PE, per head (kernels/pe/attention.csl `local_partials`): the scores of all its positions
+       as one @map over the head dimension (K stored transposed: step d adds q_d * K^T[d, :], ppp
+       FMACs), exp per visible position, then the exp-weighted V as one @map over the visible
+       positions (step j adds e_j * V[j, :], head_dim FMACs): both `map_fmac_cycles`.
     3. log-sum-exp merge of (max, sum, acc[hpp * head_dim]) along the whole chain (kernels/pe/
        attention.csl merges every PE, an empty one as (-inf, 0, 0)): each step is a task (one exp
        per head rescales both sides), then the incoming acc streams in and is folded with one FMAC
        per word. two_level: the runs merge at the same time, then the runs' ends (`group` PEs
-       apart along the snake) merge theirs, a second pass of the record.
-    4. 1/sum on the chain's last PE and the hand-off to its rows of the O GEMV.
+       apart along the snake) merge theirs, a second pass of the record. two_sided: every chain of
+       the two levels meets in its middle (`merge_level_cycles`).
+    4. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV.
     """
     arch = resolve_arch(arch)
     positions = tiling.context if positions is None else max(1, min(positions, tiling.context))
@@ -265,34 +282,55 @@ def attention_cost(
     cost = StageCost(name)
     cost.add("q multicast", stream_cycles(hpp * dim, (width - 1) + (tiling.fold - 1)))
     cost.add("k/v to the owner (not hidden)", max(0, 2 * hpp * dim - (local - 1) * per_position))
-    # kernels/pe/attention.csl: the scores are one DSD operation per head dimension over the PE's
-    # positions, the weighted V one per position over the head dimension (each started in a loop)
-    cost.add("scores q.k", hpp * dim * (DSD_OP_START_CYCLES + ceil_div(local, macs)) + TASK_ACTIVATION_CYCLES)
+    # The scores' @map runs over all positions_per_pe (its K^T register steps a whole row per step);
+    # the later steps see only the visible ones.
+    cost.add("scores q.k", hpp * map_fmac_cycles(dim, tiling.positions_per_pe, macs) + TASK_ACTIVATION_CYCLES)
     cost.add("exp", local * hpp * EXP_CYCLES)
-    cost.add("weighted V", local * hpp * (DSD_OP_START_CYCLES + ceil_div(dim, macs)))
+    cost.add("weighted V", hpp * map_fmac_cycles(local, dim, macs))
     step = TASK_ACTIVATION_CYCLES + hpp * EXP_CYCLES
     record = hpp * (dim + 2)
-    n = tiling.chain
-    if tiling.reduction == "chain" or not 1 < tiling.group < n:
-        merge = (n - 1) * (HOP_CYCLES + ROUTER_TO_PE_CYCLES + step) + (record if n > 1 else 0)
-    else:
-        g = tiling.group
-        merge = (g - 1) * (HOP_CYCLES + ROUTER_TO_PE_CYCLES + step) + record
-        merge += (ceil_div(n, g) - 1) * (_fold_distance(g, width) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step)
-        merge += record
+    kind, runs = tiling.reduction, tiling.runs()
+    link = HOP_CYCLES + ROUTER_TO_PE_CYCLES + step
+    merge = merge_level_cycles(kind, len(runs[0]), link, step, record)
+    if len(runs) > 1:
+        g = len(runs[0])
+        end_link = _fold_distance(g, width) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step
+        merge += merge_level_cycles(kind, len(runs), end_link, step, record)
     cost.add(f"LSE {tiling.reduction} merge", merge)
     cost.add("normalise", hpp * RSQRT_CYCLES + hpp * dim)
-    # The chain's last PE sends the group's output to its O rows (a multicast over them).
+    # The PE that ends the merge sends the group's output to its O rows (a multicast over them).
     cost.add("to the O rows", stream_cycles(hpp * dim, width - 1 + tiling.fold - 1))
     return cost
 
 
+def merge_level_cycles(kind: str, members: int, link: int, step: int, record: int) -> int:
+    """One level of attention's log-sum-exp merge over `members` PEs (kernels/pe/attention.csl): a
+    `link` (hops, ramp and the receiver's step) per PE passed, then one pass of the `record`. chain and
+    two_level: one chain. two_sided: the chains from both ends meet at index members // 2
+    (wafer.tiling.meeting_index); the meeting PE takes the far side's shorter chain first, then the
+    near side's (whose step waits for the far record if that is still streaming), one record each."""
+    if members <= 1:
+        return 0
+    if kind != "two_sided":
+        return (members - 1) * link + record
+    near = meeting_index(members)
+    far = members - 1 - near
+    if far == 0:
+        return near * link + record
+    return max(near * link, far * link + record + step) + record
+
+
 @lru_cache(maxsize=4096)
 def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> AttentionTiling:
-    """The attention tiling (chain, or two_level with its best run length) the model finds fastest."""
+    """The attention tiling the model finds fastest: chain, two_level or two_sided (attention.csl's
+    merge implements all three), each with its best run length."""
     options = [
         AttentionTiling(**{**vars(tiling), "reduction": kind, "group": group})
         for kind, group in reduction_options(tiling.chain)
+    ]
+    options += [
+        AttentionTiling(**{**vars(tiling), "reduction": "two_sided", "group": group})
+        for kind, group in [("chain", 0), *reduction_options(tiling.chain)[1:]]
     ]
     return min(options, key=lambda t: attention_cost(t, arch, dtype).cycles)
 

@@ -29,12 +29,18 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
   also keeps its local top-k and (max, sum-exp) which are merged across the columns (`merge`,
   `merge_group`).
 
-Reductions: n partials, indices 0 .. n-1, are combined in one of two orders, both of which end on
-index n-1 and need two colors per level, so every input queue serves one color (kernels/comm):
+Reductions: n partials, indices 0 .. n-1, are combined in one of these orders, each needing two
+colors per level, so every input queue serves one color (kernels/comm):
 - "chain": ((p0 + p1) + p2) + ... : index i adds what index i-1 sends and passes the sum on.
 - "two_level" with `group` = g: the indices split into runs of g (the last may be shorter), each run
   chains to its last index at the same time as the others, then those ends chain in run order:
   S_j = chain of run j, total = ((S_0 + S_1) + S_2) + ... . About g + n/g steps instead of n.
+- "two_sided" with `group` = g (attention's merge only, kernels/pe/attention.csl): the runs of
+  "two_level" (one run when g is 0 or >= n), but every chain meets in its middle: index r = len // 2
+  of a run (`meeting_index`) ends the chain of indices 0 .. r and receives the chain r+1 .. from the
+  far end, total = chain(0 .. r) + chain(len-1 down to r+1); the runs' results meet the same way at
+  run len(runs) // 2. Half the steps of "two_level", plus one step and one pass of the record at each
+  meeting PE. The result ends on the meeting PE of the middle run, not on index n-1.
 """
 
 from __future__ import annotations
@@ -43,8 +49,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Orientation = Literal["k_along_y", "k_along_x"]
-Reduction = Literal["chain", "two_level"]
-REDUCTIONS = ("chain", "two_level")
+Reduction = Literal["chain", "two_level", "two_sided"]
+REDUCTIONS = ("chain", "two_level", "two_sided")
 Axis = Literal["x", "y"]
 
 
@@ -53,12 +59,19 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def reduction_runs(n: int, reduction: str, group: int) -> list[range]:
-    """The runs of indices that chain first (one run for a chain); their ends then chain in order."""
+    """The runs of indices that are combined first (one run for a chain); their results then combine
+    in run order (two_level) or meeting in the middle (two_sided)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}")
     if reduction == "chain" or group <= 0 or group >= n:
         return [range(n)]
-    if reduction != "two_level":
-        raise ValueError(f"unknown reduction {reduction!r}")
     return [range(start, min(start + group, n)) for start in range(0, n, group)]
+
+
+def meeting_index(length: int) -> int:
+    """two_sided: the index of a run of `length` (or of the list of runs) where its two chains meet:
+    the chain from the near end is never the shorter one."""
+    return length // 2
 
 
 @dataclass(frozen=True)

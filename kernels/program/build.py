@@ -25,7 +25,7 @@ from kernels.program.errors import ProgramError
 from kernels.program.frames import Frame, frame_of
 from kernels.program.routes import Flow, Pos, assign_colors, make_flow, ramp_colors
 from wafer.cost import MERGE_SHORT_RUN, TOPK_BINS
-from wafer.tiling import ceil_div, reduction_runs
+from wafer.tiling import ceil_div, meeting_index, reduction_runs
 from wafer.wire import D2H_COLOR, H2D_COLOR, record_words
 
 if TYPE_CHECKING:
@@ -141,18 +141,42 @@ class _Builder:
     def reduction(self, name: str, members: list[Pos], prefix: str, kind: str, group: int) -> Pos:
         """A reduction along `members` in the tiling's order (comm/reduce.csl): the runs chain
         ({prefix}_role/_rx/_tx), then the runs' last PEs ({prefix}_end_role/_end_rx/_end_tx; ROLE_NONE
-        elsewhere, and everywhere for a single run). Returns the PE that ends with the result."""
+        elsewhere, and everywhere for a single run). two_sided (pe/attention.csl only): each chain
+        meets in its middle (`meet`). Returns the PE that ends with the result."""
         runs = reduction_runs(len(members), kind, group)
-        for j, run in enumerate(runs):
-            self.chain(f"{name}.run{j}", [members[i] for i in run], prefix)
-        ends = [members[run[-1]] for run in runs]
+        two_sided = kind == "two_sided"
         for pos in members:
-            self.params[pos].update(
+            self.params.setdefault(pos, {}).update(
                 {f"{prefix}_end_role": NONE, f"{prefix}_end_rx": None, f"{prefix}_end_tx": None}
             )
-        if len(runs) > 1:
-            self.chain(f"{name}.ends", ends, f"{prefix}_end")
-        return members[-1]
+        roots = [self.meet(f"{name}.run{j}", [members[i] for i in run], prefix, two_sided)
+                 for j, run in enumerate(runs)]  # fmt: skip
+        if len(runs) == 1:
+            return roots[0]
+        return self.meet(f"{name}.ends", roots, f"{prefix}_end", two_sided)
+
+    def meet(self, name: str, members: list[Pos], prefix: str, two_sided: bool) -> Pos:
+        """One level: a chain along `members`, or (two_sided) the chain from the first member to the
+        meeting index and the one from the last member back to it, whose final link comes in on the
+        meeting PE's {prefix}_side_rx ({prefix}_side_on; OPTIONAL_OUTPUTS has them off elsewhere).
+        Returns the PE that ends with the level's result."""
+        if not two_sided:
+            self.chain(name, members, prefix)
+            return members[-1]
+        r = meeting_index(len(members))
+        self.chain(f"{name}.near", members[: r + 1], prefix)
+        far = members[r + 1 :][::-1]
+        if far:
+            # the links nearest the meeting PE first, so that greedy coloring alternates two colors
+            links = [self.flow(f"{name}.far{i}", far[i], [members[r] if i == len(far) - 1 else far[i + 1]])
+                     for i in reversed(range(len(far)))][::-1]  # fmt: skip
+            for i, pos in enumerate(far):
+                p = self.params[pos]
+                p[f"{prefix}_role"] = FIRST if i == 0 else MIDDLE
+                p[f"{prefix}_rx"] = links[i - 1] if i > 0 else None
+                p[f"{prefix}_tx"] = links[i]
+            self.params[members[r]].update({f"{prefix}_side_on": True, f"{prefix}_side_rx": links[-1]})
+        return members[r]
 
     def connect(
         self,
@@ -366,19 +390,12 @@ class _Builder:
                 snake.append(f.pe(along, g * t.fold + row))
             self.connect(f"{tag}.qkv.g{g}", qkv_roots[g * cols_per_group : (g + 1) * cols_per_group], q.tile_n,
                          [snake], 3 * cols_per_group * q.segment_tile, "out", "in")  # fmt: skip
-            self.reduction(f"{tag}.attn.g{g}", snake, "merge", t.reduction, t.group)
+            root = self.reduction(f"{tag}.attn.g{g}", snake, "merge", t.reduction, t.group)
             rows = [ap_frame.pe(r, c) for r in range(g * rows_per_group, (g + 1) * rows_per_group)
                     for c in range(ap.cols)]  # fmt: skip
-            out = self.flow(f"{tag}.attn.out{g}", snake[-1], rows)
+            out = self.flow(f"{tag}.attn.out{g}", root, rows)
             for pos in snake:
-                self._out(
-                    pos,
-                    "out",
-                    ALONE if pos == snake[-1] else NONE,
-                    None,
-                    out if pos == snake[-1] else None,
-                    1,
-                )
+                self._out(pos, "out", ALONE if pos == root else NONE, None, out if pos == root else None, 1)
             for pos in rows:
                 self._into(pos, "in", out, width, rows_per_group)
 
@@ -411,7 +428,11 @@ OPTIONAL_OUTPUTS = {
     "pe/layernorm.csl": {"y": _GATHER_NONE, "resid": _GATHER_NONE},
     "pe/residual.csl": {"next": _GATHER_NONE, "fwd": _GATHER_NONE},
     "pe/embed.csl": {"out": _GATHER_NONE},
-    "pe/attention.csl": {"out": _CHAIN_NONE},
+    "pe/attention.csl": {
+        "out": _CHAIN_NONE,
+        "merge_side": {"on": False, "rx": None},
+        "merge_end_side": {"on": False, "rx": None},
+    },
     "pe/head.csl": {"merge": _CHAIN_NONE, "merge_end": _CHAIN_NONE},
 }
 # Params a connection sets that a PE program names differently, or does not take.

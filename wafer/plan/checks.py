@@ -95,7 +95,8 @@ def _check_memory(regions: list[Region], arch: Arch) -> str | None:
 
 def reduction_colors(kind: str, n: int) -> int:
     """Colors a reduction over n PEs needs: a chain alternates two (a PE never receives and sends on
-    the same color); a two-level reduction has a chain on each level."""
+    the same color); a two-level reduction has a chain on each level; two_sided (two chains per level
+    meeting on one PE, the generator's greedy coloring alternating them too) is counted like it."""
     if n <= 1:
         return 0
     return 2 if kind == "chain" else 4

@@ -68,11 +68,10 @@ def attention_symbols(t: AttentionTiling, dtype: str) -> dict[str, Symbol]:
     cache = t.slots * t.positions_per_pe * t.heads_per_pe * t.head_dim
     hd = t.heads_per_pe * t.head_dim
     return {
-        "k_cache": Symbol(wd, cache),  # [slot][position in PE][head in PE][head_dim]
-        "v_cache": Symbol(wd, cache),
+        "k_cache": Symbol(wd, cache),  # [slot][head in PE][head_dim][position in PE]
+        "v_cache": Symbol(wd, cache),  # [slot][head in PE][position in PE][head_dim]
         "qkv": Symbol("f32", 3 * hd),  # the group's [q | k | v] as it arrives
         "q": Symbol("f32", hd),
-        "q16": Symbol("f16", hd),
         "scores": Symbol("f32", t.positions_per_pe + 1),  # one head's scores, and their max
         "acc": Symbol("f32", hd),  # exp-weighted V
         "stats": Symbol("f32", 5 * t.heads_per_pe),  # max and sum per head, a partner's, the factors

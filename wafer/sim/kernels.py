@@ -12,7 +12,8 @@ Precision (`fp16=True` is the hardware default, `fp16=False` the all-fp32 mode):
   exact in fp32, so an fp32 BLAS matmul over fp16-valued operands is that same arithmetic.
 - Partial sums, biases, residuals, LayerNorm, GELU, softmax and the log-sum-exp are fp32.
 - Attention scores: q is rounded to fp16 in fp16 mode and dotted with the fp16 K cache with fp32
-  accumulation; the softmax weights stay fp32 and multiply the (fp16) V cache in fp32.
+  accumulation; the softmax weights are summed in fp32 and, rounded to fp16 in fp16 mode, multiply
+  the (fp16) V cache with fp32 accumulation (`@fmachs`, as the GEMV's input).
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ import numpy as np
 
 from wafer.memory_layout import tiled_positions
 from wafer.sim import parallel
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, ceil_div, reduction_runs
+from wafer.tiling import (
+    AttentionTiling,
+    GemvTiling,
+    HeadTiling,
+    NormTiling,
+    ceil_div,
+    meeting_index,
+    reduction_runs,
+)
 
 F32 = np.float32
 
@@ -40,11 +49,22 @@ def chain_sum(partials: np.ndarray) -> np.ndarray:
 
 def combine(partials: np.ndarray, reduction: str, group: int = 0) -> np.ndarray:
     """Sum over axis 0 in the order of `wafer.tiling.reduction_runs`: each run chained, then the runs'
-    sums chained. May overwrite `partials`."""
+    sums chained; two_sided: every chain meets in its middle (`meet`). May overwrite `partials`."""
     runs = reduction_runs(partials.shape[0], reduction, group)
+    total = meet if reduction == "two_sided" else chain_sum
     if len(runs) == 1:
-        return chain_sum(partials)
-    return chain_sum(np.stack([chain_sum(partials[run.start : run.stop]) for run in runs]))
+        return total(partials)
+    return total(np.stack([total(partials[run.start : run.stop]) for run in runs]))
+
+
+def meet(partials: np.ndarray) -> np.ndarray:
+    """two_sided (wafer.tiling): the chain from index 0 to the meeting index r, plus the chain from the
+    far end down to r + 1, added on r."""
+    r = meeting_index(partials.shape[0])
+    near = chain_sum(partials[: r + 1])
+    if r + 1 == partials.shape[0]:
+        return near
+    return near + chain_sum(partials[r + 1 :][::-1])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -187,21 +207,29 @@ def residual_add(y: np.ndarray, residual: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------------
 # Attention. PE (g, p) of the layer's attention region holds, for every slot, the K and V of heads
-# [g*hpp, (g+1)*hpp) at positions [p*ppp, (p+1)*ppp): its `k_cache` and `v_cache` symbols are laid out
-# [slot][position in PE][head in PE][head_dim]. Where PE (g, p) sits in the region's rectangle is the
-# plan's business (a chain may be folded into several rows); the kernels get it as two [G, P] index
-# arrays (`pe_y`, `pe_x`) into the (h, w, elems) memory image.
+# [g*hpp, (g+1)*hpp) at positions [p*ppp, (p+1)*ppp): its `k_cache` symbol is laid out
+# [slot][head in PE][head_dim][position in PE] (K^T per head), its `v_cache`
+# [slot][head in PE][position in PE][head_dim], so that kernels/pe/attention.csl computes both products
+# as one @map each. Where PE (g, p) sits in the region's rectangle is the plan's business (a chain may
+# be folded into several rows); the kernels get it as two [G, P] index arrays (`pe_y`, `pe_x`) into the
+# (h, w, elems) memory image.
 
 
 ATTENTION_SPLIT_SLOTS = 8  # a group of this many slots or more runs as two halves, one per thread
 
 
-def _kv_view(memory_hwl: np.ndarray, tiling: AttentionTiling) -> np.ndarray:
-    """(h, w, elems) -> a view (h, w, slots, ppp, hpp, head_dim) of the same memory."""
+def _kv_view(memory_hwl: np.ndarray, tiling: AttentionTiling, symbol: str) -> np.ndarray:
+    """(h, w, elems) of `k_cache` or `v_cache` -> a view (h, w, slots, ppp, hpp, head_dim) of the same
+    memory, whatever the symbol's own order of axes."""
     h, w, _ = memory_hwl.shape
-    return memory_hwl.reshape(
-        h, w, tiling.slots, tiling.positions_per_pe, tiling.heads_per_pe, tiling.head_dim
-    )
+    t = tiling
+    if symbol == "k_cache":
+        held = memory_hwl.reshape(h, w, t.slots, t.heads_per_pe, t.head_dim, t.positions_per_pe)
+        return held.transpose(0, 1, 2, 5, 3, 4)
+    if symbol == "v_cache":
+        held = memory_hwl.reshape(h, w, t.slots, t.heads_per_pe, t.positions_per_pe, t.head_dim)
+        return held.transpose(0, 1, 2, 4, 3, 5)
+    raise ValueError(f"not a KV cache symbol: {symbol!r}")
 
 
 def write_kv(
@@ -212,9 +240,10 @@ def write_kv(
     tiling: AttentionTiling,
     pe_y: np.ndarray,
     pe_x: np.ndarray,
+    symbol: str,
 ) -> None:
-    """values [B, C] (one token's K or V per item) -> the PE that owns each item's position, for every
-    head group. The memory's dtype rounds (an fp16 cache in fp16 mode)."""
+    """values [B, C] (one token's K or V per item, `symbol` says which) -> the PE that owns each item's
+    position, for every head group. The memory's dtype rounds (an fp16 cache in fp16 mode)."""
     batch = values.shape[0]
     heads = np.zeros((batch, tiling.head_groups * tiling.heads_per_pe, tiling.head_dim), dtype=F32)
     heads[:, : tiling.n_head] = values.reshape(batch, tiling.n_head, tiling.head_dim)
@@ -222,18 +251,19 @@ def write_kv(
         1, 0, 2, 3
     )
     owner = positions // tiling.positions_per_pe
-    view = _kv_view(memory_hwl, tiling)
+    view = _kv_view(memory_hwl, tiling, symbol)
     view[pe_y[:, owner], pe_x[:, owner], slots[None, :], (positions % tiling.positions_per_pe)[None, :]] = (
         per_group
     )
 
 
 def kv_logical(
-    memory_hwl: np.ndarray, tiling: AttentionTiling, pe_y: np.ndarray, pe_x: np.ndarray
+    memory_hwl: np.ndarray, tiling: AttentionTiling, pe_y: np.ndarray, pe_x: np.ndarray, symbol: str
 ) -> np.ndarray:
-    """A K or V store's (h, w, elems) memory -> float32 [slot, head, position, head_dim]: the values
-    the PEs hold, in the order attention reads them (positions past the context are padding)."""
-    held = _kv_view(memory_hwl, tiling)[pe_y, pe_x]  # [G, P, slots, ppp, hpp, D]
+    """A K or V store's (h, w, elems) memory (`symbol` says which) -> float32 [slot, head, position,
+    head_dim]: the values the PEs hold, in the order attention reads them (positions past the context
+    are padding)."""
+    held = _kv_view(memory_hwl, tiling, symbol)[pe_y, pe_x]  # [G, P, slots, ppp, hpp, D]
     logical = held.transpose(2, 0, 4, 1, 3, 5).reshape(
         tiling.slots, -1, tiling.chain * tiling.positions_per_pe, tiling.head_dim
     )
@@ -260,7 +290,7 @@ def attention_region(
 
     def attend(group: tuple[np.ndarray, np.ndarray]) -> None:  # groups of slots are independent
         group_slots, rows = group
-        out[rows] = _attend_group(q, keys, values, group_slots, rows, positions, tiling)
+        out[rows] = _attend_group(q, keys, values, group_slots, rows, positions, tiling, fp16)
 
     parallel.map_all(attend, _segments(slots))
     return out
@@ -294,6 +324,7 @@ def _attend_group(
     rows: np.ndarray,
     positions: np.ndarray,
     tiling: AttentionTiling,
+    fp16: bool,
 ) -> np.ndarray:
     n_slots, n_items = rows.shape
     heads, dim, ppp = tiling.n_head, tiling.head_dim, tiling.positions_per_pe
@@ -323,7 +354,10 @@ def _attend_group(
         np.ascontiguousarray(np.moveaxis(local_sum * rescale, 3, 0)), tiling.reduction, tiling.group
     )  # [S, H, n]
     # Each PE's exp-weighted V sum, rescaled and summed along the chain, folded into one matmul
-    # (the same terms; only the fp32 rounding order of that sum differs from a PE-by-PE chain).
+    # (the same terms; only the fp32 rounding order of that sum differs from a PE-by-PE chain). In fp16
+    # mode the weights multiply V as fp16 (the kernel's @fmachs takes an fp16 scalar); the sum above
+    # keeps them fp32.
+    weights = round_fp16(weights) if fp16 else weights
     scaled = (weights * rescale[..., None]).reshape(n_slots, heads, n_items, span)
     out = np.matmul(scaled, v) / total[..., None]  # [S, H, n, D]
     return out.transpose(0, 2, 1, 3).reshape(n_slots, n_items, heads * dim)

@@ -158,7 +158,7 @@ class WaferProgram:
                 positions = tiling.chain * tiling.positions_per_pe
                 store = np.zeros((tiling.slots, tiling.n_head, positions, tiling.head_dim), np.float32)
             else:
-                store = kernels.kv_logical(region.arrays[symbol], tiling, *self.coords(region))
+                store = kernels.kv_logical(region.arrays[symbol], tiling, *self.coords(region), symbol)
             hit = (version, store)
             self._kv[key] = hit
         return hit[1]
@@ -171,7 +171,7 @@ class WaferProgram:
         tiling: AttentionTiling = region.region.tiling
         store = self.kv_store(region, symbol)
         memory = region.arrays[symbol]
-        kernels.write_kv(memory, values, slots, positions, tiling, *self.coords(region))
+        kernels.write_kv(memory, values, slots, positions, tiling, *self.coords(region), symbol)
         stored = values.astype(memory.dtype).astype(np.float32)  # what the memory's dtype kept
         store[slots, :, positions] = stored.reshape(len(slots), tiling.n_head, tiling.head_dim)
 
