@@ -77,6 +77,10 @@ def test_numbers_agree_with_build_plan(report):
     latency = table_row(markdown, "decode latency per token, 1.1 GHz")[1]
     assert number(latency) == pytest.approx(plan.modeled()["decode_latency_us"], abs=0.006)
     assert number(table_row(markdown, "total")[1]) == plan.decode_cycles
+    # Before and after the latency work: the stored total beside today's.
+    before_after = markdown.split("## Before and after the latency work (modeled)")[1]
+    total = table_row(before_after, "total")
+    assert number(total[1]) == 192_847 and number(total[2]) == plan.decode_cycles
 
 
 def test_fast_path_is_quick(report):

@@ -356,12 +356,10 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     cost.add("local top-k", local_topk_cycles(g.tile_n, k))
     cols = g.cols
     if tiling.merge == "chain" or not 1 < tiling.merge_group < cols:
-        merge = sum(_merge_step(1, k, covered, 1) for covered in range(1, cols))
+        merge = merge_chain_cycles(1, k, cols - 1)
     else:
         run = tiling.merge_group
-        runs = ceil_div(cols, run)
-        merge = sum(_merge_step(1, k, covered, 1) for covered in range(1, run))
-        merge += sum(_merge_step(run, k, covered, 1) for covered in range(1, runs))
+        merge = merge_chain_cycles(1, k, run - 1) + merge_chain_cycles(run, k, ceil_div(cols, run) - 1)
     cost.add(f"top-k/LSE {tiling.merge} merge", merge)
     return cost
 
@@ -408,6 +406,24 @@ def winner_cycles(k: int, winners: float) -> float:
     longer = (1 - p) ** (MERGE_SHORT_RUN + 1)
     total += longer * (MERGE_PROBE_CYCLES + search + MERGE_ENTRY_CYCLES + 2 * DSD_OP_START_CYCLES)
     return total
+
+
+def merge_chain_cycles(hops: int, k: int, steps: int) -> int:
+    """A chain of `steps` merges, `hops` apart, the running record covering 1, 2, ... members when
+    the next one joins."""
+    return steps * hops * HOP_CYCLES + _merge_steps_at_zero_hops(k, steps)
+
+
+_MERGE_PREFIX: dict[int, list[int]] = {}  # per k: sums of the first 0, 1, 2, ... steps at zero hops
+
+
+def _merge_steps_at_zero_hops(k: int, steps: int) -> int:
+    # Prefix sums, extended on demand: the planner prices every run length of every candidate head,
+    # and summing each chain afresh made planning take minutes.
+    prefix = _MERGE_PREFIX.setdefault(k, [0])
+    while len(prefix) <= steps:
+        prefix.append(prefix[-1] + _merge_step(0, k, len(prefix), 1))
+    return prefix[max(steps, 0)]
 
 
 def _merge_step(hops: int, k: int, covered: int, joining: int) -> int:

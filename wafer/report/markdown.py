@@ -10,6 +10,7 @@ from wafer.report.data import (
     PHASE_CLASSES,
     SYMBOL_CLASSES,
     ReportData,
+    group_by_part,
     layer_phases,
     pes_per_layer,
     sram_per_pe,
@@ -128,6 +129,9 @@ def render(data: ReportData, figures: list[Figure], command: str) -> str:
         + "\n\n"
         + fig("time_per_layer.png")
     )
+
+    if data.baseline is not None:
+        parts.append(_before_after(data))
 
     cands = data.candidates
     best_lat = min(cands, key=lambda c: c.latency_us) if cands else None
@@ -257,6 +261,65 @@ def render(data: ReportData, figures: list[Figure], command: str) -> str:
         f"PRESETS; print(build_plan(PRESETS['{data.config.name}']).summary_text())\"`"
     )
     return "\n\n".join(parts) + "\n"
+
+
+def _before_after(data: ReportData) -> str:
+    """Today's critical path beside the stored one from before the latency work (issue 14)."""
+    base, plan = data.baseline, data.plan
+    assert base is not None
+    n_layer = plan.config.n_layer
+    before = group_by_part(base.critical_path, n_layer)
+    now = time_by_part(plan)
+
+    def change(old: int, new: int) -> str:
+        return f"{new - old:+,}" + (f" ({100 * (new - old) / old:+.0f}%)" if old else "")
+
+    names = sorted(set(before) | set(now), key=lambda n: -before.get(n, 0))
+    part_rows = [
+        [n, f"{before.get(n, 0):,}", f"{now.get(n, 0):,}", change(before.get(n, 0), now.get(n, 0))]
+        for n in names
+    ]
+    part_rows.append(
+        [
+            "total",
+            f"{base.decode_cycles:,}",
+            f"{plan.decode_cycles:,}",
+            change(base.decode_cycles, plan.decode_cycles),
+        ]
+    )
+    old_layer = {name.split(".", 1)[1]: c for name, c in base.critical_path if name.startswith("L0.")}
+    layer_rows = []
+    for stage in plan.layer_stage_costs:
+        op = stage.name.split(".", 1)[1]
+        layer_rows.append(
+            [op, f"{old_layer.get(op, 0):,}", f"{stage.cycles:,}", change(old_layer.get(op, 0), stage.cycles)]
+        )
+    m = plan.modeled()
+    most = max(data.replica_curves, key=lambda c: c.plan.replicas, default=None)
+    balance = [
+        ["decode latency per token", f"{_us(base.decode_cycles)} us", f"{_us(plan.decode_cycles)} us"],
+        ["slowest stage", f"{base.bottleneck_stage_us:.2f} us", f"{m['bottleneck_stage_us']:.2f} us"],
+        ["stage imbalance (slowest / mean)", f"{base.imbalance:.2f}", f"{plan.imbalance:.2f}"],
+    ]
+    if most is not None:
+        balance.append(
+            [
+                "tokens/s, objective throughput, replicas auto",
+                f"{base.throughput_tokens_per_s:,.0f} ({base.throughput_replicas} replicas)",
+                f"{most.plan.modeled()['tokens_per_s_total']:,.0f} ({most.plan.replicas} replicas)",
+            ]
+        )
+    return (
+        "## Before and after the latency work (modeled)\n\n"
+        f"The critical path of one token against the plan of commit {base.commit} (the calibrated cost "
+        "model before issue 14's latency work, stored in `wafer/report/latency_baseline.json`), both "
+        "modeled. By part:\n\n"
+        + _table(["part", f"before ({base.commit})", "now", "change"], part_rows)
+        + "\n\nOne layer, stage by stage:\n\n"
+        + _table(["operation", f"before ({base.commit})", "now", "change"], layer_rows)
+        + "\n\nStage balance:\n\n"
+        + _table(["", f"before ({base.commit})", "now"], balance)
+    )
 
 
 def _comparison(data: ReportData, fig) -> str:
