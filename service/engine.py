@@ -189,13 +189,14 @@ class Engine:
             raise self.unavailable()
         return executor
 
-    def submit(self, request: GenerationRequest) -> RequestState:
+    def submit(self, request: GenerationRequest, stream: bool = True) -> RequestState:
+        """Queue a request; its events go to the running event loop (`stream` False: the final one only)."""
         loop = asyncio.get_running_loop()
         with self._cond:
             if self._state is not EngineState.READY:
                 raise self.unavailable()
             core = self._built_core()
-            state = core.add(core.new_request(request, loop))
+            state = core.add(core.new_request(request, loop, stream))
             self._cond.notify_all()
         return state
 

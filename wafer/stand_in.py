@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from wafer.cost import CLOCK_HZ
 from wafer.errors import InvalidInput
 from wafer.executor import ExecutorError, StepItem, TokenScores, validate_items
-from wafer.cost import CLOCK_HZ
 from wafer.plan.model import Plan
 
 TABLE = 251  # distinct score rows (a prime: (token + position) cycles through all of them)
@@ -75,7 +75,9 @@ class NullExecutor:
                 continue
             row = rows[(item.token + item.position) % n]
             if item.target is not None:  # the target's logit: below the top-k's worst
-                row = TokenScores(row.topk_ids, row.topk_logits, row.logsumexp, float(row.topk_logits[-1]) - 1.0)
+                row = TokenScores(
+                    row.topk_ids, row.topk_logits, row.logsumexp, float(row.topk_logits[-1]) - 1.0
+                )
             out.append(row)
         self.steps += 1
         self.items += len(items)

@@ -99,7 +99,9 @@ class Cell:
 
     @property
     def server_us_per_token(self) -> float:
-        return self.median([1e6 * cpu / max(r.tokens, 1) for cpu, r in zip(self.server_cpu_s, self.runs)])
+        return self.median(
+            [1e6 * cpu / max(r.tokens, 1) for cpu, r in zip(self.server_cpu_s, self.runs, strict=True)]
+        )
 
     @property
     def client_cpu_share(self) -> float:
@@ -109,11 +111,11 @@ class Cell:
     def utilisation(self) -> float | None:
         if not self.modeled_busy_s:
             return None
-        return self.median([b / r.window_s for b, r in zip(self.modeled_busy_s, self.runs)])
+        return self.median([b / r.window_s for b, r in zip(self.modeled_busy_s, self.runs, strict=True)])
 
     @property
     def tokens_per_step(self) -> float:
-        return self.median([r.tokens / max(s, 1) for s, r in zip(self.steps, self.runs)])
+        return self.median([r.tokens / max(s, 1) for s, r in zip(self.steps, self.runs, strict=True)])
 
     @property
     def errors(self) -> int:
@@ -178,7 +180,9 @@ class _Server:
             max_connections=max(1024, 4 * streams),
         )
         self.fatal: list[str] = []
-        app = create_app(settings, lambda: executor, model_summary={"name": "gpt2"}, on_fatal=self.fatal.append)
+        app = create_app(
+            settings, lambda: executor, model_summary={"name": "gpt2"}, on_fatal=self.fatal.append
+        )
         self.engine = app.state.engine
         self.server = ServiceServer(app, settings, log_level="warning", access_log=False)
         self.thread = threading.Thread(target=self.server.run, name="bench-uvicorn", daemon=True)
@@ -315,7 +319,13 @@ def _job(route: str, port: int, streams: int, new_tokens: int, seconds: float, w
 
 
 def _run_cell(
-    cell: Cell, clients: _Process, server: _Server, executor: Executor, new_tokens: int, seconds: float, warmup_s: float
+    cell: Cell,
+    clients: _Process,
+    server: _Server,
+    executor: Executor,
+    new_tokens: int,
+    seconds: float,
+    warmup_s: float,
 ) -> None:
     job = _job(cell.route, server.port, cell.streams, new_tokens, seconds, warmup_s)
     clients.connection.send(job)
@@ -357,7 +367,9 @@ def _cell_line(cell: Cell) -> str:
     )
 
 
-def print_result(cells: list[Cell], labels: dict[str, str], new_tokens: int, seconds: float, reps: int) -> None:
+def print_result(
+    cells: list[Cell], labels: dict[str, str], new_tokens: int, seconds: float, reps: int
+) -> None:
     print(
         f"{'executor':<9}{'streams':>8} {'route':<15}{'tokens/s':>10}{'ceiling':>10}{'us CPU/tok':>11}"
         f"{'client %':>9}{'tok/step':>9}{'wafer busy':>11}"

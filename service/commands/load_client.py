@@ -93,7 +93,9 @@ async def _connection(job: LoadJob, counter: _Counter, stop_at: float) -> None:
             if job.stream:
                 tokens = events - job.events_not_tokens
                 if tokens != job.tokens_per_response:
-                    counter.error(f"a stream carried {tokens} token events, expected {job.tokens_per_response}")
+                    counter.error(
+                        f"a stream carried {tokens} token events, expected {job.tokens_per_response}"
+                    )
             else:
                 counter.add_tokens(job.tokens_per_response)
             counter.add_response()
@@ -141,7 +143,9 @@ async def _run(job: LoadJob) -> LoadResult:
     for task in done:
         if task.exception() is not None:
             counter.error(f"{type(task.exception()).__name__}: {task.exception()}")
-    return LoadResult(counter.tokens, counter.responses, job.seconds, cpu1 - cpu0, counter.errors, counter.first_error)
+    return LoadResult(
+        counter.tokens, counter.responses, job.seconds, cpu1 - cpu0, counter.errors, counter.first_error
+    )
 
 
 def _cpu() -> float:
