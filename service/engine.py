@@ -92,6 +92,7 @@ class Engine:
         self.error: str | None = None  # why the engine failed, when it did
         self.fault: str | None = None  # the last fault the worker recovers from (shown by /health)
         self.load_seconds: float | None = None
+        self.idle_seconds = 0.0  # time the worker waited with no request to step (`bench host` reads it)
         self.restarts = 0
         self._injected_step_faults: list[BaseException] = []
         self._injected_load_faults: list[BaseException] = []
@@ -353,7 +354,9 @@ class Engine:
                 if batch.items:
                     return batch
                 self._cond.notify_all()  # wake wait_drained
+                waited = time.monotonic()
                 self._cond.wait(timeout=1.0)
+                self.idle_seconds += time.monotonic() - waited
 
     def _load(self, first: bool) -> bool:
         """Build the executor (upload the model); on failure retry, then give up (FAILED)."""

@@ -87,6 +87,7 @@ class Cell:
     server_cpu_s: list[float] = field(default_factory=list)
     modeled_busy_s: list[float] = field(default_factory=list)
     overshoot_s: list[float] = field(default_factory=list)
+    idle_s: list[float] = field(default_factory=list)  # the engine waited with no request to step
     steps: list[int] = field(default_factory=list)
     ceiling: LoadResult | None = None
 
@@ -112,6 +113,10 @@ class Cell:
         if not self.modeled_busy_s:
             return None
         return self.median([b / r.window_s for b, r in zip(self.modeled_busy_s, self.runs, strict=True)])
+
+    def share(self, values: list[float]) -> float:
+        """A time per window (median over the windows), as a share of the window."""
+        return self.median([v / r.window_s for v, r in zip(values, self.runs, strict=True)])
 
     @property
     def tokens_per_step(self) -> float:
@@ -263,8 +268,8 @@ def measure(
         clients.answer(120, "start")
         for kind in executors:
             for count in streams:
-                executor, labels[kind] = build_stand_in(kind, count, context)
-                log(f"bench host: {labels[kind]}; {count} streams")
+                executor, labels[f"{kind} {count}"] = build_stand_in(kind, count, context)
+                log(f"bench host: {labels[f'{kind} {count}']}; {count} streams")
                 row = {route: Cell(kind, count, route) for route in routes}
                 with _Server(executor, count) as server:
                     for route in routes:  # warm-up, and the response the replay server will send
@@ -331,15 +336,29 @@ def _run_cell(
     clients.connection.send(job)
     # The server's CPU and the wafer's modeled busy time over the client's window (from its start time).
     time.sleep(warmup_s)
-    cpu0, busy0, over0, steps0 = _cpu(), _busy(executor), _overshoot(executor), server.engine.steps
+    engine = server.engine
+    cpu0, busy0, over0, steps0, idle0 = (
+        _cpu(),
+        _busy(executor),
+        _overshoot(executor),
+        engine.steps,
+        engine.idle_seconds,
+    )
     time.sleep(seconds)
-    cpu1, busy1, over1, steps1 = _cpu(), _busy(executor), _overshoot(executor), server.engine.steps
+    cpu1, busy1, over1, steps1, idle1 = (
+        _cpu(),
+        _busy(executor),
+        _overshoot(executor),
+        engine.steps,
+        engine.idle_seconds,
+    )
     result: LoadResult = clients.answer(seconds + warmup_s + 60, "finish")
     if result.errors:
         raise BenchFailed(f"{cell.route}: {result.errors} failed responses; the first: {result.first_error}")
     cell.runs.append(result)
     cell.server_cpu_s.append(cpu1 - cpu0)
     cell.steps.append(steps1 - steps0)
+    cell.idle_s.append(idle1 - idle0)
     if hasattr(executor, "modeled_busy_s"):
         cell.modeled_busy_s.append(busy1 - busy0)
         cell.overshoot_s.append(over1 - over0)
@@ -372,21 +391,33 @@ def print_result(
 ) -> None:
     print(
         f"{'executor':<9}{'streams':>8} {'route':<15}{'tokens/s':>10}{'ceiling':>10}{'us CPU/tok':>11}"
-        f"{'client %':>9}{'tok/step':>9}{'wafer busy':>11}"
+        f"{'client %':>9}{'tok/step':>9}{'wafer busy':>11}{'late':>6}{'no work':>8}{'host':>6}"
     )
     for cell in cells:
         utilisation = cell.utilisation
-        busy = "" if utilisation is None else f"{100 * utilisation:.1f}%"
+        busy = late = idle = host = ""
+        if utilisation is not None:
+            # Where the wafer's idle time went: the stand-in's sleep waking late, the engine waiting with
+            # no request to step, and the rest: the host's work between steps.
+            busy, late, idle = (
+                f"{100 * utilisation:.1f}%",
+                f"{100 * cell.share(cell.overshoot_s):.1f}",
+                f"{100 * cell.share(cell.idle_s):.1f}",
+            )
+            rest = 1 - utilisation - cell.share(cell.overshoot_s) - cell.share(cell.idle_s)
+            host = f"{100 * rest:.1f}"
         ceiling = f"{cell.ceiling.tokens_per_s:,.0f}" if cell.ceiling else "-"
         print(
             f"{cell.executor:<9}{cell.streams:>8} {cell.route:<15}{cell.tokens_per_s:>10,.0f}{ceiling:>10}"
-            f"{cell.server_us_per_token:>11.1f}{100 * cell.client_cpu_share:>9.0f}{cell.tokens_per_step:>9.1f}{busy:>11}"
+            f"{cell.server_us_per_token:>11.1f}{100 * cell.client_cpu_share:>9.0f}{cell.tokens_per_step:>9.1f}{busy:>11}{late:>6}{idle:>8}{host:>6}"
         )
     print(
         f"tokens/s: received by the clients (a process of their own), median of {reps} window(s) of {seconds:g} s; "
         f"{new_tokens} new tokens per request, greedy; ceiling: the same client against a replay of a recorded "
         "response (its own limit); us CPU/tok: the server process's CPU time per token; client %: the client "
-        "process's CPU, of one core; wafer busy: modeled busy time / wall time (modeled executor only)"
+        "process's CPU, of one core; wafer busy: modeled busy time / wall time (modeled executor only), and the rest "
+        "in % of wall time: late (the stand-in's sleep woke after the modeled time), no work (the engine waited "
+        "with no request: the clients' turnaround), host (the host's work between steps)"
     )
     for kind, label in labels.items():
         print(f"{kind}: {label}")
