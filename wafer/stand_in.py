@@ -13,6 +13,7 @@ the text they produce varies (the detokenizer does real work) and runs repeat ex
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -122,22 +123,37 @@ def modeled_step_seconds(plan: Plan, slots_of_items: Sequence[int], clock_hz: fl
     return (plan.decode_cycles + (busiest - 1) * plan.bottleneck_cycles) / clock_hz
 
 
+def timer_lateness(seconds: float, times: int = 50) -> float:
+    """How late `time.sleep(seconds)` wakes in this process, the median of `times` tries."""
+    late = []
+    for _ in range(times):
+        end = time.perf_counter() + seconds
+        time.sleep(seconds)
+        late.append(time.perf_counter() - end)
+    return max(0.0, statistics.median(late))
+
+
 class ModeledWaferExecutor(NullExecutor):
     """The null executor's answers, each step returned after the time the cost model gives it on `plan`
     (modeled, not measured). The wait sleeps, so the host's threads run meanwhile as they would beside
-    a real wafer (a spin would hold the GIL); the OS wakes it a little late, which `overshoot_s` counts
-    so that a benchmark can tell the timer's lateness from the host's."""
+    a real wafer (a spin would hold the GIL). The OS wakes a sleeper late (tens of microseconds, a few
+    percent of a step), which a wafer's memcpy would not add: each sleep is shortened by the timer's
+    median lateness (`timer_late_s`, measured at construction unless given), so steps end on time on
+    average. `overshoot_s` sums how late they really ended (negative when early): what is left is the
+    wait for the GIL and the timer's jitter."""
 
     backend = "modeled"
 
-    def __init__(self, plan: Plan, clock_hz: float = CLOCK_HZ) -> None:
+    def __init__(self, plan: Plan, clock_hz: float = CLOCK_HZ, timer_late_s: float | None = None) -> None:
         super().__init__(
             plan.config.vocab_size, slots=plan.slots * plan.replicas, context=plan.context, top_k=plan.top_k
         )
         self.plan = plan
         self.clock_hz = clock_hz
         self.modeled_busy_s = 0.0  # the sum of every step's modeled time
-        self.overshoot_s = 0.0  # how much later than modeled the steps returned (sleep's lateness)
+        self.overshoot_s = 0.0  # how much later than modeled the steps returned, in all
+        full_step = modeled_step_seconds(plan, list(range(min(plan.slots, self.num_slots))), clock_hz)
+        self.timer_late_s = timer_lateness(full_step) if timer_late_s is None else timer_late_s
 
     def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
         start = time.perf_counter()
@@ -145,10 +161,10 @@ class ModeledWaferExecutor(NullExecutor):
         seconds = modeled_step_seconds(self.plan, [item.slot for item in items], self.clock_hz)
         self.modeled_busy_s += seconds
         end = start + seconds
-        remaining = end - time.perf_counter()
+        remaining = end - time.perf_counter() - self.timer_late_s
         if remaining > 0:
             time.sleep(remaining)
-        self.overshoot_s += max(0.0, time.perf_counter() - end)
+        self.overshoot_s += time.perf_counter() - end
         return out
 
     def describe(self) -> dict:

@@ -30,6 +30,7 @@ from service.cli import UserError
 from service.commands.load_client import LoadJob, LoadResult, client_process, record_response, replay_server
 from wafer.errors import WaferGPT2Error
 from wafer.executor import Executor
+from wafer.stand_in import ModeledWaferExecutor, modeled_step_seconds
 
 EXECUTORS = ("null", "modeled")
 ROUTES = ("tgi-stream", "openai-stream", "generate", "openai")
@@ -269,6 +270,13 @@ def measure(
         for kind in executors:
             for count in streams:
                 executor, labels[f"{kind} {count}"] = build_stand_in(kind, count, context)
+                if isinstance(executor, ModeledWaferExecutor):
+                    step_s = modeled_step_seconds(executor.plan, list(range(count)))
+                    labels[f"{kind} {count}"] += (
+                        f"; a full decode step is modeled at {1e6 * step_s:.0f} us; time.sleep wakes "
+                        f"{1e6 * executor.timer_late_s:.0f} us late here (median, server idle), which the "
+                        "stand-in subtracts from its sleeps"
+                    )
                 log(f"bench host: {labels[f'{kind} {count}']}; {count} streams")
                 row = {route: Cell(kind, count, route) for route in routes}
                 with _Server(executor, count) as server:
@@ -416,7 +424,7 @@ def print_result(
         f"{new_tokens} new tokens per request, greedy; ceiling: the same client against a replay of a recorded "
         "response (its own limit); us CPU/tok: the server process's CPU time per token; client %: the client "
         "process's CPU, of one core; wafer busy: modeled busy time / wall time (modeled executor only), and the rest "
-        "in % of wall time: late (the stand-in's sleep woke after the modeled time), no work (the engine waited "
+        "in % of wall time: late (steps returned after their modeled end: GIL hand-over, timer jitter), no work (the engine waited "
         "with no request: the clients' turnaround), host (the host's work between steps)"
     )
     for kind, label in labels.items():
