@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,30 @@ log = logging.getLogger(__name__)
 
 ExecutorFactory = Callable[[], Executor]
 RELOAD_ATTEMPTS = 3
+
+
+class HelperThread:
+    """Runs the worker's side jobs (finishing the previous step's tokens) on a daemon thread of its own
+    while the worker waits for the executor. One per worker; a job that fails is logged and dropped (the
+    worker redoes what is left under its lock after the step)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="wafer-engine-helper", daemon=True).start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            function, args = job
+            try:
+                function(*args)
+            except Exception:
+                log.exception("the engine's helper job failed")
+
+    def run_soon(self, function: Callable, *args) -> None:
+        self._jobs.put((function, args))
+
+    def close(self) -> None:
+        self._jobs.put(None)
 
 
 class EngineState(enum.Enum):
@@ -242,6 +267,7 @@ class Engine:
 
     def _worker(self, generation: int, first: bool) -> None:
         death: BaseException | None = None  # what ended the worker when nobody asked it to stop
+        helper = HelperThread()
         try:
             if not self._load(first=first):
                 return
@@ -258,12 +284,16 @@ class Engine:
                         self._cond.notify_all()  # the watchdog waits for this deadline now
                     if self._injected_step_faults:
                         raise self._injected_step_faults.pop(0)
+                    # While the executor computes (a wafer step leaves the GIL free), the helper thread
+                    # finishes the previous step's tokens: detokenizing, events, ends (issue 18).
+                    helper.run_soon(self._complete_deferred, generation)
                     results = core.execute(batch, executor)
                     with self._cond:
                         if self._generation != generation:
                             return  # the watchdog gave up on this step: another worker serves now
                         self._step = None
-                        core.finish(batch, results)  # the events went to the requests' event loops
+                        core.complete_deferred()  # what the helper did not get to
+                        core.finish(batch, results, defer=True)  # the events went to the event loops
                         self._cond.notify_all()
                 except KeyboardInterrupt:
                     raise  # an interrupt ends the worker (below), it is no backend fault to recover from
@@ -285,6 +315,7 @@ class Engine:
             else:
                 log.exception("the wafer worker died")
         finally:
+            helper.close()
             if self._generation == generation:
                 self._close_executor()
                 self._end_worker(death)
@@ -344,15 +375,25 @@ class Engine:
         if fatal is not None and self._on_fatal is not None:
             self._on_fatal(fatal)  # the server exits non-zero rather than answer 503 forever
 
+    def _complete_deferred(self, generation: int) -> None:
+        """(The helper thread, while a step runs.) Finish the previous step's tokens."""
+        with self._cond:
+            if self._generation == generation and self._core is not None:
+                if self._core.complete_deferred(executor_busy=True):
+                    self._cond.notify_all()
+
     def _next_batch(self, generation: int) -> StepBatch | None:
         """Wait for work; None when the worker should stop."""
         with self._cond:
             while True:
                 if self._stop or self._generation != generation:
                     return None
-                batch = self._built_core().schedule()
+                core = self._built_core()
+                batch = core.schedule()
                 if batch.items:
                     return batch
+                if core.complete_deferred():
+                    continue  # requests ended (their slots are free): schedule again
                 self._cond.notify_all()  # wake wait_drained
                 waited = time.monotonic()
                 self._cond.wait(timeout=1.0)

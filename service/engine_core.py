@@ -102,6 +102,13 @@ class EngineCore:
         # Events for requests served on an event loop, handed over once per step (one thread-safe call
         # per loop per step instead of one per token): what `_flush` sends.
         self._pending: dict[asyncio.AbstractEventLoop, list[Output]] = {}
+        # Overlap (issue 18): with `finish(defer=True)` a chosen token whose request cannot end on its
+        # text (no stop sequences) is only recorded; the rest (detokenizing, the event, the metrics, the
+        # end) is `complete_deferred`'s, which the worker runs while the executor computes the next step.
+        self._deferring = False
+        self._deferred: list[tuple[RequestState, TokenScores, int, float, float]] = []
+        self._executor_busy = False  # a step is running: slots freed now reach the executor after it
+        self._free_later: list[int] = []
         self.executor: Executor | None = executor
         self.scheduler: Scheduler = self._new_scheduler(executor)
         self.record_gauges()
@@ -113,6 +120,7 @@ class EngineCore:
         scheduler = self._new_scheduler(executor)
         scheduler.waiting.extend(self.scheduler.waiting)
         self.executor, self.scheduler = executor, scheduler
+        self._free_later = []  # slots of the old executor
         self.record_gauges()
 
     def _new_scheduler(self, executor: Executor) -> Scheduler:
@@ -175,6 +183,7 @@ class EngineCore:
 
     def schedule(self) -> StepBatch:
         """At a step boundary: drop cancelled and timed-out requests, admit waiting ones, batch."""
+        self.release_slots()  # no step runs now: slots of requests that ended during one go free
         self._reap()
         self.scheduler.admit()
         batch = self.scheduler.build_step()
@@ -193,14 +202,49 @@ class EngineCore:
         self.metrics.record_step(time.monotonic() - started, len(batch))
         return results
 
-    def finish(self, batch: StepBatch, results: list[TokenScores | None]) -> list[Output]:
+    def finish(
+        self, batch: StepBatch, results: list[TokenScores | None], defer: bool = False
+    ) -> list[Output]:
         """Apply a step's results: sample, detokenize, check stops; the events produced since the last
-        call (including those of requests that ended at the boundary)."""
+        call (including those of requests that ended at the boundary). `defer`: leave what the next step
+        does not need to `complete_deferred` (the worker runs it while the executor computes)."""
         self.steps += 1
-        self._apply(batch, results)
+        self._deferring = defer
+        try:
+            self._apply(batch, results)
+        finally:
+            self._deferring = False
         self.record_gauges()
         self._flush()
         return self.take_outputs()
+
+    def complete_deferred(self, executor_busy: bool = False) -> bool:
+        """Finish the tokens `finish(defer=True)` only chose: detokenize, emit, end the requests whose
+        token ended them. `executor_busy`: a step may run meanwhile, so freed slots reach the executor only
+        at the next `schedule` (executors are not thread-safe). False when there was nothing to do."""
+        if not self._deferred:
+            return False
+        deferred, self._deferred = self._deferred, []
+        self._executor_busy = executor_busy
+        try:
+            for state, scores, token, logprob, chosen_at in deferred:
+                if state.status is not RequestStatus.RUNNING:
+                    continue  # ended meanwhile (cancelled, timed out, failed): its token is dropped
+                try:
+                    self._complete(state, scores, token, logprob, chosen_at)
+                except Exception:
+                    self._request_failed(state)
+        finally:
+            self._executor_busy = False
+        self.record_gauges()
+        self._flush()
+        return True
+
+    def release_slots(self) -> None:
+        """After a step: free on the executor the slots of requests that ended while it ran."""
+        slots, self._free_later = self._free_later, []
+        for slot in slots:
+            self._free_on_executor(slot, None)
 
     def take_outputs(self) -> list[Output]:
         outputs, self._outputs = self._outputs, []
@@ -310,9 +354,28 @@ class EngineCore:
         self, state: RequestState, scores: TokenScores, pick: tuple[int, float] | None = None
     ) -> None:
         """Choose the next token (`pick`: already chosen by `greedy_batch`), detokenize, check stops."""
+        token, logprob = self._choose(state, scores, pick)
+        chosen_at = time.monotonic()
         request = state.request
-        generated = len(state.tokens)
-        early = generated < request.min_tokens  # min_tokens: no end yet
+        if self._deferring and not request.stop_sequences:
+            # Only the id decides whether this request goes on (end-of-text, a stop token, the length):
+            # the next step gets its item now, the rest waits for complete_deferred.
+            ends = (
+                (token == self._tokenizer.eos_token_id and not request.ignore_eos)
+                or token in request.stop_token_ids
+                or len(state.tokens) + 1 >= request.max_new_tokens
+                or state.computed >= self.scheduler.slots.context_length
+            )
+            state.pending_token = None if ends else token
+            self._deferred.append((state, scores, token, logprob, chosen_at))
+            return
+        self._complete(state, scores, token, logprob, chosen_at)
+
+    def _choose(
+        self, state: RequestState, scores: TokenScores, pick: tuple[int, float] | None
+    ) -> tuple[int, float]:
+        request = state.request
+        early = len(state.tokens) < request.min_tokens  # min_tokens: no end yet
         if pick is None:
             ends = request.stop_token_ids | (
                 frozenset() if request.ignore_eos else {self._tokenizer.eos_token_id}
@@ -325,7 +388,14 @@ class EngineCore:
             token, logprob = state.sampler.choose(scores, history, output, banned)
         else:
             token, logprob = pick
-        now = time.monotonic()
+        return token, logprob
+
+    def _complete(
+        self, state: RequestState, scores: TokenScores, token: int, logprob: float, now: float
+    ) -> None:
+        """A chosen token's text, event and end (`now`: when it was chosen)."""
+        request = state.request
+        early = len(state.tokens) < request.min_tokens  # min_tokens: no end yet
         first = not state.tokens
         self.metrics.record_token(now - (state.last_token_at or state.arrived_at), first)
         state.last_token_at = now
@@ -364,11 +434,11 @@ class EngineCore:
     ) -> None:
         """The one way out of the engine: release the slot (scheduler and wafer), report, notify."""
         slot = self.scheduler.remove(state)
-        if slot is not None and self.executor is not None:
-            try:
-                self.executor.free_slot(slot)
-            except Exception:
-                log.exception("freeing slot %d failed", slot, extra={"request_id": state.id})
+        if slot is not None:
+            if self._executor_busy:
+                self._free_later.append(slot)
+            else:
+                self._free_on_executor(slot, state)
         now = time.monotonic()
         if finish is not None:
             tail = state.detokenizer.flush() if finish is not FinishReason.STOP else ""
@@ -396,6 +466,14 @@ class EngineCore:
             self.metrics.record_failure(error.metric_reason)
             error.counted = True  # the API's error handler must not count it again
             self._emit(state, ErrorEvent(error))
+
+    def _free_on_executor(self, slot: int, state: RequestState | None) -> None:
+        if self.executor is None:
+            return
+        try:
+            self.executor.free_slot(slot)
+        except Exception:
+            log.exception("freeing slot %d failed", slot, extra={"request_id": state.id if state else "-"})
 
     def _emit(self, state: RequestState, event: Event) -> None:
         """To the request's event loop when it has one (the server; sent at the step's end by `_flush`),

@@ -69,7 +69,8 @@ def test_modeled_step_time_streams_items_through_each_replica(two_replica_plan):
 
 def test_modeled_executor_takes_the_modeled_time_and_says_modeled(two_replica_plan):
     plan = two_replica_plan
-    executor = ModeledWaferExecutor(plan)
+    assert ModeledWaferExecutor(plan).timer_late_s >= 0  # measured at construction
+    executor = ModeledWaferExecutor(plan, timer_late_s=0.0)  # sleeps the whole modeled time
     items = [StepItem(slot, 0, 100 + slot) for slot in range(4)]
     modeled = modeled_step_seconds(plan, [item.slot for item in items])
     start = time.perf_counter()
@@ -238,3 +239,14 @@ def test_bench_host_runs_end_to_end_at_a_tiny_size():
             assert cell.utilisation is None
     assert "modeled" in labels["modeled 2"]
     assert bench_host.summary_line(cells).startswith("bench host summary:")
+
+
+def test_the_report_keeps_the_host_section_when_it_is_regenerated():
+    from wafer.report import KEPT_BEGIN, KEPT_END, keep_sections
+
+    old = f"# Report\n\nold figures\n\n{KEPT_BEGIN}\n## Host\n\nmeasured by hand\n{KEPT_END}\n\n## Reproduce\n\nold\n"
+    new = "# Report\n\nnew figures\n\n## Reproduce\n\nnew\n"
+    kept = keep_sections(old, new)
+    assert kept.index("new figures") < kept.index("## Host") < kept.index("## Reproduce\n\nnew")
+    assert "old figures" not in kept and kept.count("## Host") == 1
+    assert keep_sections("# nothing kept\n", new) == new
