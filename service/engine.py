@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 ExecutorFactory = Callable[[], Executor]
 RELOAD_ATTEMPTS = 3
+# A step at least this long has the previous step's token work done beside it, on the helper thread
+# (issue 18: handing it over costs tens of microseconds and a GIL hand-off, which a short step cannot hide).
+OVERLAP_MIN_STEP_S = 0.5e-3
 
 
 class HelperThread:
@@ -286,14 +289,19 @@ class Engine:
                         raise self._injected_step_faults.pop(0)
                     # While the executor computes (a wafer step leaves the GIL free), the helper thread
                     # finishes the previous step's tokens: detokenizing, events, ends (issue 18).
-                    helper.run_soon(self._complete_deferred, generation)
+                    if core.has_deferred:
+                        helper.run_soon(self._complete_deferred, generation)
+                    stepped = time.monotonic()
                     results = core.execute(batch, executor)
+                    # Deferring pays only where steps are long enough to hide the hand-over (a wafer's);
+                    # after a short one (the null executor) the tokens are finished here and now.
+                    defer = time.monotonic() - stepped >= OVERLAP_MIN_STEP_S
                     with self._cond:
                         if self._generation != generation:
                             return  # the watchdog gave up on this step: another worker serves now
                         self._step = None
                         core.complete_deferred()  # what the helper did not get to
-                        core.finish(batch, results, defer=True)  # the events went to the event loops
+                        core.finish(batch, results, defer=defer)  # the events went to the event loops
                         self._cond.notify_all()
                 except KeyboardInterrupt:
                     raise  # an interrupt ends the worker (below), it is no backend fault to recover from

@@ -240,6 +240,10 @@ class EngineCore:
         self._flush()
         return True
 
+    @property
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
+
     def release_slots(self) -> None:
         """After a step: free on the executor the slots of requests that ended while it ran."""
         slots, self._free_later = self._free_later, []
