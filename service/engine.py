@@ -110,7 +110,13 @@ class Engine:
         self._step_timeout_s = step_timeout_s
         self._step_timeout_per_item_s = step_timeout_per_item_s
 
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # The watchdog waits on a condition of its own: notified only when a step's deadline comes before
+        # the time it already wakes at, not at every step (a wake-up per step costs the server a thread
+        # switch, issue 18's profile).
+        self._watch = threading.Condition(lock)
+        self._watch_until = 0.0  # when the watchdog wakes next on its own
         self._state = EngineState.LOADING
         self._core: EngineCore | None = None  # built with the first executor; kept across reloads
         self._stop = False
@@ -181,6 +187,7 @@ class Engine:
         with self._cond:
             self._stop = True  # the worker ends what is left (503) at its next step boundary
             self._cond.notify_all()
+            self._watch.notify_all()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)  # one step boundary; a step still running by then is hung
@@ -284,7 +291,8 @@ class Engine:
                         self._step = (len(batch), started, started + self.step_deadline_s(len(batch)))
                         core = self._built_core()
                         executor = core.executor  # this worker's, even if the watchdog detaches it
-                        self._cond.notify_all()  # the watchdog waits for this deadline now
+                        if self._step[2] < self._watch_until:
+                            self._watch.notify_all()  # the watchdog must wake before it meant to
                     if self._injected_step_faults:
                         raise self._injected_step_faults.pop(0)
                     # While the executor computes (a wafer step leaves the GIL free), the helper thread
@@ -335,7 +343,9 @@ class Engine:
                 step = self._step
                 now = time.monotonic()
                 if step is None or now < step[2]:
-                    self._cond.wait(timeout=1.0 if step is None else step[2] - now)
+                    timeout = 1.0 if step is None else step[2] - now
+                    self._watch_until = now + timeout
+                    self._watch.wait(timeout=timeout)
                     continue
                 self._abandon_hung_step(*step)
 
@@ -490,3 +500,4 @@ class Engine:
         self._state = state
         self.metrics.wafer_engine_ready.set(1 if state is EngineState.READY else 0)
         self._cond.notify_all()
+        self._watch.notify_all()
