@@ -109,6 +109,7 @@ class EngineCore:
         self._deferred: list[tuple[RequestState, TokenScores, int, float, float]] = []
         self._executor_busy = False  # a step is running: slots freed now reach the executor after it
         self._free_later: list[int] = []
+        self._tokens_uncounted = 0  # generated tokens not yet added to the metrics' counter (`_flush`)
         self.executor: Executor | None = executor
         self.scheduler: Scheduler = self._new_scheduler(executor)
         self.record_gauges()
@@ -401,7 +402,8 @@ class EngineCore:
         request = state.request
         early = len(state.tokens) < request.min_tokens  # min_tokens: no end yet
         first = not state.tokens
-        self.metrics.record_token(now - (state.last_token_at or state.arrived_at), first)
+        self.metrics.record_token(now - (state.last_token_at or state.arrived_at), first, count=False)
+        self._tokens_uncounted += 1
         state.last_token_at = now
 
         eos = token == self._tokenizer.eos_token_id and not request.ignore_eos
@@ -489,7 +491,11 @@ class EngineCore:
             self._pending.setdefault(loop, []).append((state, event))
 
     def _flush(self) -> None:
-        """Hand the events of this step to their event loops: one thread-safe call per loop."""
+        """Hand the events of this step to their event loops: one thread-safe call per loop; count the
+        step's tokens in the metrics."""
+        if self._tokens_uncounted:
+            self.metrics.record_tokens(self._tokens_uncounted)
+            self._tokens_uncounted = 0
         if not self._pending:
             return
         pending, self._pending = self._pending, {}

@@ -190,10 +190,17 @@ class ServiceMetrics:
         self.tgi_batch_forward_duration.observe(seconds)
         self.tgi_batch_next_size.observe(items)
 
-    def record_token(self, since_previous: float, first: bool) -> None:
+    def record_token(self, since_previous: float, first: bool, count: bool = True) -> None:
+        """One generated token's latency; `count` False: the caller counts tokens itself, in bulk
+        (`record_tokens`: one locked increment per step instead of one per token)."""
         children = self._labelled()
         (children[3] if first else children[4]).observe(since_previous)
-        children[5].inc()
+        if count:
+            children[5].inc()
+
+    def record_tokens(self, n: int) -> None:
+        if n:
+            self._labelled()[5].inc(n)
 
     def record_arrival(self, input_length: int) -> None:
         self.tgi_request_count.inc()
