@@ -1,5 +1,9 @@
 """Delivering the engine's results to HTTP clients: waiting for results (cancelling when the
 client disconnects), queueing several requests at once, and Server-Sent Events framing.
+
+Streams write what has arrived in one piece: when several events of a request are waiting (the engine
+ran ahead of the event loop), their frames go out as one body chunk, one socket write instead of one
+per event. The bytes a client reads are the same; only how they are split into writes differs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,19 @@ async def events(sequence: RequestState) -> AsyncIterator[TokenEvent | FinishEve
         event = await sequence.events.get()
         yield event
         if not isinstance(event, TokenEvent):
+            return
+
+
+async def event_batches(sequence: RequestState) -> AsyncIterator[list[TokenEvent | FinishEvent | ErrorEvent]]:
+    """The request's events, each time as many as have arrived (at least one); the last batch ends with
+    the final event."""
+    queue = sequence.events
+    while True:
+        batch = [await queue.get()]
+        while not queue.empty():
+            batch.append(queue.get_nowait())
+        yield batch
+        if not isinstance(batch[-1], TokenEvent):
             return
 
 
@@ -73,12 +90,13 @@ async def wait_for_results(
     return finals
 
 
-def submit_all(engine: Engine, requests: list[GenerationRequest]) -> list[RequestState]:
-    """Queue every request or none (a refusal cancels the ones already queued)."""
+def submit_all(engine: Engine, requests: list[GenerationRequest], stream: bool = True) -> list[RequestState]:
+    """Queue every request or none (a refusal cancels the ones already queued); `stream` False: the
+    handler reads only the final events (`wait_for_results`)."""
     sequences: list[RequestState] = []
     try:
         for request in requests:
-            sequences.append(engine.submit(request))
+            sequences.append(engine.submit(request, stream))
     except ServiceError:
         for sequence in sequences:
             engine.cancel(sequence)
@@ -103,24 +121,41 @@ async def openai_sse(
         async for event in events(sequence):
             await merged.put((position, event))
 
-    pumps = [asyncio.create_task(pump(i, sequence)) for i, sequence in enumerate(sequences)]
+    async def single() -> AsyncIterator[list[tuple[int, TokenEvent | FinishEvent | ErrorEvent]]]:
+        async for batch in event_batches(sequences[0]):
+            yield [(0, event) for event in batch]
+
+    async def several() -> AsyncIterator[list[tuple[int, TokenEvent | FinishEvent | ErrorEvent]]]:
+        while True:
+            batch = [await merged.get()]
+            while not merged.empty():
+                batch.append(merged.get_nowait())
+            yield batch
+
+    # One choice (the usual case) reads its request's queue directly; several are merged by pumps.
+    pumps = [] if len(sequences) == 1 else [asyncio.create_task(pump(i, s)) for i, s in enumerate(sequences)]
     remaining, completion_tokens = len(sequences), 0
     try:
-        while remaining:
-            position, event = await merged.get()
-            if isinstance(event, ErrorEvent):
-                yield sse(error_body(event.error, path))
+        async for batch in single() if not pumps else several():
+            out: list[bytes] = []
+            for position, event in batch:
+                if isinstance(event, ErrorEvent):
+                    out.append(sse(error_body(event.error, path)))
+                    remaining = -1
+                    break
+                if isinstance(event, FinishEvent):
+                    remaining -= 1
+                    completion_tokens += len(event.tokens)
+                out.extend(render(position, event))
+            if remaining == 0:
+                usage = usage_chunk(completion_tokens)
+                if usage is not None:
+                    out.append(usage)
+            if remaining <= 0:
+                out.append(sse("[DONE]"))
+                yield b"".join(out)
                 break
-            if isinstance(event, FinishEvent):
-                remaining -= 1
-                completion_tokens += len(event.tokens)
-            for chunk in render(position, event):
-                yield chunk
-        else:
-            usage = usage_chunk(completion_tokens)
-            if usage is not None:
-                yield usage
-        yield sse("[DONE]")
+            yield b"".join(out)
     finally:
         for task in pumps:
             task.cancel()
@@ -139,8 +174,11 @@ class JSONResponse(StarletteJSONResponse):
             return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps with options builds one per call
+
+
 def sse(data: dict | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    payload = data if isinstance(data, str) else _COMPACT.encode(data)
     return f"data: {payload}\n\n".encode()
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,33 @@ log = logging.getLogger(__name__)
 
 ExecutorFactory = Callable[[], Executor]
 RELOAD_ATTEMPTS = 3
+# A step at least this long has the previous step's token work done beside it, on the helper thread
+# (issue 18: handing it over costs tens of microseconds and a GIL hand-off, which a short step cannot hide).
+OVERLAP_MIN_STEP_S = 0.5e-3
+
+
+class HelperThread:
+    """Runs the worker's side jobs (finishing the previous step's tokens) on a daemon thread of its own
+    while the worker waits for the executor. One per worker; a job that fails is logged and dropped (the
+    worker redoes what is left under its lock after the step)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="wafer-engine-helper", daemon=True).start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            function, args = job
+            try:
+                function(*args)
+            except Exception:
+                log.exception("the engine's helper job failed")
+
+    def run_soon(self, function: Callable, *args) -> None:
+        self._jobs.put((function, args))
+
+    def close(self) -> None:
+        self._jobs.put(None)
 
 
 class EngineState(enum.Enum):
@@ -82,7 +110,13 @@ class Engine:
         self._step_timeout_s = step_timeout_s
         self._step_timeout_per_item_s = step_timeout_per_item_s
 
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # The watchdog waits on a condition of its own: notified only when a step's deadline comes before
+        # the time it already wakes at, not at every step (a wake-up per step costs the server a thread
+        # switch, issue 18's profile).
+        self._watch = threading.Condition(lock)
+        self._watch_until = 0.0  # when the watchdog wakes next on its own
         self._state = EngineState.LOADING
         self._core: EngineCore | None = None  # built with the first executor; kept across reloads
         self._stop = False
@@ -92,6 +126,7 @@ class Engine:
         self.error: str | None = None  # why the engine failed, when it did
         self.fault: str | None = None  # the last fault the worker recovers from (shown by /health)
         self.load_seconds: float | None = None
+        self.idle_seconds = 0.0  # time the worker waited with no request to step (`bench host` reads it)
         self.restarts = 0
         self._injected_step_faults: list[BaseException] = []
         self._injected_load_faults: list[BaseException] = []
@@ -152,6 +187,7 @@ class Engine:
         with self._cond:
             self._stop = True  # the worker ends what is left (503) at its next step boundary
             self._cond.notify_all()
+            self._watch.notify_all()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)  # one step boundary; a step still running by then is hung
@@ -189,13 +225,14 @@ class Engine:
             raise self.unavailable()
         return executor
 
-    def submit(self, request: GenerationRequest) -> RequestState:
+    def submit(self, request: GenerationRequest, stream: bool = True) -> RequestState:
+        """Queue a request; its events go to the running event loop (`stream` False: the final one only)."""
         loop = asyncio.get_running_loop()
         with self._cond:
             if self._state is not EngineState.READY:
                 raise self.unavailable()
             core = self._built_core()
-            state = core.add(core.new_request(request, loop))
+            state = core.add(core.new_request(request, loop, stream))
             self._cond.notify_all()
         return state
 
@@ -240,6 +277,7 @@ class Engine:
 
     def _worker(self, generation: int, first: bool) -> None:
         death: BaseException | None = None  # what ended the worker when nobody asked it to stop
+        helper = HelperThread()
         try:
             if not self._load(first=first):
                 return
@@ -253,15 +291,25 @@ class Engine:
                         self._step = (len(batch), started, started + self.step_deadline_s(len(batch)))
                         core = self._built_core()
                         executor = core.executor  # this worker's, even if the watchdog detaches it
-                        self._cond.notify_all()  # the watchdog waits for this deadline now
+                        if self._step[2] < self._watch_until:
+                            self._watch.notify_all()  # the watchdog must wake before it meant to
                     if self._injected_step_faults:
                         raise self._injected_step_faults.pop(0)
+                    # While the executor computes (a wafer step leaves the GIL free), the helper thread
+                    # finishes the previous step's tokens: detokenizing, events, ends (issue 18).
+                    if core.has_deferred:
+                        helper.run_soon(self._complete_deferred, generation)
+                    stepped = time.monotonic()
                     results = core.execute(batch, executor)
+                    # Deferring pays only where steps are long enough to hide the hand-over (a wafer's);
+                    # after a short one (the null executor) the tokens are finished here and now.
+                    defer = time.monotonic() - stepped >= OVERLAP_MIN_STEP_S
                     with self._cond:
                         if self._generation != generation:
                             return  # the watchdog gave up on this step: another worker serves now
                         self._step = None
-                        core.finish(batch, results)  # the events went to the requests' event loops
+                        core.complete_deferred()  # what the helper did not get to
+                        core.finish(batch, results, defer=defer)  # the events went to the event loops
                         self._cond.notify_all()
                 except KeyboardInterrupt:
                     raise  # an interrupt ends the worker (below), it is no backend fault to recover from
@@ -283,6 +331,7 @@ class Engine:
             else:
                 log.exception("the wafer worker died")
         finally:
+            helper.close()
             if self._generation == generation:
                 self._close_executor()
                 self._end_worker(death)
@@ -294,7 +343,9 @@ class Engine:
                 step = self._step
                 now = time.monotonic()
                 if step is None or now < step[2]:
-                    self._cond.wait(timeout=1.0 if step is None else step[2] - now)
+                    timeout = 1.0 if step is None else step[2] - now
+                    self._watch_until = now + timeout
+                    self._watch.wait(timeout=timeout)
                     continue
                 self._abandon_hung_step(*step)
 
@@ -342,17 +393,29 @@ class Engine:
         if fatal is not None and self._on_fatal is not None:
             self._on_fatal(fatal)  # the server exits non-zero rather than answer 503 forever
 
+    def _complete_deferred(self, generation: int) -> None:
+        """(The helper thread, while a step runs.) Finish the previous step's tokens."""
+        with self._cond:
+            if self._generation == generation and self._core is not None:
+                if self._core.complete_deferred(executor_busy=True):
+                    self._cond.notify_all()
+
     def _next_batch(self, generation: int) -> StepBatch | None:
         """Wait for work; None when the worker should stop."""
         with self._cond:
             while True:
                 if self._stop or self._generation != generation:
                     return None
-                batch = self._built_core().schedule()
+                core = self._built_core()
+                batch = core.schedule()
                 if batch.items:
                     return batch
+                if core.complete_deferred():
+                    continue  # requests ended (their slots are free): schedule again
                 self._cond.notify_all()  # wake wait_drained
+                waited = time.monotonic()
                 self._cond.wait(timeout=1.0)
+                self.idle_seconds += time.monotonic() - waited
 
     def _load(self, first: bool) -> bool:
         """Build the executor (upload the model); on failure retry, then give up (FAILED)."""
@@ -437,3 +500,4 @@ class Engine:
         self._state = state
         self.metrics.wafer_engine_ready.set(1 if state is EngineState.READY else 0)
         self._cond.notify_all()
+        self._watch.notify_all()

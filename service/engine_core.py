@@ -39,8 +39,9 @@ from service.request import (
     RequestState,
     RequestStatus,
     TokenEvent,
+    deliver,
 )
-from service.sampling import Sampler
+from service.sampling import Sampler, greedy_batch
 from service.scheduler import Scheduler, StepBatch
 from wafer.executor import Executor, ExecutorError, StepItem, TokenScores
 
@@ -73,6 +74,8 @@ def _wanted(scores: TokenScores | None) -> TokenScores:
 
 def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> tuple[Alternative, ...]:
     """The n best candidates the wafer returned that the tokenizer knows, with the model's logprobs."""
+    if n <= 0:
+        return ()
     known = (
         Alternative(int(token), scores.logprob(logit))
         for token, logit in zip(scores.topk_ids, scores.topk_logits, strict=True)
@@ -96,6 +99,17 @@ class EngineCore:
         self.metrics = metrics if metrics is not None else ServiceMetrics("wafer-gpt2")
         self.steps = 0
         self._outputs: list[Output] = []
+        # Events for requests served on an event loop, handed over once per step (one thread-safe call
+        # per loop per step instead of one per token): what `_flush` sends.
+        self._pending: dict[asyncio.AbstractEventLoop, list[Output]] = {}
+        # Overlap (issue 18): with `finish(defer=True)` a chosen token whose request cannot end on its
+        # text (no stop sequences) is only recorded; the rest (detokenizing, the event, the metrics, the
+        # end) is `complete_deferred`'s, which the worker runs while the executor computes the next step.
+        self._deferring = False
+        self._deferred: list[tuple[RequestState, TokenScores, int, float, float]] = []
+        self._executor_busy = False  # a step is running: slots freed now reach the executor after it
+        self._free_later: list[int] = []
+        self._tokens_uncounted = 0  # generated tokens not yet added to the metrics' counter (`_flush`)
         self.executor: Executor | None = executor
         self.scheduler: Scheduler = self._new_scheduler(executor)
         self.record_gauges()
@@ -107,6 +121,7 @@ class EngineCore:
         scheduler = self._new_scheduler(executor)
         scheduler.waiting.extend(self.scheduler.waiting)
         self.executor, self.scheduler = executor, scheduler
+        self._free_later = []  # slots of the old executor
         self.record_gauges()
 
     def _new_scheduler(self, executor: Executor) -> Scheduler:
@@ -121,10 +136,12 @@ class EngineCore:
     # ----- requests --------------------------------------------------------------------------------
 
     def new_request(
-        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None, stream: bool = True
     ) -> RequestState:
-        """A request's engine state (not yet queued); `loop`: the event loop its events go to."""
+        """A request's engine state (not yet queued); `loop`: the event loop its events go to; `stream`
+        False: its handler waits for the final event only, so no token events are sent to the loop."""
         return RequestState(
+            stream=stream,
             request=request,
             detokenizer=IncrementalDetokenizer(
                 self._tokenizer.token_bytes, request.stop_sequences, request.include_stop_str_in_output
@@ -167,10 +184,12 @@ class EngineCore:
 
     def schedule(self) -> StepBatch:
         """At a step boundary: drop cancelled and timed-out requests, admit waiting ones, batch."""
+        self.release_slots()  # no step runs now: slots of requests that ended during one go free
         self._reap()
         self.scheduler.admit()
         batch = self.scheduler.build_step()
         self.record_gauges()
+        self._flush()
         return batch
 
     def execute(self, batch: StepBatch, executor: Executor | None = None) -> list[TokenScores | None]:
@@ -184,13 +203,53 @@ class EngineCore:
         self.metrics.record_step(time.monotonic() - started, len(batch))
         return results
 
-    def finish(self, batch: StepBatch, results: list[TokenScores | None]) -> list[Output]:
+    def finish(
+        self, batch: StepBatch, results: list[TokenScores | None], defer: bool = False
+    ) -> list[Output]:
         """Apply a step's results: sample, detokenize, check stops; the events produced since the last
-        call (including those of requests that ended at the boundary)."""
+        call (including those of requests that ended at the boundary). `defer`: leave what the next step
+        does not need to `complete_deferred` (the worker runs it while the executor computes)."""
         self.steps += 1
-        self._apply(batch, results)
+        self._deferring = defer
+        try:
+            self._apply(batch, results)
+        finally:
+            self._deferring = False
         self.record_gauges()
+        self._flush()
         return self.take_outputs()
+
+    def complete_deferred(self, executor_busy: bool = False) -> bool:
+        """Finish the tokens `finish(defer=True)` only chose: detokenize, emit, end the requests whose
+        token ended them. `executor_busy`: a step may run meanwhile, so freed slots reach the executor only
+        at the next `schedule` (executors are not thread-safe). False when there was nothing to do."""
+        if not self._deferred:
+            return False
+        deferred, self._deferred = self._deferred, []
+        self._executor_busy = executor_busy
+        try:
+            for state, scores, token, logprob, chosen_at in deferred:
+                if state.status is not RequestStatus.RUNNING:
+                    continue  # ended meanwhile (cancelled, timed out, failed): its token is dropped
+                try:
+                    self._complete(state, scores, token, logprob, chosen_at)
+                except Exception:
+                    self._request_failed(state)
+        finally:
+            self._executor_busy = False
+        self.record_gauges()
+        self._flush()
+        return True
+
+    @property
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
+
+    def release_slots(self) -> None:
+        """After a step: free on the executor the slots of requests that ended while it ran."""
+        slots, self._free_later = self._free_later, []
+        for slot in slots:
+            self._free_on_executor(slot, None)
 
     def take_outputs(self) -> list[Output]:
         outputs, self._outputs = self._outputs, []
@@ -202,6 +261,7 @@ class EngineCore:
             states = [*self.scheduler.running, *self.scheduler.waiting]
         for state in list(states):
             self._end(state, error=error)
+        self._flush()
 
     def record_gauges(self) -> None:
         scheduler = self.scheduler
@@ -225,24 +285,49 @@ class EngineCore:
     def _apply(self, batch: StepBatch, results: list[TokenScores | None]) -> None:
         if len(results) != len(batch.items):
             raise ExecutorError(f"the executor returned {len(results)} results for {len(batch.items)} items")
+        to_sample: list[tuple[RequestState, TokenScores]] = []  # at most one entry per request
         for item, scores, state in zip(batch.items, results, batch.owners, strict=True):
             if state.status is not RequestStatus.RUNNING:
                 continue  # it finished on an earlier item of this step
             try:
-                self._apply_item(item, scores, state)
+                wanted = self._apply_item(item, scores, state)
+                if wanted is not None:
+                    to_sample.append((state, wanted))
             except Exception:
-                # Choosing or detokenizing this request's token failed: a fault of this request (its
-                # parameters, its text), not of the wafer. It ends alone; the others and the model go on.
-                log.exception(
-                    "request %s failed while its token was chosen or detokenized",
-                    state.id,
-                    extra={"request_id": state.id},
-                )
-                if state.status is not RequestStatus.FINISHED:
-                    self._end(state, error=RequestFailed(REQUEST_FAILED_MESSAGE))
+                self._request_failed(state)
+        # Plain-greedy requests choose together, in a few array operations for the whole step.
+        fast = [
+            (state, scores)
+            for state, scores in to_sample
+            if state.sampler.plain_greedy and len(state.tokens) >= state.request.min_tokens
+        ]
+        try:
+            picks = greedy_batch([scores for _, scores in fast], self._tokenizer.vocab_size)
+        except Exception:  # a malformed row: every request chooses alone (and fails alone)
+            picks = [None] * len(fast)
+        chosen = {id(state): pick for (state, _), pick in zip(fast, picks, strict=True)}
+        for state, scores in to_sample:
+            try:
+                self._sample(state, scores, chosen.get(id(state)))
+            except Exception:
+                self._request_failed(state)
 
-    def _apply_item(self, item: StepItem, scores: TokenScores | None, state: RequestState) -> None:
-        """One item's result: prompt logprobs while prefilling, then the next token."""
+    def _request_failed(self, state: RequestState) -> None:
+        # Choosing or detokenizing this request's token failed: a fault of this request (its
+        # parameters, its text), not of the wafer. It ends alone; the others and the model go on.
+        log.exception(
+            "request %s failed while its token was chosen or detokenized",
+            state.id,
+            extra={"request_id": state.id},
+        )
+        if state.status is not RequestStatus.FINISHED:
+            self._end(state, error=RequestFailed(REQUEST_FAILED_MESSAGE))
+
+    def _apply_item(
+        self, item: StepItem, scores: TokenScores | None, state: RequestState
+    ) -> TokenScores | None:
+        """One item's result: prompt logprobs while prefilling; the scores to choose the next token
+        from when the item was the prompt's last or a decode item (None otherwise)."""
         state.computed = item.position + 1
         prompt = state.prompt
         if item.position < len(prompt):
@@ -261,28 +346,64 @@ class EngineCore:
                     top = alternatives(scores, n, self._tokenizer.vocab_size)
                     state.prefill.append(PromptToken(item.target, logprob, top, rank))
             if item.position < len(prompt) - 1:
-                return
+                return None
             if request.max_new_tokens == 0:
                 # Scoring (OpenAI echo with max_tokens 0): done with the prefill, no decode step.
                 self._end(state, finish=FinishReason.LENGTH)
-                return
+                return None
         else:
             state.pending_token = None
-        self._sample(state, _wanted(scores))
+        return _wanted(scores)
 
-    def _sample(self, state: RequestState, scores: TokenScores) -> None:
+    def _sample(
+        self, state: RequestState, scores: TokenScores, pick: tuple[int, float] | None = None
+    ) -> None:
+        """Choose the next token (`pick`: already chosen by `greedy_batch`), detokenize, check stops."""
+        token, logprob = self._choose(state, scores, pick)
+        chosen_at = time.monotonic()
         request = state.request
-        generated = len(state.tokens)
-        early = generated < request.min_tokens  # min_tokens: no end yet
-        ends = request.stop_token_ids | (
-            frozenset() if request.ignore_eos else {self._tokenizer.eos_token_id}
-        )
-        banned = ends if early else ()
-        output = [t.id for t in state.tokens]
-        token, logprob = state.sampler.choose(scores, state.history(), output, banned)
-        now = time.monotonic()
+        if self._deferring and not request.stop_sequences:
+            # Only the id decides whether this request goes on (end-of-text, a stop token, the length):
+            # the next step gets its item now, the rest waits for complete_deferred.
+            ends = (
+                (token == self._tokenizer.eos_token_id and not request.ignore_eos)
+                or token in request.stop_token_ids
+                or len(state.tokens) + 1 >= request.max_new_tokens
+                or state.computed >= self.scheduler.slots.context_length
+            )
+            state.pending_token = None if ends else token
+            self._deferred.append((state, scores, token, logprob, chosen_at))
+            return
+        self._complete(state, scores, token, logprob, chosen_at)
+
+    def _choose(
+        self, state: RequestState, scores: TokenScores, pick: tuple[int, float] | None
+    ) -> tuple[int, float]:
+        request = state.request
+        early = len(state.tokens) < request.min_tokens  # min_tokens: no end yet
+        if pick is None:
+            ends = request.stop_token_ids | (
+                frozenset() if request.ignore_eos else {self._tokenizer.eos_token_id}
+            )
+            banned = ends if early else ()
+            p = state.sampler.params
+            # The penalties read the history only when they are on: building it is O(length) per token.
+            history = state.history() if p.repetition_penalty != 1.0 else ()
+            output = [t.id for t in state.tokens] if p.presence_penalty or p.frequency_penalty else ()
+            token, logprob = state.sampler.choose(scores, history, output, banned)
+        else:
+            token, logprob = pick
+        return token, logprob
+
+    def _complete(
+        self, state: RequestState, scores: TokenScores, token: int, logprob: float, now: float
+    ) -> None:
+        """A chosen token's text, event and end (`now`: when it was chosen)."""
+        request = state.request
+        early = len(state.tokens) < request.min_tokens  # min_tokens: no end yet
         first = not state.tokens
-        self.metrics.record_token(now - (state.last_token_at or state.arrived_at), first)
+        self.metrics.record_token(now - (state.last_token_at or state.arrived_at), first, count=False)
+        self._tokens_uncounted += 1
         state.last_token_at = now
 
         eos = token == self._tokenizer.eos_token_id and not request.ignore_eos
@@ -319,11 +440,11 @@ class EngineCore:
     ) -> None:
         """The one way out of the engine: release the slot (scheduler and wafer), report, notify."""
         slot = self.scheduler.remove(state)
-        if slot is not None and self.executor is not None:
-            try:
-                self.executor.free_slot(slot)
-            except Exception:
-                log.exception("freeing slot %d failed", slot, extra={"request_id": state.id})
+        if slot is not None:
+            if self._executor_busy:
+                self._free_later.append(slot)
+            else:
+                self._free_on_executor(slot, state)
         now = time.monotonic()
         if finish is not None:
             tail = state.detokenizer.flush() if finish is not FinishReason.STOP else ""
@@ -352,12 +473,37 @@ class EngineCore:
             error.counted = True  # the API's error handler must not count it again
             self._emit(state, ErrorEvent(error))
 
+    def _free_on_executor(self, slot: int, state: RequestState | None) -> None:
+        if self.executor is None:
+            return
+        try:
+            self.executor.free_slot(slot)
+        except Exception:
+            log.exception("freeing slot %d failed", slot, extra={"request_id": state.id if state else "-"})
+
     def _emit(self, state: RequestState, event: Event) -> None:
-        """To the request's event loop when it has one (the server), else to `step()`'s result."""
-        if state.loop is None:
+        """To the request's event loop when it has one (the server; sent at the step's end by `_flush`),
+        else to `step()`'s result."""
+        loop = state.loop
+        if loop is None:
             self._outputs.append((state, event))
-        else:
-            state.emit(event)
+        elif state.stream or not isinstance(event, TokenEvent):
+            self._pending.setdefault(loop, []).append((state, event))
+
+    def _flush(self) -> None:
+        """Hand the events of this step to their event loops: one thread-safe call per loop; count the
+        step's tokens in the metrics."""
+        if self._tokens_uncounted:
+            self.metrics.record_tokens(self._tokens_uncounted)
+            self._tokens_uncounted = 0
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        for loop, events in pending.items():
+            try:
+                loop.call_soon_threadsafe(deliver, events)
+            except RuntimeError:
+                pass  # the event loop is gone (server stopped): nobody is listening any more
 
 
 def bare_greedy(executor: Executor, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

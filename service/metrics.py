@@ -159,13 +159,29 @@ class ServiceMetrics:
 
     # ----- what the engine records -----------------------------------------------------------------
 
+    def _labelled(self) -> tuple:
+        """The per-model children the engine updates at every step and token, looked up once (a
+        `labels()` call costs more than the update itself)."""
+        children = self.__dict__.get("_children")
+        if children is None:
+            m = self._labels
+            children = self._children = (
+                self.vllm_num_requests_waiting.labels(**m),
+                self.vllm_num_requests_running.labels(**m),
+                self.vllm_kv_cache_usage_perc.labels(**m),
+                self.vllm_time_to_first_token_seconds.labels(**m),
+                self.vllm_inter_token_latency_seconds.labels(**m),
+                self.vllm_generation_tokens_total.labels(**m),
+            )
+        return children
+
     def record_scheduler_state(self, waiting: int, running: int, kv: KVUsage) -> None:
-        m = self._labels
+        waiting_gauge, running_gauge, kv_gauge = self._labelled()[:3]
         self.tgi_queue_size.set(waiting)
         self.tgi_batch_current_size.set(running)
-        self.vllm_num_requests_waiting.labels(**m).set(waiting)
-        self.vllm_num_requests_running.labels(**m).set(running)
-        self.vllm_kv_cache_usage_perc.labels(**m).set(kv.fraction)
+        waiting_gauge.set(waiting)
+        running_gauge.set(running)
+        kv_gauge.set(kv.fraction)
         self.wafer_kv_slots_used.set(kv.slots_used)
         self.wafer_kv_slots_total.set(kv.slots_total)
         self.wafer_kv_tokens_reserved.set(kv.tokens_reserved)
@@ -174,13 +190,17 @@ class ServiceMetrics:
         self.tgi_batch_forward_duration.observe(seconds)
         self.tgi_batch_next_size.observe(items)
 
-    def record_token(self, since_previous: float, first: bool) -> None:
-        m = self._labels
-        if first:
-            self.vllm_time_to_first_token_seconds.labels(**m).observe(since_previous)
-        else:
-            self.vllm_inter_token_latency_seconds.labels(**m).observe(since_previous)
-        self.vllm_generation_tokens_total.labels(**m).inc()
+    def record_token(self, since_previous: float, first: bool, count: bool = True) -> None:
+        """One generated token's latency; `count` False: the caller counts tokens itself, in bulk
+        (`record_tokens`: one locked increment per step instead of one per token)."""
+        children = self._labelled()
+        (children[3] if first else children[4]).observe(since_previous)
+        if count:
+            children[5].inc()
+
+    def record_tokens(self, n: int) -> None:
+        if n:
+            self._labelled()[5].inc(n)
 
     def record_arrival(self, input_length: int) -> None:
         self.tgi_request_count.inc()

@@ -289,6 +289,29 @@ def usage_of(choices: list[Choice], completion_tokens: int, n: int) -> Usage:
     )
 
 
+def plain_chunk(
+    completion_id: str, created: int, model: str, index: int, text: str, finish: str | None, stop_reason
+) -> dict:
+    """`CompletionResponse(...).model_dump()` of a stream chunk with one choice, no logprobs, no usage."""
+    choice = {
+        "index": index,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": stop_reason,
+        "prompt_logprobs": None,
+    }
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": None,
+        "system_fingerprint": None,
+    }
+
+
 async def openai_stream(
     engine: Engine,
     body: CompletionRequest,
@@ -302,6 +325,13 @@ async def openai_stream(
     def chunk(
         position: int, generated: int, text: str, logprobs=None, finish=None, stop_reason=None
     ) -> bytes:
+        usage = chunk_usage(body, choices, position, generated)
+        if logprobs is None and usage is None:
+            # A plain token chunk, as the model's dump below gives it, built directly: this runs for every
+            # token of every stream (tests/test_service_units.py checks the two agree).
+            return sse(
+                plain_chunk(completion_id, created, model, choices[position].index, text, finish, stop_reason)
+            )
         data = CompletionResponse(
             id=completion_id,
             created=created,
@@ -315,7 +345,7 @@ async def openai_stream(
                     stop_reason=stop_reason,
                 )
             ],
-            usage=chunk_usage(body, choices, position, generated),
+            usage=usage,
         )
         return sse(data.model_dump(exclude_none=False))
 

@@ -124,6 +124,7 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     sampler: Sampler
     loop: asyncio.AbstractEventLoop | None = None  # None: a synchronous caller reads `step()`'s events
+    stream: bool = True  # False: the handler waits for the final event only (no token events are sent)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: str = field(default_factory=_new_id)
     status: RequestStatus = RequestStatus.WAITING
@@ -155,11 +156,8 @@ class RequestState:
         """Prompt and generated ids: what the repetition penalty looks at."""
         return [*self.prompt, *(token.id for token in self.tokens)]
 
-    def emit(self, event: Event) -> None:
-        """Hand an event to the request's handler on its event loop (called from the worker thread)."""
-        if self.loop is None:
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:
-            pass  # the event loop is gone (server stopped): nobody is listening any more
+
+def deliver(events: list[tuple[RequestState, Event]]) -> None:
+    """On the event loop: put a step's events into their requests' queues (the core's one call per step)."""
+    for state, event in events:
+        state.events.put_nowait(event)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from service.delivery import events, sse, token_string
+from service.delivery import event_batches, sse, token_string
 from service.engine import Engine
 from service.engine_core import TokenizerHooks
 from service.middleware import error_body
@@ -103,41 +103,61 @@ def tgi_response(body: TGIRequest, final: FinishEvent, hooks: TokenizerHooks) ->
     return TGIResponse(generated_text=text, details=details)
 
 
+def tgi_token_event(event: TokenEvent, special_ids: dict[int, str]) -> dict:
+    """A token's stream event as `TGIStreamEvent(...).model_dump()` gives it, built directly: this runs
+    for every token of every stream, and the model's validation and dump cost more than the rest of
+    the event's path (tests/test_service_units.py checks the two agree)."""
+    token = event.token
+    return {
+        "index": event.index,
+        "token": {"id": token.id, "text": token.released, "logprob": token.logprob, "special": token.special},
+        "top_tokens": [
+            {"id": a.id, "text": token_string(a.id), "logprob": a.logprob, "special": a.id in special_ids}
+            for a in token.top
+        ],
+        "generated_text": None,
+        "details": None,
+    }
+
+
 async def tgi_stream(
     engine: Engine, sequence: RequestState, body: TGIRequest, hooks: TokenizerHooks, path: str
 ) -> AsyncIterator[bytes]:
-    p = body.parameters
     finished = False
     try:
-        async for event in events(sequence):
-            if isinstance(event, TokenEvent):
-                top = tgi_alternatives(event.token.top, hooks.special_names)
-                out = TGIStreamEvent(
-                    index=event.index, token=tgi_token(event.token, event.token.released), top_tokens=top
-                )
-                yield sse(out.model_dump())
-            elif isinstance(event, FinishEvent):
-                finished = True
-                last = event.tokens[-1]
-                details = None
-                if p.details:
-                    details = TGIStreamDetails(
-                        finish_reason=event.finish_reason.value,
-                        generated_tokens=len(event.tokens),
-                        seed=event.seed,
-                        input_length=event.input_length,
-                    )
-                out = TGIStreamEvent(
-                    index=len(event.tokens),
-                    token=tgi_token(last, last.released + event.tail),
-                    top_tokens=tgi_alternatives(last.top, hooks.special_names),
-                    generated_text=(body.inputs + event.text) if p.return_full_text else event.text,
-                    details=details,
-                )
-                yield sse(out.model_dump())
-            else:
-                finished = True
-                yield sse(error_body(event.error, path))
+        async for batch in event_batches(sequence):
+            # The events that have arrived go out as one chunk (one write).
+            yield b"".join(_tgi_frames(batch, body, hooks, path))
+        finished = True
     finally:
         if not finished:
             engine.cancel(sequence)  # the client went away mid-stream: free the slot now
+
+
+def _tgi_frames(batch: list, body: TGIRequest, hooks: TokenizerHooks, path: str) -> list[bytes]:
+    p = body.parameters
+    frames = []
+    for event in batch:
+        if isinstance(event, TokenEvent):
+            frames.append(sse(tgi_token_event(event, hooks.special_names)))
+        elif isinstance(event, FinishEvent):
+            last = event.tokens[-1]
+            details = None
+            if p.details:
+                details = TGIStreamDetails(
+                    finish_reason=event.finish_reason.value,
+                    generated_tokens=len(event.tokens),
+                    seed=event.seed,
+                    input_length=event.input_length,
+                )
+            out = TGIStreamEvent(
+                index=len(event.tokens),
+                token=tgi_token(last, last.released + event.tail),
+                top_tokens=tgi_alternatives(last.top, hooks.special_names),
+                generated_text=(body.inputs + event.text) if p.return_full_text else event.text,
+                details=details,
+            )
+            frames.append(sse(out.model_dump()))
+        else:
+            frames.append(sse(error_body(event.error, path)))
+    return frames

@@ -1,6 +1,8 @@
 """Choose what executes the model: `reference` (NumPy oracle), `sim` (embedded wafer simulator),
 `csl` (the generated CSL on the project's CSL executor), `sdk-container` / `sdk-appliance` (the
-Cerebras SDK). Every backend returns an `Executor`."""
+Cerebras SDK), and two stand-ins that measure the host (`wafer/stand_in.py`): `null` (fixed scores at
+once, no model) and `modeled` (the same after the cost model's step time for the plan: modeled, no
+wafer). Every backend returns an `Executor`."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from wafer.executor import Executor
 from wafer.host import ExecutorOptions, plan_for, start_model
 from weights.params import GPT2Params
 
-BACKENDS = ("sim", "reference", "csl", "sdk-container", "sdk-appliance")
+BACKENDS = ("sim", "reference", "csl", "sdk-container", "sdk-appliance", "null", "modeled")
 DEFAULT_BACKEND = "sim"
 
 
@@ -21,6 +23,15 @@ def build_executor(backend: str, params: GPT2Params, options: ExecutorOptions | 
         return ReferenceExecutor(params, slots=options.slots, context=options.context, top_k=options.top_k)
     if backend == "sim":
         return build_sim_executor(params, options)
+    if backend in ("null", "modeled"):
+        from wafer import stand_in
+
+        if backend == "modeled":
+            return stand_in.ModeledWaferExecutor(plan_for(params, options))
+        context = options.context or params.config.n_positions
+        return stand_in.NullExecutor(
+            params.config.vocab_size, slots=options.slots, context=context, top_k=options.top_k
+        )
     if backend == "csl":
         from wafer import csl_backend
 

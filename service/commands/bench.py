@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.cli import UserError
-from service.commands import bench_service
+from service.commands import bench_host, bench_service
 from service.engine_core import bare_greedy
 from wafer.backends import ExecutorOptions, build_executor
 from wafer.sim import parallel
@@ -40,9 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "target",
-        choices=("sim", "service"),
-        help="what to benchmark: sim (the embedded simulator against transformers) or service "
-        "(HTTP service against direct executor steps, service/commands/bench_service.py)",
+        choices=("sim", "service", "host"),
+        help="what to benchmark: sim (the embedded simulator against transformers), service "
+        "(HTTP service against direct executor steps, service/commands/bench_service.py) or host "
+        "(the host stack's tokens/s over null and modeled-wafer executors, service/commands/bench_host.py)",
     )
     parser.add_argument(
         "--model",
@@ -75,12 +76,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "default: the libraries' defaults)",
     )
     bench_service.add_arguments(parser)
+    bench_host.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.target == "service":
         return bench_service.run(args)
+    if args.target == "host":
+        return bench_host.run(args)
     try:
         batches = sorted({int(part) for part in args.batch.split(",")})
     except ValueError:

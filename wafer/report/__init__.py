@@ -41,8 +41,33 @@ def generate_report(
         data.measured = measured
     figures = draw_all(data, out_dir / FIGURE_DIR, command)
     markdown_path = out_dir / "performance.md"
-    markdown_path.write_text(render(data, figures, command))
+    text = render(data, figures, command)
+    if markdown_path.exists():
+        text = keep_sections(markdown_path.read_text(), text)
+    markdown_path.write_text(text)
     return Report(markdown_path, figures)
+
+
+KEPT_BEGIN, KEPT_END = "<!-- kept: begin -->", "<!-- kept: end -->"
+
+
+def keep_sections(old: str, new: str) -> str:
+    """Carry the sections written by hand (between KEPT_BEGIN and KEPT_END: the host stack's
+    measurements of `wafer-gpt2 bench host`, which the report does not run) from the old report into the
+    new one, before its Reproduce section."""
+    kept = []
+    rest = old
+    while KEPT_BEGIN in rest and KEPT_END in rest.split(KEPT_BEGIN, 1)[1]:
+        before, after = rest.split(KEPT_BEGIN, 1)
+        block, rest = after.split(KEPT_END, 1)
+        kept.append(KEPT_BEGIN + block + KEPT_END + "\n\n")
+    if not kept:
+        return new
+    anchor = "## Reproduce"
+    at = new.find(anchor)
+    if at < 0:
+        return new.rstrip("\n") + "\n\n" + "".join(kept).rstrip("\n") + "\n"
+    return new[:at] + "".join(kept) + new[at:]
 
 
 def default_command(out_dir: Path, settings: ReportSettings) -> str:

@@ -1,0 +1,505 @@
+"""`wafer-gpt2 bench host`: how many tokens per second the host stack (HTTP, engine, sampler,
+detokenizer) delivers, over executors that stand in for the wafer (`wafer/stand_in.py`):
+
+- `null`: fixed scores at once, no model: the host's own ceiling;
+- `modeled`: the same after the cost model's step time for a GPT-2 124M plan (modeled, no wafer): how
+  busy the host keeps a wafer as fast as the model says one is (utilisation = modeled busy time / wall).
+
+For each executor and number of streams S, the real server (`service.api.create_app` under uvicorn on
+127.0.0.1, in this process) serves S KV slots, and a load generator in a process of its own
+(`service/commands/load_client.py`) keeps S connections busy with the same greedy request (a short
+prompt, N new tokens, end-of-text never first) over each route for a timed window. The figures: tokens/s
+as the clients receive them, the server's CPU time per token (this process, whose main thread only
+waits), the client's CPU share, and the client's own ceiling: the same client against a trivial endpoint
+that replays a recorded response of the same route at once, run in the same session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import resource
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from service.cli import UserError
+from service.commands.load_client import LoadJob, LoadResult, client_process, record_response, replay_server
+from wafer.errors import WaferGPT2Error
+from wafer.executor import Executor
+from wafer.stand_in import ModeledWaferExecutor, modeled_step_seconds
+
+EXECUTORS = ("null", "modeled")
+ROUTES = ("tgi-stream", "openai-stream", "generate", "openai")
+PROMPT = "The wafer-scale engine streams one token per stream per step, and the host"
+GOAL_STREAM_TPS, GOAL_PLAIN_TPS, GOAL_UTILISATION = 40_000.0, 80_000.0, 0.80  # issue 18, 64 streams / 16
+
+
+class BenchFailed(WaferGPT2Error, RuntimeError):
+    """The benchmark could not run (server, engine or clients failed): one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str
+    path: str
+    stream: bool
+    events_not_tokens: int  # events per stream that carry no token (OpenAI's [DONE])
+
+    def body(self, new_tokens: int) -> dict:
+        if self.path.startswith("/v1/"):
+            return {
+                "prompt": PROMPT,
+                "max_tokens": new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": self.stream,
+            }
+        return {"inputs": PROMPT, "parameters": {"max_new_tokens": new_tokens}}
+
+    def request(self, new_tokens: int) -> bytes:
+        body = json.dumps(self.body(new_tokens)).encode()
+        head = (
+            f"POST {self.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        return head.encode() + body
+
+
+ROUTE_TABLE = {
+    "tgi-stream": Route("tgi-stream", "/generate_stream", True, 0),
+    "openai-stream": Route("openai-stream", "/v1/completions", True, 1),
+    "generate": Route("generate", "/generate", False, 0),
+    "openai": Route("openai", "/v1/completions", False, 0),
+}
+
+
+@dataclass
+class Cell:
+    """One (executor, streams, route): the repetitions' results."""
+
+    executor: str
+    streams: int
+    route: str
+    runs: list[LoadResult] = field(default_factory=list)
+    server_cpu_s: list[float] = field(default_factory=list)
+    modeled_busy_s: list[float] = field(default_factory=list)
+    overshoot_s: list[float] = field(default_factory=list)
+    idle_s: list[float] = field(default_factory=list)  # the engine waited with no request to step
+    steps: list[int] = field(default_factory=list)
+    ceiling: LoadResult | None = None
+
+    def median(self, values: list[float]) -> float:
+        return statistics.median(values) if values else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.median([r.tokens_per_s for r in self.runs])
+
+    @property
+    def server_us_per_token(self) -> float:
+        return self.median(
+            [1e6 * cpu / max(r.tokens, 1) for cpu, r in zip(self.server_cpu_s, self.runs, strict=True)]
+        )
+
+    @property
+    def client_cpu_share(self) -> float:
+        return self.median([r.cpu_s / r.window_s for r in self.runs])
+
+    @property
+    def utilisation(self) -> float | None:
+        if not self.modeled_busy_s:
+            return None
+        return self.median([b / r.window_s for b, r in zip(self.modeled_busy_s, self.runs, strict=True)])
+
+    def share(self, values: list[float]) -> float:
+        """A time per window (median over the windows), as a share of the window."""
+        return self.median([v / r.window_s for v, r in zip(values, self.runs, strict=True)])
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.median([r.tokens / max(s, 1) for s, r in zip(self.steps, self.runs, strict=True)])
+
+    @property
+    def errors(self) -> int:
+        return sum(r.errors for r in self.runs)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_stand_in(kind: str, streams: int, context: int) -> tuple[Executor, str]:
+    """The executor for `kind` with `streams` slots, and how it is described in the output."""
+    from wafer import stand_in
+    from weights.config import PRESETS
+
+    config = PRESETS["gpt2"]
+    if kind == "null":
+        return stand_in.NullExecutor(config.vocab_size, slots=streams, context=context), "null (no model)"
+    plan = modeled_plan(config, streams, context)
+    executor = stand_in.ModeledWaferExecutor(plan)
+    figures = plan.modeled()
+    return executor, (
+        f"modeled wafer: GPT-2 124M plan, {plan.replicas} replica(s) x {plan.slots} slots x {plan.context} "
+        f"positions, {figures['decode_latency_us']:.1f} us critical path, slowest stage "
+        f"{figures['bottleneck_stage_us']:.1f} us (modeled, cost model; no wafer)"
+    )
+
+
+def modeled_plan(config, streams: int, context: int):
+    """The GPT-2 124M plan serving `streams` slots: the default full-context one at 16 slots; for more
+    slots, the longest context (at least `context`) and fewest replicas that fit the per-PE memory."""
+    from wafer.plan import PlanError, build_plan
+
+    last: Exception | None = None
+    for replicas in (1, 2, 4, 8):
+        if streams % replicas:
+            continue
+        per = streams // replicas
+        longest = 1024
+        while longest > context and per * longest > 16 * 1024:  # the KV of 16 slots x 1024 fits
+            longest //= 2
+        try:
+            return build_plan(config, slots=per, context=max(longest, context), replicas=replicas)
+        except PlanError as error:
+            last = error
+    raise BenchFailed(f"no GPT-2 124M plan serves {streams} slots: {last}")
+
+
+class _Server:
+    """The service under uvicorn on 127.0.0.1 (a free port), in a thread of this process."""
+
+    def __init__(self, executor: Executor, streams: int):
+        from service.api import create_app
+        from service.server import ServiceServer
+        from service.settings import ServerSettings
+
+        settings = ServerSettings(
+            port=0,
+            model_id="gpt2",
+            backend="bench-host",
+            max_concurrent_requests=streams,
+            max_queue=4 * streams,
+            max_connections=max(1024, 4 * streams),
+        )
+        self.fatal: list[str] = []
+        app = create_app(
+            settings, lambda: executor, model_summary={"name": "gpt2"}, on_fatal=self.fatal.append
+        )
+        self.engine = app.state.engine
+        self.server = ServiceServer(app, settings, log_level="warning", access_log=False)
+        self.thread = threading.Thread(target=self.server.run, name="bench-uvicorn", daemon=True)
+
+    def __enter__(self) -> _Server:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise BenchFailed(f"the benchmark's server did not start {self.fatal}")
+            time.sleep(0.01)
+        if not self.engine.wait_ready(120):
+            raise BenchFailed(f"the engine did not become ready: {self.engine.state} {self.engine.error}")
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+class _Process:
+    """A helper process (spawned: it shares nothing with this one) that answers over a pipe."""
+
+    def __init__(self, target, name: str):
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=target, args=(child,), name=name, daemon=True)
+        self.child = child
+
+    def start(self) -> None:
+        self.process.start()
+        self.child.close()
+
+    def answer(self, timeout_s: float, what: str):
+        if not self.connection.poll(timeout_s):
+            raise BenchFailed(f"the benchmark's {self.process.name} did not {what} within {timeout_s:g} s")
+        status, value = self.connection.recv()
+        if status == "error":
+            raise BenchFailed(f"the benchmark's {self.process.name} failed: {value}")
+        return value
+
+    def stop(self) -> None:
+        try:
+            self.connection.send(None)
+        except OSError:
+            pass
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=10)
+        self.connection.close()
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(
+    executors: list[str],
+    streams: list[int],
+    routes: list[str],
+    new_tokens: int = 32,
+    seconds: float = 3.0,
+    warmup_s: float = 1.0,
+    reps: int = 1,
+    log=print,
+) -> tuple[list[Cell], dict[str, str]]:
+    """Every (executor, streams, route) `reps` times, routes rotating; then each route's ceiling."""
+    cells: list[Cell] = []
+    labels: dict[str, str] = {}
+    recorded: dict[str, bytes] = {}
+    context = 64 + new_tokens  # the prompt is about 16 tokens
+    clients = _Process(client_process, "load generator")
+    clients.start()
+    try:
+        clients.answer(120, "start")
+        for kind in executors:
+            for count in streams:
+                executor, labels[f"{kind} {count}"] = build_stand_in(kind, count, context)
+                if isinstance(executor, ModeledWaferExecutor):
+                    step_s = modeled_step_seconds(executor.plan, list(range(count)))
+                    labels[f"{kind} {count}"] += (
+                        f"; a full decode step is modeled at {1e6 * step_s:.0f} us; time.sleep wakes "
+                        f"{1e6 * executor.timer_late_s:.0f} us late here (median, server idle), which the "
+                        "stand-in subtracts from its sleeps"
+                    )
+                log(f"bench host: {labels[f'{kind} {count}']}; {count} streams")
+                row = {route: Cell(kind, count, route) for route in routes}
+                with _Server(executor, count) as server:
+                    for route in routes:  # warm-up, and the response the replay server will send
+                        recorded[route] = record_response(
+                            "127.0.0.1", server.port, ROUTE_TABLE[route].request(new_tokens)
+                        )
+                    for rep in range(reps):
+                        order = routes[rep % len(routes) :] + routes[: rep % len(routes)]
+                        for route in order:
+                            _run_cell(row[route], clients, server, executor, new_tokens, seconds, warmup_s)
+                            log(_cell_line(row[route]))
+                executor.close()
+                cells.extend(row.values())
+        # The client's ceiling: the same jobs against a server that replays the recorded response at once.
+        ceilings: dict[tuple[str, int], LoadResult] = {}
+        for route in routes:
+            replay = _Process(replay_server, "replay server")
+            replay.start()
+            try:
+                replay.connection.send(recorded[route])
+                port = replay.answer(60, "start")
+                for count in streams:
+                    job = _job(route, port, count, new_tokens, seconds, warmup_s)
+                    clients.connection.send(job)
+                    ceilings[route, count] = clients.answer(seconds + warmup_s + 60, "finish")
+                    log(
+                        f"  ceiling {route:<14} {count:>4} conns: {ceilings[route, count].tokens_per_s:>10,.0f} "
+                        f"tokens/s (the client against a replay of a recorded response)"
+                    )
+            finally:
+                replay.stop()
+        for cell in cells:
+            cell.ceiling = ceilings.get((cell.route, cell.streams))
+    finally:
+        clients.stop()
+    return cells, labels
+
+
+def _job(route: str, port: int, streams: int, new_tokens: int, seconds: float, warmup_s: float) -> LoadJob:
+    spec = ROUTE_TABLE[route]
+    return LoadJob(
+        host="127.0.0.1",
+        port=port,
+        request=spec.request(new_tokens),
+        connections=streams,
+        seconds=seconds,
+        warmup_s=warmup_s,
+        stream=spec.stream,
+        tokens_per_response=new_tokens,
+        events_not_tokens=spec.events_not_tokens,
+    )
+
+
+def _run_cell(
+    cell: Cell,
+    clients: _Process,
+    server: _Server,
+    executor: Executor,
+    new_tokens: int,
+    seconds: float,
+    warmup_s: float,
+) -> None:
+    job = _job(cell.route, server.port, cell.streams, new_tokens, seconds, warmup_s)
+    clients.connection.send(job)
+    # The server's CPU and the wafer's modeled busy time over the client's window (from its start time).
+    time.sleep(warmup_s)
+    engine = server.engine
+    cpu0, busy0, over0, steps0, idle0 = (
+        _cpu(),
+        _busy(executor),
+        _overshoot(executor),
+        engine.steps,
+        engine.idle_seconds,
+    )
+    time.sleep(seconds)
+    cpu1, busy1, over1, steps1, idle1 = (
+        _cpu(),
+        _busy(executor),
+        _overshoot(executor),
+        engine.steps,
+        engine.idle_seconds,
+    )
+    result: LoadResult = clients.answer(seconds + warmup_s + 60, "finish")
+    if result.errors:
+        raise BenchFailed(f"{cell.route}: {result.errors} failed responses; the first: {result.first_error}")
+    cell.runs.append(result)
+    cell.server_cpu_s.append(cpu1 - cpu0)
+    cell.steps.append(steps1 - steps0)
+    cell.idle_s.append(idle1 - idle0)
+    if hasattr(executor, "modeled_busy_s"):
+        cell.modeled_busy_s.append(busy1 - busy0)
+        cell.overshoot_s.append(over1 - over0)
+    # Let the last responses of the window drain before the next cell starts.
+    deadline = time.monotonic() + 30
+    while server.engine.queue_sizes() != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _busy(executor: Executor) -> float:
+    return float(getattr(executor, "modeled_busy_s", 0.0))
+
+
+def _overshoot(executor: Executor) -> float:
+    return float(getattr(executor, "overshoot_s", 0.0))
+
+
+def _cell_line(cell: Cell) -> str:
+    utilisation = cell.utilisation
+    extra = "" if utilisation is None else f", wafer {100 * utilisation:.0f}% busy (modeled)"
+    return (
+        f"  {cell.executor:<8}{cell.streams:>4} streams {cell.route:<14}{cell.runs[-1].tokens_per_s:>10,.0f} tokens/s, "
+        f"server {1e6 * cell.server_cpu_s[-1] / max(cell.runs[-1].tokens, 1):.1f} us CPU/token, "
+        f"client {100 * cell.runs[-1].cpu_s / cell.runs[-1].window_s:.0f}% of a core{extra}"
+    )
+
+
+def print_result(
+    cells: list[Cell], labels: dict[str, str], new_tokens: int, seconds: float, reps: int
+) -> None:
+    print(
+        f"{'executor':<9}{'streams':>8} {'route':<15}{'tokens/s':>10}{'ceiling':>10}{'us CPU/tok':>11}"
+        f"{'client %':>9}{'tok/step':>9}{'wafer busy':>11}{'late':>6}{'no work':>8}{'host':>6}"
+    )
+    for cell in cells:
+        utilisation = cell.utilisation
+        busy = late = idle = host = ""
+        if utilisation is not None:
+            # Where the wafer's idle time went: the stand-in's sleep waking late, the engine waiting with
+            # no request to step, and the rest: the host's work between steps.
+            busy, late, idle = (
+                f"{100 * utilisation:.1f}%",
+                f"{100 * cell.share(cell.overshoot_s):.1f}",
+                f"{100 * cell.share(cell.idle_s):.1f}",
+            )
+            rest = 1 - utilisation - cell.share(cell.overshoot_s) - cell.share(cell.idle_s)
+            host = f"{100 * rest:.1f}"
+        ceiling = f"{cell.ceiling.tokens_per_s:,.0f}" if cell.ceiling else "-"
+        print(
+            f"{cell.executor:<9}{cell.streams:>8} {cell.route:<15}{cell.tokens_per_s:>10,.0f}{ceiling:>10}"
+            f"{cell.server_us_per_token:>11.1f}{100 * cell.client_cpu_share:>9.0f}{cell.tokens_per_step:>9.1f}{busy:>11}{late:>6}{idle:>8}{host:>6}"
+        )
+    print(
+        f"tokens/s: received by the clients (a process of their own), median of {reps} window(s) of {seconds:g} s; "
+        f"{new_tokens} new tokens per request, greedy; ceiling: the same client against a replay of a recorded "
+        "response (its own limit); us CPU/tok: the server process's CPU time per token; client %: the client "
+        "process's CPU, of one core; wafer busy: modeled busy time / wall time (modeled executor only), and the rest "
+        "in % of wall time: late (steps returned after their modeled end: GIL hand-over, timer jitter), no work (the engine waited "
+        "with no request: the clients' turnaround), host (the host's work between steps)"
+    )
+    for kind, label in labels.items():
+        print(f"{kind}: {label}")
+    print(summary_line(cells))
+
+
+def summary_line(cells: list[Cell]) -> str:
+    parts = []
+    for cell in cells:
+        if cell.executor == "null" and cell.streams == 64:
+            goal = GOAL_STREAM_TPS if ROUTE_TABLE[cell.route].stream else GOAL_PLAIN_TPS
+            verdict = "met" if cell.tokens_per_s >= goal else "missed"
+            parts.append(f"null 64 {cell.route} {cell.tokens_per_s:,.0f} tok/s (goal {goal:,.0f}: {verdict})")
+        if cell.executor == "modeled" and cell.streams == 16 and cell.utilisation is not None:
+            verdict = "met" if cell.utilisation >= GOAL_UTILISATION else "missed"
+            parts.append(
+                f"modeled 16 {cell.route} wafer {100 * cell.utilisation:.0f}% busy (modeled; goal 80%: {verdict})"
+            )
+    return "bench host summary: " + ("; ".join(parts) if parts else "no goal cell measured")
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{flag} must be positive integers, got {text!r}")
+    return values
+
+
+def _names(text: str, flag: str, allowed: tuple[str, ...]) -> list[str]:
+    names = [part for part in text.split(",") if part]
+    unknown = [name for name in names if name not in allowed]
+    if not names or unknown:
+        raise UserError(f"{flag}: expected some of {', '.join(allowed)}, got {text!r}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags only `bench host` reads (`--streams` and `--new-tokens` are shared with the others)."""
+    parser.add_argument(
+        "--executor",
+        default="null,modeled",
+        help="host: stand-in executors, comma-separated: null (no model, no time), modeled (the cost "
+        "model's step time for a GPT-2 124M plan; modeled) (null,modeled)",
+    )
+    parser.add_argument(
+        "--routes", default=",".join(ROUTES), help=f"host: routes, comma-separated ({','.join(ROUTES)})"
+    )
+    parser.add_argument(
+        "--host-streams", default="16,64,256", metavar="S,..", help="host: concurrent streams (16,64,256)"
+    )
+    parser.add_argument("--seconds", type=float, default=3.0, help="host: measured window per cell (3)")
+    parser.add_argument("--warmup", type=float, default=1.0, help="host: unmeasured start of each window (1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    executors = _names(args.executor, "--executor", EXECUTORS)
+    routes = _names(args.routes, "--routes", ROUTES)
+    streams = _int_list(args.host_streams, "--host-streams")
+    if args.new_tokens < 1 or args.reps < 1:
+        raise UserError("--new-tokens and --reps must be at least 1")
+    if not 0 < args.seconds <= 600 or not 0 <= args.warmup <= 60:
+        raise UserError("--seconds must be in (0, 600] and --warmup in [0, 60]")
+    cells, labels = measure(
+        executors,
+        streams,
+        routes,
+        new_tokens=args.new_tokens,
+        seconds=args.seconds,
+        warmup_s=args.warmup,
+        reps=args.reps,
+        log=lambda message: print(message, file=sys.stderr, flush=True),
+    )
+    print_result(cells, labels, args.new_tokens, args.seconds, args.reps)
+    return 0

@@ -1,0 +1,252 @@
+"""Issue 18, the host stack: the stand-in executors (null, modeled), the whole-step greedy choice, the
+hand-built stream frames, and `wafer-gpt2 bench host` end to end (a real server on loopback and its
+load generator in a process of its own)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from service.commands import bench_host
+from service.engine_core import EngineCore, TokenizerHooks
+from service.openai_completions import plain_chunk
+from service.request import Alternative, FinishEvent, GeneratedToken, GenerationRequest, TokenEvent
+from service.sampling import Sampler, SamplingParams, greedy_batch
+from service.schemas import CompletionChoice, CompletionResponse, TGIStreamEvent, TGIToken
+from service.tgi import tgi_token_event
+from wafer.backends import ExecutorOptions, build_executor
+from wafer.executor import ExecutorError, StepItem, TokenScores
+from wafer.plan import build_plan
+from wafer.stand_in import ModeledWaferExecutor, NullExecutor, modeled_step_seconds
+from weights import tokenizer
+
+# ----- the stand-in executors ---------------------------------------------------------------------
+
+
+def test_null_executor_answers_every_wanted_item_at_once_and_validates():
+    executor = NullExecutor(vocab_size=50257, slots=2, context=8, top_k=5)
+    items = [StepItem(0, 0, 11, want_scores=False), StepItem(0, 1, 12), StepItem(1, 0, 13, target=7)]
+    out = executor.step(items)
+    assert out[0] is None
+    first, scored = out[1], out[2]
+    assert first is not None and scored is not None
+    assert len(first.topk_ids) == 5 and len(set(first.topk_ids.tolist())) == 5
+    assert np.all(np.diff(first.topk_logits) <= 0)  # best first
+    assert first.topk_ids[0] != 50256  # never end-of-text first: benchmark streams run their length
+    assert scored.target_logit is not None and scored.target_logit < scored.topk_logits[-1]
+    # Deterministic in (token, position): the same item gets the same answer.
+    again = executor.step([StepItem(0, 1, 12)])[0]
+    assert again is not None and again.topk_ids.tolist() == first.topk_ids.tolist()
+    with pytest.raises(ExecutorError, match="slot 2 outside"):
+        executor.step([StepItem(2, 0, 1)])
+    with pytest.raises(ExecutorError, match="position 8 outside"):
+        executor.step([StepItem(0, 8, 1)])
+    executor.close()
+    with pytest.raises(ExecutorError, match="closed"):
+        executor.step([StepItem(0, 0, 1)])
+
+
+@pytest.fixture(scope="module")
+def two_replica_plan(small_config):
+    """A small plan with 2 replicas of 2 slots (planning takes seconds: built once)."""
+    return build_plan(small_config, slots=2, context=32, replicas=2)
+
+
+def test_modeled_step_time_streams_items_through_each_replica(two_replica_plan):
+    plan = two_replica_plan
+    clock = 1.1e9
+    first = plan.decode_cycles / clock
+    assert modeled_step_seconds(plan, []) == 0.0
+    assert modeled_step_seconds(plan, [0]) == pytest.approx(first)
+    # Two items of replica 0 follow each other a slowest-stage apart ...
+    assert modeled_step_seconds(plan, [0, 1]) == pytest.approx(first + plan.bottleneck_cycles / clock)
+    # ... while one item on each replica runs side by side.
+    assert modeled_step_seconds(plan, [0, 2]) == pytest.approx(first)
+
+
+def test_modeled_executor_takes_the_modeled_time_and_says_modeled(two_replica_plan):
+    plan = two_replica_plan
+    assert ModeledWaferExecutor(plan).timer_late_s >= 0  # measured at construction
+    executor = ModeledWaferExecutor(plan, timer_late_s=0.0)  # sleeps the whole modeled time
+    items = [StepItem(slot, 0, 100 + slot) for slot in range(4)]
+    modeled = modeled_step_seconds(plan, [item.slot for item in items])
+    start = time.perf_counter()
+    out = executor.step(items)
+    took = time.perf_counter() - start
+    assert all(scores is not None for scores in out)
+    assert took >= modeled
+    assert executor.modeled_busy_s == pytest.approx(modeled)
+    assert executor.overshoot_s == pytest.approx(took - modeled, abs=0.05)
+    described = executor.describe()
+    assert described["backend"] == "modeled" and "modeled" in described["device_type"]
+    assert described["plan"]["decode_cycles"] == plan.decode_cycles
+    assert set(described) == {
+        "backend",
+        "device_type",
+        "dtype",
+        "num_slots",
+        "context_length",
+        "vocab_size",
+        "top_k",
+        "plan",
+    }
+
+
+@pytest.mark.slow
+def test_backends_build_the_stand_ins_by_name(small_params):
+    null = build_executor("null", small_params, ExecutorOptions(slots=3, context=16, top_k=8))
+    assert null.describe()["backend"] == "null" and null.num_slots == 3 and null.top_k == 8
+    modeled = build_executor("modeled", small_params, ExecutorOptions(slots=2, context=16, top_k=8))
+    assert modeled.describe()["backend"] == "modeled" and modeled.num_slots == 2
+
+
+# ----- the whole-step greedy choice ---------------------------------------------------------------
+
+
+def _row(ids, logits, lse=0.0) -> TokenScores:
+    return TokenScores(np.array(ids, dtype=np.int32), np.array(logits, dtype=np.float32), lse)
+
+
+def test_greedy_batch_chooses_what_choose_does():
+    rows = [
+        _row([5, 6, 7], [3.0, 2.0, 1.0], 4.0),
+        _row([5, 6, 7], [1.0, 3.0, 3.0], 4.5),  # not sorted; a tie: the first of the maxima
+        _row([9, 8, 7], [np.inf, np.inf, 0.0]),  # overflowed scores: the first infinite one
+        _row([99, 6, 7], [3.0, 2.0, 1.0]),  # the best id unknown to the tokenizer: left to choose
+        _row([5, 6, 7], [np.nan, 2.0, 1.0]),  # NaN: left to choose
+        _row([5, 6, 7], [-np.inf, -np.inf, -np.inf]),  # nothing choosable: left to choose (which raises)
+    ]
+    picks = greedy_batch(rows, vocab_size=50)
+    assert picks[3] is None and picks[4] is None and picks[5] is None
+    for row, pick in zip(rows[:3], picks[:3], strict=True):
+        assert pick == Sampler(SamplingParams(), vocab_size=50).choose(row, [])
+    assert greedy_batch([], 50) == []
+
+
+def test_engine_gives_the_same_tokens_with_and_without_the_batched_choice():
+    """Greedy requests chosen together (greedy_batch) and the same requests with a penalty of exactly
+    1.0 set otherwise equal go through the same path; requests with a real penalty choose alone. Both
+    kinds share steps here, and each matches a run of its own."""
+    hooks = TokenizerHooks(tokenizer.token_bytes, 50256, {50256: "<|endoftext|>"}, 50257)
+
+    def run(requests: list[GenerationRequest]) -> list[list[int]]:
+        core = EngineCore(NullExecutor(50257, slots=4, context=64), hooks, max_queue=8, step_token_budget=64)
+        states = [core.add(request) for request in requests]
+        while core.has_work():
+            core.step()
+        return [[token.id for token in state.tokens] for state in states]
+
+    prompt = tuple(tokenizer.encode("Hello there, wafer"))
+    plain = GenerationRequest(prompt, 12)
+    penalised = GenerationRequest(prompt, 12, sampling=SamplingParams(repetition_penalty=1.3))
+    sampled = GenerationRequest(prompt, 12, sampling=SamplingParams(do_sample=True, seed=7))
+    mixed = run([plain, penalised, sampled, plain])
+    assert mixed == [run([plain])[0], run([penalised])[0], run([sampled])[0], run([plain])[0]]
+    assert len(mixed[0]) == 12
+
+
+# ----- hand-built frames equal the models' dumps --------------------------------------------------
+
+
+def test_tgi_token_event_is_the_models_dump():
+    special = {50256: "<|endoftext|>"}
+    for top in ((), (Alternative(50256, -0.5), Alternative(11, -1.25))):
+        token = GeneratedToken(id=11, text=",", released=", x", logprob=-0.125, special=False, top=top)
+        event = TokenEvent(index=3, token=token)
+        expected = TGIStreamEvent(
+            index=3,
+            token=TGIToken(id=11, text=", x", logprob=-0.125, special=False),
+            top_tokens=[
+                TGIToken(id=a.id, text=tokenizer.decode([a.id]), logprob=a.logprob, special=a.id in special)
+                for a in top
+            ],
+        ).model_dump()
+        built = tgi_token_event(event, special)
+        assert built == expected
+        assert json.dumps(built) == json.dumps(expected)  # same keys in the same order
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop_reason"), [(None, None), ("stop", "\n"), ("stop", 13), ("length", None)]
+)
+def test_plain_chunk_is_the_models_dump(finish, stop_reason):
+    expected = CompletionResponse(
+        id="cmpl-1",
+        created=5,
+        model="gpt2",
+        choices=[CompletionChoice(index=2, text="é", finish_reason=finish, stop_reason=stop_reason)],
+    ).model_dump(exclude_none=False)
+    built = plain_chunk("cmpl-1", 5, "gpt2", 2, "é", finish, stop_reason)
+    assert json.dumps(built) == json.dumps(expected)
+
+
+def test_non_streaming_requests_get_only_their_final_event(small_params):
+    """A request submitted with stream=False hears nothing until its final event (which carries every
+    token); a streaming one hears every token."""
+    import asyncio
+
+    hooks = TokenizerHooks(tokenizer.token_bytes, 50256, {50256: "<|endoftext|>"}, 50257)
+    core = EngineCore(NullExecutor(50257, slots=2, context=32), hooks, max_queue=4, step_token_budget=32)
+
+    async def main() -> tuple[list, list]:
+        loop = asyncio.get_running_loop()
+        request = GenerationRequest((1, 2, 3), 5)
+        plain = core.add(core.new_request(request, loop, stream=False))
+        streamed = core.add(core.new_request(request, loop, stream=True))
+        while core.has_work():
+            core.step()
+        await asyncio.sleep(0)  # the step's events are delivered by one callback on the loop
+        drained = []
+        for state in (plain, streamed):
+            events = []
+            while not state.events.empty():
+                events.append(state.events.get_nowait())
+            drained.append(events)
+        return drained[0], drained[1]
+
+    plain_events, streamed_events = asyncio.run(main())
+    assert len(plain_events) == 1 and isinstance(plain_events[0], FinishEvent)
+    assert len(plain_events[0].tokens) == 5
+    assert [type(e) for e in streamed_events] == [TokenEvent] * 4 + [FinishEvent]
+    assert [t.id for t in plain_events[0].tokens] == [t.id for t in streamed_events[-1].tokens]
+
+
+# ----- bench host end to end ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bench_host_runs_end_to_end_at_a_tiny_size():
+    cells, labels = bench_host.measure(
+        ["null", "modeled"],
+        [2],
+        list(bench_host.ROUTES),
+        new_tokens=4,
+        seconds=0.4,
+        warmup_s=0.1,
+        log=lambda _: None,
+    )
+    assert len(cells) == 2 * len(bench_host.ROUTES)
+    for cell in cells:
+        assert cell.errors == 0 and cell.tokens_per_s > 0, cell
+        assert cell.ceiling is not None and cell.ceiling.tokens_per_s > 0
+        assert cell.server_us_per_token > 0
+        if cell.executor == "modeled":
+            assert cell.utilisation is not None and 0 < cell.utilisation <= 1.05
+        else:
+            assert cell.utilisation is None
+    assert "modeled" in labels["modeled 2"]
+    assert bench_host.summary_line(cells).startswith("bench host summary:")
+
+
+def test_the_report_keeps_the_host_section_when_it_is_regenerated():
+    from wafer.report import KEPT_BEGIN, KEPT_END, keep_sections
+
+    old = f"# Report\n\nold figures\n\n{KEPT_BEGIN}\n## Host\n\nmeasured by hand\n{KEPT_END}\n\n## Reproduce\n\nold\n"
+    new = "# Report\n\nnew figures\n\n## Reproduce\n\nnew\n"
+    kept = keep_sections(old, new)
+    assert kept.index("new figures") < kept.index("## Host") < kept.index("## Reproduce\n\nnew")
+    assert "old figures" not in kept and kept.count("## Host") == 1
+    assert keep_sections("# nothing kept\n", new) == new

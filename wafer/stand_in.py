@@ -1,0 +1,183 @@
+"""Executors that stand in for the wafer when the host stack itself is measured (`wafer-gpt2 bench host`).
+
+- `NullExecutor` (backend `null`): answers every item at once with fixed top-k scores and runs no model,
+  so whatever a benchmark measures over it is the host's cost alone.
+- `ModeledWaferExecutor` (backend `modeled`): the same answers, but each step takes the time the cost
+  model gives the plan for that step, so the host is measured against a wafer as fast as the model says
+  one is. It is labelled modeled everywhere (`describe()`, the benchmark's output): no wafer ran.
+
+Both validate items and keep per-slot positions like the real executors, so a host bug that feeds the
+wafer a bad item fails here as it would there. The scores are deterministic in (token, position):
+the text they produce varies (the detokenizer does real work) and runs repeat exactly.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from wafer.cost import CLOCK_HZ
+from wafer.errors import InvalidInput
+from wafer.executor import ExecutorError, StepItem, TokenScores, validate_items
+from wafer.plan.model import Plan
+
+TABLE = 251  # distinct score rows (a prime: (token + position) cycles through all of them)
+# Ids the fixed scores never put first: GPT-2's end-of-text, so a stream never ends early on it.
+RESERVED_TOP1 = 50256
+
+
+def _score_table(vocab_size: int, top_k: int, seed: int = 0) -> list[TokenScores]:
+    """TABLE fixed rows of top-k scores: distinct ids best first, descending logits, a plausible lse."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    limit = min(vocab_size, RESERVED_TOP1) if vocab_size > RESERVED_TOP1 else vocab_size
+    for _ in range(TABLE):
+        ids = rng.choice(limit, size=min(top_k, limit), replace=False).astype(np.int32)
+        logits = np.sort(rng.normal(0.0, 2.0, len(ids)).astype(np.float32))[::-1].copy()
+        lse = float(logits[0]) + 1.5  # the rest of the vocabulary holds some mass
+        rows.append(TokenScores(topk_ids=ids, topk_logits=logits, logsumexp=lse))
+    return rows
+
+
+class NullExecutor:
+    """Fixed scores, no model, no time: the host's own cost is all a benchmark over it measures."""
+
+    backend = "null"
+
+    def __init__(self, vocab_size: int, slots: int = 16, context: int = 1024, top_k: int = 64) -> None:
+        if slots < 1:
+            raise InvalidInput(f"slots must be at least 1, got {slots}")
+        if context < 1:
+            raise InvalidInput(f"context must be at least 1, got {context}")
+        if not 0 < top_k <= vocab_size:
+            raise InvalidInput(f"top_k {top_k} outside 1..{vocab_size} (the vocabulary size)")
+        self.num_slots = slots
+        self.context_length = context
+        self.vocab_size = vocab_size
+        self.top_k = top_k
+        self._rows = _score_table(vocab_size, top_k)
+        self._closed = False
+        self.steps = 0
+        self.items = 0
+
+    def answer(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
+        """Validate and answer a step (no waiting): what every stand-in returns."""
+        if self._closed:
+            raise ExecutorError("the executor is closed")
+        validate_items(items, self.num_slots, self.context_length, self.vocab_size)
+        rows, n = self._rows, TABLE
+        out: list[TokenScores | None] = []
+        for item in items:
+            if not item.want_scores:
+                out.append(None)
+                continue
+            row = rows[(item.token + item.position) % n]
+            if item.target is not None:  # the target's logit: below the top-k's worst
+                row = TokenScores(
+                    row.topk_ids, row.topk_logits, row.logsumexp, float(row.topk_logits[-1]) - 1.0
+                )
+            out.append(row)
+        self.steps += 1
+        self.items += len(items)
+        return out
+
+    def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
+        return self.answer(items)
+
+    def free_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ExecutorError(f"slot {slot} outside 0..{self.num_slots - 1}")
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._closed = True
+
+    def describe(self) -> dict:
+        return {
+            "backend": self.backend,
+            "device_type": self.backend,
+            "dtype": "none",
+            "num_slots": self.num_slots,
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "top_k": self.top_k,
+            "plan": {},
+        }
+
+
+def modeled_step_seconds(plan: Plan, slots_of_items: Sequence[int], clock_hz: float = CLOCK_HZ) -> float:
+    """The modeled time of one step: each replica streams its items through its pipeline, the first
+    after the critical path (decode_cycles), each further one a slowest-stage time (bottleneck_cycles)
+    later; replicas run side by side, so the step lasts as long as the busiest one."""
+    if not slots_of_items:
+        return 0.0
+    per_replica = [0] * plan.replicas
+    for slot in slots_of_items:
+        per_replica[slot // plan.slots] += 1
+    busiest = max(per_replica)
+    return (plan.decode_cycles + (busiest - 1) * plan.bottleneck_cycles) / clock_hz
+
+
+def timer_lateness(seconds: float, times: int = 50) -> float:
+    """How late `time.sleep(seconds)` wakes in this process, the median of `times` tries."""
+    late = []
+    for _ in range(times):
+        end = time.perf_counter() + seconds
+        time.sleep(seconds)
+        late.append(time.perf_counter() - end)
+    return max(0.0, statistics.median(late))
+
+
+class ModeledWaferExecutor(NullExecutor):
+    """The null executor's answers, each step returned after the time the cost model gives it on `plan`
+    (modeled, not measured). The wait sleeps, so the host's threads run meanwhile as they would beside
+    a real wafer (a spin would hold the GIL). The OS wakes a sleeper late (tens of microseconds, a few
+    percent of a step), which a wafer's memcpy would not add: each sleep is shortened by the timer's
+    median lateness (`timer_late_s`, measured at construction unless given), so steps end on time on
+    average. `overshoot_s` sums how late they really ended (negative when early): what is left is the
+    wait for the GIL and the timer's jitter."""
+
+    backend = "modeled"
+
+    def __init__(self, plan: Plan, clock_hz: float = CLOCK_HZ, timer_late_s: float | None = None) -> None:
+        super().__init__(
+            plan.config.vocab_size, slots=plan.slots * plan.replicas, context=plan.context, top_k=plan.top_k
+        )
+        self.plan = plan
+        self.clock_hz = clock_hz
+        self.modeled_busy_s = 0.0  # the sum of every step's modeled time
+        self.overshoot_s = 0.0  # how much later than modeled the steps returned, in all
+        full_step = modeled_step_seconds(plan, list(range(min(plan.slots, self.num_slots))), clock_hz)
+        self.timer_late_s = timer_lateness(full_step) if timer_late_s is None else timer_late_s
+
+    def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
+        start = time.perf_counter()
+        out = self.answer(items)
+        seconds = modeled_step_seconds(self.plan, [item.slot for item in items], self.clock_hz)
+        self.modeled_busy_s += seconds
+        end = start + seconds
+        remaining = end - time.perf_counter() - self.timer_late_s
+        if remaining > 0:
+            time.sleep(remaining)
+        self.overshoot_s += time.perf_counter() - end
+        return out
+
+    def describe(self) -> dict:
+        plan = self.plan.to_json()
+        keys = ("version", "arch", "dtype", "objective", "slots", "context", "top_k", "summary")
+        return super().describe() | {
+            "device_type": "modeled wafer (cost model, no hardware)",
+            "dtype": self.plan.dtype,
+            "plan": {key: plan[key] for key in keys if key in plan}
+            | {
+                "modeled_step": "modeled: decode_cycles + (items per replica - 1) x bottleneck_cycles",
+                "decode_cycles": self.plan.decode_cycles,
+                "bottleneck_cycles": self.plan.bottleneck_cycles,
+                "clock_hz": self.clock_hz,
+            },
+        }
