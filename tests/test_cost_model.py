@@ -70,13 +70,15 @@ def test_gemv_cost_by_hand() -> None:
 
 
 def test_norm_cost_by_hand() -> None:
-    # 16 values on 4 PEs: input, per pass local sums and an all-reduce of one scalar, rsqrt, normalise
+    # 16 values on 4 PEs: input, the local sums of x and x^2 (1 + 2 ops per value), one all-reduce of
+    # the two words (each step passes 2 words, the broadcast too), rsqrt, normalise
     two = cost.norm_cost(NormTiling(16, 4, reduction="two_level", group=2))
-    allreduce = (STEP + 1) + (2 * H + R + 1) + 1 + (3 * H + R + 1)
-    assert two.cycles == (R + 4) + 4 + allreduce + 8 + allreduce + 10 + 16
+    allreduce = (STEP + 2) + (2 * H + R + 1) + 2 + (3 * H + R + 2)
+    assert two.phases["two_level all-reduce"] == allreduce
+    assert two.cycles == (R + 4) + 12 + allreduce + 10 + 16
     chain = cost.norm_cost(NormTiling(16, 4, reduction="chain"))
-    allreduce = (3 * STEP + 1) + (3 * H + R + 1)
-    assert chain.cycles == (R + 4) + 4 + allreduce + 8 + allreduce + 10 + 16
+    allreduce = (3 * STEP + 2) + (3 * H + R + 2)
+    assert chain.cycles == (R + 4) + 12 + allreduce + 10 + 16
 
 
 def test_attention_cost_by_hand() -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from wafer.arch import Arch
 from wafer.cost import (
     GELU_CYCLES,
+    NORM_STAT_WORDS,
     allreduce_cycles,
     best_attention,
     best_gemv_reduction,
@@ -47,7 +48,7 @@ def layer_tilings(
 
 
 def _scalar_reduction(pes: int) -> tuple[Reduction, int]:
-    return min(reduction_options(pes), key=lambda kg: allreduce_cycles(kg[0], pes, 1, kg[1]))
+    return min(reduction_options(pes), key=lambda kg: allreduce_cycles(kg[0], pes, NORM_STAT_WORDS, kg[1]))
 
 
 def head_tiling(config: GPT2Config, knobs: Knobs, top_k: int, arch: Arch, dtype: str) -> HeadTiling:
