@@ -21,7 +21,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from wafer.arch import Arch, resolve_arch
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, Reduction, ceil_div
+from wafer.tiling import (
+    AttentionTiling,
+    GemvTiling,
+    HeadTiling,
+    NormTiling,
+    Reduction,
+    allreduce_root,
+    ceil_div,
+)
 
 # --- Named constants --------------------------------------------------------------------------------
 # Clock: 1.1 GHz is the figure of the architecture talks (Hot Chips 34) and WaferLLM's conversion; the
@@ -110,11 +118,19 @@ def reduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
 
 
 def allreduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
-    """Every one of n PEs ends with the sum: reduce to the last PE, then multicast the result back along
-    the strip (one route, so every PE holds the same bits)."""
+    """Every one of n PEs ends with the sum (kernels/comm/allreduce.csl): the two halves of the line
+    reduce towards the middle at the same time (`wafer.tiling.allreduce_halves`, each a chain or
+    two-level), the right half's end hands its sum to the root (one more chain step, after the root's
+    own half is done), and the root multicasts the result both ways (one route, so every PE holds the
+    same bits): about n/2 hops each way instead of n."""
     if n <= 1:
         return 0
-    return reduce_cycles(kind, n, words, group) + (n - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
+    root = allreduce_root(n)
+    left, right = root + 1, n - 1 - root  # the lengths of `wafer.tiling.allreduce_halves(n)`
+    join_ready = reduce_cycles(kind, right, words, group) + HOP_CYCLES + ROUTER_TO_PE_CYCLES
+    reduced = max(reduce_cycles(kind, left, words, group), join_ready) + FP32_OPS_PER_CYCLE + words
+    farthest = max(root, right)
+    return reduced + farthest * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
 
 
 def reduction_options(n: int) -> list[tuple[Reduction, int]]:
@@ -204,14 +220,16 @@ NORM_STAT_WORDS = 2
 def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
     """One-pass LayerNorm over a strip (kernels/pe/layernorm.csl): every PE sums its chunk's x (one
     fp32 add per value) and x^2 (a multiply and an add), the two words are all-reduced over the strip
-    at once (`allreduce_cycles`: they stream back to back through every DSD step); then mean and
+    at once (`allreduce_cycles`: they stream back to back through every DSD step, towards the middle
+    of the strip and back); then mean and
     variance = E[x^2] - mean^2, rstd, and every PE writes ((x - mean) * rstd) * g + b (4 fp32 ops per
     value).
 
     The exact alternative, a pairwise (count, mean, M2) merge, needs scalar control at every step (a
     task activation and the merge arithmetic on 3 words): priced with these constants at 504 cycles
-    for GPT-2's 32-PE strip against 217 for the 2-word DSD all-reduce (and 428 for the two 1-word
-    all-reduces of a two-pass LayerNorm), so the CSL does not implement it."""
+    for GPT-2's 32-PE strip (rooted at the strip's end) against 217 for the 2-word DSD all-reduce
+    rooted there (and 428 for the two 1-word all-reduces of a two-pass LayerNorm), so the CSL does not
+    implement it."""
     cost = StageCost(name)
     cost.add("input", ROUTER_TO_PE_CYCLES + tiling.chunk)
     cost.add("local sums (x, x^2)", 3 * tiling.chunk)

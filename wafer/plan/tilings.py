@@ -4,6 +4,7 @@ each with the reduction the cycle model finds fastest."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from wafer.arch import Arch
 from wafer.cost import (
@@ -47,6 +48,7 @@ def layer_tilings(
     return LayerTilings(ln, qkv, attn, o, fc, proj)
 
 
+@lru_cache(maxsize=1024)  # the search asks again for every candidate with the same strip
 def _scalar_reduction(pes: int) -> tuple[Reduction, int]:
     return min(reduction_options(pes), key=lambda kg: allreduce_cycles(kg[0], pes, NORM_STAT_WORDS, kg[1]))
 

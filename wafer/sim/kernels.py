@@ -23,7 +23,15 @@ import numpy as np
 
 from wafer.memory_layout import tiled_positions
 from wafer.sim import parallel
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, ceil_div, reduction_runs
+from wafer.tiling import (
+    AttentionTiling,
+    GemvTiling,
+    HeadTiling,
+    NormTiling,
+    allreduce_halves,
+    ceil_div,
+    reduction_runs,
+)
 
 F32 = np.float32
 
@@ -45,6 +53,16 @@ def combine(partials: np.ndarray, reduction: str, group: int = 0) -> np.ndarray:
     if len(runs) == 1:
         return chain_sum(partials)
     return chain_sum(np.stack([chain_sum(partials[run.start : run.stop]) for run in runs]))
+
+
+def allreduce_sum(partials: np.ndarray, reduction: str, group: int = 0) -> np.ndarray:
+    """Sum over axis 0 in the order of comm/allreduce.csl: the left half (0 .. root) and the right half
+    (n-1 down to root + 1) each combined in the tiling's order, then left + right on the root."""
+    left, right = allreduce_halves(partials.shape[0])
+    total = combine(np.ascontiguousarray(partials[left]), reduction, group)
+    if right:
+        total = total + combine(np.ascontiguousarray(partials[right]), reduction, group)
+    return total
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -153,7 +171,8 @@ def layernorm_region(
     x: np.ndarray, gain: np.ndarray, bias: np.ndarray, tiling: NormTiling, eps: float
 ) -> np.ndarray:
     """One-pass statistics, as kernels/pe/layernorm.csl: each PE sums its chunk's x and x^2 in index
-    order, the two sums are combined over the PEs in the tiling's order -> mean = sum / C and
+    order, the two sums are combined over the PEs in the all-reduce's order (`allreduce_sum`: each
+    half of the strip in the tiling's order, then the halves) -> mean = sum / C and
     variance = sum_sq / C - mean^2 (clamped at 0: rounding can leave it just below); every PE then
     writes ((x - mean) * rstd) * g + b for its chunk. All fp32.
 
@@ -164,7 +183,7 @@ def layernorm_region(
     xp[:, : tiling.dim] = x  # padding stays 0, so it adds nothing to either sum
     by_index = xp.reshape(batch, tiling.pes, tiling.chunk).transpose(2, 0, 1)  # [chunk, B, pes]
     sums = np.stack([chain_sum(by_index), chain_sum(np.square(by_index))])  # [2, B, pes]
-    total = combine(np.ascontiguousarray(np.moveaxis(sums, 2, 0)), tiling.reduction, tiling.group)
+    total = allreduce_sum(np.moveaxis(sums, 2, 0), tiling.reduction, tiling.group)
     mean = total[0] / F32(tiling.dim)
     var = np.maximum(total[1] / F32(tiling.dim) - mean * mean, F32(0))
     rstd = F32(1) / np.sqrt(var + F32(eps))
