@@ -121,14 +121,16 @@ def allreduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
     """Every one of n PEs ends with the sum (kernels/comm/allreduce.csl): the two halves of the line
     reduce towards the middle at the same time (`wafer.tiling.allreduce_halves`, each a chain or
     two-level), the right half's end hands its sum to the root (one more chain step, after the root's
-    own half is done), and the root multicasts the result both ways (one route, so every PE holds the
-    same bits): about n/2 hops each way instead of n."""
+    own half is done, and a task activation to start the broadcast once the join is in), and the root
+    multicasts the result both ways (one route, so every PE holds the same bits): about n/2 hops each
+    way instead of n."""
     if n <= 1:
         return 0
     root = allreduce_root(n)
     left, right = root + 1, n - 1 - root  # the lengths of `wafer.tiling.allreduce_halves(n)`
     join_ready = reduce_cycles(kind, right, words, group) + HOP_CYCLES + ROUTER_TO_PE_CYCLES
     reduced = max(reduce_cycles(kind, left, words, group), join_ready) + FP32_OPS_PER_CYCLE + words
+    reduced += TASK_ACTIVATION_CYCLES
     farthest = max(root, right)
     return reduced + farthest * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
 
