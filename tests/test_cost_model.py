@@ -38,8 +38,14 @@ def test_streams_and_reductions() -> None:
     two_of_four = (STEP + 1) + (2 * H + R + 1) + 1
     assert cost.two_level_reduce_cycles(4, 1, 2) == two_of_four
     assert cost.reduce_cycles("two_level", 6, 4, 3) == cost.two_level_reduce_cycles(6, 4, 3)
-    assert cost.allreduce_cycles("chain", 4, 1) == (3 * STEP + 1) + (3 * H + R + 1)
-    assert cost.allreduce_cycles("two_level", 4, 1, 2) == two_of_four + (3 * H + R + 1)
+    # all-reduce over 4 PEs: root 1; the halves (0, 1) and (3, 2) chain at the same time, 2 hands its
+    # sum to 1 (a hop into the PE after its half, one add, a task to start the broadcast), then 1
+    # broadcasts both ways (2 hops at most)
+    join = (STEP + 1) + H + R + 1 + 1 + T
+    assert cost.allreduce_cycles("chain", 4, 1) == join + (2 * H + R + 1)
+    assert cost.allreduce_cycles("two_level", 4, 1, 2) == join + (2 * H + R + 1)  # runs of 2 = the halves
+    # over 8 PEs, runs of 2: each half of 4 is two_of_four; root 3 is 4 hops from PE 7
+    assert cost.allreduce_cycles("two_level", 8, 1, 2) == (two_of_four + H + R + 1 + 1 + T) + (4 * H + R + 1)
     assert cost.allreduce_cycles("two_level", 1, 1, 2) == 0
     kind, group = cost.best_reduction(64, 1)
     assert kind == "two_level" and 2 <= group < 64 and cost.best_reduction(3, 64) == ("chain", 0)
@@ -68,13 +74,14 @@ def test_gemv_cost_by_hand() -> None:
 
 
 def test_norm_cost_by_hand() -> None:
-    # 16 values on 4 PEs: input, per pass local sums and an all-reduce of one scalar, rsqrt, normalise
+    # 16 values on 4 PEs: input, the local sums of x and x^2 (1 + 2 ops per value), one all-reduce of
+    # the two words towards PE 1 (each step passes 2 words, the broadcast too), rsqrt, normalise
     two = cost.norm_cost(NormTiling(16, 4, reduction="two_level", group=2))
-    allreduce = (STEP + 1) + (2 * H + R + 1) + 1 + (3 * H + R + 1)
-    assert two.cycles == (R + 4) + 4 + allreduce + 8 + allreduce + 10 + 16
+    allreduce = ((STEP + 2) + H + R + 1 + 2 + T) + (2 * H + R + 2)
+    assert two.phases["two_level all-reduce"] == allreduce
+    assert two.cycles == (R + 4) + 12 + allreduce + 10 + 16
     chain = cost.norm_cost(NormTiling(16, 4, reduction="chain"))
-    allreduce = (3 * STEP + 1) + (3 * H + R + 1)
-    assert chain.cycles == (R + 4) + 4 + allreduce + 8 + allreduce + 10 + 16
+    assert chain.cycles == (R + 4) + 12 + allreduce + 10 + 16
 
 
 def test_attention_cost_by_hand() -> None:

@@ -66,6 +66,8 @@ def test_the_gpt2_layout_computes_roles_from_coordinates():
     text = layout_csl(program, {})
     param_sets = text.count("\nconst P")  # what cslc compiles: one program per distinct param set
     assert param_sets < 1500
-    assert text.count("@set_tile_code") < 3500 and text.count("@set_color_config") < 7000  # 2,857 / 6,066
-    assert len(text) < 2_500_000
+    # 3,555 / 6,933 and 2.55 MB: LayerNorm's two half-strip reductions (comm/allreduce.csl) doubled
+    # its param sets per strip; the guard is against per-PE codes (190k), not a few hundred more
+    assert text.count("@set_tile_code") < 4000 and text.count("@set_color_config") < 8000
+    assert len(text) < 3_000_000
     assert max(flow.color for flow in program.flows) < 21

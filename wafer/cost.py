@@ -27,6 +27,7 @@ from wafer.tiling import (
     HeadTiling,
     NormTiling,
     Reduction,
+    allreduce_root,
     ceil_div,
     meeting_index,
 )
@@ -131,11 +132,21 @@ def reduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
 
 
 def allreduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
-    """Every one of n PEs ends with the sum: reduce to the last PE, then multicast the result back along
-    the strip (one route, so every PE holds the same bits)."""
+    """Every one of n PEs ends with the sum (kernels/comm/allreduce.csl): the two halves of the line
+    reduce towards the middle at the same time (`wafer.tiling.allreduce_halves`, each a chain or
+    two-level), the right half's end hands its sum to the root (one more chain step, after the root's
+    own half is done, and a task activation to start the broadcast once the join is in), and the root
+    multicasts the result both ways (one route, so every PE holds the same bits): about n/2 hops each
+    way instead of n."""
     if n <= 1:
         return 0
-    return reduce_cycles(kind, n, words, group) + (n - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
+    root = allreduce_root(n)
+    left, right = root + 1, n - 1 - root  # the lengths of `wafer.tiling.allreduce_halves(n)`
+    join_ready = reduce_cycles(kind, right, words, group) + HOP_CYCLES + ROUTER_TO_PE_CYCLES
+    reduced = max(reduce_cycles(kind, left, words, group), join_ready) + FP32_OPS_PER_CYCLE + words
+    reduced += TASK_ACTIVATION_CYCLES
+    farthest = max(root, right)
+    return reduced + farthest * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
 
 
 def reduction_options(n: int) -> list[tuple[Reduction, int]]:
@@ -223,18 +234,30 @@ def best_gemv_reduction(
 # --- LayerNorm -------------------------------------------------------------------------------------
 
 
+# LayerNorm's statistics travel as one vector: (sum of x, sum of x^2), all-reduced together.
+NORM_STAT_WORDS = 2
+
+
 def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
-    """Two-pass LayerNorm over a strip (kernels/layernorm.csl): per pass every PE sums its chunk and
-    the scalars are all-reduced over the strip (`allreduce_cycles`); then every PE writes
-    ((x - mean) * rstd) * g + b (4 fp32 ops per value)."""
+    """One-pass LayerNorm over a strip (kernels/pe/layernorm.csl): every PE sums its chunk's x (one
+    fp32 add per value) and x^2 (a multiply and an add), the two words are all-reduced over the strip
+    at once (`allreduce_cycles`: they stream back to back through every DSD step, towards the middle
+    of the strip and back); then mean and
+    variance = E[x^2] - mean^2, rstd, and every PE writes ((x - mean) * rstd) * g + b (4 fp32 ops per
+    value).
+
+    The exact alternative, a pairwise (count, mean, M2) merge, needs scalar control at every step (a
+    task activation and the merge arithmetic on 3 words): priced with these constants at 504 cycles
+    for GPT-2's 32-PE strip (rooted at the strip's end) against 217 for the 2-word DSD all-reduce
+    rooted there (and 428 for the two 1-word all-reduces of a two-pass LayerNorm), so the CSL does not
+    implement it."""
     cost = StageCost(name)
     cost.add("input", ROUTER_TO_PE_CYCLES + tiling.chunk)
-    for label, per_value in (("mean", 1), ("variance", 2)):
-        cost.add(f"{label}: local sums", tiling.chunk * per_value)
-        cost.add(
-            f"{label}: {tiling.reduction} all-reduce",
-            allreduce_cycles(tiling.reduction, tiling.pes, 1, tiling.group),
-        )
+    cost.add("local sums (x, x^2)", 3 * tiling.chunk)
+    cost.add(
+        f"{tiling.reduction} all-reduce",
+        allreduce_cycles(tiling.reduction, tiling.pes, NORM_STAT_WORDS, tiling.group),
+    )
     cost.add("rsqrt", RSQRT_CYCLES)
     cost.add("normalise", 4 * tiling.chunk)
     return cost

@@ -74,6 +74,21 @@ def meeting_index(length: int) -> int:
     return length // 2
 
 
+def allreduce_root(n: int) -> int:
+    """The index of a line of n PEs that ends an all-reduce (comm/allreduce.csl): the PEs 0 .. root
+    reduce towards it and the PEs n-1 down to root + 1 towards root + 1 at the same time, which hands
+    its sum on to the root; the root's sum is broadcast both ways. In the middle, so both halves and
+    both broadcast legs are about n/2 PEs long."""
+    return max(n - 1, 0) // 2
+
+
+def allreduce_halves(n: int) -> tuple[list[int], list[int]]:
+    """The two lines of an all-reduce over n PEs, each in its reduction order: 0 .. root, and
+    n-1 down to root + 1 (empty for one PE)."""
+    root = allreduce_root(n)
+    return list(range(root + 1)), list(range(n - 1, root, -1))
+
+
 @dataclass(frozen=True)
 class GemvTiling:
     k: int
@@ -174,6 +189,10 @@ class NormTiling:
 
     def runs(self) -> list[range]:
         return reduction_runs(self.pes, self.reduction, self.group)
+
+    def halves(self) -> tuple[list[int], list[int]]:
+        """The all-reduce's two lines of strip indices (`allreduce_halves`)."""
+        return allreduce_halves(self.pes)
 
 
 @dataclass(frozen=True)

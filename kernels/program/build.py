@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 # comm/chain.csl and comm/gather.csl roles
 FIRST, MIDDLE, LAST, ALONE, NONE = 0, 1, 2, 3, 4
+# comm/allreduce.csl join roles
+JOIN_NONE, JOIN_SEND, JOIN_ROOT = 0, 1, 2
 
 # Routable colors (0-23 less the three memcpy keeps, 21-23) less the two memcpy streaming colors.
 MEMCPY_COLORS = (H2D_COLOR, D2H_COLOR)
@@ -57,7 +59,7 @@ TASKS = {
     "pe/io_out.csl": 2,
     "pe/embed.csl": 6,
     "pe/head.csl": 12,
-    "pe/layernorm.csl": 12,
+    "pe/layernorm.csl": 11,
     "pe/residual.csl": 10,
     "pe/gemv.csl": 7,
     "pe/attention.csl": 10,
@@ -305,13 +307,23 @@ class _Builder:
         f = self.frame(region)
         pes = [f.pe(i) for i in range(t.pes)]
         self.connect(name, sources, chunk, [[pos] for pos in pes], t.chunk, source_out, "in")
-        self.reduction(f"{region.name}@{region.replica}.red", pes, "red", t.reduction, t.group)
-        if len(pes) > 1:
-            bcast = self.flow(f"{region.name}@{region.replica}.bcast", pes[-1], pes[:-1])
-        else:
-            bcast = None
+        # comm/allreduce.csl: both halves reduce towards the root (the halves share no router, so
+        # the colors of one are free for the other), root + 1 joins its half's sums into the root's
+        tag = f"{region.name}@{region.replica}"
+        left, right = ([pes[i] for i in half] for half in t.halves())
+        root = self.reduction(f"{tag}.red", left, "red", t.reduction, t.group)
+        join = bcast = None
+        if right:
+            joining = self.reduction(f"{tag}.red_right", right, "red", t.reduction, t.group)
+            join = self.flow(f"{tag}.join", joining, [root])
+            bcast = self.flow(f"{tag}.bcast", root, [pos for pos in pes if pos != root])
         for pos in pes:
-            self.params[pos]["red_bcast"] = bcast
+            role = JOIN_NONE
+            if join is not None:
+                role = JOIN_ROOT if pos == root else JOIN_SEND if pos == join.source else JOIN_NONE
+            self.params[pos].update(
+                red_join_role=role, red_join=join if role != JOIN_NONE else None, red_bcast=bcast
+            )
         return pes
 
     def gemv_lines(self, region: Any) -> tuple[Frame, list[list[Pos]], list[Pos]]:

@@ -52,7 +52,7 @@ def norm_symbols(t: NormTiling) -> dict[str, Symbol]:
         "bias": Symbol("f32", t.chunk),
         "x": Symbol("f32", t.chunk),
         "y": Symbol("f32", t.chunk),
-        "centred": Symbol("f32", t.chunk),
+        "sums": Symbol("f32", 2),  # sum of x, sum of x^2: the statistics all-reduced together
         "comm": COMM,
     }
 

@@ -4,10 +4,12 @@ each with the reduction the cycle model finds fastest."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from wafer.arch import Arch
 from wafer.cost import (
     GELU_CYCLES,
+    NORM_STAT_WORDS,
     allreduce_cycles,
     best_attention,
     best_gemv_reduction,
@@ -46,8 +48,9 @@ def layer_tilings(
     return LayerTilings(ln, qkv, attn, o, fc, proj)
 
 
+@lru_cache(maxsize=1024)  # the search asks again for every candidate with the same strip
 def _scalar_reduction(pes: int) -> tuple[Reduction, int]:
-    return min(reduction_options(pes), key=lambda kg: allreduce_cycles(kg[0], pes, 1, kg[1]))
+    return min(reduction_options(pes), key=lambda kg: allreduce_cycles(kg[0], pes, NORM_STAT_WORDS, kg[1]))
 
 
 def head_tiling(config: GPT2Config, knobs: Knobs, top_k: int, arch: Arch, dtype: str) -> HeadTiling:

@@ -29,6 +29,7 @@ from wafer.tiling import (
     GemvTiling,
     HeadTiling,
     NormTiling,
+    allreduce_halves,
     ceil_div,
     meeting_index,
     reduction_runs,
@@ -65,6 +66,16 @@ def meet(partials: np.ndarray) -> np.ndarray:
     if r + 1 == partials.shape[0]:
         return near
     return near + chain_sum(partials[r + 1 :][::-1])
+
+
+def allreduce_sum(partials: np.ndarray, reduction: str, group: int = 0) -> np.ndarray:
+    """Sum over axis 0 in the order of comm/allreduce.csl: the left half (0 .. root) and the right half
+    (n-1 down to root + 1) each combined in the tiling's order, then left + right on the root."""
+    left, right = allreduce_halves(partials.shape[0])
+    total = combine(np.ascontiguousarray(partials[left]), reduction, group)
+    if right:
+        total = total + combine(np.ascontiguousarray(partials[right]), reduction, group)
+    return total
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -172,23 +183,24 @@ def norm_cache(tiles: np.ndarray, tiling: NormTiling) -> np.ndarray:
 def layernorm_region(
     x: np.ndarray, gain: np.ndarray, bias: np.ndarray, tiling: NormTiling, eps: float
 ) -> np.ndarray:
-    """Two-pass statistics, as kernels/layernorm.csl: each PE sums its chunk, the sums are chained in
-    PE order -> mean; each PE sums (x - mean)^2 over its chunk, chained again -> variance; every PE
-    then writes ((x - mean) * rstd) * g + b for its chunk. All fp32."""
+    """One-pass statistics, as kernels/pe/layernorm.csl: each PE sums its chunk's x and x^2 in index
+    order, the two sums are combined over the PEs in the all-reduce's order (`allreduce_sum`: each
+    half of the strip in the tiling's order, then the halves) -> mean = sum / C and
+    variance = sum_sq / C - mean^2 (clamped at 0: rounding can leave it just below); every PE then
+    writes ((x - mean) * rstd) * g + b for its chunk. All fp32.
+
+    E[x^2] - mean^2 in fp32 loses about log2(1 + mean^2 / variance) bits of the variance to
+    cancellation: a few ulps for GPT-2's residual stream, whose mean is small beside its spread."""
     batch = x.shape[0]
     xp = np.zeros((batch, tiling.pes * tiling.chunk), dtype=F32)
-    xp[:, : tiling.dim] = x
-    chunks = xp.reshape(batch, tiling.pes, tiling.chunk)
-    mean = combine(np.ascontiguousarray(chunks.sum(axis=2).T), tiling.reduction, tiling.group) / F32(
-        tiling.dim
-    )
-    centred = x - mean[:, None]
-    cp = np.zeros((batch, tiling.pes * tiling.chunk), dtype=F32)
-    cp[:, : tiling.dim] = np.square(centred)  # padding stays 0, so it adds nothing
-    squares = np.ascontiguousarray(cp.reshape(batch, tiling.pes, tiling.chunk).sum(axis=2).T)
-    var = combine(squares, tiling.reduction, tiling.group) / F32(tiling.dim)
+    xp[:, : tiling.dim] = x  # padding stays 0, so it adds nothing to either sum
+    by_index = xp.reshape(batch, tiling.pes, tiling.chunk).transpose(2, 0, 1)  # [chunk, B, pes]
+    sums = np.stack([chain_sum(by_index), chain_sum(np.square(by_index))])  # [2, B, pes]
+    total = allreduce_sum(np.moveaxis(sums, 2, 0), tiling.reduction, tiling.group)
+    mean = total[0] / F32(tiling.dim)
+    var = np.maximum(total[1] / F32(tiling.dim) - mean * mean, F32(0))
     rstd = F32(1) / np.sqrt(var + F32(eps))
-    return (centred * rstd[:, None]) * gain + bias
+    return ((x - mean[:, None]) * rstd[:, None]) * gain + bias
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
