@@ -22,13 +22,12 @@ import multiprocessing
 import resource
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
 from service.cli import UserError
+from service.commands.bench_server import BenchFailed, BenchServer
 from service.commands.load_client import LoadJob, LoadResult, client_process, record_response, replay_server
-from wafer.errors import WaferGPT2Error
 from wafer.executor import Executor
 from wafer.stand_in import ModeledWaferExecutor, modeled_step_seconds
 
@@ -36,10 +35,6 @@ EXECUTORS = ("null", "modeled")
 ROUTES = ("tgi-stream", "openai-stream", "generate", "openai")
 PROMPT = "The wafer-scale engine streams one token per stream per step, and the host"
 GOAL_STREAM_TPS, GOAL_PLAIN_TPS, GOAL_UTILISATION = 40_000.0, 80_000.0, 0.80  # issue 18, 64 streams / 16
-
-
-class BenchFailed(WaferGPT2Error, RuntimeError):
-    """The benchmark could not run (server, engine or clients failed): one line, exit 2."""
 
 
 @dataclass(frozen=True)
@@ -169,45 +164,19 @@ def modeled_plan(config, streams: int, context: int):
     raise BenchFailed(f"no GPT-2 124M plan serves {streams} slots: {last}")
 
 
-class _Server:
-    """The service under uvicorn on 127.0.0.1 (a free port), in a thread of this process."""
+def _server(executor: Executor, streams: int) -> BenchServer:
+    """The service for `streams` streams, admitting all of them at once."""
+    from service.settings import ServerSettings
 
-    def __init__(self, executor: Executor, streams: int):
-        from service.api import create_app
-        from service.server import ServiceServer
-        from service.settings import ServerSettings
-
-        settings = ServerSettings(
-            port=0,
-            model_id="gpt2",
-            backend="bench-host",
-            max_concurrent_requests=streams,
-            max_queue=4 * streams,
-            max_connections=max(1024, 4 * streams),
-        )
-        self.fatal: list[str] = []
-        app = create_app(
-            settings, lambda: executor, model_summary={"name": "gpt2"}, on_fatal=self.fatal.append
-        )
-        self.engine = app.state.engine
-        self.server = ServiceServer(app, settings, log_level="warning", access_log=False)
-        self.thread = threading.Thread(target=self.server.run, name="bench-uvicorn", daemon=True)
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise BenchFailed(f"the benchmark's server did not start {self.fatal}")
-            time.sleep(0.01)
-        if not self.engine.wait_ready(120):
-            raise BenchFailed(f"the engine did not become ready: {self.engine.state} {self.engine.error}")
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
+    settings = ServerSettings(
+        port=0,
+        model_id="gpt2",
+        backend="bench-host",
+        max_concurrent_requests=streams,
+        max_queue=4 * streams,
+        max_connections=max(1024, 4 * streams),
+    )
+    return BenchServer(executor, settings, "gpt2", ready_timeout_s=120)
 
 
 class _Process:
@@ -279,7 +248,7 @@ def measure(
                     )
                 log(f"bench host: {labels[f'{kind} {count}']}; {count} streams")
                 row = {route: Cell(kind, count, route) for route in routes}
-                with _Server(executor, count) as server:
+                with _server(executor, count) as server:
                     for route in routes:  # warm-up, and the response the replay server will send
                         recorded[route] = record_response(
                             "127.0.0.1", server.port, ROUTE_TABLE[route].request(new_tokens)
@@ -334,7 +303,7 @@ def _job(route: str, port: int, streams: int, new_tokens: int, seconds: float, w
 def _run_cell(
     cell: Cell,
     clients: _Process,
-    server: _Server,
+    server: BenchServer,
     executor: Executor,
     new_tokens: int,
     seconds: float,

@@ -34,21 +34,15 @@ import multiprocessing
 import os
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from service.cli import UserError
+from service.commands.bench_server import BenchFailed, BenchServer
 from service.engine_core import bare_greedy
-from wafer.errors import WaferGPT2Error
 from wafer.executor import Executor, TokenScores
-
-
-class BenchFailed(WaferGPT2Error, RuntimeError):
-    """The benchmark could not run (its server, engine or clients failed): one line, exit 2."""
-
 
 GOAL_OVERHEAD_PCT = 10.0  # of step time, at 16 concurrent streams
 MODES = ("direct", "engine", "http")
@@ -332,46 +326,18 @@ def run_http(clients: _Clients, url: str, executor: TimedExecutor, prompts, new_
     return ModeRun(wall, tokens, executor.steps[first:])
 
 
-class _Server:
-    """The service app under uvicorn on 127.0.0.1 (a free port), in a thread of this process."""
+def _server(executor: TimedExecutor, streams: int, prompt_tokens: int, model_id: str) -> BenchServer:
+    """The service for `streams` streams, every prompt in the first step (as in the direct run)."""
+    from service.settings import ServerSettings
 
-    def __init__(self, executor: TimedExecutor, streams: int, prompt_tokens: int, model_id: str):
-        from service.api import create_app
-        from service.server import ServiceServer
-        from service.settings import ServerSettings
-
-        settings = ServerSettings(
-            port=0,
-            model_id=model_id,
-            max_concurrent_requests=streams,
-            max_queue=4 * streams,
-            # every prompt in the first step, as in the direct run
-            step_token_budget=max(ServerSettings.step_token_budget, streams * prompt_tokens),
-        )
-        self.fatal: list[str] = []
-        app = create_app(
-            settings, lambda: executor, model_summary={"name": model_id}, on_fatal=self.fatal.append
-        )
-        self.engine = app.state.engine
-        self.server = ServiceServer(app, settings, log_level="warning", access_log=False)
-        self.thread = threading.Thread(target=self.server.run, name="bench-uvicorn", daemon=True)
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise BenchFailed(f"the benchmark's server did not start {self.fatal}")
-            time.sleep(0.01)
-        if not self.engine.wait_ready(600):
-            raise BenchFailed(f"the engine did not become ready: {self.engine.state} {self.engine.error}")
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
+    settings = ServerSettings(
+        port=0,
+        model_id=model_id,
+        max_concurrent_requests=streams,
+        max_queue=4 * streams,
+        step_token_budget=max(ServerSettings.step_token_budget, streams * prompt_tokens),
+    )
+    return BenchServer(executor, settings, model_id, ready_timeout_s=600)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -402,7 +368,7 @@ def measure(
     executor = TimedExecutor(build_sim_executor(params, options))
     result = ServiceBenchResult(model_name, streams, prompt_tokens, new_tokens)
     try:
-        with _Server(executor, streams, prompt_tokens, model_name) as server, _Clients() as clients:
+        with _server(executor, streams, prompt_tokens, model_name) as server, _Clients() as clients:
             # Warm-up: the first request through every layer (and the client process's first
             # connection), and the batch shape once directly.
             run_http(clients, server.url, executor, prompts[:1], 2)
