@@ -69,12 +69,13 @@ RSQRT_CYCLES = 10
 # the CSL executor's own rule: docs/csl-executor.md).
 # A column's k best: a scan for its max and min (load, two compares); in the exp-sum pass and again
 # in the placement pass a logit's bin (subtract, multiply, clamp, convert) and its count or slot;
-# per kept logit the insertion sort's step and its copy into the record, and per inversion (logits
-# out of order inside a bin) one move.
+# per kept logit its store and the insertion sort's step; per inversion (logits out of order inside a
+# bin) one move; per entry of the record its copy (id and value, or the empty pair).
 TOPK_SCAN_CYCLES = 4
 TOPK_BIN_CYCLES = 6
 TOPK_KEEP_CYCLES = 10
 TOPK_INVERSION_CYCLES = 4
+TOPK_COPY_CYCLES = 5
 # The histogram a column's top-k is selected with: bins over [min, max] of its logits. More bins leave
 # fewer logits to sort by hand but cost a few statements each in every pass over them.
 TOPK_BINS = 64
@@ -406,7 +407,7 @@ def local_topk_cycles(n: int, k: int) -> int:
         + n * TOPK_BIN_CYCLES
         + kept * TOPK_KEEP_CYCLES
         + inversions * TOPK_INVERSION_CYCLES
-        + k * TOPK_KEEP_CYCLES // 2
+        + k * TOPK_COPY_CYCLES
     )
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import resource
 import statistics
 import sys
@@ -26,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from service.cli import UserError
-from service.commands.bench_server import BenchFailed, BenchServer
+from service.commands.bench_server import BenchFailed, BenchServer, HelperProcess
 from service.commands.load_client import LoadJob, LoadResult, client_process, record_response, replay_server
 from wafer.executor import Executor
 from wafer.stand_in import ModeledWaferExecutor, modeled_step_seconds
@@ -179,39 +178,6 @@ def _server(executor: Executor, streams: int) -> BenchServer:
     return BenchServer(executor, settings, "gpt2", ready_timeout_s=120)
 
 
-class _Process:
-    """A helper process (spawned: it shares nothing with this one) that answers over a pipe."""
-
-    def __init__(self, target, name: str):
-        context = multiprocessing.get_context("spawn")
-        self.connection, child = context.Pipe()
-        self.process = context.Process(target=target, args=(child,), name=name, daemon=True)
-        self.child = child
-
-    def start(self) -> None:
-        self.process.start()
-        self.child.close()
-
-    def answer(self, timeout_s: float, what: str):
-        if not self.connection.poll(timeout_s):
-            raise BenchFailed(f"the benchmark's {self.process.name} did not {what} within {timeout_s:g} s")
-        status, value = self.connection.recv()
-        if status == "error":
-            raise BenchFailed(f"the benchmark's {self.process.name} failed: {value}")
-        return value
-
-    def stop(self) -> None:
-        try:
-            self.connection.send(None)
-        except OSError:
-            pass
-        self.process.join(timeout=30)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=10)
-        self.connection.close()
-
-
 def _cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -232,7 +198,7 @@ def measure(
     labels: dict[str, str] = {}
     recorded: dict[str, bytes] = {}
     context = 64 + new_tokens  # the prompt is about 16 tokens
-    clients = _Process(client_process, "load generator")
+    clients = HelperProcess(client_process, "load generator")
     clients.start()
     try:
         clients.answer(120, "start")
@@ -263,7 +229,7 @@ def measure(
         # The client's ceiling: the same jobs against a server that replays the recorded response at once.
         ceilings: dict[tuple[str, int], LoadResult] = {}
         for route in routes:
-            replay = _Process(replay_server, "replay server")
+            replay = HelperProcess(replay_server, "replay server")
             replay.start()
             try:
                 replay.connection.send(recorded[route])
@@ -302,7 +268,7 @@ def _job(route: str, port: int, streams: int, new_tokens: int, seconds: float, w
 
 def _run_cell(
     cell: Cell,
-    clients: _Process,
+    clients: HelperProcess,
     server: BenchServer,
     executor: Executor,
     new_tokens: int,

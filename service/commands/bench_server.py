@@ -1,8 +1,10 @@
 """What `bench service` and `bench host` share: the service app under uvicorn on 127.0.0.1 (a free
-port), in a thread of the benchmark's process, and the error a benchmark that cannot run raises."""
+port), in a thread of the benchmark's process; a spawned helper process (the clients) that answers
+over a pipe; and the error a benchmark that cannot run raises."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -53,3 +55,37 @@ class BenchServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)
+
+
+class HelperProcess:
+    """A helper process (spawned: it shares nothing with this one) that answers over a pipe with
+    ("ok", value) or ("error", message); `target(connection, *args)` runs in it and ends on None."""
+
+    def __init__(self, target, name: str, args: tuple = ()):
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=target, args=(child, *args), name=name, daemon=True)
+        self.child = child
+
+    def start(self) -> None:
+        self.process.start()
+        self.child.close()
+
+    def answer(self, timeout_s: float, what: str):
+        if not self.connection.poll(timeout_s):
+            raise BenchFailed(f"the benchmark's {self.process.name} did not {what} within {timeout_s:g} s")
+        status, value = self.connection.recv()
+        if status == "error":
+            raise BenchFailed(f"the benchmark's {self.process.name} failed: {value}")
+        return value
+
+    def stop(self) -> None:
+        try:
+            self.connection.send(None)
+        except OSError:
+            pass
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=10)
+        self.connection.close()

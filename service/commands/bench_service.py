@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.cli import UserError
-from service.commands.bench_server import BenchFailed, BenchServer
+from service.commands.bench_server import BenchFailed, BenchServer, HelperProcess
 from service.engine_core import bare_greedy
 from wafer.executor import Executor, TokenScores
 
@@ -275,47 +274,25 @@ def _client_process(connection, niceness: int) -> None:
             connection.send(("error", f"{type(error).__name__}: {error}"))
 
 
-class _Clients:
-    """The streaming clients in a separate process (spawned, so it shares nothing with this one), kept
-    for the whole benchmark so starting it is never inside a timed window."""
+class _Clients(HelperProcess):
+    """The streaming clients in a separate process, kept for the whole benchmark so starting it is
+    never inside a timed window."""
 
     def __init__(self, niceness: int = CLIENT_NICENESS):
-        context = multiprocessing.get_context("spawn")
-        self.connection, child = context.Pipe()
-        self.process = context.Process(
-            target=_client_process, args=(child, niceness), name="bench-clients", daemon=True
-        )
-        self.child = child
+        super().__init__(_client_process, "client process", (niceness,))
 
     def __enter__(self) -> _Clients:
-        self.process.start()
-        self.child.close()
-        self._answer(120, "start")
+        self.start()
+        self.answer(120, "start")
         return self
-
-    def _answer(self, timeout_s: float, what: str):
-        if not self.connection.poll(timeout_s):
-            raise BenchFailed(f"the benchmark's client process did not {what} within {timeout_s:g} s")
-        status, value = self.connection.recv()
-        if status == "error":
-            raise BenchFailed(f"the benchmark's clients failed: {value}")
-        return value
 
     def streams(self, url: str, prompts: list[list[int]], new_tokens: int) -> int:
         """Run the streams in the client process; the tokens they received."""
         self.connection.send((url, prompts, new_tokens))
-        return self._answer(600, "finish its streams")
+        return self.answer(600, "finish its streams")
 
     def __exit__(self, *exc) -> None:
-        try:
-            self.connection.send(None)
-        except OSError:
-            pass
-        self.process.join(timeout=30)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=10)
-        self.connection.close()
+        self.stop()
 
 
 def run_http(clients: _Clients, url: str, executor: TimedExecutor, prompts, new_tokens) -> ModeRun:
