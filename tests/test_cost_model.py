@@ -134,15 +134,16 @@ def test_attention_cost_by_hand() -> None:
 def test_head_cost_by_hand() -> None:
     head = HeadTiling(vocab=8, dim=4, gemv=GemvTiling(4, 8, 2, 2, "k_along_x"), top_k=2, merge="chain")
     c = cost.head_cost(head, "wse2", "fp16")
-    # One merge: a record of 1 column meets one of 1, so 2 * 1/2 entries of b enter. Before it a run
-    # of a of length r, geometric with p = 2/3: r = 0 costs a probe and the store; a short run (r <= 4)
-    # a probe, a 2-probe search, the store and r copies; a longer one two block moves instead. Then
-    # a's last run (two moves) and the 2k words.
-    p = 2 / 3
-    winner = p * (6 + 10)
-    winner += sum(p * (1 - p) ** r * (6 + 12 + 10 + 5 * r) for r in range(1, 5))
-    winner += (1 - p) ** 5 * (6 + 12 + 10 + 2 * S)
-    merge_step = int(H + R + T + (2 * 2 + 3) + 20 + 1 * winner + 2 * S + 2 * 2)
+    # One streamed merge (topk_merge.csl), k = 2, blocks of 2: the first root's record leaves as one
+    # block (its entries 2k words after a DSD start, its tail one more start and 3 words later); the
+    # second root's first block leaves a hop after, plus the wait for the block's second entry (one
+    # entry's work: half a read and half an emit started, two words each, a compare, the loop), the
+    # block's read and emit (a start and 4 words each), two compares and the loop; its tail after the
+    # unread entries and the tail's read (a start, 3 words), one exp, two compares, and its own start.
+    entry = 2 * ((S + 1) // 2 + 2) + 6 + 4
+    lag = entry + 2 * (S + 4) + 2 * 6 + 4
+    last = S + 2 * 2 + H + R + lag
+    merge_step = max(last, S + 2 * 2 + S + 3 + H + R) + (S + 3 + 20 + 12) + S + 3
     # 4 logits: the bins' first slots (3 statements per bin), a placement pass (6 per logit), k and a
     # 64th of a bin kept (10 each, no inversions: fewer logits than bins), the record's copy (k * 5).
     local_topk = int(3 * 64 + 4 * 6 + (2 + 4 / 64 / 2) * 10 + 2 * 5)
@@ -158,11 +159,40 @@ def test_head_cost_by_hand() -> None:
     assert local_topk == 246 and c.cycles == sum(c.phases.values())
 
 
-def test_merge_winners_fall_along_a_chain() -> None:
-    """Half of the k best come from the second column, a tenth from the tenth (random order)."""
-    assert cost.merge_winners(64, 1, 1) == 32
-    assert cost.merge_winners(64, 9, 1) == pytest.approx(6.4)
+def test_kept_logits() -> None:
+    """A column keeps k logits and half a bin more (logits spread evenly), or all it has."""
     assert cost.kept_logits(256, 64) == pytest.approx(66) and cost.kept_logits(16, 64) == 16
+
+
+def stream_merge_root_by_root(k: int, steps: int, hops: int) -> int:
+    """cost.stream_merge_cycles as its docstring states it, one root after another."""
+    hop = hops * H + R
+    first, last = S + 2, S + 2 * k
+    tail = last + cost.TAIL_EMIT_CYCLES
+    for _ in range(steps):
+        first += hop + cost.BLOCK_LAG_CYCLES
+        last = max(
+            first + max(k - cost.MERGE_BLOCK, 0) * cost.STREAM_ENTRY_CYCLES,
+            last + hop + cost.BLOCK_LAG_CYCLES,
+        )
+        tail = max(last, tail + hop) + cost.TAIL_COMBINE_CYCLES + cost.TAIL_EMIT_CYCLES
+    return tail
+
+
+def test_the_streamed_merge_in_closed_form_is_the_root_by_root_recurrence() -> None:
+    cases = [(k, steps, hops) for k in (1, 2, 8, 64) for steps in range(40) for hops in (1, 5, 18, 40)]
+    assert [cost.stream_merge_cycles(*c) for c in cases] == [stream_merge_root_by_root(*c) for c in cases]
+
+
+def test_a_streamed_merge_chain_costs_k_entries_once() -> None:
+    """The k entries' time is paid once, not per root; each further root adds a hop and the latency of
+    its first block (which exceeds its tail's: the tails keep up)."""
+    k = 64
+    one, many = cost.stream_merge_cycles(k, 1, 1), cost.stream_merge_cycles(k, 21, 1)
+    per_root = cost.HOP_CYCLES + cost.ROUTER_TO_PE_CYCLES + cost.BLOCK_LAG_CYCLES
+    assert cost.BLOCK_LAG_CYCLES > cost.TAIL_COMBINE_CYCLES + cost.TAIL_EMIT_CYCLES
+    assert many - one == 20 * per_root
+    assert one > k * cost.STREAM_ENTRY_CYCLES
 
 
 def test_calibration_within_the_issue_bounds() -> None:

@@ -194,7 +194,7 @@ def test_two_level_reductions_equal_the_simulator():
     general case, on WSE-3 (whose queue rules are the tighter ones)."""
     from wafer.plan import build_plan
 
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-two-level")
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=200, n_positions=32, name="tiny-two-level")
     plan = build_plan(config, arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
     tilings = [r.tiling for r in plan.regions if r.tiling is not None]
     kinds = {type(t).__name__: getattr(t, "reduction", getattr(t, "merge", None)) for t in tilings}

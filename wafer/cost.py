@@ -16,7 +16,6 @@ top-k merge) pay a task activation.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -79,15 +78,29 @@ TOPK_COPY_CYCLES = 5
 # The histogram a column's top-k is selected with: bins over [min, max] of its logits. More bins leave
 # fewer logits to sort by hand but cost a few statements each in every pass over them.
 TOPK_BINS = 64
-# Merging two sorted k-lists (topk.csl `merge`): per entry of b that enters, a probe of a's next
-# entry (the loads and the compare with the id tie-break); where a's entry wins, a binary search of
-# the rest of a (a probe each) and a's run before b's entry moved, entry by entry up to
-# MERGE_SHORT_RUN (two loads and two stores each), else as two blocks (ids, values: DSD moves); then
-# b's entry stored.
-MERGE_PROBE_CYCLES = 6
-MERGE_ENTRY_CYCLES = 10
-MERGE_COPY_CYCLES = 5
-MERGE_SHORT_RUN = 4
+# The streamed merge of the head's records (kernels/lib/topk_merge.csl). A root reads its input
+# MERGE_BLOCK entries at a time (one DSD operation: fewer starts per entry, against a longer wait for
+# the block at every root; 2 is the fastest on GPT-2's chains) and emits runs of entries up to a block
+# as one DSD operation each; per entry it compares (the loads, the compare with the id tie-break) and
+# keeps the loop's count. An entry taken from the input costs its share of a read and of an emit, the
+# two words each, the comparison and the loop (STREAM_ENTRY_CYCLES); a root's first block leaves after
+# the rest of the block has arrived, its read, comparisons and emit (BLOCK_LAG_CYCLES). Then the
+# input's unread entries and tail are read in one DSD operation and combined (one exp: the side with
+# the greater max keeps its sum), and the root's own tail leaves as one more.
+MERGE_BLOCK = 2
+MERGE_COMPARE_CYCLES = 6
+MERGE_LOOP_CYCLES = 4
+STREAM_ENTRY_CYCLES = (
+    2 * (ceil_div(DSD_OP_START_CYCLES, MERGE_BLOCK) + 2) + MERGE_COMPARE_CYCLES + MERGE_LOOP_CYCLES
+)
+BLOCK_LAG_CYCLES = (
+    (MERGE_BLOCK - 1) * STREAM_ENTRY_CYCLES
+    + 2 * (DSD_OP_START_CYCLES + 2 * MERGE_BLOCK)
+    + MERGE_BLOCK * MERGE_COMPARE_CYCLES
+    + MERGE_LOOP_CYCLES
+)
+TAIL_COMBINE_CYCLES = DSD_OP_START_CYCLES + 3 + EXP_CYCLES + 2 * MERGE_COMPARE_CYCLES
+TAIL_EMIT_CYCLES = DSD_OP_START_CYCLES + 3
 
 
 def cycles_to_us(cycles: float, clock_hz: float = CLOCK_HZ) -> float:
@@ -380,12 +393,37 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     cost.add("local top-k", local_topk_cycles(g.tile_n, k))
     cols = g.cols
     if tiling.merge == "chain" or not 1 < tiling.merge_group < cols:
-        merge = merge_chain_cycles(1, k, cols - 1)
-    else:
+        merge = stream_merge_cycles(k, cols - 1, 1)
+    else:  # the runs at the same time, then the chain of their ends once every run's record is complete
         run = tiling.merge_group
-        merge = merge_chain_cycles(1, k, run - 1) + merge_chain_cycles(run, k, ceil_div(cols, run) - 1)
+        merge = stream_merge_cycles(k, run - 1, 1) + stream_merge_cycles(k, ceil_div(cols, run) - 1, run)
     cost.add(f"top-k/LSE {tiling.merge} merge", merge)
     return cost
+
+
+def stream_merge_cycles(k: int, steps: int, hops: int) -> int:
+    """A chain of `steps` merging roots `hops` apart (kernels/lib/topk_merge.csl), from the first
+    root's record leaving to the last root holding the merged one. The first root emits its record as
+    one block; every later root emits its first block BLOCK_LAG_CYCLES after its input's first entry
+    arrives (`first`), its last at most STREAM_ENTRY_CYCLES per further entry after that and never
+    before its input's last has arrived (`last`: the worst case, every entry taken from the input),
+    and its tail once its entries are out and its input's tail has arrived (`tail`)."""
+    hop = hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES
+    first = DSD_OP_START_CYCLES + 2
+    last = DSD_OP_START_CYCLES + 2 * k
+    tail = last + TAIL_EMIT_CYCLES
+    if steps <= 0:
+        return tail
+    # The recurrence in closed form (the planner prices thousands of chains): per root `first` and
+    # `last` grow by hop + BLOCK_LAG_CYCLES, and a tail by at least hop + its own work, whose longest
+    # path leaves the entries' line at the last root (or the first, were a tail slower than a block).
+    tail_work = TAIL_COMBINE_CYCLES + TAIL_EMIT_CYCLES
+    entries = max(first + max(k - MERGE_BLOCK, 0) * STREAM_ENTRY_CYCLES, last)  # `last` minus the lags
+    leave = steps if BLOCK_LAG_CYCLES >= tail_work else 1
+    return max(
+        tail + steps * (hop + tail_work),
+        entries + tail_work + steps * (hop + tail_work) + leave * (BLOCK_LAG_CYCLES - tail_work),
+    )
 
 
 def kept_logits(n: int, k: int) -> float:
@@ -408,63 +446,6 @@ def local_topk_cycles(n: int, k: int) -> int:
         + kept * TOPK_KEEP_CYCLES
         + inversions * TOPK_INVERSION_CYCLES
         + k * TOPK_COPY_CYCLES
-    )
-
-
-def merge_winners(k: int, covered: float, joining: float) -> float:
-    """Entries of the joining record that enter the running top-k when a record covering `covered`
-    columns meets one covering `joining`: each of the k best of their union is the joining record's
-    with probability joining / (covered + joining) (logits in random order: a data assumption)."""
-    return k * joining / (covered + joining)
-
-
-def winner_cycles(k: int, winners: float) -> float:
-    """Expected cycles of one entry of b entering a merge (topk.csl `merge`), with the run of a before
-    it of length r geometric, P(r) = p (1 - p)^r, p = (winners + 1) / (k + 1) (the k - winners
-    entries of a and the winners in random order: the data assumption of `merge_winners`)."""
-    p = min(1.0, (winners + 1) / (k + 1))
-    search = MERGE_PROBE_CYCLES * math.ceil(math.log2(k + 1))
-    total = p * (MERGE_PROBE_CYCLES + MERGE_ENTRY_CYCLES)  # r = 0: lands at once
-    for r in range(1, MERGE_SHORT_RUN + 1):
-        total += p * (1 - p) ** r * (MERGE_PROBE_CYCLES + search + MERGE_ENTRY_CYCLES + r * MERGE_COPY_CYCLES)
-    longer = (1 - p) ** (MERGE_SHORT_RUN + 1)
-    total += longer * (MERGE_PROBE_CYCLES + search + MERGE_ENTRY_CYCLES + 2 * DSD_OP_START_CYCLES)
-    return total
-
-
-def merge_chain_cycles(hops: int, k: int, steps: int) -> int:
-    """A chain of `steps` merges, `hops` apart, the running record covering 1, 2, ... members when
-    the next one joins."""
-    return steps * hops * HOP_CYCLES + _merge_steps_at_zero_hops(k, steps)
-
-
-_MERGE_PREFIX: dict[int, list[int]] = {}  # per k: sums of the first 0, 1, 2, ... steps at zero hops
-
-
-def _merge_steps_at_zero_hops(k: int, steps: int) -> int:
-    # Prefix sums, extended on demand: the planner prices every run length of every candidate head,
-    # and summing each chain afresh made planning take minutes.
-    prefix = _MERGE_PREFIX.setdefault(k, [0])
-    while len(prefix) <= steps:
-        prefix.append(prefix[-1] + _merge_step(0, k, len(prefix), 1))
-    return prefix[max(steps, 0)]
-
-
-def _merge_step(hops: int, k: int, covered: int, joining: int) -> int:
-    """Receive a partner's (ids, logits, max, sum, target) record covering `covered` columns (or runs)
-    and merge it with the local one covering `joining` (topk.csl `merge`): the entries that enter
-    (`winner_cycles` each), then a's last run as two blocks; the k entries move once."""
-    record = 2 * k + 3
-    winners = merge_winners(k, covered, joining)
-    return int(
-        hops * HOP_CYCLES
-        + ROUTER_TO_PE_CYCLES
-        + TASK_ACTIVATION_CYCLES
-        + record
-        + EXP_CYCLES
-        + winners * winner_cycles(k, winners)
-        + 2 * DSD_OP_START_CYCLES
-        + 2 * k
     )
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kernels.program.errors import ProgramError
 from kernels.program.frames import Frame, frame_of
 from kernels.program.routes import Flow, Pos, assign_colors, make_flow, ramp_colors
-from wafer.cost import MERGE_SHORT_RUN, TOPK_BINS
+from wafer.cost import MERGE_BLOCK, TOPK_BINS
 from wafer.tiling import ceil_div, meeting_index, reduction_runs
 from wafer.wire import D2H_COLOR, H2D_COLOR, record_words
 
@@ -476,7 +476,8 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
             own.update(tile_k=t.tile_k, tile_n=t.tile_n, use_fp16=fp16, gelu_out=region.name.endswith(".fc"))
         elif kind == "embed_head":
             own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,
-                       topk_bins=TOPK_BINS, topk_short_run=MERGE_SHORT_RUN, use_fp16=fp16)  # fmt: skip
+                       topk_bins=TOPK_BINS, topk_block=MERGE_BLOCK,
+                       use_fp16=fp16)  # fmt: skip
         elif kind == "embed":
             ppp, tile_k = embed_geometry(region, cfg.n_embd)
             own.update(tile_k=tile_k, ppp=ppp, use_fp16=fp16)

@@ -88,10 +88,10 @@ def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
         "row": Symbol("f32", g.tile_k),  # the token's wte chunk on its way to the embed region
         "x": Symbol("f32", g.tile_k),
         "acc": Symbol("f32", g.tile_n),  # logits of the column
-        "records": Symbol("u32", 3 * record),  # own, a partner's, the merge's output
+        "records": Symbol("u32", 4 * record),  # own, its run's, the merged one, the output-stream one
         "topk_bins": Symbol("u16", TOPK_BINS),  # lib/topk.csl's histogram of the column's logits
         "topk_order": Symbol("u16", g.tile_n),  # and its counting sort's indices
-        "topk_span": Symbol("u32", 1),  # the template of its block moves
+        "topk_merge": Symbol("u32", 2 * 9),  # lib/topk_merge.csl (two): the input's next entry, the tails
         "comm": COMM,
     }
 
