@@ -34,6 +34,7 @@ from service.delivery import ClientGone, JSONResponse, submit_all, wait_for_resu
 from service.engine import Engine, EngineState, ExecutorFactory
 from service.engine_core import TokenizerHooks
 from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
+from service.hot_routes import HotRoute, HotRoutesMiddleware
 from service.logs import RequestIdMiddleware, log_reference
 from service.metrics import ServiceMetrics
 from service.middleware import OPENAI_PREFIX, GuardMiddleware, error_body, error_status
@@ -162,6 +163,10 @@ def create_app(
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
+    # Innermost of ours: the generation routes' lean path (the routes are declared below, for FastAPI's
+    # own path and the OpenAPI schema; `hot` is filled in once their handlers exist).
+    hot: dict[str, HotRoute] = {}
+    app.add_middleware(HotRoutesMiddleware, routes=hot, on_error=lambda r, e: service_error(r, e))
     app.add_middleware(RequestIdMiddleware)  # outermost of ours: the guards' refusals carry the id too
     app.add_middleware(
         GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key, metrics=metrics
@@ -323,6 +328,10 @@ def create_app(
             return Response(status_code=499)
         response = chat_response(body, choices, finals, settings.model_id)
         return JSONResponse(response.model_dump(), headers=headers)
+
+    hot["/generate"] = HotRoute(TGIRequest, generate_response)
+    hot["/generate_stream"] = HotRoute(TGIRequest, generate_stream_response)
+    hot["/v1/completions"] = HotRoute(CompletionRequest, completions_response)
 
     def model_card() -> ModelCard:
         context = engine.executor.context_length if engine.ready else None
