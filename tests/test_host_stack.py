@@ -280,7 +280,7 @@ def test_the_lean_path_answers_as_fastapi_does():
         ),
         ("/generate_stream", {"inputs": "Hello there", "parameters": {"max_new_tokens": 4}}),
         ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logprobs": 2}),
-        ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stream": True, "n": 2, "seed": 3}),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stream": True, "seed": 3}),
         ("/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 10**6}}),  # a ServiceError
         ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "model": "nope"}),  # another
         ("/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": "many"}}),  # not the model
