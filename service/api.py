@@ -24,13 +24,13 @@ from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from service import tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from service.delivery import ClientGone, JSONResponse, submit_all, wait_for_results
+from service.delivery import ClientGone, EventStreamResponse, JSONResponse, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory
 from service.engine_core import TokenizerHooks
 from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
@@ -247,7 +247,7 @@ def create_app(
         (sequence,) = submit_all(engine, [generation])
         stream = tgi_stream(engine, sequence, body, hooks, request.url.path)
         headers = SSE_HEADERS | ignored.headers(body, request.url.path)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return EventStreamResponse(stream, media_type="text/event-stream", headers=headers)
 
     @app.post("/generate", response_model=TGIResponse, summary="Generate text (TGI)")
     async def generate(request: Request, body: TGIRequest) -> Response:
@@ -290,7 +290,7 @@ def create_app(
         headers = ignored.headers(body, request.url.path)
         if body.stream:
             stream = openai_stream(engine, body, choices, sequences, model, request.url.path)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
+            return EventStreamResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
         try:
             finals = await wait_for_results(request, engine, sequences)
         except ClientGone:
@@ -321,7 +321,7 @@ def create_app(
         headers = ignored.headers(body, request.url.path)
         if body.stream:
             stream = chat_stream(engine, body, choices, sequences, settings.model_id, request.url.path)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
+            return EventStreamResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
         try:
             finals = await wait_for_results(request, engine, sequences)
         except ClientGone:

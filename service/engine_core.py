@@ -439,9 +439,10 @@ class EngineCore:
             self._end(state, finish=FinishReason.LENGTH)
         else:
             state.pending_token = token
-            index = len(state.tokens)
-            prefill = tuple(state.prefill) if index == 1 else ()
-            self._emit(state, TokenEvent(index, state.tokens[-1], prefill))
+            if state.stream or state.loop is None:  # a non-streamed request hears only its end (`_emit`)
+                index = len(state.tokens)
+                prefill = tuple(state.prefill) if index == 1 else ()
+                self._emit(state, TokenEvent(index, state.tokens[-1], prefill))
 
     def _end(
         self, state: RequestState, finish: FinishReason | None = None, error: ServiceError | None = None
