@@ -345,3 +345,26 @@ def test_compact_json_is_json_dumps():
         {"x": -0.0},
     ]:
         assert compact_json(data) == json.dumps(data, separators=(",", ":"))
+
+
+def test_hand_formatted_frames_are_the_encoded_dicts():
+    """The token frames formatted directly (tgi_token_frame, plain_chunk_frame) are byte for byte the
+    dicts' SSE frames, whatever the text, logprob and flags."""
+    from service.delivery import sse
+    from service.openai_completions import chunk_head, plain_chunk, plain_chunk_frame
+    from service.tgi import tgi_token_frame
+
+    texts = ["", " hello", 'é\u2028"\\\n\t\x00', "\ud800", "<|endoftext|>"]
+    for text in texts:
+        for logprob in [-1.2345678, 0.0, -0.0, -1e-300, -5e-324, 1e22, float("nan"), float("-inf")]:
+            for special in (True, False):
+                for top in ((), (Alternative(5, -2.0),)):
+                    event = TokenEvent(3, GeneratedToken(42, text, text, logprob, special, top))
+                    assert tgi_token_frame(event, {50256: "x"}) == sse(tgi_token_event(event, {50256: "x"}))
+    for completion_id, created, model in [("cmpl-abc", 1795766152, "gpt2"), ("cmpl-é", 0, 'we"ird\u2028')]:
+        head = chunk_head(completion_id, created, model)
+        for text in texts:
+            for finish in [None, "length", "stop"]:
+                for index in (0, 3):
+                    expected = sse(plain_chunk(completion_id, created, model, index, text, finish, None))
+                    assert plain_chunk_frame(head, index, text, finish) == expected
