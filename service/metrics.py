@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -66,6 +67,7 @@ class ServiceMetrics:
         self.registry = CollectorRegistry()  # one per app (tests build many apps in one process)
         self._bare_counters: set[str] = set()  # counters named without `_total` (TGI's)
         self._labels = {"model_name": model_name}
+        self._child_cache: dict[tuple, Any] = {}  # `_child`'s
         model = ("model_name",)
         counter, gauge, histogram = self._counter, self._gauge, self._histogram
 
@@ -213,15 +215,22 @@ class ServiceMetrics:
         if later:
             observe_all(children[4], later)
 
+    def _child(self, metric, *values: str):
+        """`metric.labels(model_name, *values)`, looked up once per label values (per request, issue 18)."""
+        key = (metric, values)
+        child = self._child_cache.get(key)
+        if child is None:
+            child = self._child_cache[key] = metric.labels(self.model_name, *values)
+        return child
+
     def record_arrival(self, input_length: int) -> None:
         self.tgi_request_count.inc()
         self.tgi_request_input_length.observe(input_length)
-        self.vllm_prompt_tokens_total.labels(**self._labels).inc(input_length)
+        self._child(self.vllm_prompt_tokens_total).inc(input_length)
 
     def record_success(
         self, finish_reason: str, queue_s: float, inference_s: float, generated_tokens: int
     ) -> None:
-        m = self._labels
         total = queue_s + inference_s
         self.tgi_request_success.inc()
         self.tgi_request_duration.observe(total)
@@ -230,10 +239,8 @@ class ServiceMetrics:
         self.tgi_request_generated_tokens.observe(generated_tokens)
         if generated_tokens:
             self.tgi_request_mean_time_per_token_duration.observe(inference_s / generated_tokens)
-        self.vllm_e2e_request_latency_seconds.labels(**m).observe(total)
-        self.vllm_request_success_total.labels(
-            model_name=m["model_name"], finished_reason=finish_reason
-        ).inc()
+        self._child(self.vllm_e2e_request_latency_seconds).observe(total)
+        self._child(self.vllm_request_success_total, finish_reason).inc()
 
     def record_failure(self, reason: str) -> None:
         self.tgi_request_failure.labels(err=reason).inc()
