@@ -50,7 +50,7 @@ class ServerSettings:
     max_connections: int = 1024  # beyond it a new connection gets 503 and is closed
     # uvicorn's event loop: "asyncio" or "uvloop". asyncio's socket writes let go of the GIL, which the
     # engine's worker then gets; uvloop's hold it through the system call, which was 40% of the server's
-    # GIL time with 16 streams (issue 18: streams 1.3-1.6x faster on asyncio, the rest the same).
+    # GIL time with 16 streams (issue 18: streams 1.2-1.4x faster on asyncio, the rest the same).
     event_loop: str = "asyncio"
 
     # Chat: the Jinja source of `--chat-template` (None: the plain transcript of service.chat_template).
