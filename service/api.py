@@ -24,16 +24,17 @@ from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from service import tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from service.delivery import ClientGone, JSONResponse, submit_all, wait_for_results
+from service.delivery import ClientGone, EventStreamResponse, JSONResponse, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory
 from service.engine_core import TokenizerHooks
 from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
+from service.hot_routes import HotRoute, HotRoutesMiddleware
 from service.logs import RequestIdMiddleware, log_reference
 from service.metrics import ServiceMetrics
 from service.middleware import OPENAI_PREFIX, GuardMiddleware, error_body, error_status
@@ -162,6 +163,10 @@ def create_app(
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
+    # Innermost of ours: the generation routes' lean path (the routes are declared below, for FastAPI's
+    # own path and the OpenAPI schema; `hot` is filled in once their handlers exist).
+    hot: dict[str, HotRoute] = {}
+    app.add_middleware(HotRoutesMiddleware, routes=hot, on_error=lambda r, e: service_error(r, e))
     app.add_middleware(RequestIdMiddleware)  # outermost of ours: the guards' refusals carry the id too
     app.add_middleware(
         GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key, metrics=metrics
@@ -242,7 +247,7 @@ def create_app(
         (sequence,) = submit_all(engine, [generation])
         stream = tgi_stream(engine, sequence, body, hooks, request.url.path)
         headers = SSE_HEADERS | ignored.headers(body, request.url.path)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return EventStreamResponse(stream, media_type="text/event-stream", headers=headers)
 
     @app.post("/generate", response_model=TGIResponse, summary="Generate text (TGI)")
     async def generate(request: Request, body: TGIRequest) -> Response:
@@ -285,7 +290,7 @@ def create_app(
         headers = ignored.headers(body, request.url.path)
         if body.stream:
             stream = openai_stream(engine, body, choices, sequences, model, request.url.path)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
+            return EventStreamResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
         try:
             finals = await wait_for_results(request, engine, sequences)
         except ClientGone:
@@ -316,13 +321,17 @@ def create_app(
         headers = ignored.headers(body, request.url.path)
         if body.stream:
             stream = chat_stream(engine, body, choices, sequences, settings.model_id, request.url.path)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
+            return EventStreamResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
         try:
             finals = await wait_for_results(request, engine, sequences)
         except ClientGone:
             return Response(status_code=499)
         response = chat_response(body, choices, finals, settings.model_id)
         return JSONResponse(response.model_dump(), headers=headers)
+
+    hot["/generate"] = HotRoute(TGIRequest, generate_response)
+    hot["/generate_stream"] = HotRoute(TGIRequest, generate_stream_response)
+    hot["/v1/completions"] = HotRoute(CompletionRequest, completions_response)
 
     def model_card() -> ModelCard:
         context = engine.executor.context_length if engine.ready else None

@@ -54,7 +54,7 @@ class IncrementalDetokenizer:
         piece = self._utf8.decode(self._token_bytes(token))
         previous_length = len(self._text)
         self._text += piece
-        if not check_stops:
+        if not check_stops or not self._stops:  # nothing can stop here, nothing is held back
             return TokenText(text=piece, released=self._release(len(self._text)), stop_sequence=None)
 
         # Never match inside text already sent (it was sent because it could not begin a stop then).

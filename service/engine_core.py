@@ -110,6 +110,9 @@ class EngineCore:
         self._executor_busy = False  # a step is running: slots freed now reach the executor after it
         self._free_later: list[int] = []
         self._tokens_uncounted = 0  # generated tokens not yet added to the metrics' counter (`_flush`)
+        # Token latencies (first token, later ones) not yet in the histograms: observed at `_flush`, in bulk.
+        self._latencies: tuple[list[float], list[float]] = ([], [])
+        self._gauged: tuple | None = None  # what the gauges were last set from (`record_gauges`)
         self.executor: Executor | None = executor
         self.scheduler: Scheduler = self._new_scheduler(executor)
         self.record_gauges()
@@ -264,10 +267,15 @@ class EngineCore:
         self._flush()
 
     def record_gauges(self) -> None:
+        """Set the queue and KV gauges, when they changed: this runs several times a step, and setting
+        eight gauges (a lock each) cost more than the step's bookkeeping for a few tokens (issue 18)."""
         scheduler = self.scheduler
-        self.metrics.record_scheduler_state(
-            len(scheduler.waiting), len(scheduler.running), scheduler.slots.usage()
-        )
+        slots = scheduler.slots
+        state = (len(scheduler.waiting), len(scheduler.running), slots, *slots.counts())
+        if state == self._gauged:
+            return
+        self._gauged = state
+        self.metrics.record_scheduler_state(state[0], state[1], slots.usage())
 
     # ----- inside a step boundary ------------------------------------------------------------------
 
@@ -402,7 +410,7 @@ class EngineCore:
         request = state.request
         early = len(state.tokens) < request.min_tokens  # min_tokens: no end yet
         first = not state.tokens
-        self.metrics.record_token(now - (state.last_token_at or state.arrived_at), first, count=False)
+        self._latencies[0 if first else 1].append(now - (state.last_token_at or state.arrived_at))
         self._tokens_uncounted += 1
         state.last_token_at = now
 
@@ -431,9 +439,10 @@ class EngineCore:
             self._end(state, finish=FinishReason.LENGTH)
         else:
             state.pending_token = token
-            index = len(state.tokens)
-            prefill = tuple(state.prefill) if index == 1 else ()
-            self._emit(state, TokenEvent(index, state.tokens[-1], prefill))
+            if state.stream or state.loop is None:  # a non-streamed request hears only its end (`_emit`)
+                index = len(state.tokens)
+                prefill = tuple(state.prefill) if index == 1 else ()
+                self._emit(state, TokenEvent(index, state.tokens[-1], prefill))
 
     def _end(
         self, state: RequestState, finish: FinishReason | None = None, error: ServiceError | None = None
@@ -496,6 +505,9 @@ class EngineCore:
         if self._tokens_uncounted:
             self.metrics.record_tokens(self._tokens_uncounted)
             self._tokens_uncounted = 0
+            first, later = self._latencies
+            self._latencies = ([], [])
+            self.metrics.record_token_latencies(first, later)
         if not self._pending:
             return
         pending, self._pending = self._pending, {}

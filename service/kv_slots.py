@@ -43,6 +43,7 @@ class KVSlotManager:
         self._lock = threading.Lock()
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._holders: dict[int, tuple[str, int]] = {}  # slot -> (request id, tokens reserved)
+        self._reserved = 0  # the sum of the holders' reservations, kept as they change
 
     def fits(self, tokens_needed: int) -> bool:
         return 0 < tokens_needed <= self.context_length
@@ -58,13 +59,14 @@ class KVSlotManager:
                 return None
             slot = self._free.pop()
             self._holders[slot] = (request_id, tokens_needed)
+            self._reserved += tokens_needed
             return slot
 
     def free(self, slot: int) -> None:
         with self._lock:
             if slot not in self._holders:
                 raise SlotError(f"slot {slot} is not held")
-            del self._holders[slot]
+            self._reserved -= self._holders.pop(slot)[1]
             self._free.append(slot)
 
     def free_all(self) -> list[int]:
@@ -72,6 +74,7 @@ class KVSlotManager:
         with self._lock:
             held = sorted(self._holders)
             self._holders.clear()
+            self._reserved = 0
             self._free = list(range(self.num_slots - 1, -1, -1))
             return held
 
@@ -80,11 +83,16 @@ class KVSlotManager:
             entry = self._holders.get(slot)
             return entry[0] if entry else None
 
+    def counts(self) -> tuple[int, int]:
+        """(slots held, tokens reserved): what `usage` reports that changes, cheaply (the engine compares
+        it at every step to skip unchanged gauges)."""
+        return len(self._holders), self._reserved
+
     def usage(self) -> KVUsage:
         with self._lock:
             return KVUsage(
                 slots_used=len(self._holders),
                 slots_total=self.num_slots,
-                tokens_reserved=sum(tokens for _, tokens in self._holders.values()),
+                tokens_reserved=self._reserved,
                 tokens_capacity=self.num_slots * self.context_length,
             )

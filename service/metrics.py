@@ -9,6 +9,9 @@ writer always adds to a counter, and labels keep their declared order (vLLM's) i
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
+from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -64,6 +67,7 @@ class ServiceMetrics:
         self.registry = CollectorRegistry()  # one per app (tests build many apps in one process)
         self._bare_counters: set[str] = set()  # counters named without `_total` (TGI's)
         self._labels = {"model_name": model_name}
+        self._child_cache: dict[tuple, Any] = {}  # `_child`'s
         model = ("model_name",)
         counter, gauge, histogram = self._counter, self._gauge, self._histogram
 
@@ -202,15 +206,31 @@ class ServiceMetrics:
         if n:
             self._labelled()[5].inc(n)
 
+    def record_token_latencies(self, first: Sequence[float], later: Sequence[float]) -> None:
+        """A step's token latencies at once (`record_token`'s histograms): one locked update per bucket
+        that received any, instead of two per token (issue 18)."""
+        children = self._labelled()
+        if first:
+            observe_all(children[3], first)
+        if later:
+            observe_all(children[4], later)
+
+    def _child(self, metric, *values: str):
+        """`metric.labels(model_name, *values)`, looked up once per label values (per request, issue 18)."""
+        key = (metric, values)
+        child = self._child_cache.get(key)
+        if child is None:
+            child = self._child_cache[key] = metric.labels(self.model_name, *values)
+        return child
+
     def record_arrival(self, input_length: int) -> None:
         self.tgi_request_count.inc()
         self.tgi_request_input_length.observe(input_length)
-        self.vllm_prompt_tokens_total.labels(**self._labels).inc(input_length)
+        self._child(self.vllm_prompt_tokens_total).inc(input_length)
 
     def record_success(
         self, finish_reason: str, queue_s: float, inference_s: float, generated_tokens: int
     ) -> None:
-        m = self._labels
         total = queue_s + inference_s
         self.tgi_request_success.inc()
         self.tgi_request_duration.observe(total)
@@ -219,10 +239,8 @@ class ServiceMetrics:
         self.tgi_request_generated_tokens.observe(generated_tokens)
         if generated_tokens:
             self.tgi_request_mean_time_per_token_duration.observe(inference_s / generated_tokens)
-        self.vllm_e2e_request_latency_seconds.labels(**m).observe(total)
-        self.vllm_request_success_total.labels(
-            model_name=m["model_name"], finished_reason=finish_reason
-        ).inc()
+        self._child(self.vllm_e2e_request_latency_seconds).observe(total)
+        self._child(self.vllm_request_success_total, finish_reason).inc()
 
     def record_failure(self, reason: str) -> None:
         self.tgi_request_failure.labels(err=reason).inc()
@@ -243,3 +261,23 @@ class ServiceMetrics:
                 sample_name = name if family.type == "counter" else sample.name
                 lines.append(f"{sample_name}{_format_labels(sample.labels)} {_format_value(sample.value)}")
         return "\n".join(lines) + "\n"
+
+
+def observe_all(histogram: Histogram, values: Sequence[float]) -> None:
+    """`histogram.observe(v)` for every v, as one update per bucket that receives any: prometheus-client
+    has no bulk observe, so this counts into its bucket values itself (`_upper_bounds`, `_buckets`,
+    `_sum`: a child's, as `observe` updates them). A histogram without them, or a NaN, goes one by one."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or any(v != v for v in values):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts: dict[int, int] = {}
+    for value in values:
+        index = bisect_left(bounds, value)  # the first bound >= value: `observe`'s bucket
+        counts[index] = counts.get(index, 0) + 1
+    total.inc(sum(values))
+    for index, count in counts.items():
+        buckets[index].inc(count)

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Literal
 
 from service.delivery import openai_sse, sse, token_string
@@ -312,6 +313,24 @@ def plain_chunk(
     }
 
 
+def chunk_head(completion_id: str, created: int, model: str) -> str:
+    """What every plain chunk of a stream begins with (`plain_chunk_frame`)."""
+    return (
+        f'data: {{"id":{encode_basestring_ascii(completion_id)},"object":"text_completion",'
+        f'"created":{int(created)},"model":{encode_basestring_ascii(model)},"choices":[{{"index":'
+    )
+
+
+def plain_chunk_frame(head: str, index: int, text: str, finish: str | None) -> bytes:
+    """`sse(plain_chunk(..., index, text, finish, None))` given the stream's `chunk_head`, formatted
+    directly: the same bytes without building and encoding the dict (issue 18)."""
+    shown = "null" if finish is None else encode_basestring_ascii(finish)
+    return (
+        f'{head}{int(index)},"text":{encode_basestring_ascii(text)},"logprobs":null,"finish_reason":{shown},'
+        '"stop_reason":null,"prompt_logprobs":null}],"usage":null,"system_fingerprint":null}\n\n'
+    ).encode()
+
+
 async def openai_stream(
     engine: Engine,
     body: CompletionRequest,
@@ -321,6 +340,7 @@ async def openai_stream(
     path: str,
 ) -> AsyncIterator[bytes]:
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = chunk_head(completion_id, created, model)
 
     def chunk(
         position: int, generated: int, text: str, logprobs=None, finish=None, stop_reason=None
@@ -329,6 +349,8 @@ async def openai_stream(
         if logprobs is None and usage is None:
             # A plain token chunk, as the model's dump below gives it, built directly: this runs for every
             # token of every stream (tests/test_service_units.py checks the two agree).
+            if stop_reason is None:
+                return plain_chunk_frame(head, choices[position].index, text, finish)
             return sse(
                 plain_chunk(completion_id, created, model, choices[position].index, text, finish, stop_reason)
             )

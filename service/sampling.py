@@ -21,6 +21,7 @@ survives top-k and top-p. `SamplingError` is left only for a step that offers no
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -206,27 +207,24 @@ def penalize(logits: np.ndarray, ids: np.ndarray, history: Sequence[int], penalt
 
 
 def greedy_batch(rows: Sequence[TokenScores], vocab_size: int | None) -> list[tuple[int, float] | None]:
-    """`Sampler.choose` for plain-greedy requests (no penalty, nothing banned), a whole step's rows in a
-    few array operations instead of a dozen per row: (token, its logprob) per row, the same as
-    `choose` gives, or None for a row it leaves to `choose` (a NaN or unknown id at the top, or no
-    finite candidate: the cases `distribution` filters or refuses)."""
-    if not rows:
-        return []
-    k = len(rows[0].topk_ids)
-    if any(len(row.topk_ids) != k or len(row.topk_logits) != k for row in rows) or k == 0:
-        return [None] * len(rows)
-    logits = np.stack([row.topk_logits for row in rows])
-    ids = np.stack([row.topk_ids for row in rows])
-    index = np.arange(len(rows))
-    best = logits.argmax(axis=1)  # the first of equal maxima (the stable sort's pick); a NaN wins here
-    top, token = logits[index, best], ids[index, best]
-    ok = ~np.isnan(top) & (top != -np.inf)
-    if vocab_size is not None:
-        ok &= token < vocab_size
-    # `choose` reports the logit of the chosen id's first occurrence among the candidates.
-    first = (ids == token[:, None]).argmax(axis=1)
-    raw = logits[index, first].tolist()
+    """`Sampler.choose` for plain-greedy requests (no penalty, nothing banned), a whole step's rows at
+    once: (token, its logprob) per row, the same as `choose` gives, or None for a row it leaves to
+    `choose` (a NaN or unknown id at the top, or no finite candidate: the cases `distribution` filters
+    or refuses). One `argmax` per row: stacking the rows into one array cost more than it saved at any
+    batch up to 64 rows (65 us fixed, issue 18), against about 2 us per row here."""
     chosen: list[tuple[int, float] | None] = []
-    for row, good, tok, logit in zip(rows, ok.tolist(), token.tolist(), raw, strict=True):
-        chosen.append((int(tok), row.logprob(logit)) if good else None)
+    for row in rows:
+        logits, ids = row.topk_logits, row.topk_ids
+        if not len(logits) or len(ids) != len(logits):
+            chosen.append(None)
+            continue
+        best = int(logits.argmax())  # the first of equal maxima (the stable sort's pick); a NaN wins here
+        top, token = float(logits[best]), int(ids[best])
+        if math.isnan(top) or top == -math.inf or (vocab_size is not None and token >= vocab_size):
+            chosen.append(None)
+            continue
+        if best and token in ids[:best]:
+            # `choose` reports the logit of the chosen id's first occurrence among the candidates.
+            top = float(logits[int((ids[:best] == token).argmax())])
+        chosen.append((token, row.logprob(top)))
     return chosen

@@ -53,7 +53,9 @@ class _Body(BaseModel):
 def ignored_fields(body: BaseModel, prefix: str = "") -> list[str]:
     """The unknown fields of a body and of the bodies inside it, as dotted paths."""
     names = [prefix + name for name in body.model_extra or {}] if isinstance(body, _Body) else []
-    for name, value in body:
+    # The declared fields (`__dict__`; iterating the model builds a list of every field and extra, and
+    # extras are plain JSON values, never bodies): this runs for every request (issue 18).
+    for name, value in body.__dict__.items():
         if isinstance(value, _Body):
             names += ignored_fields(value, f"{prefix}{name}.")
     return names

@@ -40,6 +40,7 @@ class ServiceServer(uvicorn.Server):
             host=settings.host,
             port=settings.port,
             log_level=log_level,
+            loop=settings.event_loop,
             access_log=access_log,
             timeout_graceful_shutdown=5,  # by then the engine has ended every request
             # uvicorn annotates int but only hands it to loop.call_later: fractional seconds work.

@@ -4,7 +4,9 @@ response, stream events and details.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
+from json.encoder import encode_basestring_ascii
 
 from service.delivery import event_batches, sse, token_string
 from service.engine import Engine
@@ -120,6 +122,21 @@ def tgi_token_event(event: TokenEvent, special_ids: dict[int, str]) -> dict:
     }
 
 
+def tgi_token_frame(event: TokenEvent, special_ids: dict[int, str]) -> bytes:
+    """`sse(tgi_token_event(event, special_ids))`, formatted directly for the usual token (no top tokens,
+    a finite logprob): the same bytes without building and encoding the dict (issue 18)."""
+    token = event.token
+    logprob = token.logprob
+    if token.top or type(logprob) is not float or not math.isfinite(logprob):
+        return sse(tgi_token_event(event, special_ids))
+    return (
+        f'data: {{"index":{int(event.index)},"token":{{"id":{int(token.id)},'
+        f'"text":{encode_basestring_ascii(token.released)},"logprob":{float.__repr__(logprob)},'
+        f'"special":{"true" if token.special else "false"}}},"top_tokens":[],"generated_text":null,'
+        '"details":null}\n\n'
+    ).encode()
+
+
 async def tgi_stream(
     engine: Engine, sequence: RequestState, body: TGIRequest, hooks: TokenizerHooks, path: str
 ) -> AsyncIterator[bytes]:
@@ -139,7 +156,7 @@ def _tgi_frames(batch: list, body: TGIRequest, hooks: TokenizerHooks, path: str)
     frames = []
     for event in batch:
         if isinstance(event, TokenEvent):
-            frames.append(sse(tgi_token_event(event, hooks.special_names)))
+            frames.append(tgi_token_frame(event, hooks.special_names))
         elif isinstance(event, FinishEvent):
             last = event.tokens[-1]
             details = None

@@ -250,3 +250,121 @@ def test_the_report_keeps_the_host_section_when_it_is_regenerated():
     assert kept.index("new figures") < kept.index("## Host") < kept.index("## Reproduce\n\nnew")
     assert "old figures" not in kept and kept.count("## Host") == 1
     assert keep_sections("# nothing kept\n", new) == new
+
+
+# ----- the lean path of the generation routes, and its helpers -------------------------------------
+
+
+def _without_ids(data):
+    """OpenAI's `id` and `created` differ between any two responses."""
+    if isinstance(data, dict):
+        return {k: _without_ids(v) for k, v in data.items() if k not in ("id", "created")}
+    if isinstance(data, list):
+        return [_without_ids(v) for v in data]
+    return data
+
+
+def test_the_lean_path_answers_as_fastapi_does():
+    """The generation routes with `application/json` take the lean path (service/hot_routes.py); with a
+    content type FastAPI parses the same but the lean path leaves to it, FastAPI's path. Both give the
+    same status, headers and body, for answers, stream events and errors alike."""
+    from service.settings import ServerSettings
+    from tests.service_harness import running_server
+
+    settings = ServerSettings(backend="null", model_id="gpt2", max_concurrent_requests=2, max_queue=4)
+    cases = [
+        ("/generate", {"inputs": "Hello there", "parameters": {"max_new_tokens": 5, "details": True}}),
+        (
+            "/generate",
+            {"inputs": "Hello", "parameters": {"max_new_tokens": 5, "decoder_input_details": True}},
+        ),
+        ("/generate_stream", {"inputs": "Hello there", "parameters": {"max_new_tokens": 4}}),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logprobs": 2}),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stream": True, "seed": 3}),
+        ("/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 10**6}}),  # a ServiceError
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "model": "nope"}),  # another
+        ("/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": "many"}}),  # not the model
+        (
+            "/v1/completions",
+            {"prompt": "Hello", "unknown_field": 1, "max_tokens": 2, "seed": 5},
+        ),  # ignored, said so
+    ]
+    with running_server(settings, lambda: NullExecutor(50257, slots=2, context=64)) as running:
+        with running.client() as client:
+            for path, body in cases:
+                answers = []
+                for content_type in ("application/json", "application/json;charset=utf-8"):
+                    response = client.post(
+                        path, content=json.dumps(body), headers={"content-type": content_type}
+                    )
+                    headers = {k: v for k, v in response.headers.items() if k not in ("x-request-id", "date")}
+                    text: object = response.text
+                    if path == "/v1/completions" and body.get("stream"):
+                        text = [
+                            _without_ids(json.loads(f[6:])) if f.startswith("data: {") else f
+                            for f in response.text.split("\n")
+                            if f
+                        ]
+                    elif path == "/v1/completions" and response.status_code == 200:
+                        text = _without_ids(response.json())
+                    answers.append((response.status_code, headers, text))
+                assert answers[0] == answers[1], (path, body)
+        # A body that is not JSON goes to FastAPI, which reports it as before.
+        with running.client() as client:
+            response = client.post(
+                "/generate", content=b"{not json", headers={"content-type": "application/json"}
+            )
+            assert response.status_code == 422 and "error" in response.json()
+
+
+def test_observe_all_is_observe_one_by_one():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from service.metrics import DURATION_BUCKETS, observe_all
+
+    values = [0.0005, 0.001, 0.0011, 0.3, 7.0, 500.0, 0.001]
+    one, bulk = (Histogram(n, "h", buckets=DURATION_BUCKETS, registry=CollectorRegistry()) for n in "ab")
+    for value in values:
+        one.observe(value)
+    observe_all(bulk, values)
+    samples = [
+        [(s.name[1:], s.labels, s.value) for s in h.collect()[0].samples if "created" not in s.name]
+        for h in (one, bulk)
+    ]
+    assert samples[0][:-1] == samples[1][:-1]  # every bucket and the count
+    assert samples[0][-1][2] == pytest.approx(samples[1][-1][2])  # the sum, up to the order of additions
+
+
+def test_compact_json_is_json_dumps():
+    from service.delivery import compact_json
+
+    for data in [
+        {"a": [1, 2.5, None, True, "é\u2028\ud800"], "b": {"c": float("nan")}},
+        [],
+        "text",
+        {"x": -0.0},
+    ]:
+        assert compact_json(data) == json.dumps(data, separators=(",", ":"))
+
+
+def test_hand_formatted_frames_are_the_encoded_dicts():
+    """The token frames formatted directly (tgi_token_frame, plain_chunk_frame) are byte for byte the
+    dicts' SSE frames, whatever the text, logprob and flags."""
+    from service.delivery import sse
+    from service.openai_completions import chunk_head, plain_chunk, plain_chunk_frame
+    from service.tgi import tgi_token_frame
+
+    texts = ["", " hello", 'é\u2028"\\\n\t\x00', "\ud800", "<|endoftext|>"]
+    for text in texts:
+        for logprob in [-1.2345678, 0.0, -0.0, -1e-300, -5e-324, 1e22, float("nan"), float("-inf")]:
+            for special in (True, False):
+                for top in ((), (Alternative(5, -2.0),)):
+                    event = TokenEvent(3, GeneratedToken(42, text, text, logprob, special, top))
+                    assert tgi_token_frame(event, {50256: "x"}) == sse(tgi_token_event(event, {50256: "x"}))
+    for completion_id, created, model in [("cmpl-abc", 1795766152, "gpt2"), ("cmpl-é", 0, 'we"ird\u2028')]:
+        head = chunk_head(completion_id, created, model)
+        for text in texts:
+            for finish in [None, "length", "stop"]:
+                for index in (0, 3):
+                    expected = sse(plain_chunk(completion_id, created, model, index, text, finish, None))
+                    assert plain_chunk_frame(head, index, text, finish) == expected

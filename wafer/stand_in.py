@@ -110,17 +110,27 @@ class NullExecutor:
         }
 
 
-def modeled_step_seconds(plan: Plan, slots_of_items: Sequence[int], clock_hz: float = CLOCK_HZ) -> float:
+def modeled_step_seconds(
+    plan: Plan,
+    slots_of_items: Sequence[int],
+    clock_hz: float = CLOCK_HZ,
+    cycles: tuple[float, float] | None = None,
+) -> float:
     """The modeled time of one step: each replica streams its items through its pipeline, the first
     after the critical path (decode_cycles), each further one a slowest-stage time (bottleneck_cycles)
-    later; replicas run side by side, so the step lasts as long as the busiest one."""
+    later; replicas run side by side, so the step lasts as long as the busiest one. `cycles`: the plan's
+    (decode_cycles, bottleneck_cycles) when the caller has them (the plan sums its stages each time)."""
     if not slots_of_items:
         return 0.0
-    per_replica = [0] * plan.replicas
-    for slot in slots_of_items:
-        per_replica[slot // plan.slots] += 1
-    busiest = max(per_replica)
-    return (plan.decode_cycles + (busiest - 1) * plan.bottleneck_cycles) / clock_hz
+    decode, bottleneck = (plan.decode_cycles, plan.bottleneck_cycles) if cycles is None else cycles
+    if plan.replicas == 1:
+        busiest = len(slots_of_items)
+    else:
+        per_replica = [0] * plan.replicas
+        for slot in slots_of_items:
+            per_replica[slot // plan.slots] += 1
+        busiest = max(per_replica)
+    return (decode + (busiest - 1) * bottleneck) / clock_hz
 
 
 def timer_lateness(seconds: float, times: int = 50) -> float:
@@ -152,13 +162,15 @@ class ModeledWaferExecutor(NullExecutor):
         self.clock_hz = clock_hz
         self.modeled_busy_s = 0.0  # the sum of every step's modeled time
         self.overshoot_s = 0.0  # how much later than modeled the steps returned, in all
+        # Summed from the plan's stages once: the stand-in's own bookkeeping is no host cost to measure.
+        self._cycles = (plan.decode_cycles, plan.bottleneck_cycles)
         full_step = modeled_step_seconds(plan, list(range(min(plan.slots, self.num_slots))), clock_hz)
         self.timer_late_s = timer_lateness(full_step) if timer_late_s is None else timer_late_s
 
     def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
         start = time.perf_counter()
         out = self.answer(items)
-        seconds = modeled_step_seconds(self.plan, [item.slot for item in items], self.clock_hz)
+        seconds = modeled_step_seconds(self.plan, [item.slot for item in items], self.clock_hz, self._cycles)
         self.modeled_busy_s += seconds
         end = start + seconds
         remaining = end - time.perf_counter() - self.timer_late_s

@@ -69,6 +69,7 @@ def longest_token_chars() -> int:
     return max(len(encoding.decode([token])) for token in range(encoding.n_vocab))
 
 
+@cache
 def token_bytes(token: int) -> bytes:
-    """The bytes of one token id."""
+    """The bytes of one token id (remembered: the engine asks for every generated token, issue 18)."""
     return get_encoding().decode_single_token_bytes(token)

@@ -168,6 +168,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"open connections; a new one beyond gets 503 and is closed ({defaults.max_connections})",
     )
     parser.add_argument(
+        "--event-loop",
+        choices=("asyncio", "uvloop"),
+        default=defaults.event_loop,
+        help=f"uvicorn's event loop ({defaults.event_loop}: its socket writes let the engine's thread run)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
         help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; unset: no authentication)",
@@ -238,6 +244,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         model_id=model_id,
         dtype=args.dtype,
         max_concurrent_requests=args.max_concurrent,
+        event_loop=args.event_loop,
         max_queue=args.max_queue,
         context_length=args.context,
         top_k=args.top_k,
