@@ -167,10 +167,11 @@ def create_app(
     # own path and the OpenAPI schema; `hot` is filled in once their handlers exist).
     hot: dict[str, HotRoute] = {}
     app.add_middleware(HotRoutesMiddleware, routes=hot, on_error=lambda r, e: service_error(r, e))
-    app.add_middleware(RequestIdMiddleware)  # outermost of ours: the guards' refusals carry the id too
     app.add_middleware(
         GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key, metrics=metrics
     )
+    # Outermost of ours (the last added runs first): the guards' refusals carry the id too.
+    app.add_middleware(RequestIdMiddleware)
 
     def limits() -> Limits:
         return Limits.of(settings, engine.executor)

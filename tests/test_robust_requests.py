@@ -323,5 +323,7 @@ def test_a_key_outside_latin1_works_and_refusals_are_counted(small_params):
             "/generate", json={"inputs": "x" * 2000}, headers={"Authorization": f"Bearer {key}".encode()}
         )
         assert too_big.status_code == 413
+        for refused in (wrong, too_big):  # the guards' refusals carry the request id like any answer
+            assert refused.headers.get("x-request-id"), refused.headers
         assert failures(client, "authentication") == auth_before + 1
         assert failures(client, "validation") == size_before + 1
