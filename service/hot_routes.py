@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.errors import ServiceError
+from service.middleware import replay_body
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 Handler = Callable[[Request, Any], Awaitable[Response]]  # called with the route's model
@@ -64,7 +65,7 @@ class HotRoutesMiddleware:
         body = b"".join(chunks)
         parsed = None if disconnected or content_type not in JSON_TYPES else _parse(route.model, body)
         if parsed is None:
-            await self.app(scope, _replay(body, receive, disconnected), send)
+            await self.app(scope, replay_body(body, receive, disconnected), send)
             return
         request = Request(scope, receive)
         try:
@@ -80,17 +81,3 @@ def _parse(model: type[BaseModel], body: bytes) -> BaseModel | None:
         return model.model_validate(json.loads(body))
     except Exception:  # not JSON, or not the model: FastAPI's own path reports it
         return None
-
-
-def _replay(body: bytes, receive: Callable, disconnected: bool) -> Callable:
-    """`receive` for the app behind: the body read here once, then the server's own messages."""
-    sent = disconnected  # a disconnect was read: the server reports it again to whoever asks
-
-    async def replay() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

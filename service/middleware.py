@@ -77,6 +77,22 @@ async def send_error(
     await send({"type": "http.response.body", "body": body})
 
 
+def replay_body(body: bytes, receive: Callable, disconnected: bool = False) -> Callable:
+    """`receive` for the app behind a middleware that read the request's body: that body once (unless the
+    client was found gone: the server reports the disconnect again to whoever asks), then the server's
+    own messages."""
+    sent = disconnected
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 class GuardMiddleware:
     def __init__(
         self, app: ASGIApp, max_body_bytes: int, api_key: str | None, metrics: ServiceMetrics | None = None
@@ -123,17 +139,7 @@ class GuardMiddleware:
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
-            body = b"".join(chunks)
-            replayed = False
-
-            async def replay() -> dict:
-                nonlocal replayed
-                if not replayed:
-                    replayed = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()
-
-            await self.app(scope, replay, send)
+            await self.app(scope, replay_body(b"".join(chunks), receive), send)
             return
         await self.app(scope, receive, send)
 
