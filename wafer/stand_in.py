@@ -123,13 +123,10 @@ def modeled_step_seconds(
     if not slots_of_items:
         return 0.0
     decode, bottleneck = (plan.decode_cycles, plan.bottleneck_cycles) if cycles is None else cycles
-    if plan.replicas == 1:
-        busiest = len(slots_of_items)
-    else:
-        per_replica = [0] * plan.replicas
-        for slot in slots_of_items:
-            per_replica[slot // plan.slots] += 1
-        busiest = max(per_replica)
+    per_replica = [0] * plan.replicas
+    for slot in slots_of_items:
+        per_replica[slot // plan.slots] += 1
+    busiest = max(per_replica)
     return (decode + (busiest - 1) * bottleneck) / clock_hz
 
 
