@@ -98,7 +98,7 @@ def test_attention_cost_by_hand() -> None:
         2 * 20,
         S + 2 * (M + 2),
     )
-    merge_step = H + R + T + 20  # a task, one exp per head
+    merge_step = H + R + 20 + S  # a link: one exp per head, the start of the merged (m, l)'s send
     assert c.phases["LSE chain merge"] == 3 * merge_step + (8 + 2)
     assert (c.phases["normalise"], c.phases["to the O rows"]) == (10 + 8, 3 * H + R + 8)
     assert c.cycles == sum(c.phases.values())
@@ -110,7 +110,7 @@ def test_attention_cost_by_hand() -> None:
     # two_sided over the 4 PEs: 0 -> 1 -> 2 <- 3; the meeting PE takes 3's partials (one link) and its
     # record first, then 1's (two links away; here its step waits for 3's record: link + record + step
     # > 2 * link), then 1's record
-    link, step = merge_step, T + 20
+    link, step = merge_step, 20 + S
     sided = cost.attention_cost(AttentionTiling(**{**vars(t), "reduction": "two_sided"}), "wse2", "fp16")
     assert sided.phases["LSE two_sided merge"] == max(2 * link, link + 10 + step) + 10
     # two_sided in runs of 2: each run a chain (nothing on the far side), the 2 runs' results likewise

@@ -302,11 +302,13 @@ def attention_cost(
        FMACs), exp per visible position, then the exp-weighted V as one @map over the visible
        positions (step j adds e_j * V[j, :], head_dim FMACs): both `map_fmac_cycles`.
     3. log-sum-exp merge of (max, sum, acc[hpp * head_dim]) along the whole chain (kernels/pe/
-       attention.csl merges every PE, an empty one as (-inf, 0, 0)): each step is a task (one exp
-       per head rescales both sides), then the incoming acc streams in and is folded with one FMAC
-       per word. two_level: the runs merge at the same time, then the runs' ends (`group` PEs
-       apart along the snake) merge theirs, a second pass of the record. two_sided: every chain of
-       the two levels meets in its middle (`merge_level_cycles`).
+       attention.csl merges every PE, an empty one as (-inf, 0, 0)) with synchronous DSD operations:
+       a step is the read of the predecessor's (m, l), started before they arrive, one exp per head
+       (the side with the greater max keeps a factor of 1) and the start of the merged (m, l)'s
+       send; then the incoming acc streams in and on, folded with one FMAC per word. two_level: the
+       runs merge at the same time, then the runs' ends (`group` PEs apart along the snake) merge
+       theirs, a second pass of the record. two_sided: every chain of the two levels meets in its
+       middle (`merge_level_cycles`).
     4. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV.
     """
     arch = resolve_arch(arch)
@@ -324,7 +326,7 @@ def attention_cost(
     cost.add("scores q.k", hpp * map_fmac_cycles(dim, tiling.positions_per_pe, macs) + TASK_ACTIVATION_CYCLES)
     cost.add("exp", local * hpp * EXP_CYCLES)
     cost.add("weighted V", hpp * map_fmac_cycles(local, dim, macs))
-    step = TASK_ACTIVATION_CYCLES + hpp * EXP_CYCLES
+    step = hpp * EXP_CYCLES + DSD_OP_START_CYCLES
     record = hpp * (dim + 2)
     kind, runs = tiling.reduction, tiling.runs()
     link = HOP_CYCLES + ROUTER_TO_PE_CYCLES + step

@@ -9,6 +9,7 @@ This is the check that the CSL does what the simulator does; it is not a Cerebra
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 from pathlib import Path
@@ -41,12 +42,19 @@ def compile_plan(plan: Plan, out_dir: str | Path | None = None) -> Path:
             digest.update(source.read_bytes())
     for source in sorted((KERNEL_DIR / "program").glob("*.py")):
         digest.update(source.read_bytes())
-    cached = out_dir is None
-    out_dir = Path(out_dir) if out_dir is not None else BUILD_DIR / digest.hexdigest()[:16]
-    job = prepare_sources(plan, out_dir, simfabric=True)
-    if not cached or not (job.bin_dir / "out.json").is_file():
+    if out_dir is not None:
+        job = prepare_sources(plan, out_dir, simfabric=True)
         compile_program(job, executor=True)
-    return job.bin_dir
+        return job.bin_dir
+    out_dir = BUILD_DIR / digest.hexdigest()[:16]
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Processes sharing the cache (test workers, servers) build a folder once, one at a time: a
+    # folder with its output is never written again, so its sources stay as they were compiled.
+    with open(out_dir.parent / f"{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out_dir / "bin" / "out.json").is_file():
+            compile_program(prepare_sources(plan, out_dir, simfabric=True), executor=True)
+    return out_dir / "bin"
 
 
 class CslExecutorRuntime(SdkContainerRuntime):
