@@ -173,8 +173,15 @@ def create_app(
     # Outermost of ours (the last added runs first): the guards' refusals carry the id too.
     app.add_middleware(RequestIdMiddleware)
 
+    # The limits change only with the executor (a reload brings a new one): built once per executor,
+    # not per request (issue 18).
+    limits_of: list[tuple[object, Limits]] = []
+
     def limits() -> Limits:
-        return Limits.of(settings, engine.executor)
+        executor = engine.executor
+        if not limits_of or limits_of[0][0] is not executor:
+            limits_of[:] = [(executor, Limits.of(settings, executor))]
+        return limits_of[0][1]
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, error: ServiceError) -> JSONResponse:

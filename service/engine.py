@@ -36,7 +36,7 @@ from service.errors import GenerationFailed, StepTimedOut, Unavailable
 from service.kv_slots import KVUsage
 from service.logs import log_reference
 from service.metrics import ServiceMetrics
-from service.request import GenerationRequest, RequestState
+from service.request import GenerationRequest, RequestState, RequestStatus
 from service.scheduler import StepBatch
 from wafer.executor import Executor, ExecutorError
 
@@ -265,6 +265,10 @@ class Engine:
 
     def cancel(self, state: RequestState) -> None:
         """The client went away: the request leaves at the next step boundary (its slot with it)."""
+        if state.status is RequestStatus.FINISHED:
+            # Every handler cancels its requests on the way out: one that ended (a terminal status,
+            # set under the lock) needs neither the lock nor a wake-up of the worker (issue 18).
+            return
         with self._cond:
             self._built_core().abort(state)
             self._cond.notify_all()
