@@ -18,12 +18,16 @@ each region's task IDs are picked clear of the colors that reach its PEs (WSE-2 
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from kernels.program.errors import ProgramError
 from kernels.program.frames import Frame, frame_of
-from kernels.program.routes import Flow, Pos, assign_colors, make_flow, ramp_colors
+from kernels.program.routes import Flow, Pos, assign_colors, make_flow
 from wafer.cost import MERGE_BLOCK, TOPK_BINS
 from wafer.tiling import ceil_div, meeting_index, reduction_runs
 from wafer.wire import D2H_COLOR, H2D_COLOR, record_words
@@ -130,15 +134,18 @@ class _Builder:
     def chain(self, name: str, members: list[Pos], prefix: str) -> None:
         """A chain along `members` in order (comm/chain.csl): role, rx and tx params per member."""
         links = [self.flow(f"{name}.{i}", members[i], [members[i + 1]]) for i in range(len(members) - 1)]
+        role_key, rx_key, tx_key = f"{prefix}_role", f"{prefix}_rx", f"{prefix}_tx"
         for i, pos in enumerate(members):
             if len(members) == 1:
                 role = ALONE
             else:
                 role = FIRST if i == 0 else LAST if i == len(members) - 1 else MIDDLE
-            p = self.params.setdefault(pos, {})
-            p[f"{prefix}_role"] = role
-            p[f"{prefix}_rx"] = links[i - 1] if i > 0 else None
-            p[f"{prefix}_tx"] = links[i] if i < len(links) else None
+            p = self.params.get(pos)
+            if p is None:
+                p = self.params[pos] = {}
+            p[role_key] = role
+            p[rx_key] = links[i - 1] if i > 0 else None
+            p[tx_key] = links[i] if i < len(links) else None
 
     def reduction(self, name: str, members: list[Pos], prefix: str, kind: str, group: int) -> Pos:
         """A reduction along `members` in the tiling's order (comm/reduce.csl): the runs chain
@@ -416,8 +423,27 @@ def _distance(a: Pos, b: Pos) -> int:
     return abs(a[0] - b[0]) + abs(a[1] - b[1])
 
 
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector off for a while: the generator makes millions of small objects
+    (params, routes) and no cycles, and the collections they set off would scan the lot again and
+    again (about a third of build_program's time for gpt2)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def build_program(plan: Plan) -> Program:
     """Lay out `plan` as a CSL program (raises ProgramError where the plan's geometry does not fit)."""
+    with paused_gc():
+        return _build_program(plan)
+
+
+def _build_program(plan: Plan) -> Program:
     b = _Builder(plan)
     for replica in range(plan.replicas):
         b.replica(replica)
@@ -427,7 +453,8 @@ def build_program(plan: Plan) -> Program:
     tiles = _tiles(b, plan)
     for y in range(height):
         for x in range(width):
-            tiles.setdefault((x, y), Tile(PE_FILES["idle"], "-"))
+            if (x, y) not in tiles:
+                tiles[(x, y)] = Tile(PE_FILES["idle"], "-")
     _assign_tasks(tiles, b.flows, plan.arch.name)
     return Program(plan, width, height, tiles, b.flows, b.frames)
 
@@ -493,20 +520,30 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
                        slots=t.slots, row_len=ceil_div(t.chain, t.fold), fold=t.fold, use_fp16=fp16,
                        in_cols=t.heads_per_pe * t.head_dim // q.segment_tile, in_seg=q.segment_tile,
                        in_rev=False)  # fmt: skip
+        # What every PE of the region starts from (its own params, then its optional outputs' defaults),
+        # worked out once: per PE only its connections' params are merged in.
+        renames = RENAMES.get(file, {})
+        dropped = {name for name, to in renames.items() if to is None}
+        renamed: dict[tuple[str, ...], tuple[list[str], list[bool]]] = {}  # names -> kept names, mask
+        base = {**own}
+        for name, defaults in OPTIONAL_OUTPUTS.get(file, {}).items():
+            base.update({f"{name}_{k}": value for k, value in defaults.items()})
+        base = {name: value for name, value in base.items() if name not in dropped}
         for y in range(region.y, region.y + region.h):
             for x in range(region.x, region.x + region.w):
                 p = b.params.get((x, y))
                 if p is None:
                     continue  # a PE of the rectangle the tiling leaves out (e.g. a partial snake row)
-                params = {**own}
-                for name, defaults in OPTIONAL_OUTPUTS.get(file, {}).items():
-                    params.update({f"{name}_{key}": value for key, value in defaults.items()})
-                for name, value in p.items():
-                    renamed = RENAMES.get(file, {}).get(name, name)
-                    if renamed is not None:
-                        params[renamed] = value
-                for name in [n for n in params if RENAMES.get(file, {}).get(n, n) is None]:
-                    del params[name]
+                if renames:
+                    # the region's PEs have a few distinct sets of param names: rename each set once
+                    names = tuple(p)
+                    kept = renamed.get(names)
+                    if kept is None:
+                        to = [renames.get(n, n) for n in names]
+                        mask = [r is not None and r not in dropped for r in to]
+                        kept = renamed[names] = ([r for r in to if r is not None and r not in dropped], mask)
+                    p = dict(zip(kept[0], compress(p.values(), kept[1]), strict=True))
+                params = {**base, **p}
                 if file == PE_FILES["embed_head"]:
                     _share_end_queue(params)
                 tiles[(x, y)] = Tile(file, key, params)
@@ -528,23 +565,30 @@ def _share_end_queue(params: dict[str, Any]) -> None:
 
 def _assign_tasks(tiles: dict[Pos, Tile], flows: list[Flow], arch: str) -> None:
     """Per region, local task IDs that no color reaching any of its PEs equals (nor memcpy's)."""
-    reaching = ramp_colors(flows)
-    by_region: dict[str, list[Pos]] = {}
-    for pos, tile in tiles.items():
-        by_region.setdefault(tile.region, []).append(pos)
-    for region, positions in by_region.items():
-        file = tiles[positions[0]].file
-        need = TASKS[file]
-        if not need:
-            continue
-        used = set(MEMCPY_COLORS)
-        for pos in positions:
-            used |= reaching.get(pos, set())
-        pool = [t for t in TASK_POOL[arch] if t not in used]
-        if len(pool) < need:
-            raise ProgramError(
-                f"region {region}: {need} task IDs needed, {len(pool)} left clear of its colors"
-            )
-        tasks = pool[:need]  # one list for the region: the writer groups the PEs that share it
-        for pos in positions:
-            tiles[pos].params["tasks"] = tasks
+    # The colors that reach a PE's CE (routes.ramp_colors) are those of the flows it is a
+    # destination of: only there does a route have a RAMP tx.
+    reaching: dict[str, set[int | None]] = {}
+    for flow in flows:
+        for pos in flow.destinations:
+            tile = tiles.get(pos)
+            if tile is not None:
+                reaching.setdefault(tile.region, set()).add(flow.color)
+    # Regions in the order of their first PE; one list per region: the writer groups the PEs sharing it.
+    region_tasks: dict[str, list[int] | None] = {}
+    for tile in tiles.values():
+        region = tile.region
+        if region not in region_tasks:
+            need = TASKS[tile.file]
+            if not need:
+                region_tasks[region] = None
+                continue
+            used = reaching.get(region, set()) | set(MEMCPY_COLORS)
+            pool = [t for t in TASK_POOL[arch] if t not in used]
+            if len(pool) < need:
+                raise ProgramError(
+                    f"region {region}: {need} task IDs needed, {len(pool)} left clear of its colors"
+                )
+            region_tasks[region] = pool[:need]
+        tasks = region_tasks[region]
+        if tasks is not None:
+            tile.params["tasks"] = tasks

@@ -43,10 +43,12 @@ class Frame:
 
     def pe(self, a: int, b: int = 0) -> tuple[int, int]:
         """Kernel (x, y) of the PE at logical (a, b)."""
-        if not (0 <= a < self.a_len and 0 <= b < self.b_len):
-            raise ProgramError(f"logical index ({a}, {b}) outside a {self.a_len} x {self.b_len} frame")
-        da = self.a_len - 1 - a if self.a_rev else a
-        db = self.b_len - 1 - b if self.b_rev else b
+        # a_len and b_len inline: the generator calls this for every PE of the wafer, often several times
+        a_len, b_len = (self.height, self.width) if self.a_on_y else (self.width, self.height)
+        if not (0 <= a < a_len and 0 <= b < b_len):
+            raise ProgramError(f"logical index ({a}, {b}) outside a {a_len} x {b_len} frame")
+        da = a_len - 1 - a if self.a_rev else a
+        db = b_len - 1 - b if self.b_rev else b
         return (self.x0 + db, self.y0 + da) if self.a_on_y else (self.x0 + da, self.y0 + db)
 
     def params(self) -> dict[str, Any]:

@@ -9,9 +9,11 @@ so a region needs only a few distinct param sets: its chain roles and link color
 from __future__ import annotations
 
 import json
+from collections import defaultdict
+from operator import itemgetter
 from typing import Any
 
-from kernels.program.build import MEMCPY_COLORS, PALETTE, Program, Raw, Tile
+from kernels.program.build import MEMCPY_COLORS, PALETTE, Program, Raw, Tile, paused_gc
 from kernels.program.routes import Flow, Pos
 from wafer.contract import D2H_COLOR, EXPORTED_ARRAYS, H2D_COLOR, HOST_FUNCTIONS
 
@@ -52,6 +54,9 @@ def _frozen(v: Any, memo: dict[int, Any]) -> Any:
     return v
 
 
+# Param values _frozen leaves as they are.
+_PLAIN = frozenset({int, bool, str, float, type(None)})
+
 Lattice = tuple[int, int, int, int, int, int]  # x, y, w, h (PEs along x and y), step x, step y
 
 
@@ -61,29 +66,53 @@ def lattices(points: set[Pos], steps: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     two-level reduction repeats its roles every run, so the PEs sharing params or a route often sit
     every second (or g-th) row or column: strides keep those in one loop. Greedy: from the first
     point left (in y, x order), the candidate with the most PEs."""
-    left = set(points)
-    order = sorted(points, key=lambda p: (p[1], p[0]))
+    if not points:
+        return []
+    # The points left, one bit per PE: a row's x (less x0) is a bit of rows[y]. A whole strided row of
+    # a candidate is then one mask test, and taking a rectangle clears one mask per row.
+    x0 = min(map(itemgetter(0), points))
+    rows: dict[int, int] = {}
+    for x, y in points:
+        rows[y] = rows.get(y, 0) | 1 << (x - x0)
     out: list[Lattice] = []
-    for x, y in order:
-        if (x, y) not in left:
-            continue
-        best: Lattice = (x, y, 1, 1, 1, 1)
-        for sx in steps:
-            nx = 1
-            while (x + nx * sx, y) in left:
-                nx += 1
+    for y in sorted(rows):
+        while rows[y]:
+            r = rows[y]
+            x = (r & -r).bit_length() - 1  # the first point left: every rectangle covers its start
+            best: Lattice = (x, y, 1, 1, 1, 1)
+            most = 1
+            # The column from (x, y) every sy rows bounds ny for every sx: a candidate that cannot
+            # beat the best so far (more PEs, strictly) is skipped without testing its rows.
+            column: dict[int, int] = {}
             for sy in steps:
-                ny = 1
-                while all((x + i * sx, y + ny * sy) in left for i in range(nx)):
-                    ny += 1
-                if nx * ny > best[2] * best[3]:
-                    best = (x, y, nx, ny, sx, sy)
-        bx, by, nx, ny, sx, sy = best
-        for i in range(nx):
+                n = 1
+                while rows.get(y + n * sy, 0) >> x & 1:
+                    n += 1
+                column[sy] = n
+            for sx in steps:
+                nx = 1
+                while r >> (x + nx * sx) & 1:
+                    nx += 1
+                mask = _strided(nx, sx) << x
+                for sy in steps:
+                    if nx * column[sy] <= most:
+                        continue
+                    ny = 1
+                    while (rows.get(y + ny * sy, 0) & mask) == mask:
+                        ny += 1
+                    if nx * ny > most:
+                        best, most = (x, y, nx, ny, sx, sy), nx * ny
+            _, _, nx, ny, sx, sy = best
+            mask = _strided(nx, sx) << x
             for j in range(ny):
-                left.discard((bx + i * sx, by + j * sy))
-        out.append(best)
+                rows[y + j * sy] &= ~mask
+            out.append((x + x0, y, nx, ny, sx, sy))
     return out
+
+
+def _strided(n: int, step: int) -> int:
+    """n bits, `step` apart from bit 0 (the sum of a geometric series in 2**step)."""
+    return ((1 << n * step) - 1) // ((1 << step) - 1)
 
 
 def _range(start: int, count: int, step: int) -> str:
@@ -117,6 +146,11 @@ def _loop(lattice: Lattice, body: str) -> list[str]:
 
 
 def layout_csl(program: Program, request: dict[str, Any]) -> str:
+    with paused_gc():
+        return _layout_csl(program, request)
+
+
+def _layout_csl(program: Program, request: dict[str, Any]) -> str:
     plan = program.plan
     wtype = "f16" if plan.dtype == "fp16" else "f32"
     lines = [
@@ -138,8 +172,17 @@ def layout_csl(program: Program, request: dict[str, Any]) -> str:
     by_value: dict[tuple, tuple[Tile, set[Pos]]] = {}
     memo: dict[int, Any] = {}
     for pos, tile in program.tiles.items():
-        key = (tile.file, tuple((k, _frozen(v, memo)) for k, v in tile.params.items()))
-        by_value.setdefault(key, (tile, set()))[1].add(pos)
+        # _frozen inline for the values most params are (scalars, flows): this runs for every PE
+        values = [
+            v if (t := type(v)) in _PLAIN else ("color", v.color) if t is Flow else _frozen(v, memo)
+            for v in tile.params.values()
+        ]
+        key = (tile.file, tuple(tile.params), tuple(values))
+        same = by_value.get(key)
+        if same is None:
+            by_value[key] = (tile, {pos})
+        else:
+            same[1].add(pos)
     groups: dict[tuple[str, str], set[Pos]] = {}
     for tile, points in by_value.values():
         groups.setdefault((tile.file, _value(tile.params)), set()).update(points)
@@ -148,18 +191,26 @@ def layout_csl(program: Program, request: dict[str, Any]) -> str:
         names[(file, params)] = f"P{n}"
         lines.append(f"const P{n} = {params};")
     lines.append("")
-    configs: dict[tuple[int, str, tuple[str, ...]], set[Pos]] = {}
-    for pos, entries in program.color_configs().items():
-        for color, rx, tx in entries:
-            configs.setdefault((color, rx, tuple(sorted(tx))), set()).add(pos)
+    # PEs per (color, route) first: flows share their route tuples (routes._shape), whose hash is cheap
+    by_route: defaultdict[tuple[int | None, tuple[str, frozenset[str]]], set[Pos]] = defaultdict(set)
+    for flow in program.flows:
+        color = flow.color
+        for pos, route in flow.routes.items():
+            by_route[(color, route)].add(pos)
+    configs: dict[tuple[int | None, str, tuple[str, ...]], set[Pos]] = {}
+    for (color, (rx, tx)), points in by_route.items():
+        configs.setdefault((color, rx, tuple(sorted(tx))), set()).update(points)
     lines += ["layout {", f"  @set_rectangle({program.width}, {program.height});", ""]
-    for key in sorted(groups, key=lambda k: min(groups[k], key=lambda p: (p[1], p[0]))):
+    # Groups in the order of their first PE in (y, x) order, compared as (x, y): where a cover's first
+    # rectangle starts.
+    covers = {key: lattices(points) for key, points in groups.items()}
+    for key in sorted(groups, key=lambda k: covers[k][0][:2]):
         file, _ = key
         body = (
             f'@set_tile_code(@X@, @Y@, "{file}", @concat_structs(.{{ .memcpy_params = memcpy.get_params(@X@) }}, '
             f"{names[key]}));"
         )
-        for rect in lattices(groups[key]):
+        for rect in covers[key]:
             lines += _loop(rect, body)
     lines.append("")
     for (color, rx, tx), points in sorted(configs.items()):

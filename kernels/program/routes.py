@@ -12,6 +12,7 @@ between two colors as public programs write them by hand.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from kernels.program.errors import ProgramError
 
@@ -71,31 +72,48 @@ def make_flow(name: str, src: Pos, dsts: list[Pos] | tuple[Pos, ...]) -> Flow:
         raise ProgramError(f"flow {name}: no destination")
     if src in dsts:
         raise ProgramError(f"flow {name}: the source {src} is also a destination")
-    x_first = _tree(src, dsts, True)
-    if all(d[0] == src[0] or d[1] == src[1] for d in dsts):
+    sx, sy = src
+    shape = _shape(tuple([(x - sx, y - sy) for x, y in dsts]))
+    return Flow(name, src, dsts, {(sx + dx, sy + dy): route for dx, dy, route in shape})
+
+
+@lru_cache(maxsize=4096)
+def _shape(offsets: tuple[Pos, ...]) -> tuple[tuple[int, int, tuple[str, frozenset[str]]], ...]:
+    """The routes of a flow from (0, 0) to `offsets`, as (dx, dy, route) in the tree's order. A tree
+    depends only on where the destinations sit from the source, and a program repeats the same few
+    shapes (chain links, a layer's hand-offs) at many places: make_flow translates a cached one."""
+    src = (0, 0)
+    x_first = _tree(src, offsets, True)
+    if all(d[0] == 0 or d[1] == 0 for d in offsets):
         routes = x_first  # straight lines from the source: both orders give the same tree
     else:
-        routes = min((x_first, _tree(src, dsts, False)), key=len)
-    return Flow(name, src, dsts, routes)
+        routes = min((x_first, _tree(src, offsets, False)), key=len)
+    return tuple((x, y, route) for (x, y), route in routes.items())
 
 
 def assign_colors(flows: list[Flow], palette: list[int]) -> None:
-    """Greedy coloring in flow order: each flow takes the first color of `palette` that no flow
-    sharing one of its routers has."""
-    at: dict[Pos, list[Flow]] = {}
+    """Greedy coloring in flow order: each flow (none colored yet) takes the first color of `palette`
+    that no flow sharing one of its routers has."""
+    held: dict[Pos, int] = {}  # per router, the colors of the flows colored so far as a bit mask
     for flow in flows:
+        taken = 0
         for pos in flow.routes:
-            at.setdefault(pos, []).append(flow)
-    for flow in flows:
-        taken = {other.color for pos in flow.routes for other in at[pos] if other.color is not None}
-        free = [c for c in palette if c not in taken]
-        if not free:
+            taken |= held.get(pos, 0)
+        color = next((c for c in palette if not taken >> c & 1), None)
+        if color is None:
+            at: dict[Pos, list[Flow]] = {}
+            for other in flows:
+                for pos in other.routes:
+                    at.setdefault(pos, []).append(other)
             busiest = max(flow.routes, key=lambda p: len(at[p]))
             raise ProgramError(
                 f"flow {flow.name}: no color left ({len(palette)} usable); router {busiest} is shared by "
                 f"{len(at[busiest])} flows ({', '.join(f.name for f in at[busiest][:8])} ...)"
             )
-        flow.color = free[0]
+        flow.color = color
+        bit = 1 << color
+        for pos in flow.routes:
+            held[pos] = held.get(pos, 0) | bit
 
 
 def ramp_colors(flows: list[Flow]) -> dict[Pos, set[int]]:
