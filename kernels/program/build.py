@@ -565,8 +565,8 @@ def _share_end_queue(params: dict[str, Any]) -> None:
 
 def _assign_tasks(tiles: dict[Pos, Tile], flows: list[Flow], arch: str) -> None:
     """Per region, local task IDs that no color reaching any of its PEs equals (nor memcpy's)."""
-    # The colors that reach a PE's CE (routes.ramp_colors) are those of the flows it is a
-    # destination of: only there does a route have a RAMP tx.
+    # The colors that reach a PE's CE are those of the flows it is a destination of: only there does
+    # a route have a RAMP tx.
     reaching: dict[str, set[int | None]] = {}
     for flow in flows:
         for pos in flow.destinations:

@@ -114,13 +114,3 @@ def assign_colors(flows: list[Flow], palette: list[int]) -> None:
         bit = 1 << color
         for pos in flow.routes:
             held[pos] = held.get(pos, 0) | bit
-
-
-def ramp_colors(flows: list[Flow]) -> dict[Pos, set[int]]:
-    """Per PE, the colors that reach its CE (what a WSE-2 task ID must not equal)."""
-    out: dict[Pos, set[int]] = {}
-    for flow in flows:
-        for pos, (_, tx) in flow.routes.items():
-            if "RAMP" in tx:
-                out.setdefault(pos, set()).add(flow.color)
-    return out

@@ -10,6 +10,7 @@ from wafer.cost import (
     TASK_ACTIVATION_CYCLES,
     StageCost,
     attention_cost,
+    chain_reduce_cycles,
     gemv_cost,
     head_cost,
     norm_cost,
@@ -71,14 +72,16 @@ def _outer_stages(
             "memcpy edge -> input port", stream_cycles(HEADER_WORDS + ITEM_WORDS, _edge_hops(ox))
         )
     ]
-    # Embedding: the token id runs down the head strip to its vocab row and along it (R PEs); each PE
-    # of that row streams its wte chunk up to the position-embedding strip, which adds wpe and sends
-    # the sum to layer 0. Worst case: the last vocab row.
+    # Embedding (kernels/pe/head.csl, pe/embed.csl): the request runs down the head strip to the
+    # farthest vocab row and along it (R PEs); from there each K-line's chunks are chain-reduced
+    # (comm/chain.csl) through every head row and then every wpe row: each PE adds its wte chunk (the
+    # token's row) or zeros, its wpe chunk (the item's position) or zeros, in its CE, and passes the
+    # sum on; the last wpe row sends it to layer 0. Every PE's add is started by its request, which
+    # reaches it before the chain does, so a link costs a hop, the ramp into the CE and the add.
     rows_down = geo.embed_rows + geo.head_cols
     embed = StageCost("embed")
     embed.add("token id to vocab row", stream_cycles(2, rows_down + geo.r - 1) + TASK_ACTIVATION_CYCLES)
-    embed.add("wte chunk up to wpe", stream_cycles(chunk, rows_down) + TASK_ACTIVATION_CYCLES)
-    embed.add("add wpe", chunk)
+    embed.add("wte chunk chained to wpe", chain_reduce_cycles(rows_down - 1, chunk))
     embed.add("to layer 0", route("embed.out"))
     before.append(embed)
     turns = {
