@@ -36,7 +36,7 @@ generate: $(RUN_STAMP)
 
 # Everything CI runs: lint, the type checker (mypy on wafer/, weights/ and service/, pyproject's [tool.mypy]), then
 # every test, the slow ones included, on one pytest-xdist worker per core (the tests are single-threaded
-# and CPU-bound: about half the wall time on 2 cores).
+# and CPU-bound).
 test: $(TEST_STAMP) $(APPLIANCE_STAMP) haproxy
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

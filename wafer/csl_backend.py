@@ -36,16 +36,16 @@ def compile_plan(plan: Plan, out_dir: str | Path | None = None) -> Path:
     only when either changed; a folder given by the caller is always rebuilt."""
     from wafer.compile import KERNEL_DIR, SOURCE_DIRS, compile_program, plan_request, prepare_sources
 
+    if out_dir is not None:
+        job = prepare_sources(plan, out_dir, simfabric=True)
+        compile_program(job, executor=True)
+        return job.bin_dir
     digest = hashlib.sha256(json.dumps(plan_request(plan), sort_keys=True).encode())
     for name in SOURCE_DIRS:
         for source in sorted((KERNEL_DIR / name).glob("*.csl")):
             digest.update(source.read_bytes())
     for source in sorted((KERNEL_DIR / "program").glob("*.py")):
         digest.update(source.read_bytes())
-    if out_dir is not None:
-        job = prepare_sources(plan, out_dir, simfabric=True)
-        compile_program(job, executor=True)
-        return job.bin_dir
     out_dir = BUILD_DIR / digest.hexdigest()[:16]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Processes sharing the cache (test workers, servers) build a folder once, one at a time: a

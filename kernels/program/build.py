@@ -66,7 +66,7 @@ TASKS = {
     "pe/layernorm.csl": 11,
     "pe/residual.csl": 10,
     "pe/gemv.csl": 7,
-    "pe/attention.csl": 10,
+    "pe/attention.csl": 5,
     "pe/idle.csl": 0,
 }
 

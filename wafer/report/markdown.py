@@ -314,7 +314,7 @@ def _before_after(data: ReportData) -> str:
         f"The critical path of one token against the plan of commit {base.commit} (the calibrated cost "
         "model before issue 14's latency work, stored in `wafer/report/latency_baseline.json`), both "
         "modeled. The stored plan priced the embedding's chain of CE adds through the head's rows as a "
-        "route, as the model did until session 7; the current model prices it as that chain, so the "
+        "route, as the model then did; the current model prices it as that chain, so the "
         "embedding's rise below is mostly the repricing, not a slower program. By part:\n\n"
         + _table(["part", f"before ({base.commit})", "now", "change"], part_rows)
         + "\n\nOne layer, stage by stage:\n\n"
