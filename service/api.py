@@ -32,11 +32,12 @@ from service import tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, EventStreamResponse, JSONResponse, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory
-from service.engine_core import TokenizerHooks
+from service.engine_core import gpt2_tokenizer_hooks
+from service.engine_process import EngineOptions, EngineProcess
 from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
 from service.hot_routes import HotRoute, HotRoutesMiddleware
 from service.logs import RequestIdMiddleware, log_reference
-from service.metrics import ServiceMetrics
+from service.metrics import Family, ServiceMetrics
 from service.middleware import OPENAI_PREFIX, GuardMiddleware, error_body, error_status
 from service.openai_chat import chat_generation_requests, chat_response, chat_stream
 from service.openai_completions import completion_choice, openai_generation_requests, openai_stream, usage_of
@@ -55,6 +56,7 @@ from service.schemas import (
     TGITokenizeRequest,
     ignored_fields,
 )
+from service.serving import ServingEngine
 from service.settings import ServerSettings
 from service.tgi import tgi_generation_request, tgi_json, tgi_response, tgi_stream
 from service.validation import Limits, format_validation_errors, json_body, parse_body
@@ -105,15 +107,6 @@ class IgnoredFields:
         return {self.HEADER: shown}
 
 
-def tokenizer_hooks() -> TokenizerHooks:
-    return TokenizerHooks(
-        token_bytes=tokenizer.token_bytes,
-        eos_token_id=tokenizer.EOT_ID,
-        special_names={tokenizer.EOT_ID: tokenizer.EOT_TEXT},
-        vocab_size=tokenizer.VOCAB_SIZE,
-    )
-
-
 def create_app(
     settings: ServerSettings,
     executor_factory: ExecutorFactory,
@@ -121,7 +114,7 @@ def create_app(
     on_fatal: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The service: `executor_factory` is called on the engine's worker thread to upload the model."""
-    hooks = tokenizer_hooks()
+    hooks = gpt2_tokenizer_hooks()
     ignored = IgnoredFields()
     chat_template = (
         DEFAULT_CHAT_TEMPLATE
@@ -130,16 +123,28 @@ def create_app(
     )
     tokenizer.get_encoding()  # build the BPE tables now, not on the first request
     metrics = ServiceMetrics(settings.model_id)
-    engine = Engine(
-        executor_factory,
-        hooks,
-        metrics,
-        max_queue=settings.max_queue,
-        step_token_budget=settings.step_token_budget,
-        on_fatal=on_fatal,
-        step_timeout_s=settings.step_timeout_s,
-        step_timeout_per_item_s=settings.step_timeout_per_item_s,
-    )
+    engine: ServingEngine
+    if settings.engine_process:
+        options = EngineOptions(
+            executor_factory,
+            model_id=settings.model_id,
+            max_queue=settings.max_queue,
+            step_token_budget=settings.step_token_budget,
+            step_timeout_s=settings.step_timeout_s,
+            step_timeout_per_item_s=settings.step_timeout_per_item_s,
+        )
+        engine = EngineProcess(options, metrics, on_fatal=on_fatal)
+    else:
+        engine = Engine(
+            executor_factory,
+            hooks,
+            metrics,
+            max_queue=settings.max_queue,
+            step_token_budget=settings.step_token_budget,
+            on_fatal=on_fatal,
+            step_timeout_s=settings.step_timeout_s,
+            step_timeout_per_item_s=settings.step_timeout_per_item_s,
+        )
 
     pool = request_pool()
 
@@ -453,6 +458,11 @@ def create_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        merged: list[list[Family]] = []
+        if isinstance(engine, EngineProcess):  # the engine's metrics are recorded over there
+            merged.append(await asyncio.to_thread(engine.metric_samples))
+        return PlainTextResponse(
+            metrics.render(merged), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     return app

@@ -18,14 +18,14 @@ from fastapi.responses import JSONResponse as StarletteJSONResponse
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from service.engine import Engine
 from service.errors import ServiceError
 from service.middleware import error_body
-from service.request import ErrorEvent, FinishEvent, GenerationRequest, RequestState, TokenEvent
+from service.request import ErrorEvent, FinishEvent, GenerationRequest, Submitted, TokenEvent
+from service.serving import ServingEngine
 from weights import tokenizer
 
 
-async def events(sequence: RequestState) -> AsyncIterator[TokenEvent | FinishEvent | ErrorEvent]:
+async def events(sequence: Submitted) -> AsyncIterator[TokenEvent | FinishEvent | ErrorEvent]:
     while True:
         event = await sequence.events.get()
         yield event
@@ -33,7 +33,7 @@ async def events(sequence: RequestState) -> AsyncIterator[TokenEvent | FinishEve
             return
 
 
-async def event_batches(sequence: RequestState) -> AsyncIterator[list[TokenEvent | FinishEvent | ErrorEvent]]:
+async def event_batches(sequence: Submitted) -> AsyncIterator[list[TokenEvent | FinishEvent | ErrorEvent]]:
     """The request's events, each time as many as have arrived (at least one); the last batch ends with
     the final event."""
     queue = sequence.events
@@ -46,7 +46,7 @@ async def event_batches(sequence: RequestState) -> AsyncIterator[list[TokenEvent
             return
 
 
-async def last_event(sequence: RequestState) -> FinishEvent | ErrorEvent:
+async def last_event(sequence: Submitted) -> FinishEvent | ErrorEvent:
     async for event in events(sequence):
         if not isinstance(event, TokenEvent):
             return event
@@ -66,7 +66,7 @@ class ClientGone(Exception):
 
 
 async def wait_for_results(
-    request: Request, engine: Engine, sequences: list[RequestState]
+    request: Request, engine: ServingEngine, sequences: list[Submitted]
 ) -> list[FinishEvent]:
     """The final event of each request; a client that disconnects cancels them all."""
     watcher = asyncio.create_task(client_gone(request))
@@ -93,10 +93,12 @@ async def wait_for_results(
     return finals
 
 
-def submit_all(engine: Engine, requests: list[GenerationRequest], stream: bool = True) -> list[RequestState]:
+def submit_all(
+    engine: ServingEngine, requests: list[GenerationRequest], stream: bool = True
+) -> list[Submitted]:
     """Queue every request or none (a refusal cancels the ones already queued); `stream` False: the
     handler reads only the final events (`wait_for_results`)."""
-    sequences: list[RequestState] = []
+    sequences: list[Submitted] = []
     try:
         for request in requests:
             sequences.append(engine.submit(request, stream))
@@ -108,8 +110,8 @@ def submit_all(engine: Engine, requests: list[GenerationRequest], stream: bool =
 
 
 async def openai_sse(
-    engine: Engine,
-    sequences: list[RequestState],
+    engine: ServingEngine,
+    sequences: list[Submitted],
     path: str,
     render: Callable[[int, TokenEvent | FinishEvent], list[bytes]],
     usage_chunk: Callable[[int], bytes | None],
@@ -120,7 +122,7 @@ async def openai_sse(
     goes away cancels the choices still running."""
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(position: int, sequence: RequestState) -> None:
+    async def pump(position: int, sequence: Submitted) -> None:
         async for event in events(sequence):
             await merged.put((position, event))
 

@@ -36,7 +36,7 @@ from service.errors import GenerationFailed, StepTimedOut, Unavailable
 from service.kv_slots import KVUsage
 from service.logs import log_reference
 from service.metrics import ServiceMetrics
-from service.request import GenerationRequest, RequestState, RequestStatus
+from service.request import GenerationRequest, RequestState, RequestStatus, Submitted
 from service.scheduler import StepBatch
 from wafer.executor import Executor, ExecutorError
 
@@ -252,19 +252,31 @@ class Engine:
             raise self.unavailable()
         return executor
 
-    def submit(self, request: GenerationRequest, stream: bool = True) -> RequestState:
-        """Queue a request; its events go to the running event loop (`stream` False: the final one only)."""
-        loop = asyncio.get_running_loop()
+    def submit(
+        self,
+        request: GenerationRequest,
+        stream: bool = True,
+        loop: asyncio.AbstractEventLoop | None = None,
+        request_id: str | None = None,
+    ) -> RequestState:
+        """Queue a request; its events go to `loop` (default: the running event loop; `stream` False:
+        the final one only). `request_id`: the id it is known by elsewhere (`service.engine_process`)."""
+        loop = loop if loop is not None else asyncio.get_running_loop()
         with self._cond:
             if self._state is not EngineState.READY:
                 raise self.unavailable()
             core = self._built_core()
-            state = core.add(core.new_request(request, loop, stream))
+            state = core.new_request(request, loop, stream)
+            if request_id is not None:
+                state.id = request_id
+            state = core.add(state)
             self._cond.notify_all()
         return state
 
-    def cancel(self, state: RequestState) -> None:
+    def cancel(self, state: Submitted) -> None:
         """The client went away: the request leaves at the next step boundary (its slot with it)."""
+        if not isinstance(state, RequestState):
+            raise TypeError(f"not a request of this engine: {state!r}")
         if state.status is RequestStatus.FINISHED:
             # Every handler cancels its requests on the way out: one that ended (a terminal status,
             # set under the lock) needs neither the lock nor a wake-up of the worker (issue 18).
@@ -272,6 +284,12 @@ class Engine:
         with self._cond:
             self._built_core().abort(state)
             self._cond.notify_all()
+
+    @property
+    def capacity(self) -> int:
+        """Requests the engine holds at most (running and queued; 0 before the first load)."""
+        core = self._core
+        return 0 if core is None else core.scheduler.capacity
 
     def kv_usage(self) -> KVUsage:
         with self._cond:

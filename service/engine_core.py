@@ -65,6 +65,18 @@ class TokenizerHooks:
     vocab_size: int | None = None  # ids at or above it are unknown to the tokenizer: never emitted
 
 
+def gpt2_tokenizer_hooks() -> TokenizerHooks:
+    """The hooks of GPT-2's tokenizer (`weights.tokenizer`), as the server's engine uses them."""
+    from weights import tokenizer
+
+    return TokenizerHooks(
+        token_bytes=tokenizer.token_bytes,
+        eos_token_id=tokenizer.EOT_ID,
+        special_names={tokenizer.EOT_ID: tokenizer.EOT_TEXT},
+        vocab_size=tokenizer.VOCAB_SIZE,
+    )
+
+
 def _wanted(scores: TokenScores | None) -> TokenScores:
     """An item's scores where the item wanted them (a decode item, a prompt's last or scored token)."""
     if scores is None:

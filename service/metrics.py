@@ -35,6 +35,8 @@ DURATION_BUCKETS = (
     60.0,
     120.0,
 )
+# A metric family as `ServiceMetrics.samples` gives it: (name, help, type, [(sample name, labels, value)]).
+Family = tuple[str, str, str, list[tuple[str, tuple[tuple[str, str], ...], float]]]
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -247,19 +249,46 @@ class ServiceMetrics:
 
     # ----- /metrics --------------------------------------------------------------------------------
 
-    def render(self) -> str:
-        """The Prometheus text format (0.0.4) of every metric's samples."""
-        lines: list[str] = []
+    def samples(self) -> list[Family]:
+        """Every metric's samples under the names /metrics shows (picklable: the engine process sends
+        its own to the HTTP process, `service/engine_process.py`)."""
+        families: list[Family] = []
         for family in self.registry.collect():
             name = family.name
             if family.type == "counter" and name not in self._bare_counters:
                 name += "_total"
-            lines += [f"# HELP {name} {family.documentation}", f"# TYPE {name} {family.type}"]
-            for sample in family.samples:
-                if sample.name.endswith("_created"):
-                    continue  # prometheus-client's creation timestamps: never exported before
-                sample_name = name if family.type == "counter" else sample.name
-                lines.append(f"{sample_name}{_format_labels(sample.labels)} {_format_value(sample.value)}")
+            rows = [
+                (
+                    name if family.type == "counter" else sample.name,
+                    tuple(sample.labels.items()),
+                    sample.value,
+                )
+                for sample in family.samples
+                if not sample.name.endswith(
+                    "_created"
+                )  # prometheus-client's creation timestamps: never exported
+            ]
+            families.append((name, family.documentation, family.type, rows))
+        return families
+
+    def render(self, merged: Sequence[list[Family]] = ()) -> str:
+        """The Prometheus text format (0.0.4) of every metric's samples, each summed with the same sample
+        of `merged` (another process's `samples()` of the same metrics: there only the engine records
+        the engine's, here only the HTTP process the rest, so the sums are each side's own values)."""
+        others: dict[str, dict[tuple[str, tuple], float]] = {}
+        for families in merged:
+            for name, _, _, rows in families:
+                values = others.setdefault(name, {})
+                for sample_name, labels, value in rows:
+                    values[sample_name, labels] = values.get((sample_name, labels), 0.0) + value
+        lines: list[str] = []
+        for name, documentation, kind, rows in self.samples():
+            lines += [f"# HELP {name} {documentation}", f"# TYPE {name} {kind}"]
+            values = {(sample_name, labels): value for sample_name, labels, value in rows}
+            for key, value in others.get(name, {}).items():  # a label set only the other side has goes last
+                values[key] = values.get(key, 0.0) + value
+            for (sample_name, labels), value in values.items():
+                lines.append(f"{sample_name}{_format_labels(dict(labels))} {_format_value(value)}")
         return "\n".join(lines) + "\n"
 
 

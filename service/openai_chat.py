@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 
 from service.chat_template import ChatTemplate, ChatTemplateError
 from service.delivery import openai_sse, sse, token_string
-from service.engine import Engine
 from service.errors import RequestValidationFailed
 from service.openai_completions import (
     Choice,
@@ -21,7 +20,7 @@ from service.openai_completions import (
     prompt_logprobs_of,
     usage_of,
 )
-from service.request import FinishEvent, GeneratedToken, GenerationRequest, RequestState, TokenEvent
+from service.request import FinishEvent, GeneratedToken, GenerationRequest, Submitted, TokenEvent
 from service.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -35,6 +34,7 @@ from service.schemas import (
     ChatTopLogprob,
     TokenizeChatRequest,
 )
+from service.serving import ServingEngine
 from service.settings import ServerSettings
 from service.validation import Limits, encode_prompt
 from weights import tokenizer
@@ -126,10 +126,10 @@ def chat_response(
 
 
 async def chat_stream(
-    engine: Engine,
+    engine: ServingEngine,
     body: ChatCompletionRequest,
     choices: list[Choice],
-    sequences: list[RequestState],
+    sequences: list[Submitted],
     model: str,
     path: str,
 ) -> AsyncIterator[bytes]:

@@ -13,7 +13,6 @@ from typing import Literal
 
 from service.delivery import openai_sse, sse, token_string
 from service.detokenizer import IncrementalDetokenizer
-from service.engine import Engine
 from service.errors import RequestValidationFailed
 from service.request import (
     Alternative,
@@ -22,7 +21,7 @@ from service.request import (
     GeneratedToken,
     GenerationRequest,
     PromptToken,
-    RequestState,
+    Submitted,
     TokenEvent,
 )
 from service.schemas import (
@@ -35,6 +34,7 @@ from service.schemas import (
     PromptLogprobs,
     Usage,
 )
+from service.serving import ServingEngine
 from service.settings import ServerSettings
 from service.validation import OPENAI_FIELDS, Limits, check_request, encode_prompt, sampling_params
 from weights import tokenizer
@@ -332,10 +332,10 @@ def plain_chunk_frame(head: str, index: int, text: str, finish: str | None) -> b
 
 
 async def openai_stream(
-    engine: Engine,
+    engine: ServingEngine,
     body: CompletionRequest,
     choices: list[Choice],
-    sequences: list[RequestState],
+    sequences: list[Submitted],
     model: str,
     path: str,
 ) -> AsyncIterator[bytes]:

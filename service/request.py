@@ -14,6 +14,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from service import logs
 from service.detokenizer import IncrementalDetokenizer
@@ -112,7 +113,7 @@ class RequestStatus(enum.Enum):
 _request_numbers = itertools.count(1)
 
 
-def _new_id() -> str:
+def new_request_id() -> str:
     """Named after the HTTP request it serves (when there is one), so its log lines can be found."""
     http = logs.request_id.get()
     return f"req-{next(_request_numbers)}" if http == logs.NO_REQUEST else f"{http}.{next(_request_numbers)}"
@@ -126,7 +127,7 @@ class RequestState:
     loop: asyncio.AbstractEventLoop | None = None  # None: a synchronous caller reads `step()`'s events
     stream: bool = True  # False: the handler waits for the final event only (no token events are sent)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    id: str = field(default_factory=_new_id)
+    id: str = field(default_factory=new_request_id)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     computed: int = 0  # positions whose K/V are in the slot
@@ -155,6 +156,14 @@ class RequestState:
     def history(self) -> list[int]:
         """Prompt and generated ids: what the repetition penalty looks at."""
         return [*self.prompt, *(token.id for token in self.tokens)]
+
+
+class Submitted(Protocol):
+    """A request as the API holds it once an engine took it (`RequestState`, or the HTTP side of one
+    in an engine process): its events arrive on `events` (`TokenEvent`s, then one final event)."""
+
+    @property
+    def events(self) -> asyncio.Queue: ...
 
 
 def deliver(events: list[tuple[RequestState, Event]]) -> None:

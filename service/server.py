@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from service.connections import ConnectionLimits, protocol_class
-from service.engine import Engine
+from service.serving import ServingEngine
 from service.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class ServiceServer(uvicorn.Server):
             ),
         )
         super().__init__(config)
-        self.engine: Engine = app.state.engine
+        self.engine: ServingEngine = app.state.engine
         self.shutdown_timeout_s = settings.shutdown_timeout_s
         self._draining = threading.Event()
 

@@ -52,6 +52,9 @@ class ServerSettings:
     # engine's worker then gets; uvloop's hold it through the system call, which was 40% of the server's
     # GIL time with 16 streams (issue 18: streams 1.2-1.4x faster on asyncio, the rest the same).
     event_loop: str = "asyncio"
+    # The engine in a process of its own (`service/engine_process.py`): HTTP and the engine each get a
+    # GIL. The executor factory must then be picklable (it crosses a spawn).
+    engine_process: bool = False
 
     # Chat: the Jinja source of `--chat-template` (None: the plain transcript of service.chat_template).
     chat_template: str | None = None

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from json.encoder import encode_basestring_ascii
 
 from service.delivery import event_batches, sse, token_string
-from service.engine import Engine
 from service.engine_core import TokenizerHooks
 from service.middleware import error_body
 from service.request import (
@@ -17,7 +16,7 @@ from service.request import (
     FinishEvent,
     GeneratedToken,
     GenerationRequest,
-    RequestState,
+    Submitted,
     TokenEvent,
 )
 from service.schemas import (
@@ -29,6 +28,7 @@ from service.schemas import (
     TGIStreamEvent,
     TGIToken,
 )
+from service.serving import ServingEngine
 from service.settings import ServerSettings
 from service.validation import TGI_FIELDS, Limits, check_request, encode_prompt, sampling_params
 
@@ -138,7 +138,7 @@ def tgi_token_frame(event: TokenEvent, special_ids: dict[int, str]) -> bytes:
 
 
 async def tgi_stream(
-    engine: Engine, sequence: RequestState, body: TGIRequest, hooks: TokenizerHooks, path: str
+    engine: ServingEngine, sequence: Submitted, body: TGIRequest, hooks: TokenizerHooks, path: str
 ) -> AsyncIterator[bytes]:
     finished = False
     try:

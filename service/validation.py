@@ -16,7 +16,7 @@ from service.errors import RequestValidationFailed
 from service.request import GenerationRequest
 from service.sampling import InvalidSamplingParam, SamplingParams
 from service.settings import ServerSettings
-from wafer.executor import Executor
+from wafer.executor import ExecutorShape
 from weights import tokenizer
 
 BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
@@ -38,7 +38,7 @@ class Limits:
     max_stop_chars_total: int = 4000  # all stop sequences of a request together
 
     @classmethod
-    def of(cls, settings: ServerSettings, executor: Executor) -> Limits:
+    def of(cls, settings: ServerSettings, executor: ExecutorShape) -> Limits:
         context = executor.context_length
         max_input_tokens = min(settings.max_input_tokens or context - 1, context - 1)
         return cls(

@@ -7,6 +7,7 @@ a busy machine for the tests that need time to act mid-generation (shutdown, tim
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import socket
 import threading
@@ -60,8 +61,9 @@ def executor_factory(
     top_k: int = 64,
     dtype: str = "fp32",
 ):
+    """Picklable: it also serves an engine in a process of its own (`engine_process`)."""
     options = ExecutorOptions(slots=slots, context=context, top_k=top_k, dtype=dtype)
-    return lambda: build_executor(backend, params, options)
+    return functools.partial(build_executor, backend, params, options)
 
 
 class SlowExecutor:
@@ -90,6 +92,18 @@ class SlowExecutor:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def slow_executor(factory: Callable[[], Executor], delay_s: float) -> SlowExecutor:
+    """`functools.partial(slow_executor, factory, delay_s)`: a picklable factory of a SlowExecutor."""
+    return SlowExecutor(factory(), delay_s)
+
+
+def built_late(factory: Callable[[], Executor], delay_s: float) -> Executor:
+    """`functools.partial(built_late, factory, delay_s)`: a picklable factory whose build (the model's
+    upload) takes `delay_s`."""
+    time.sleep(delay_s)
+    return factory()
 
 
 class HangingExecutor(SlowExecutor):

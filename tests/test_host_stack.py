@@ -241,6 +241,25 @@ def test_bench_host_runs_end_to_end_at_a_tiny_size():
     assert bench_host.summary_line(cells).startswith("bench host summary:")
 
 
+@pytest.mark.slow
+def test_bench_host_measures_the_engine_in_a_process_of_its_own():
+    """The engine process's CPU counts towards the server's, and its modeled busy time reaches the
+    benchmark through the engine's state reports."""
+    cells, _ = bench_host.measure(
+        ["modeled"],
+        [2],
+        ["generate"],
+        new_tokens=4,
+        seconds=0.6,
+        warmup_s=0.1,
+        log=lambda _: None,
+        engine_process=True,
+    )
+    (cell,) = cells
+    assert cell.errors == 0 and cell.tokens_per_s > 0 and cell.server_us_per_token > 0, cell
+    assert cell.utilisation is not None and 0 < cell.utilisation <= 1.05, cell
+
+
 def test_the_report_keeps_the_host_section_when_it_is_regenerated():
     from wafer.report import KEPT_BEGIN, KEPT_END, keep_sections
 

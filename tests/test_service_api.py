@@ -29,14 +29,17 @@ SLOTS = 4
 PROMPT = "The wafer holds every layer"
 
 
-@pytest.fixture(scope="module")
-def server(small_params):
+# Every route twice: the engine on a thread of the server's process, and in a process of its own
+# (`serve --engine-process`), where what a client receives must be the same.
+@pytest.fixture(scope="module", params=[False, True], ids=["engine-thread", "engine-process"])
+def server(small_params, request):
     settings = ServerSettings(
         backend="reference",
         model_id="tiny-gpt2",
         max_concurrent_requests=SLOTS,
         max_queue=8,
         step_token_budget=16,
+        engine_process=request.param,
     )
     with running_server(settings, executor_factory("reference", small_params, slots=SLOTS)) as running:
         yield running

@@ -46,12 +46,29 @@ class ExecutorError(WaferGPT2Error, RuntimeError):
     """The executor could not run a step (a bad item, or a failure of the backend)."""
 
 
-class Executor(Protocol):
-    num_slots: int
-    context_length: int
-    vocab_size: int
-    top_k: int
+class ExecutorShape(Protocol):
+    """An executor's shape and description: what the request limits and /info read (read-only)."""
 
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    def describe(self) -> dict:
+        """What runs the model, for /info and logs (so that callers never check backend names):
+        `backend`, `device_type`, `dtype`, `num_slots`, `context_length`, `vocab_size`, `top_k`, and
+        `plan`, the wafer plan in brief ({} where there is none)."""
+        ...
+
+
+class Executor(ExecutorShape, Protocol):
     def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
         """Run one step; the result has one entry per item (None where want_scores is False)."""
         ...
@@ -65,12 +82,6 @@ class Executor(Protocol):
         ...
 
     def close(self) -> None: ...
-
-    def describe(self) -> dict:
-        """What runs the model, for /info and logs (so that callers never check backend names):
-        `backend`, `device_type`, `dtype`, `num_slots`, `context_length`, `vocab_size`, `top_k`, and
-        `plan`, the wafer plan in brief ({} where there is none)."""
-        ...
 
 
 def validate_items(items: Sequence[StepItem], num_slots: int, context_length: int, vocab_size: int) -> None:

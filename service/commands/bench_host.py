@@ -10,19 +10,22 @@ For each executor and number of streams S, the real server (`service.api.create_
 (`service/commands/load_client.py`) keeps S connections busy with the same greedy request (a short
 prompt, N new tokens, end-of-text never first) over each route for a timed window. The figures: tokens/s
 as the clients receive them, the server's CPU time per token (this process, whose main thread only
-waits), the client's CPU share, and the client's own ceiling: the same client against a trivial endpoint
+waits, and the engine process's with --engine-process), the client's CPU share, and the client's own ceiling: the same client against a trivial endpoint
 that replays a recorded response of the same route at once, run in the same session.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import resource
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from service.cli import UserError
 from service.commands.bench_server import BenchFailed, BenchServer, HelperProcess
@@ -163,8 +166,14 @@ def modeled_plan(config, streams: int, context: int):
     raise BenchFailed(f"no GPT-2 124M plan serves {streams} slots: {last}")
 
 
-def _server(executor: Executor, streams: int) -> BenchServer:
-    """The service for `streams` streams, admitting all of them at once."""
+def stand_in_executor(kind: str, streams: int, context: int) -> Executor:
+    """`build_stand_in`'s executor alone: the factory the engine process builds it with."""
+    return build_stand_in(kind, streams, context)[0]
+
+
+def _server(executor: Executor, kind: str, streams: int, context: int, engine_process: bool) -> BenchServer:
+    """The service for `streams` streams, admitting all of them at once; `engine_process`: its engine
+    in a process of its own, which builds an executor like `executor` (`service/engine_process.py`)."""
     from service.settings import ServerSettings
 
     settings = ServerSettings(
@@ -174,13 +183,21 @@ def _server(executor: Executor, streams: int) -> BenchServer:
         max_concurrent_requests=streams,
         max_queue=4 * streams,
         max_connections=max(1024, 4 * streams),
+        engine_process=engine_process,
     )
-    return BenchServer(executor, settings, "gpt2", ready_timeout_s=120)
+    factory = functools.partial(stand_in_executor, kind, streams, context) if engine_process else None
+    return BenchServer(executor, settings, "gpt2", ready_timeout_s=120, executor_factory=factory)
 
 
-def _cpu() -> float:
+def _cpu(server: BenchServer) -> float:
+    """CPU seconds of the server: this process, and the engine's when it runs in one of its own."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    total = usage.ru_utime + usage.ru_stime
+    pid = getattr(server.engine, "pid", None)
+    if pid is not None:  # utime and stime, fields 14 and 15 of /proc/PID/stat, in clock ticks
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def measure(
@@ -192,6 +209,7 @@ def measure(
     warmup_s: float = 1.0,
     reps: int = 1,
     log=print,
+    engine_process: bool = False,
 ) -> tuple[list[Cell], dict[str, str]]:
     """Every (executor, streams, route) `reps` times, routes rotating; then each route's ceiling."""
     cells: list[Cell] = []
@@ -214,7 +232,7 @@ def measure(
                     )
                 log(f"bench host: {labels[f'{kind} {count}']}; {count} streams")
                 row = {route: Cell(kind, count, route) for route in routes}
-                with _server(executor, count) as server:
+                with _server(executor, kind, count, context, engine_process) as server:
                     for route in routes:  # warm-up, and the response the replay server will send
                         recorded[route] = record_response(
                             "127.0.0.1", server.port, ROUTE_TABLE[route].request(new_tokens)
@@ -281,17 +299,17 @@ def _run_cell(
     time.sleep(warmup_s)
     engine = server.engine
     cpu0, busy0, over0, steps0, idle0 = (
-        _cpu(),
-        _busy(executor),
-        _overshoot(executor),
+        _cpu(server),
+        _busy(server, executor),
+        _overshoot(server, executor),
         engine.steps,
         engine.idle_seconds,
     )
     time.sleep(seconds)
     cpu1, busy1, over1, steps1, idle1 = (
-        _cpu(),
-        _busy(executor),
-        _overshoot(executor),
+        _cpu(server),
+        _busy(server, executor),
+        _overshoot(server, executor),
         engine.steps,
         engine.idle_seconds,
     )
@@ -311,12 +329,20 @@ def _run_cell(
         time.sleep(0.02)
 
 
-def _busy(executor: Executor) -> float:
-    return float(getattr(executor, "modeled_busy_s", 0.0))
+def _busy(server: BenchServer, executor: Executor) -> float:
+    return _executor_counter(server, executor, "modeled_busy_s")
 
 
-def _overshoot(executor: Executor) -> float:
-    return float(getattr(executor, "overshoot_s", 0.0))
+def _overshoot(server: BenchServer, executor: Executor) -> float:
+    return _executor_counter(server, executor, "overshoot_s")
+
+
+def _executor_counter(server: BenchServer, executor: Executor, name: str) -> float:
+    """A stand-in's counter: from the engine process's last report when the engine runs there."""
+    counters = getattr(server.engine, "executor_counters", None)
+    if counters is not None:
+        return float(counters.get(name, 0.0))
+    return float(getattr(executor, name, 0.0))
 
 
 def _cell_line(cell: Cell) -> str:
@@ -416,6 +442,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="host: measured window per cell (3)")
     parser.add_argument("--warmup", type=float, default=1.0, help="host: unmeasured start of each window (1)")
+    parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="host: the server's engine in a process of its own (serve --engine-process)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -435,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
         warmup_s=args.warmup,
         reps=args.reps,
         log=lambda message: print(message, file=sys.stderr, flush=True),
+        engine_process=args.engine_process,
     )
     print_result(cells, labels, args.new_tokens, args.seconds, args.reps)
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from wafer.errors import WaferGPT2Error
@@ -24,14 +25,22 @@ class BenchServer:
     """`with BenchServer(...) as server`: started, its engine ready; `server.port`, `server.url` and
     `server.engine` for the clients and the measurements."""
 
-    def __init__(self, executor: Executor, settings: ServerSettings, model_name: str, ready_timeout_s: float):
+    def __init__(
+        self,
+        executor: Executor,
+        settings: ServerSettings,
+        model_name: str,
+        ready_timeout_s: float,
+        executor_factory: Callable[[], Executor] | None = None,
+    ):
+        """`executor_factory`: builds the executor where the engine runs (picklable, for
+        `settings.engine_process`); by default the engine gets `executor` itself."""
         from service.api import create_app
         from service.server import ServiceServer
 
         self.fatal: list[str] = []
-        app = create_app(
-            settings, lambda: executor, model_summary={"name": model_name}, on_fatal=self.fatal.append
-        )
+        factory = executor_factory if executor_factory is not None else lambda: executor
+        app = create_app(settings, factory, model_summary={"name": model_name}, on_fatal=self.fatal.append)
         self.engine = app.state.engine
         self.ready_timeout_s = ready_timeout_s
         self.server = ServiceServer(app, settings, log_level="warning", access_log=False)

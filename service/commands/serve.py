@@ -9,9 +9,11 @@ the server stops with exit status 1.
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import os
 import sys
+from pathlib import Path
 
 from service.chat_template import ChatTemplateError, load_chat_template
 from service.cli import UserError
@@ -19,7 +21,9 @@ from service.logs import LOG_FORMATS
 from service.logs import configure as configure_logging
 from service.settings import ServerSettings
 from wafer.backends import BACKENDS, DEFAULT_BACKEND, ExecutorOptions, build_executor, build_sim_executor
+from wafer.executor import Executor
 from weights.checkpoint import load_checkpoint, resolve_weights
+from weights.params import GPT2Params
 
 API_KEY_ENV = "WAFER_GPT2_API_KEY"
 ALLOW_NO_API_KEY_ENV = "WAFER_GPT2_ALLOW_NO_API_KEY"
@@ -174,6 +178,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"uvicorn's event loop ({defaults.event_loop}: its socket writes let the engine's thread run)",
     )
     parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine (and the model's backend) in a process of its own: HTTP and the engine each "
+        "get a core and a GIL (service/engine_process.py)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
         help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; unset: no authentication)",
@@ -245,6 +255,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         dtype=args.dtype,
         max_concurrent_requests=args.max_concurrent,
         event_loop=args.event_loop,
+        engine_process=args.engine_process,
         max_queue=args.max_queue,
         context_length=args.context,
         top_k=args.top_k,
@@ -264,6 +275,17 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         api_key=args.api_key or None,
         chat_template=chat_template,
     )
+
+
+def build_backend(backend: str, params: GPT2Params, options: ExecutorOptions) -> Executor:
+    if backend == "sim":  # the simulator's upload can show a progress bar
+        return build_sim_executor(params, options, progress=True)
+    return build_executor(backend, params, options)
+
+
+def load_and_build_backend(backend: str, weights_path: Path, options: ExecutorOptions) -> Executor:
+    """The executor factory of `--engine-process`: the engine process loads the checkpoint itself."""
+    return build_backend(backend, load_checkpoint(weights_path), options)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -292,10 +314,14 @@ def run(args: argparse.Namespace) -> int:
         replicas=args.replicas,
     )
 
-    def build():
-        if settings.backend == "sim":  # the simulator's upload can show a progress bar
-            return build_sim_executor(params, options, progress=True)
-        return build_executor(settings.backend, params, options)
+    # With --engine-process what crosses to the engine process is the checkpoint's path, not the weights
+    # (the engine process loads them again; this one lets its copy go).
+    build = (
+        functools.partial(load_and_build_backend, settings.backend, weights_path, options)
+        if settings.engine_process
+        else functools.partial(build_backend, settings.backend, params, options)
+    )
+    del params
 
     failure: list[str] = []
     server: ServiceServer | None = None

@@ -1,0 +1,581 @@
+"""The engine in a process of its own (vLLM's split of the API server from the engine core; issue 18).
+
+In one process the HTTP event loop and the engine's worker take turns on one GIL: with an executor
+that answers at once, the server holds the GIL nearly all the time and uses one core of two. Here
+the engine (`service/engine.py`, unchanged: worker, reload, watchdog, drain) runs in a spawned
+process, and the HTTP process talks to it over a pipe:
+
+- to the engine: `submit` (the request's id, the `GenerationRequest`, whether it streams), `cancel`,
+  `drain`, `shutdown`, `fault` (the test hook);
+- from the engine: each step's events in one message (as `EngineCore._flush` hands them to an event
+  loop in one call), and the engine's state whenever it changes (`Snapshot`).
+
+`EngineProcess` has the surface the API uses of an `Engine`. A request is refused in the HTTP process
+(synchronously, as the in-process engine does) when the last known state is not READY, or when the
+requests it has sent and not yet seen end reach the engine's capacity (slots plus queue). The engine
+checks again: a refusal there arrives as the request's error event.
+
+The executor lives in the engine process; the HTTP process sees its shape (`ShapeReport`: what the
+request limits and /info read). The engine's metrics are recorded there: /metrics asks for their
+samples and merges them with this process's own (`ServiceMetrics.render`); `kv_usage` and
+`queue_sizes` are asked too (a round trip each), the rest is read from the last state report.
+
+The engine process is spawned (nothing of this process's threads or locks is inherited), so the
+executor factory must be picklable, and a script that starts a server this way needs the usual
+`if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from service.engine import Engine, EngineState, ExecutorFactory
+from service.errors import Overloaded, ServiceError, Unavailable
+from service.kv_slots import KVUsage
+from service.metrics import Family, ServiceMetrics
+from service.request import (
+    ErrorEvent,
+    Event,
+    GenerationRequest,
+    RequestStatus,
+    Submitted,
+    TokenEvent,
+    new_request_id,
+)
+from wafer.executor import Executor
+
+log = logging.getLogger(__name__)
+
+STATUS_PERIOD_S = 0.02  # how often the engine process looks for a change of state to report
+# Counters a stand-in executor keeps (`wafer/stand_in.py`), reported with the state for `bench host`.
+EXECUTOR_COUNTERS = ("modeled_busy_s", "overshoot_s")
+# The states a drain turns into DRAINING (the engine's own `begin_drain` rule).
+ACCEPTING = (EngineState.READY, EngineState.LOADING, EngineState.RELOADING)
+
+
+@dataclass(frozen=True)
+class ShapeReport:
+    """What the HTTP process knows of the engine's executor (`wafer.executor.ExecutorShape`)."""
+
+    backend: str
+    num_slots: int
+    context_length: int
+    vocab_size: int
+    top_k: int
+    description: dict
+
+    def describe(self) -> dict:
+        return self.description
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine's state as /health, /info and `bench host` read it."""
+
+    state: EngineState
+    error: str | None
+    fault: str | None
+    load_seconds: float | None
+    restarts: int
+    steps: int
+    idle_seconds: float
+    kv_usage: KVUsage
+    waiting: int
+    running: int
+    capacity: int
+    executor_counters: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class RemoteRequest:
+    """The HTTP side of a request the engine process runs: its id and its events' queue."""
+
+    id: str
+    stream: bool
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What the engine process builds its `Engine` from (picklable: it crosses a spawn)."""
+
+    executor_factory: ExecutorFactory
+    model_id: str
+    max_queue: int
+    step_token_budget: int
+    step_timeout_s: float
+    step_timeout_per_item_s: float
+
+
+# ----- the engine process ----------------------------------------------------------------------------
+
+
+class _Outbox:
+    """Stands in for an event loop in the engine process: `EngineCore._flush` hands it a step's events
+    (`loop.call_soon_threadsafe(deliver, events)`), which leave for the HTTP process as one message."""
+
+    def __init__(self, send: Callable[[tuple], None], requests: dict[str, Any]):
+        self._send = send
+        self._requests = requests
+
+    def call_soon_threadsafe(self, function: Callable, *args) -> None:
+        if not args:
+            function()  # `wait_for_loops`: no event loop here shares this process's GIL
+            return
+        (events,) = args
+        out = []
+        for state, event in events:
+            out.append((state.id, event))
+            if not isinstance(event, TokenEvent):
+                self._requests.pop(state.id, None)
+        self._send(("events", out))
+
+
+def _shape(executor: Executor) -> ShapeReport:
+    return ShapeReport(
+        backend=str(getattr(executor, "backend", "")),
+        num_slots=executor.num_slots,
+        context_length=executor.context_length,
+        vocab_size=executor.vocab_size,
+        top_k=executor.top_k,
+        description=executor.describe(),
+    )
+
+
+def _snapshot(engine: Engine, executor: Executor | None) -> Snapshot:
+    waiting, running = engine.queue_sizes()
+    return Snapshot(
+        state=engine.state,
+        error=engine.error,
+        fault=engine.fault,
+        load_seconds=engine.load_seconds,
+        restarts=engine.restarts,
+        steps=engine.steps,
+        idle_seconds=round(engine.idle_seconds, 3),
+        kv_usage=engine.kv_usage(),
+        waiting=waiting,
+        running=running,
+        capacity=engine.capacity,
+        executor_counters={
+            name: float(getattr(executor, name)) for name in EXECUTOR_COUNTERS if hasattr(executor, name)
+        },
+    )
+
+
+def _current_executor(engine: Engine) -> Executor | None:
+    try:
+        return engine.executor
+    except Unavailable:
+        return None
+
+
+def engine_main(connection, options: EngineOptions) -> None:
+    """The engine process: serve the HTTP process's messages until `shutdown` (or the pipe closes)."""
+    from service.engine_core import gpt2_tokenizer_hooks
+
+    # A Ctrl-C reaches the whole process group: the HTTP process drains and then stops this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            connection.send(message)
+
+    requests: dict[str, Any] = {}
+    outbox = _Outbox(send, requests)
+    fatal: list[str] = []
+    metrics = ServiceMetrics(options.model_id)
+    engine = Engine(
+        options.executor_factory,
+        gpt2_tokenizer_hooks(),
+        metrics,
+        max_queue=options.max_queue,
+        step_token_budget=options.step_token_budget,
+        on_fatal=fatal.append,
+        step_timeout_s=options.step_timeout_s,
+        step_timeout_per_item_s=options.step_timeout_per_item_s,
+    )
+    engine.start()
+    stopped = threading.Event()
+
+    def report_status() -> None:
+        """Every STATUS_PERIOD_S: the engine's state when it changed, the executor's shape when a
+        (re)load brought a new one."""
+        last: Snapshot | None = None
+        described: Executor | None = None
+        while not stopped.is_set():
+            try:
+                executor = _current_executor(engine)
+                if executor is not None and executor is not described:
+                    send(("shape", _shape(executor)))
+                    described = executor
+                snapshot = _snapshot(engine, executor)
+                if snapshot != last:
+                    send(("status", snapshot, fatal[-1] if fatal else None))
+                    last = snapshot
+            except (OSError, ValueError):
+                return  # the pipe is closed
+            except Exception:
+                log.exception("the engine process could not report the engine's state")
+            stopped.wait(STATUS_PERIOD_S)
+
+    threading.Thread(target=report_status, name="wafer-engine-status", daemon=True).start()
+    try:
+        while True:
+            try:
+                message = connection.recv()
+            except EOFError:
+                break  # the HTTP process is gone
+            kind = message[0]
+            if kind == "submit":
+                _, request_id, request, stream = message
+                try:
+                    # Duck-typed: the core only calls the loop's `call_soon_threadsafe`.
+                    loop = cast(asyncio.AbstractEventLoop, outbox)
+                    state = engine.submit(request, stream, loop=loop, request_id=request_id)
+                except ServiceError as error:
+                    send(("events", [(request_id, ErrorEvent(error))]))
+                else:
+                    requests[request_id] = state
+                    if state.status is RequestStatus.FINISHED:  # it ended before it was filed here
+                        requests.pop(request_id, None)
+            elif kind == "cancel":
+                cancelled = requests.get(message[1])
+                if cancelled is not None:
+                    engine.cancel(cancelled)
+            elif kind == "drain":
+                engine.begin_drain()
+            elif kind == "fault":
+                engine.inject_fault(*message[1:])
+            elif kind == "ask":
+                _, number, what = message
+                answer = {
+                    "metrics": metrics.samples,
+                    "kv_usage": engine.kv_usage,
+                    "queue_sizes": engine.queue_sizes,
+                }[what]()
+                send(("answer", number, answer))
+            elif kind == "shutdown":
+                engine.shutdown(message[1])
+                break
+    finally:
+        stopped.set()
+        try:
+            send(("status", _snapshot(engine, _current_executor(engine)), fatal[-1] if fatal else None))
+            send(("stopped",))
+        except (OSError, ValueError):
+            pass
+        connection.close()
+
+
+# ----- the HTTP process ------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """The API's engine when the engine runs in a process of its own (`Engine`'s surface)."""
+
+    def __init__(
+        self,
+        options: EngineOptions,
+        metrics: ServiceMetrics,
+        on_fatal: Callable[[str], None] | None = None,
+    ):
+        self._options = options
+        self.metrics = metrics  # the HTTP process's own (guards, failures); the engine's are over there
+        self._on_fatal = on_fatal
+        self._context = multiprocessing.get_context("spawn")
+        self._connection, child = self._context.Pipe()
+        self._child = child
+        self._process = self._context.Process(
+            target=engine_main, args=(child, options), name="wafer-engine", daemon=True
+        )
+        self._send_lock = threading.Lock()
+        self._join_lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._snapshot = Snapshot(
+            EngineState.LOADING, None, None, None, 0, 0, 0.0, KVUsage(0, 0, 0, 0), 0, 0, 0
+        )
+        self._shape: ShapeReport | None = None
+        self._requests: dict[str, RemoteRequest] = {}
+        self._ids = itertools.count(1)
+        self._answers: dict[int, Any] = {}
+        self._stopped = False
+        self._draining = False  # set by `begin_drain`: no state report makes it accept requests again
+        self._shutting_down = False  # set by `shutdown`: the engine process's end is expected
+        self._fatal_told = False  # `on_fatal` is called once
+
+    # ----- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._process.start()
+        self._child.close()
+        threading.Thread(target=self._receive, name="wafer-engine-pipe", daemon=True).start()
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._connection.send(message)
+
+    def _receive(self) -> None:
+        """(A thread.) The engine's messages: events to their event loops, state to `_snapshot`."""
+        while True:
+            try:
+                message = self._connection.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "events":
+                self._deliver_events(message[1])
+            elif kind == "shape":
+                self._shape = message[1]
+            elif kind == "status":
+                _, snapshot, fatal = message
+                if self._draining and snapshot.state in ACCEPTING:
+                    snapshot = _with_state(snapshot, EngineState.DRAINING)  # sent before our drain arrived
+                with self._changed:
+                    self._snapshot = snapshot
+                    self._changed.notify_all()
+                if fatal is not None and not self._fatal_told and self._on_fatal is not None:
+                    self._fatal_told = True
+                    self._on_fatal(fatal)
+            elif kind == "answer":
+                with self._changed:
+                    self._answers[message[1]] = message[2]
+                    self._changed.notify_all()
+            elif kind == "stopped":
+                break
+        self._engine_gone()
+
+    def _deliver_events(self, events: list[tuple[str, Event]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RemoteRequest, Event]]] = {}
+        requests = self._requests
+        for request_id, event in events:
+            remote = requests.get(request_id)
+            if remote is None:
+                continue  # cancelled and forgotten
+            if not isinstance(event, TokenEvent):
+                remote.finished = True
+                del requests[request_id]
+            by_loop.setdefault(remote.loop, []).append((remote, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_events, items)
+            except RuntimeError:
+                pass  # the event loop is gone
+
+    def _engine_gone(self) -> None:
+        """The pipe closed. Whatever is still waiting ends with 503; an engine process that ended without
+        being asked to is a failed engine, and the server is told to exit (as when the worker dies)."""
+        self._join(5.0)
+        with self._changed:
+            self._stopped = True
+            unexpected = not self._shutting_down
+            if unexpected and self._snapshot.state is not EngineState.FAILED:
+                code = self._process.exitcode
+                self._snapshot = Snapshot(
+                    **{
+                        **vars(self._snapshot),
+                        "state": EngineState.FAILED,
+                        "error": f"the engine process ended unexpectedly (exit code {code})",
+                    }
+                )
+            elif self._snapshot.state is not EngineState.FAILED:
+                self._snapshot = _with_state(self._snapshot, EngineState.STOPPED)
+            self._changed.notify_all()
+        leftover = list(self._requests.values())
+        self._requests.clear()
+        error = (
+            self.unavailable()
+            if unexpected
+            else Unavailable("the server shut down before this request finished")
+        )
+        for remote in leftover:
+            remote.finished = True
+            try:
+                ended: list[tuple[RemoteRequest, Event]] = [(remote, ErrorEvent(error))]
+                remote.loop.call_soon_threadsafe(_put_events, ended)
+            except RuntimeError:
+                pass
+        if unexpected and not self._fatal_told and self._on_fatal is not None:
+            self._fatal_told = True
+            self._on_fatal(self._snapshot.error or "the engine process ended unexpectedly")
+
+    def wait_ready(self, timeout: float) -> bool:
+        with self._changed:
+            loading = (EngineState.LOADING, EngineState.RELOADING)
+            self._changed.wait_for(lambda: self._snapshot.state not in loading, timeout)
+            return self._snapshot.state is EngineState.READY
+
+    def begin_drain(self) -> None:
+        with self._changed:
+            self._draining = True
+            if self._snapshot.state in ACCEPTING:
+                self._snapshot = _with_state(self._snapshot, EngineState.DRAINING)
+        self._send_quietly(("drain",))
+
+    def wait_drained(self, timeout: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._requests or self._stopped, timeout)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Drain (up to `timeout`), fail what is left with 503, stop the engine process."""
+        self.begin_drain()
+        self._shutting_down = True
+        self._send_quietly(("shutdown", timeout))
+        self._join(timeout + 10.0)
+        if self._process.is_alive():
+            log.error("the engine process did not stop: terminated")
+            self._process.terminate()
+            self._join(5.0)
+        self._connection.close()
+
+    def inject_fault(
+        self, message: str = "injected worker fault", steps: int = 1, reloads: int = 0, error=None
+    ):
+        args: tuple = (message, steps, reloads) if error is None else (message, steps, reloads, error)
+        self._send(("fault", *args))
+
+    def _join(self, timeout: float) -> None:
+        # One thread at a time: two concurrent joins race for the child's exit status, and the loser
+        # sees a process that is still alive.
+        with self._join_lock:
+            self._process.join(timeout)
+
+    def _send_quietly(self, message: tuple) -> None:
+        try:
+            self._send(message)
+        except (OSError, ValueError):
+            pass  # the engine process is gone already
+
+    # ----- what the API reads ----------------------------------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        return self._snapshot.state
+
+    @property
+    def ready(self) -> bool:
+        return self._snapshot.state is EngineState.READY
+
+    @property
+    def error(self) -> str | None:
+        return self._snapshot.error
+
+    @property
+    def fault(self) -> str | None:
+        return self._snapshot.fault
+
+    @property
+    def load_seconds(self) -> float | None:
+        return self._snapshot.load_seconds
+
+    @property
+    def restarts(self) -> int:
+        return self._snapshot.restarts
+
+    @property
+    def steps(self) -> int:
+        return self._snapshot.steps
+
+    @property
+    def idle_seconds(self) -> float:
+        return self._snapshot.idle_seconds
+
+    @property
+    def executor(self) -> ShapeReport:
+        """The shape of the engine's executor (raises Unavailable before the first load)."""
+        shape = self._shape
+        if shape is None:
+            raise self.unavailable()
+        return shape
+
+    def describe(self) -> dict:
+        return self.executor.describe()
+
+    def kv_usage(self) -> KVUsage:
+        """Asked of the engine process (a round trip: not for a hot path)."""
+        return self._ask("kv_usage", self._snapshot.kv_usage)
+
+    def queue_sizes(self) -> tuple[int, int]:
+        """(waiting, running), asked of the engine process (a round trip: not for a hot path)."""
+        return self._ask("queue_sizes", (self._snapshot.waiting, self._snapshot.running))
+
+    def unavailable(self) -> Unavailable:
+        state = self._snapshot.state
+        final = state in (EngineState.FAILED, EngineState.STOPPED)
+        reason = {
+            EngineState.LOADING: "the model is still being uploaded; retry shortly",
+            EngineState.RELOADING: "the wafer worker is reloading the model after a failure; retry shortly",
+            EngineState.DRAINING: "the server is shutting down and accepts no new requests",
+            EngineState.STOPPED: "the server has shut down",
+            EngineState.FAILED: f"the engine failed and cannot serve: {self._snapshot.error}",
+        }.get(state, "the engine is not ready")
+        return Unavailable(reason, final=final)
+
+    def submit(self, request: GenerationRequest, stream: bool = True) -> RemoteRequest:
+        snapshot = self._snapshot
+        if snapshot.state is not EngineState.READY:
+            raise self.unavailable()
+        if len(self._requests) >= snapshot.capacity:
+            raise Overloaded(
+                f"the server is at capacity ({len(self._requests)} requests running or queued, "
+                f"queue limit {self._options.max_queue}); retry later"
+            )
+        remote = RemoteRequest(new_request_id(), stream, asyncio.get_running_loop())
+        self._requests[remote.id] = remote
+        try:
+            self._send(("submit", remote.id, request, stream))
+        except (OSError, ValueError):
+            del self._requests[remote.id]
+            raise self.unavailable() from None
+        return remote
+
+    def cancel(self, remote: Submitted) -> None:
+        if not isinstance(remote, RemoteRequest):
+            raise TypeError(f"not a request of this engine: {remote!r}")
+        if remote.finished:
+            return
+        remote.finished = True
+        self._requests.pop(remote.id, None)
+        self._send_quietly(("cancel", remote.id))
+
+    def _ask(self, what: str, otherwise: Any, timeout: float = 5.0) -> Any:
+        """The engine process's answer to `what` (a round trip over the pipe); `otherwise` when it is
+        gone or does not answer within `timeout`."""
+        number = next(self._ids)
+        self._send_quietly(("ask", number, what))
+        with self._changed:
+            self._changed.wait_for(lambda: number in self._answers or self._stopped, timeout)
+            return self._answers.pop(number, otherwise)
+
+    def metric_samples(self) -> list[Family]:
+        """The engine process's metrics (`ServiceMetrics.samples`; blocks: call it off the event loop)."""
+        return self._ask("metrics", [])
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (`bench host` adds its CPU time to the server's)."""
+        return self._process.pid
+
+    @property
+    def executor_counters(self) -> dict[str, float]:
+        """The executor's counters (a stand-in's modeled busy time), as of the last state report."""
+        return self._snapshot.executor_counters
+
+
+def _put_events(items: list[tuple[RemoteRequest, Event]]) -> None:
+    for remote, event in items:
+        remote.events.put_nowait(event)
+
+
+def _with_state(snapshot: Snapshot, state: EngineState) -> Snapshot:
+    return Snapshot(**{**vars(snapshot), "state": state})

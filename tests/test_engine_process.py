@@ -1,0 +1,179 @@
+"""The engine in a process of its own (`serve --engine-process`, `service/engine_process.py`).
+
+Every route runs against it in tests/test_service_api.py (the `engine-process` cases). Here: what
+crossing a process boundary adds. The HTTP process refuses at once when the engine is full (429) or
+not ready (503); a failed step reaches the requests in flight and the engine reloads (the engine's
+metrics, merged into /metrics, count the restart); an engine process that dies ends every request and
+the server; a graceful shutdown drains and then stops the engine process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+from service_harness import (
+    built_late,
+    executor_factory,
+    running_server,
+    slow_executor,
+    sse_events,
+    wait_until,
+)
+
+from service.engine import EngineState
+from service.engine_process import EngineProcess
+from service.settings import ServerSettings
+
+PROMPT = "The engine runs in a process of its own"
+LONG = 100  # tokens: far more than a test lets run before it acts (the context is 128)
+
+
+def settings(**overrides) -> ServerSettings:
+    return ServerSettings(backend="reference", model_id="tiny-gpt2", engine_process=True, **overrides)
+
+
+def slow(small_params, slots: int, delay_s: float = 0.02):
+    return functools.partial(slow_executor, executor_factory("reference", small_params, slots=slots), delay_s)
+
+
+def long_stream(url: str, first_token: threading.Event) -> dict:
+    """A TGI stream of LONG tokens; `first_token` is set when its first event arrives."""
+    events: list = []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": LONG}}
+        with client.stream("POST", "/generate_stream", json=body) as response:
+            for event in sse_events(response):
+                events.append(event)
+                first_token.set()
+    return {"status": response.status_code, "events": events}
+
+
+def in_thread(call) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(call()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_the_engine_runs_in_another_process_and_answers_like_the_in_process_one(small_params):
+    body = {
+        "inputs": PROMPT,
+        "parameters": {"max_new_tokens": 12, "details": True, "decoder_input_details": True},
+    }
+    answers = []
+    for engine_process in (False, True):
+        config = ServerSettings(backend="reference", model_id="tiny-gpt2", engine_process=engine_process)
+        with running_server(config, executor_factory("reference", small_params, slots=2)) as running:
+            assert isinstance(running.engine, EngineProcess) is engine_process
+            if engine_process:
+                assert running.engine.pid not in (None, os.getpid())
+            with running.client() as c:
+                answers.append(c.post("/generate", json=body).json())
+    assert answers[0] == answers[1]
+
+
+def test_a_full_engine_refuses_at_once_with_429(small_params):
+    with (
+        running_server(settings(max_concurrent_requests=1, max_queue=1), slow(small_params, 1)) as running,
+        running.client() as c,
+    ):
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 100}}
+        with (
+            c.stream("POST", "/generate_stream", json=body) as first,
+            c.stream("POST", "/generate_stream", json=body) as second,
+        ):
+            assert first.status_code == second.status_code == 200  # one running, one queued
+            wait_until(lambda: running.engine.queue_sizes() == (1, 1))
+            started = time.monotonic()
+            refused = c.post("/generate", json=body)
+            assert time.monotonic() - started < 1.0
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error_type"] == "overloaded" and "queue limit 1" in refused.json()["error"]
+            metrics = c.get("/metrics").text
+            # The refusal was counted here, the two requests by the engine process: one /metrics.
+            assert 'tgi_request_failure{err="overloaded"} 1' in metrics
+            assert re.search(r"^tgi_request_count 2$", metrics, re.M), metrics
+        running.wait_idle(timeout=10)  # the streams closed: both requests left the engine, slots free
+
+
+def test_a_failed_step_reaches_the_requests_in_flight_and_the_engine_reloads(small_params):
+    with running_server(settings(max_concurrent_requests=2), slow(small_params, 2)) as running:
+        first_token = threading.Event()
+        thread, result = in_thread(lambda: long_stream(running.url, first_token))
+        assert first_token.wait(20)
+        running.engine.inject_fault("injected: fabric link down")
+        thread.join(30)
+        assert not thread.is_alive()
+        last = result["events"][-1]
+        assert result["status"] == 200 and len(result["events"]) < LONG
+        assert last["error_type"] == "generation" and "fabric link down" not in last["error"], last
+        assert running.engine.wait_ready(30), running.engine.state
+        with running.client() as c:
+            served = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}})
+            assert served.status_code == 200, served.text
+            assert re.search(r"^wafer_engine_restarts_total 1$", c.get("/metrics").text, re.M)
+        running.wait_idle()
+        assert running.engine.restarts == 1 and running.fatal == []
+
+
+def test_an_engine_process_that_dies_ends_every_request_and_the_server(small_params):
+    with running_server(settings(max_concurrent_requests=2), slow(small_params, 2)) as running:
+        first_token = threading.Event()
+        thread, result = in_thread(lambda: long_stream(running.url, first_token))
+        assert first_token.wait(20)
+        os.kill(running.engine.pid, signal.SIGKILL)
+        thread.join(30)
+        assert not thread.is_alive(), "a request hung after the engine process died"
+        last = result["events"][-1]
+        assert last["error_type"] == "unavailable" and "ended unexpectedly" in last["error"], last
+        wait_until(lambda: running.fatal, timeout=10)  # the server is told to exit
+        assert "ended unexpectedly (exit code -9)" in running.fatal[0], running.fatal
+        assert running.engine.state is EngineState.FAILED
+        with running.client() as c:
+            health = c.get("/health")
+            assert health.status_code == 503 and health.json()["state"] == "failed", health.text
+            refused = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}})
+            assert refused.status_code == 503 and "Retry-After" not in refused.headers, refused.text
+
+
+def test_a_graceful_shutdown_drains_then_stops_the_engine_process(small_params):
+    with running_server(settings(max_concurrent_requests=2), slow(small_params, 2, 0.01)) as running:
+        process = running.engine._process
+        with (
+            running.client() as c,
+            c.stream(
+                "POST", "/generate_stream", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 20}}
+            ) as response,
+        ):
+            events = sse_events(response)
+            next(events)
+            drain = running.server.begin_graceful_shutdown()
+            refused = httpx.post(
+                running.url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}
+            )
+            assert refused.status_code == 503, refused.text
+            rest = list(events)
+        assert rest[-1]["generated_text"] is not None and "error" not in rest[-1], rest[-1]
+        drain.join(30)
+        process.join(10)
+        assert process.exitcode == 0 and running.fatal == []
+
+
+def test_the_engine_process_reports_loading_until_its_executor_is_built(small_params):
+    factory = functools.partial(built_late, executor_factory("reference", small_params, slots=1), 1.5)
+    with running_server(settings(max_concurrent_requests=1), factory, wait_ready=False) as running:
+        with running.client() as c:
+            early = c.get("/health")
+            assert early.status_code == 503 and early.json()["state"] == "loading", early.text
+            refused = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}})
+            assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
+            assert running.engine.wait_ready(30)
+            assert c.get("/health").status_code == 200
+            info = c.get("/info").json()
+            assert (info["kv_slots"], info["backend"]) == (1, "reference"), info
