@@ -28,7 +28,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from service import tokenize_api
+from service import heap, tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, EventStreamResponse, JSONResponse, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory
@@ -132,6 +132,7 @@ def create_app(
             step_token_budget=settings.step_token_budget,
             step_timeout_s=settings.step_timeout_s,
             step_timeout_per_item_s=settings.step_timeout_per_item_s,
+            freeze_heap=settings.freeze_heap,
         )
         engine = EngineProcess(options, metrics, on_fatal=on_fatal)
     else:
@@ -160,6 +161,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        if settings.freeze_heap:
+            heap.settle()  # this process's heap; an in-process executor loads later, on the worker
         yield
         await asyncio.to_thread(engine.shutdown, settings.shutdown_timeout_s)
         pool.shutdown(wait=False)

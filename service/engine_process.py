@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from service import heap
 from service.engine import Engine, EngineState, ExecutorFactory
 from service.errors import Overloaded, ServiceError, Unavailable
 from service.kv_slots import KVUsage
@@ -115,6 +116,7 @@ class EngineOptions:
     step_token_budget: int
     step_timeout_s: float
     step_timeout_per_item_s: float
+    freeze_heap: bool = False  # settle the engine process's heap after each load (`service/heap.py`)
 
 
 # ----- the engine process ----------------------------------------------------------------------------
@@ -217,6 +219,8 @@ def engine_main(connection, options: EngineOptions) -> None:
             try:
                 executor = _current_executor(engine)
                 if executor is not None and executor is not described:
+                    if options.freeze_heap:
+                        heap.settle()  # the new executor's objects; the old one's can go
                     send(("shape", _shape(executor)))
                     described = executor
                 snapshot = _snapshot(engine, executor)

@@ -55,6 +55,10 @@ class ServerSettings:
     # The engine in a process of its own (`service/engine_process.py`): HTTP and the engine each get a
     # GIL. The executor factory must then be picklable (it crosses a spawn).
     engine_process: bool = False
+    # After startup (and in an engine process after each load) the long-lived heap is frozen out of
+    # the garbage collector (`service/heap.py`). `serve` sets it; tests that build many apps in one
+    # process do not (each freeze is a full collection of the test process).
+    freeze_heap: bool = False
 
     # Chat: the Jinja source of `--chat-template` (None: the plain transcript of service.chat_template).
     chat_template: str | None = None

@@ -177,3 +177,45 @@ def test_the_engine_process_reports_loading_until_its_executor_is_built(small_pa
             assert c.get("/health").status_code == 200
             info = c.get("/info").json()
             assert (info["kv_slots"], info["backend"]) == (1, "reference"), info
+
+
+def test_settling_the_heap_freezes_what_lives_and_frees_what_a_reload_dropped():
+    import gc
+    import weakref
+
+    from service import heap
+
+    class Node:
+        pass
+
+    try:
+        kept, dropped = Node(), Node()
+        dropped.self = dropped  # a cycle: only the cyclic collector frees it
+        gone = weakref.ref(dropped)
+        heap.settle()
+        assert gc.get_freeze_count() > 0 and gone() is not None  # frozen while it is referenced
+        del dropped
+        gc.collect()
+        assert gone() is not None  # a frozen cycle is out of the collector's reach...
+        heap.settle()
+        assert gone() is None and kept is not None  # ...until the next settle unfreezes it first
+    finally:
+        gc.unfreeze()
+
+
+def test_a_server_that_freezes_its_heap_has_frozen_it_once_started(small_params):
+    import gc
+
+    try:
+        config = ServerSettings(backend="reference", model_id="tiny-gpt2", freeze_heap=True)
+        with running_server(config, executor_factory("reference", small_params, slots=1)) as running:
+            assert gc.get_freeze_count() > 0
+            with running.client() as c:
+                assert (
+                    c.post(
+                        "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}
+                    ).status_code
+                    == 200
+                )
+    finally:
+        gc.unfreeze()

@@ -184,6 +184,7 @@ def _server(executor: Executor, kind: str, streams: int, context: int, engine_pr
         max_queue=4 * streams,
         max_connections=max(1024, 4 * streams),
         engine_process=engine_process,
+        freeze_heap=True,  # as `serve` does
     )
     factory = functools.partial(stand_in_executor, kind, streams, context) if engine_process else None
     return BenchServer(executor, settings, "gpt2", ready_timeout_s=120, executor_factory=factory)

@@ -256,6 +256,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         max_concurrent_requests=args.max_concurrent,
         event_loop=args.event_loop,
         engine_process=args.engine_process,
+        freeze_heap=True,
         max_queue=args.max_queue,
         context_length=args.context,
         top_k=args.top_k,
