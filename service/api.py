@@ -28,7 +28,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from service import heap, tokenize_api
+from service import heap, logs, tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, EventStreamResponse, JSONResponse, submit_all, wait_for_results
 from service.engine import Engine, EngineState, ExecutorFactory
@@ -133,6 +133,7 @@ def create_app(
             step_timeout_s=settings.step_timeout_s,
             step_timeout_per_item_s=settings.step_timeout_per_item_s,
             freeze_heap=settings.freeze_heap,
+            log_config=logs.configured,
         )
         engine = EngineProcess(options, metrics, on_fatal=on_fatal)
     else:

@@ -37,10 +37,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from service import heap
+from service import heap, logs
 from service.engine import Engine, EngineState, ExecutorFactory
-from service.errors import Overloaded, ServiceError, Unavailable
+from service.errors import Overloaded, RequestFailed, ServiceError, Unavailable
 from service.kv_slots import KVUsage
+from service.logs import log_reference
 from service.metrics import Family, ServiceMetrics
 from service.request import (
     ErrorEvent,
@@ -117,6 +118,8 @@ class EngineOptions:
     step_timeout_s: float
     step_timeout_per_item_s: float
     freeze_heap: bool = False  # settle the engine process's heap after each load (`service/heap.py`)
+    # (level, format) of the HTTP process's `service.logs.configure`, repeated in the engine process.
+    log_config: tuple[str, str] | None = None
 
 
 # ----- the engine process ----------------------------------------------------------------------------
@@ -187,6 +190,8 @@ def engine_main(connection, options: EngineOptions) -> None:
 
     # A Ctrl-C reaches the whole process group: the HTTP process drains and then stops this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if options.log_config is not None:
+        logs.configure(*options.log_config)
     send_lock = threading.Lock()
 
     def send(message: tuple) -> None:
@@ -238,8 +243,11 @@ def engine_main(connection, options: EngineOptions) -> None:
         while True:
             try:
                 message = connection.recv()
-            except EOFError:
+            except (EOFError, OSError):
                 break  # the HTTP process is gone
+            except Exception:  # a message that does not unpickle: a bug, logged; the engine goes on
+                log.exception("could not read a message from the HTTP process")
+                continue
             kind = message[0]
             if kind == "submit":
                 _, request_id, request, stream = message
@@ -249,6 +257,11 @@ def engine_main(connection, options: EngineOptions) -> None:
                     state = engine.submit(request, stream, loop=loop, request_id=request_id)
                 except ServiceError as error:
                     send(("events", [(request_id, ErrorEvent(error))]))
+                except Exception:  # a bug: this request fails (500, a log reference), the engine goes on
+                    reference = log_reference()
+                    log.exception("could not queue request %s (reference %s)", request_id, reference)
+                    failed = RequestFailed(f"the server could not queue this request (reference {reference})")
+                    send(("events", [(request_id, ErrorEvent(failed))]))
                 else:
                     requests[request_id] = state
                     if state.status is RequestStatus.FINISHED:  # it ended before it was filed here
@@ -336,28 +349,40 @@ class EngineProcess:
                 message = self._connection.recv()
             except (EOFError, OSError):
                 break
-            kind = message[0]
-            if kind == "events":
-                self._deliver_events(message[1])
-            elif kind == "shape":
-                self._shape = message[1]
-            elif kind == "status":
-                _, snapshot, fatal = message
-                if self._draining and snapshot.state in ACCEPTING:
-                    snapshot = _with_state(snapshot, EngineState.DRAINING)  # sent before our drain arrived
-                with self._changed:
-                    self._snapshot = snapshot
-                    self._changed.notify_all()
-                if fatal is not None and not self._fatal_told and self._on_fatal is not None:
-                    self._fatal_told = True
-                    self._on_fatal(fatal)
-            elif kind == "answer":
-                with self._changed:
-                    self._answers[message[1]] = message[2]
-                    self._changed.notify_all()
-            elif kind == "stopped":
-                break
+            except Exception:  # a message that does not unpickle: a bug, logged; the pipe goes on
+                log.exception("could not read a message from the engine process")
+                continue
+            try:
+                if not self._handle(message):
+                    break
+            except Exception:  # a bug here must not end the only reader of the engine's messages
+                log.exception("could not handle the engine process's %r message", message[0])
         self._engine_gone()
+
+    def _handle(self, message: tuple) -> bool:
+        """One message from the engine process; False when it says it stopped."""
+        kind = message[0]
+        if kind == "events":
+            self._deliver_events(message[1])
+        elif kind == "shape":
+            self._shape = message[1]
+        elif kind == "status":
+            _, snapshot, fatal = message
+            if self._draining and snapshot.state in ACCEPTING:
+                snapshot = _with_state(snapshot, EngineState.DRAINING)  # sent before our drain arrived
+            with self._changed:
+                self._snapshot = snapshot
+                self._changed.notify_all()
+            if fatal is not None and not self._fatal_told and self._on_fatal is not None:
+                self._fatal_told = True
+                self._on_fatal(fatal)
+        elif kind == "answer":
+            with self._changed:
+                self._answers[message[1]] = message[2]
+                self._changed.notify_all()
+        elif kind == "stopped":
+            return False
+        return True
 
     def _deliver_events(self, events: list[tuple[str, Event]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RemoteRequest, Event]]] = {}

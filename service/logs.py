@@ -52,8 +52,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+# What `configure` was last called with: an engine process configures its logging the same way.
+configured: tuple[str, str] | None = None
+
+
 def configure(level: str, log_format: str = "text") -> None:
     """The root logger's one handler, for the service and (JSON mode) uvicorn's loggers too."""
+    global configured
+    configured = (level, log_format)
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdFilter())
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -241,6 +242,42 @@ def test_serve_command_serves_and_exits_cleanly_on_sigterm(small_params, write_c
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_serve_with_an_engine_process_logs_it_in_the_same_format_and_exits_cleanly(
+    small_params, write_checkpoint
+):
+    checkpoint = write_checkpoint(small_params, "safetensors")
+    port = free_port()
+    command = [sys.executable, "-m", "service.cli", "serve", "--weights", str(checkpoint), "--backend"]
+    command += ["reference", "--port", str(port), "--engine-process", "--log-format", "json"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            assert process.poll() is None, process.communicate()[1]
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(healthy, timeout=60)
+        response = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
+        assert response.status_code == 200, response.text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        err = process.stderr.read() if process.stderr is not None else ""
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    entries = [json.loads(line) for line in err.splitlines() if line.strip()]  # every line is JSON
+    ready = [e for e in entries if e["logger"] == "service.engine" and "model ready" in e["message"]]
+    assert len(ready) == 1, err  # logged by the engine process, in the HTTP process's format
 
 
 @pytest.mark.parametrize(
