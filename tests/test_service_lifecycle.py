@@ -203,6 +203,8 @@ def free_port() -> int:
 
 
 def test_serve_command_serves_and_exits_cleanly_on_sigterm(small_params, write_checkpoint):
+    """Here with the engine in a process of its own, logging JSON (the in-process engine's `serve` runs
+    as a subprocess in test_robust_replicas and test_robust_bad_checkpoints)."""
     checkpoint = write_checkpoint(small_params, "safetensors")
     port = free_port()
     command = [
@@ -215,7 +217,8 @@ def test_serve_command_serves_and_exits_cleanly_on_sigterm(small_params, write_c
         "--backend",
         "reference",
     ]
-    command += ["--port", str(port), "--max-concurrent", "2", "--model", "tiny", "--log-level", "warning"]
+    command += ["--port", str(port), "--max-concurrent", "2", "--model", "tiny", "--log-level", "info"]
+    command += ["--engine-process", "--log-format", "json"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -236,38 +239,6 @@ def test_serve_command_serves_and_exits_cleanly_on_sigterm(small_params, write_c
         assert info["model_config_summary"]["n_layer"] == small_params.config.n_layer
         response = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
         assert response.status_code == 200
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def test_serve_with_an_engine_process_logs_it_in_the_same_format_and_exits_cleanly(
-    small_params, write_checkpoint
-):
-    checkpoint = write_checkpoint(small_params, "safetensors")
-    port = free_port()
-    command = [sys.executable, "-m", "service.cli", "serve", "--weights", str(checkpoint), "--backend"]
-    command += ["reference", "--port", str(port), "--engine-process", "--log-format", "json"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def healthy() -> bool:
-            assert process.poll() is None, process.communicate()[1]
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(healthy, timeout=60)
-        response = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
-        assert response.status_code == 200, response.text
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
         err = process.stderr.read() if process.stderr is not None else ""

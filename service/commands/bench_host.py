@@ -24,6 +24,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from service.cli import UserError
 from service.commands.bench_server import BenchFailed, BenchServer, HelperProcess
 from service.commands.load_client import LoadJob, LoadResult, client_process, record_response, replay_server
 from wafer.executor import Executor
-from wafer.stand_in import ModeledWaferExecutor, modeled_step_seconds
+from wafer.stand_in import ModeledWaferExecutor, NullExecutor, modeled_step_seconds
 
 EXECUTORS = ("null", "modeled")
 ROUTES = ("tgi-stream", "openai-stream", "generate", "openai")
@@ -166,12 +167,17 @@ def modeled_plan(config, streams: int, context: int):
     raise BenchFailed(f"no GPT-2 124M plan serves {streams} slots: {last}")
 
 
-def stand_in_executor(kind: str, streams: int, context: int) -> Executor:
-    """`build_stand_in`'s executor alone: the factory the engine process builds it with."""
-    return build_stand_in(kind, streams, context)[0]
+def twin_factory(executor: Executor) -> Callable[[], Executor]:
+    """A picklable factory of a stand-in like `executor`, for the engine process (the modeled one
+    takes its plan along: the planner's search is not run twice)."""
+    if isinstance(executor, ModeledWaferExecutor):
+        return functools.partial(ModeledWaferExecutor, executor.plan, executor.clock_hz)
+    return functools.partial(
+        NullExecutor, executor.vocab_size, slots=executor.num_slots, context=executor.context_length
+    )
 
 
-def _server(executor: Executor, kind: str, streams: int, context: int, engine_process: bool) -> BenchServer:
+def _server(executor: Executor, streams: int, engine_process: bool) -> BenchServer:
     """The service for `streams` streams, admitting all of them at once; `engine_process`: its engine
     in a process of its own, which builds an executor like `executor` (`service/engine_process.py`)."""
     from service.settings import ServerSettings
@@ -186,7 +192,7 @@ def _server(executor: Executor, kind: str, streams: int, context: int, engine_pr
         engine_process=engine_process,
         freeze_heap=True,  # as `serve` does
     )
-    factory = functools.partial(stand_in_executor, kind, streams, context) if engine_process else None
+    factory = twin_factory(executor) if engine_process else None
     return BenchServer(executor, settings, "gpt2", ready_timeout_s=120, executor_factory=factory)
 
 
@@ -233,7 +239,7 @@ def measure(
                     )
                 log(f"bench host: {labels[f'{kind} {count}']}; {count} streams")
                 row = {route: Cell(kind, count, route) for route in routes}
-                with _server(executor, kind, count, context, engine_process) as server:
+                with _server(executor, count, engine_process) as server:
                     for route in routes:  # warm-up, and the response the replay server will send
                         recorded[route] = record_response(
                             "127.0.0.1", server.port, ROUTE_TABLE[route].request(new_tokens)
