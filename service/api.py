@@ -28,10 +28,10 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from service import heap, logs, tokenize_api
+from service import heap, tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, EventStreamResponse, JSONResponse, submit_all, wait_for_results
-from service.engine import Engine, EngineState, ExecutorFactory
+from service.engine import EngineState, ExecutorFactory
 from service.engine_core import gpt2_tokenizer_hooks
 from service.engine_process import EngineOptions, EngineProcess
 from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
@@ -123,30 +123,12 @@ def create_app(
     )
     tokenizer.get_encoding()  # build the BPE tables now, not on the first request
     metrics = ServiceMetrics(settings.model_id)
-    engine: ServingEngine
-    if settings.engine_process:
-        options = EngineOptions(
-            executor_factory,
-            model_id=settings.model_id,
-            max_queue=settings.max_queue,
-            step_token_budget=settings.step_token_budget,
-            step_timeout_s=settings.step_timeout_s,
-            step_timeout_per_item_s=settings.step_timeout_per_item_s,
-            freeze_heap=settings.freeze_heap,
-            log_config=logs.configured,
-        )
-        engine = EngineProcess(options, metrics, on_fatal=on_fatal)
-    else:
-        engine = Engine(
-            executor_factory,
-            hooks,
-            metrics,
-            max_queue=settings.max_queue,
-            step_token_budget=settings.step_token_budget,
-            on_fatal=on_fatal,
-            step_timeout_s=settings.step_timeout_s,
-            step_timeout_per_item_s=settings.step_timeout_per_item_s,
-        )
+    options = EngineOptions.of(settings, executor_factory)
+    engine: ServingEngine = (
+        EngineProcess(options, metrics, on_fatal=on_fatal)
+        if settings.engine_process
+        else options.engine(metrics, on_fatal=on_fatal)
+    )
 
     pool = request_pool()
 

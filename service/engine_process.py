@@ -39,6 +39,7 @@ from typing import Any, cast
 
 from service import heap, logs
 from service.engine import Engine, EngineState, ExecutorFactory
+from service.engine_core import gpt2_tokenizer_hooks
 from service.errors import Overloaded, RequestFailed, ServiceError, Unavailable
 from service.kv_slots import KVUsage
 from service.logs import log_reference
@@ -52,6 +53,7 @@ from service.request import (
     TokenEvent,
     new_request_id,
 )
+from service.settings import ServerSettings
 from wafer.executor import Executor
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,32 @@ class EngineOptions:
     # (level, format) of the HTTP process's `service.logs.configure`, repeated in the engine process.
     log_config: tuple[str, str] | None = None
 
+    @classmethod
+    def of(cls, settings: ServerSettings, executor_factory: ExecutorFactory) -> EngineOptions:
+        return cls(
+            executor_factory,
+            model_id=settings.model_id,
+            max_queue=settings.max_queue,
+            step_token_budget=settings.step_token_budget,
+            step_timeout_s=settings.step_timeout_s,
+            step_timeout_per_item_s=settings.step_timeout_per_item_s,
+            freeze_heap=settings.freeze_heap,
+            log_config=logs.configured,
+        )
+
+    def engine(self, metrics: ServiceMetrics, on_fatal: Callable[[str], None] | None) -> Engine:
+        """The engine these options describe (in this process)."""
+        return Engine(
+            self.executor_factory,
+            gpt2_tokenizer_hooks(),
+            metrics,
+            max_queue=self.max_queue,
+            step_token_budget=self.step_token_budget,
+            on_fatal=on_fatal,
+            step_timeout_s=self.step_timeout_s,
+            step_timeout_per_item_s=self.step_timeout_per_item_s,
+        )
+
 
 # ----- the engine process ----------------------------------------------------------------------------
 
@@ -186,8 +214,6 @@ def _current_executor(engine: Engine) -> Executor | None:
 
 def engine_main(connection, options: EngineOptions) -> None:
     """The engine process: serve the HTTP process's messages until `shutdown` (or the pipe closes)."""
-    from service.engine_core import gpt2_tokenizer_hooks
-
     # A Ctrl-C reaches the whole process group: the HTTP process drains and then stops this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if options.log_config is not None:
@@ -202,16 +228,7 @@ def engine_main(connection, options: EngineOptions) -> None:
     outbox = _Outbox(send, requests)
     fatal: list[str] = []
     metrics = ServiceMetrics(options.model_id)
-    engine = Engine(
-        options.executor_factory,
-        gpt2_tokenizer_hooks(),
-        metrics,
-        max_queue=options.max_queue,
-        step_token_budget=options.step_token_budget,
-        on_fatal=fatal.append,
-        step_timeout_s=options.step_timeout_s,
-        step_timeout_per_item_s=options.step_timeout_per_item_s,
-    )
+    engine = options.engine(metrics, on_fatal=fatal.append)
     engine.start()
     stopped = threading.Event()
 

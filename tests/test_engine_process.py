@@ -1,8 +1,8 @@
 """The engine in a process of its own (`serve --engine-process`, `service/engine_process.py`).
 
 Every route runs against it in tests/test_service_api.py (the `engine-process` cases). Here: what
-crossing a process boundary adds. The HTTP process refuses at once when the engine is full (429) or
-not ready (503); a failed step reaches the requests in flight and the engine reloads (the engine's
+crossing a process boundary adds. The HTTP process refuses at once when the engine is not ready
+(503; when it is full, 429: tests/test_service_api.py); a failed step reaches the requests in flight and the engine reloads (the engine's
 metrics, merged into /metrics, count the restart); an engine process that dies ends every request and
 the server; a graceful shutdown drains and then stops the engine process.
 """
@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import threading
-import time
 
 import httpx
 from service_harness import (
@@ -76,30 +75,6 @@ def test_the_engine_runs_in_another_process_and_answers_like_the_in_process_one(
             with running.client() as c:
                 answers.append(c.post("/generate", json=body).json())
     assert answers[0] == answers[1]
-
-
-def test_a_full_engine_refuses_at_once_with_429(small_params):
-    with (
-        running_server(settings(max_concurrent_requests=1, max_queue=1), slow(small_params, 1)) as running,
-        running.client() as c,
-    ):
-        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 100}}
-        with (
-            c.stream("POST", "/generate_stream", json=body) as first,
-            c.stream("POST", "/generate_stream", json=body) as second,
-        ):
-            assert first.status_code == second.status_code == 200  # one running, one queued
-            wait_until(lambda: running.engine.queue_sizes() == (1, 1))
-            started = time.monotonic()
-            refused = c.post("/generate", json=body)
-            assert time.monotonic() - started < 1.0
-            assert refused.status_code == 429, refused.text
-            assert refused.json()["error_type"] == "overloaded" and "queue limit 1" in refused.json()["error"]
-            metrics = c.get("/metrics").text
-            # The refusal was counted here, the two requests by the engine process: one /metrics.
-            assert 'tgi_request_failure{err="overloaded"} 1' in metrics
-            assert re.search(r"^tgi_request_count 2$", metrics, re.M), metrics
-        running.wait_idle(timeout=10)  # the streams closed: both requests left the engine, slots free
 
 
 def test_a_failed_step_reaches_the_requests_in_flight_and_the_engine_reloads(small_params):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -12,12 +13,12 @@ import httpx
 import numpy as np
 import pytest
 from service_harness import (
-    SlowExecutor,
     always_end_of_text,
     executor_factory,
     reference_greedy,
     run_concurrently,
     running_server,
+    slow_executor,
     sse_events,
     wait_until,
 )
@@ -460,9 +461,12 @@ def test_disconnect_during_a_non_streaming_request_cancels_it(server, client):
 # ----- overload and authentication (servers of their own) ------------------------------------------
 
 
-def test_full_queue_answers_429_at_once(small_params):
-    settings = ServerSettings(backend="reference", max_concurrent_requests=1, max_queue=1)
-    slow = lambda: SlowExecutor(executor_factory("reference", small_params, slots=1)(), 0.02)  # noqa: E731
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_full_queue_answers_429_at_once(small_params, engine_process):
+    settings = ServerSettings(
+        backend="reference", max_concurrent_requests=1, max_queue=1, engine_process=engine_process
+    )
+    slow = functools.partial(slow_executor, executor_factory("reference", small_params, slots=1), 0.02)
     with running_server(settings, slow) as running, running.client() as c:
         body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 100}}
         with (
@@ -479,7 +483,11 @@ def test_full_queue_answers_429_at_once(small_params):
             assert "queue limit 1" in refused.json()["error"]
             refused = c.post("/v1/completions", json={"prompt": PROMPT})
             assert refused.status_code == 429 and refused.json()["error"]["type"] == "overloaded_error"
-            assert 'tgi_request_failure{err="overloaded"} 2' in c.get("/metrics").text
+            metrics = c.get("/metrics").text
+            # The refusals are counted by the HTTP process, the two requests by the engine (with
+            # --engine-process in another process; /metrics merges both).
+            assert 'tgi_request_failure{err="overloaded"} 2' in metrics
+            assert re.search(r"^tgi_request_count 2$", metrics, re.M), metrics
         running.wait_idle(timeout=10)
 
 
