@@ -173,7 +173,11 @@ def twin_factory(executor: Executor) -> Callable[[], Executor]:
     if isinstance(executor, ModeledWaferExecutor):
         return functools.partial(ModeledWaferExecutor, executor.plan, executor.clock_hz)
     return functools.partial(
-        NullExecutor, executor.vocab_size, slots=executor.num_slots, context=executor.context_length
+        NullExecutor,
+        executor.vocab_size,
+        slots=executor.num_slots,
+        context=executor.context_length,
+        top_k=executor.top_k,
     )
 
 
