@@ -150,7 +150,15 @@ def create_app(
         await asyncio.to_thread(engine.shutdown, settings.shutdown_timeout_s)
         pool.shutdown(wait=False)
 
-    app = FastAPI(title="wafer-gpt2", version=VERSION, lifespan=lifespan, default_response_class=JSONResponse)
+    app = FastAPI(
+        title="wafer-gpt2",
+        version=VERSION,
+        lifespan=lifespan,
+        default_response_class=JSONResponse,
+        # FastAPI's OpenTelemetry hooks look up the global providers on every request (3-4% of the
+        # HTTP process's time, issue 18); the service's telemetry is /metrics and its logs.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics

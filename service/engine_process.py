@@ -37,17 +37,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from service import heap, logs
+from service import engine_wire, heap, logs
 from service.engine import Engine, EngineState, ExecutorFactory
 from service.engine_core import gpt2_tokenizer_hooks
-from service.errors import Overloaded, RequestFailed, ServiceError, Unavailable
+from service.errors import Overloaded, ServiceError, Unavailable
 from service.kv_slots import KVUsage
-from service.logs import log_reference
 from service.metrics import Family, ServiceMetrics
 from service.request import (
     ErrorEvent,
     Event,
     GenerationRequest,
+    RequestState,
     RequestStatus,
     Submitted,
     TokenEvent,
@@ -153,24 +153,67 @@ class EngineOptions:
 # ----- the engine process ----------------------------------------------------------------------------
 
 
+class _Book:
+    """The engine process's requests by id, for cancellations. A request is filed by the engine's worker
+    at its next step boundary (`Engine.submit_nowait`); a cancellation that arrives before that is kept
+    and applied when it is filed. Touched by the pipe's reader and the worker: one small lock."""
+
+    def __init__(self, send: Callable[[tuple], None], cancel: Callable[[RequestState], None]):
+        self._send = send
+        self._cancel = cancel
+        self._lock = threading.Lock()
+        self._filed: dict[str, RequestState] = {}
+        self._unfiled: set[str] = set()  # handed to the engine, not filed yet
+        self._cancel_when_filed: set[str] = set()
+
+    def arrived(self, request_id: str) -> None:
+        with self._lock:
+            self._unfiled.add(request_id)
+
+    def filed(self, request_id: str, outcome: RequestState | ServiceError) -> None:
+        """(The worker, the engine's lock held.) The request is queued, or refused."""
+        with self._lock:
+            self._unfiled.discard(request_id)
+            cancel = request_id in self._cancel_when_filed
+            self._cancel_when_filed.discard(request_id)
+            if isinstance(outcome, ServiceError):
+                self._send(("events", [(request_id, ErrorEvent(outcome))]))
+                return
+            if outcome.status is not RequestStatus.FINISHED:
+                self._filed[request_id] = outcome
+        if cancel:
+            self._cancel(outcome)
+
+    def to_cancel(self, request_id: str) -> RequestState | None:
+        """The request to cancel now; None when it is not filed yet (it will be cancelled when it is) or
+        is gone."""
+        with self._lock:
+            if request_id in self._unfiled:
+                self._cancel_when_filed.add(request_id)
+                return None
+            return self._filed.get(request_id)
+
+    def ended(self, request_ids: list[str]) -> None:
+        with self._lock:
+            for request_id in request_ids:
+                self._filed.pop(request_id, None)
+
+
 class _Outbox:
     """Stands in for an event loop in the engine process: `EngineCore._flush` hands it a step's events
     (`loop.call_soon_threadsafe(deliver, events)`), which leave for the HTTP process as one message."""
 
-    def __init__(self, send: Callable[[tuple], None], requests: dict[str, Any]):
+    def __init__(self, send: Callable[[tuple], None], book: _Book):
         self._send = send
-        self._requests = requests
+        self._book = book
 
     def call_soon_threadsafe(self, function: Callable, *args) -> None:
         if not args:
             function()  # `wait_for_loops`: no event loop here shares this process's GIL
             return
         (events,) = args
-        out = []
-        for state, event in events:
-            out.append((state.id, event))
-            if not isinstance(event, TokenEvent):
-                self._requests.pop(state.id, None)
+        out = [(state.id, event) for state, event in events]
+        self._book.ended([state.id for state, event in events if not isinstance(event, TokenEvent)])
         self._send(("events", out))
 
 
@@ -222,13 +265,13 @@ def engine_main(connection, options: EngineOptions) -> None:
 
     def send(message: tuple) -> None:
         with send_lock:
-            connection.send(message)
+            connection.send_bytes(engine_wire.encode(message))
 
-    requests: dict[str, Any] = {}
-    outbox = _Outbox(send, requests)
     fatal: list[str] = []
     metrics = ServiceMetrics(options.model_id)
     engine = options.engine(metrics, on_fatal=fatal.append)
+    book = _Book(send, engine.cancel)
+    outbox = _Outbox(send, book)
     engine.start()
     stopped = threading.Event()
 
@@ -259,7 +302,7 @@ def engine_main(connection, options: EngineOptions) -> None:
     try:
         while True:
             try:
-                message = connection.recv()
+                message = engine_wire.decode(connection.recv_bytes())
             except (EOFError, OSError):
                 break  # the HTTP process is gone
             except Exception:  # a message that does not unpickle: a bug, logged; the engine goes on
@@ -268,23 +311,12 @@ def engine_main(connection, options: EngineOptions) -> None:
             kind = message[0]
             if kind == "submit":
                 _, request_id, request, stream = message
-                try:
-                    # Duck-typed: the core only calls the loop's `call_soon_threadsafe`.
-                    loop = cast(asyncio.AbstractEventLoop, outbox)
-                    state = engine.submit(request, stream, loop=loop, request_id=request_id)
-                except ServiceError as error:
-                    send(("events", [(request_id, ErrorEvent(error))]))
-                except Exception:  # a bug: this request fails (500, a log reference), the engine goes on
-                    reference = log_reference()
-                    log.exception("could not queue request %s (reference %s)", request_id, reference)
-                    failed = RequestFailed(f"the server could not queue this request (reference {reference})")
-                    send(("events", [(request_id, ErrorEvent(failed))]))
-                else:
-                    requests[request_id] = state
-                    if state.status is RequestStatus.FINISHED:  # it ended before it was filed here
-                        requests.pop(request_id, None)
+                book.arrived(request_id)
+                # Duck-typed: the core only calls the loop's `call_soon_threadsafe`.
+                loop = cast(asyncio.AbstractEventLoop, outbox)
+                engine.submit_nowait(request, stream, loop, request_id, book.filed)
             elif kind == "cancel":
-                cancelled = requests.get(message[1])
+                cancelled = book.to_cancel(message[1])
                 if cancelled is not None:
                     engine.cancel(cancelled)
             elif kind == "drain":
@@ -357,13 +389,13 @@ class EngineProcess:
 
     def _send(self, message: tuple) -> None:
         with self._send_lock:
-            self._connection.send(message)
+            self._connection.send_bytes(engine_wire.encode(message))
 
     def _receive(self) -> None:
         """(A thread.) The engine's messages: events to their event loops, state to `_snapshot`."""
         while True:
             try:
-                message = self._connection.recv()
+                message = engine_wire.decode(self._connection.recv_bytes())
             except (EOFError, OSError):
                 break
             except Exception:  # a message that does not unpickle: a bug, logged; the pipe goes on

@@ -1,0 +1,154 @@
+"""The hot messages between the HTTP process and the engine process, in a compact form (issue 18).
+
+A step's events (`("events", [(request id, event), ...])`) and a request (`("submit", id, request,
+stream)`) cross the pipe once per step and once per request. Pickled, their records (one
+`GeneratedToken` and `TokenEvent` per token, a request's whole token list in its `FinishEvent`) cost
+more to pack and unpack than the engine spends choosing and decoding the token: every object is
+pickled with its class and rebuilt attribute by attribute. Here they travel as plain tuples, packed by
+`marshal` (built-in types only; both ends run the same interpreter), and are rebuilt as the same
+records on arrival. Every other message, and an events message with an error in it (rare; an error
+is an exception with a class), is pickled as before.
+
+The pipe is private to the server and its own engine process: `marshal`, like `pickle`, is not for
+data from anyone else.
+"""
+
+from __future__ import annotations
+
+import marshal
+import pickle
+from dataclasses import fields
+
+from service.request import (
+    Alternative,
+    Event,
+    FinishEvent,
+    FinishReason,
+    GeneratedToken,
+    GenerationRequest,
+    PromptToken,
+    TokenEvent,
+)
+from service.sampling import SamplingParams
+
+MARSHALLED, PICKLED = b"m", b"p"  # the first byte of every message
+TOKEN, FINISH = 0, 1  # an event's kind, the first field of its tuple
+
+
+def encode(message: tuple) -> bytes:
+    """A message for `Connection.send_bytes`."""
+    kind = message[0]
+    if kind == "events":
+        packed = _pack_events(message[1])
+        if packed is not None:
+            return MARSHALLED + marshal.dumps(("events", packed))
+    elif kind == "submit":
+        _, request_id, request, stream = message
+        return MARSHALLED + marshal.dumps(("submit", request_id, _pack_request(request), stream))
+    return PICKLED + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> tuple:
+    """What `encode` was given (records equal to the ones sent)."""
+    tag, body = data[:1], memoryview(data)[1:]
+    if tag == PICKLED:
+        return pickle.loads(body)
+    if tag != MARSHALLED:
+        raise ValueError(f"not a message of the engine pipe (first byte {bytes(tag)!r})")
+    message = marshal.loads(body)
+    kind = message[0]
+    if kind == "events":
+        return ("events", [(request_id, _unpack_event(event)) for request_id, event in message[1]])
+    if kind == "submit":
+        _, request_id, request, stream = message
+        return ("submit", request_id, _unpack_request(request), stream)
+    raise ValueError(f"unknown marshalled message {kind!r}")
+
+
+# ----- records as plain tuples ---------------------------------------------------------------------
+# The per-token records are named tuples (service/request.py): packing one is taking its plain tuple
+# (marshal packs built-in types only), unpacking it is building the named tuple from that.
+
+_REQUEST_FIELDS = tuple(f.name for f in fields(GenerationRequest))
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+_SAMPLING_AT = _REQUEST_FIELDS.index("sampling")
+_new_token = GeneratedToken._make
+_new_alternative = Alternative._make
+
+
+def _pack_top(top: tuple[Alternative, ...]) -> tuple:
+    return tuple(map(tuple, top))
+
+
+def _unpack_top(top: tuple) -> tuple[Alternative, ...]:
+    return tuple(map(_new_alternative, top))
+
+
+def _pack_token(t: GeneratedToken) -> tuple:
+    return (*t[:5], _pack_top(t.top)) if t.top else tuple(t)
+
+
+def _unpack_token(t: tuple) -> GeneratedToken:
+    return _new_token(t) if not t[5] else _new_token((*t[:5], _unpack_top(t[5])))
+
+
+def _pack_prefill(prefill: tuple[PromptToken, ...]) -> tuple:
+    return tuple((p.id, p.logprob, _pack_top(p.top), p.rank) for p in prefill)
+
+
+def _unpack_prefill(prefill: tuple) -> tuple[PromptToken, ...]:
+    return tuple(PromptToken(p[0], p[1], _unpack_top(p[2]), p[3]) for p in prefill)
+
+
+def _pack_events(events: list[tuple[str, Event]]) -> list | None:
+    """The events as tuples; None when one of them is not a token or finish event (an error)."""
+    out = []
+    for request_id, event in events:
+        if isinstance(event, TokenEvent):
+            packed: tuple = (TOKEN, event.index, _pack_token(event.token), _pack_prefill(event.prefill))
+        elif isinstance(event, FinishEvent):
+            packed = (
+                FINISH,
+                event.finish_reason.value,
+                event.text,
+                event.tail,
+                tuple(map(_pack_token, event.tokens)),
+                _pack_prefill(event.prefill),
+                event.seed,
+                event.input_length,
+                event.stop_sequence,
+            )
+        else:
+            return None
+        out.append((request_id, packed))
+    return out
+
+
+def _unpack_event(packed: tuple) -> Event:
+    if packed[0] == TOKEN:
+        _, index, token, prefill = packed
+        return TokenEvent(index, _unpack_token(token), _unpack_prefill(prefill) if prefill else ())
+    _, reason, text, tail, tokens, prefill, seed, input_length, stop_sequence = packed
+    return FinishEvent(
+        FinishReason(reason),
+        text,
+        tail,
+        tuple(map(_unpack_token, tokens)),
+        _unpack_prefill(prefill),
+        seed,
+        input_length,
+        stop_sequence,
+    )
+
+
+def _pack_request(request: GenerationRequest) -> tuple:
+    values = [getattr(request, name) for name in _REQUEST_FIELDS]
+    values[_SAMPLING_AT] = tuple(getattr(request.sampling, name) for name in _SAMPLING_FIELDS)
+    return tuple(values)
+
+
+def _unpack_request(values: tuple) -> GenerationRequest:
+    """Through the constructors: the engine process checks what it is asked to run."""
+    named = dict(zip(_REQUEST_FIELDS, values, strict=True))
+    named["sampling"] = SamplingParams(**dict(zip(_SAMPLING_FIELDS, named["sampling"], strict=True)))
+    return GenerationRequest(**named)

@@ -1,0 +1,242 @@
+"""Issue 18: how requests and events cross into and out of the engine process without costing the
+engine its batch. The hot messages' compact form (`service/engine_wire.py`) gives back what was sent;
+`Engine.submit_nowait` files a request at the worker's next step boundary, or refuses it as `submit`
+would, and never leaves one unanswered; a cancellation that arrives before its request is filed is
+applied when it is (`service.engine_process._Book`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from service.engine import Engine, EngineState
+from service.engine_core import gpt2_tokenizer_hooks
+from service.engine_process import _Book
+from service.engine_wire import MARSHALLED, PICKLED, decode, encode
+from service.errors import Overloaded, RequestFailed, ServiceError, Unavailable
+from service.metrics import ServiceMetrics
+from service.request import (
+    Alternative,
+    ErrorEvent,
+    FinishEvent,
+    FinishReason,
+    GeneratedToken,
+    GenerationRequest,
+    PromptToken,
+    RequestState,
+    RequestStatus,
+    TokenEvent,
+)
+from service.sampling import SamplingParams
+from wafer.stand_in import NullExecutor
+
+# ----- the wire -------------------------------------------------------------------------------------
+
+TOP = (Alternative(11, -0.25), Alternative(12, -1.5))
+PREFILL = (PromptToken(464, None), PromptToken(2068, -3.5, TOP, 7), PromptToken(318, -0.5, (), None))
+TOKENS = (
+    GeneratedToken(11, " a", " a", -0.25, False),
+    GeneratedToken(50256, "", "", -0.1, True, TOP),
+    GeneratedToken(0xE9, "", "", -2.0, False, ()),  # half a character: no text yet
+)
+
+
+def test_a_steps_events_cross_in_compact_form_and_arrive_equal():
+    events = [
+        ("req-1.2", TokenEvent(1, TOKENS[0], PREFILL)),
+        ("req-3.4", TokenEvent(2, TOKENS[1])),
+        (
+            "req-5.6",
+            FinishEvent(FinishReason.STOP, "a b", " b", TOKENS, PREFILL, 42, 3, "\n\n"),
+        ),
+        ("req-7.8", FinishEvent(FinishReason.LENGTH, "", "", (), (), None, 1, None)),
+    ]
+    data = encode(("events", events))
+    assert data[:1] == MARSHALLED
+    message = decode(data)
+    assert message == ("events", events)
+    finish = message[1][2][1]
+    assert finish.finish_reason is FinishReason.STOP and isinstance(finish.tokens[1].top[0], Alternative)
+    assert type(message[1][0][1].prefill[1]) is PromptToken
+
+
+def test_a_request_crosses_through_its_constructors():
+    sampling = SamplingParams(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=2**63, min_p=0.1)
+    request = GenerationRequest(
+        (1, 2, 3),
+        16,
+        sampling,
+        stop_sequences=("\n",),
+        stop_token_ids=frozenset({7, 9}),
+        prompt_logprobs=True,
+        top_n_tokens=3,
+        timeout_s=2.5,
+        min_tokens=2,
+        prompt_top_n=None,
+    )
+    data = encode(("submit", "req-9", request, True))
+    assert data[:1] == MARSHALLED
+    assert decode(data) == ("submit", "req-9", request, True)
+
+
+def test_other_messages_and_errors_are_pickled():
+    error = Overloaded("the server is at capacity; retry later")
+    data = encode(("events", [("req-1", TokenEvent(1, TOKENS[0])), ("req-2", ErrorEvent(error))]))
+    assert data[:1] == PICKLED  # an exception has a class: the whole message is pickled
+    (_, token), (_, failed) = decode(data)[1]
+    assert token == TokenEvent(1, TOKENS[0])
+    assert type(failed.error) is Overloaded and str(failed.error) == str(error)
+    assert decode(encode(("ask", 3, "kv_usage"))) == ("ask", 3, "kv_usage")
+
+
+def test_bytes_that_are_no_message_of_the_pipe_are_named():
+    with pytest.raises(ValueError, match=r"first byte b'x'"):
+        decode(b"x123")
+
+
+# ----- the hand-over ----------------------------------------------------------------------------------
+
+
+class Loop:
+    """What the engine core calls on a request's event loop: collects the events."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self.done = threading.Event()
+
+    def call_soon_threadsafe(self, function, *args) -> None:
+        if not args:
+            function()
+            return
+        for state, event in args[0]:
+            self.events.append((state.id, event))
+            if not isinstance(event, TokenEvent):
+                self.done.set()
+
+
+class Filed:
+    def __init__(self) -> None:
+        self.outcomes: dict[str, RequestState | ServiceError] = {}
+        self.arrived = threading.Condition()
+
+    def __call__(self, request_id: str, outcome) -> None:
+        with self.arrived:
+            self.outcomes[request_id] = outcome
+            self.arrived.notify_all()
+
+    def wait(self, request_id: str, timeout: float = 10.0):
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: request_id in self.outcomes, timeout), request_id
+            return self.outcomes[request_id]
+
+
+def engine(slots: int = 2, max_queue: int = 4) -> Engine:
+    built = Engine(
+        lambda: NullExecutor(50257, slots=slots, context=64, top_k=8),
+        gpt2_tokenizer_hooks(),
+        ServiceMetrics("test"),
+        max_queue=max_queue,
+        step_token_budget=64,
+    )
+    built.start()
+    assert built.wait_ready(30)
+    return built
+
+
+REQUEST = GenerationRequest((464, 2068, 318), 6, ignore_eos=True)
+
+
+def test_a_request_handed_over_is_filed_at_a_step_boundary_and_runs():
+    served, loop, filed = engine(), Loop(), Filed()
+    try:
+        served.submit_nowait(REQUEST, True, loop, "req-a", filed)  # the worker is parked: woken
+        state = filed.wait("req-a")
+        assert isinstance(state, RequestState) and state.id == "req-a"
+        assert loop.done.wait(10)
+        assert [type(e).__name__ for _, e in loop.events] == ["TokenEvent"] * 5 + ["FinishEvent"]
+        assert loop.events[-1][1].finish_reason is FinishReason.LENGTH
+    finally:
+        served.shutdown(5)
+
+
+def test_requests_handed_over_beyond_capacity_or_while_draining_are_refused_as_submit_would():
+    served, loop, filed = engine(slots=1, max_queue=1), Loop(), Filed()
+    try:
+        long = GenerationRequest((464,), 60, ignore_eos=True)
+        for name in ("one", "two", "three"):  # 1 slot + 1 queued: the third is over capacity
+            served.submit_nowait(long, True, loop, name, filed)
+        outcomes = [filed.wait(name) for name in ("one", "two", "three")]
+        assert [type(o) for o in outcomes[:2]] == [RequestState, RequestState]
+        assert isinstance(outcomes[2], Overloaded)
+        served.begin_drain()
+        served.submit_nowait(REQUEST, True, loop, "late", filed)
+        assert isinstance(filed.wait("late"), Unavailable)
+    finally:
+        served.shutdown(5)
+
+
+def test_an_engine_that_stopped_refuses_what_is_handed_over_at_once():
+    served, loop, filed = engine(), Loop(), Filed()
+    served.shutdown(5)
+    assert served.state is EngineState.STOPPED
+    served.submit_nowait(REQUEST, True, loop, "after", filed)
+    refusal = filed.outcomes["after"]  # answered on the caller's thread: no worker is left to do it
+    assert isinstance(refusal, Unavailable) and "shut down" in str(refusal)
+
+
+def test_a_request_the_engine_cannot_queue_fails_alone(monkeypatch):
+    served, loop, filed = engine(), Loop(), Filed()
+    try:
+        core = served._built_core()
+        real = core.new_request
+
+        def broken(request, *args):
+            if request.max_new_tokens == 5:
+                raise KeyError("a bug")
+            return real(request, *args)
+
+        monkeypatch.setattr(core, "new_request", broken)
+        served.submit_nowait(GenerationRequest((464,), 5), True, loop, "bad", filed)
+        served.submit_nowait(REQUEST, True, loop, "good", filed)
+        failed = filed.wait("bad")
+        assert isinstance(failed, RequestFailed) and "reference" in str(failed)
+        assert isinstance(filed.wait("good"), RequestState)
+        assert loop.done.wait(10) and served.state is EngineState.READY
+    finally:
+        served.shutdown(5)
+
+
+def test_a_cancellation_before_the_request_is_filed_applies_when_it_is():
+    served, loop = engine(), Loop()
+    sent: list = []
+    book = _Book(sent.append, served.cancel)
+    try:
+        book.arrived("early")
+        assert book.to_cancel("early") is None  # not filed yet: remembered
+        served.submit_nowait(GenerationRequest((464,), 50, ignore_eos=True), True, loop, "early", book.filed)
+        cancelled = served.metrics.tgi_request_failure.labels(err="cancelled")
+        deadline = time.monotonic() + 10
+        while cancelled._value.get() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cancelled._value.get() == 1 and served.queue_sizes() == (0, 0)
+        assert len([e for _, e in loop.events if isinstance(e, TokenEvent)]) < 49
+        assert sent == []  # a cancelled request ends without an event
+    finally:
+        served.shutdown(5)
+
+
+def test_a_filed_request_is_cancelled_at_once_and_forgotten_when_it_ends():
+    served, loop = engine(), Loop()
+    book = _Book(lambda message: None, served.cancel)
+    try:
+        book.arrived("r")
+        served.submit_nowait(GenerationRequest((464,), 3, ignore_eos=True), True, loop, "r", book.filed)
+        assert loop.done.wait(10)
+        state = book.to_cancel("r")
+        assert state is not None and state.status is RequestStatus.FINISHED  # cancelling it is a no-op
+        book.ended(["r"])  # what the engine process's outbox does with a final event
+        assert book.to_cancel("r") is None
+    finally:
+        served.shutdown(5)
