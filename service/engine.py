@@ -46,9 +46,12 @@ log = logging.getLogger(__name__)
 
 ExecutorFactory = Callable[[], Executor]
 RELOAD_ATTEMPTS = 3
-# A step at least this long has the previous step's token work done beside it, on the helper thread
-# (issue 18: handing it over costs tens of microseconds and a GIL hand-off, which a short step cannot hide).
-OVERLAP_MIN_STEP_S = 0.5e-3
+# A step that leaves the GIL free at least this long (a wafer's wait, not the executor's own computing)
+# has the previous step's token work done beside it, on the helper thread (issue 18: handing it over
+# costs tens of microseconds and a GIL hand-off, which a shorter wait cannot hide). 0.1 ms lets the
+# modeled GPT-2 124M step (304 us) overlap: 48-54% wafer busy against 38-41% with the engine in its
+# own process, no change on a thread (docs/performance.md, Host, fifth pass).
+OVERLAP_MIN_WAIT_S = 0.1e-3
 
 
 class HelperThread:
@@ -393,11 +396,13 @@ class Engine:
                     stepped, cpu = time.monotonic(), time.thread_time()
                     results = core.execute(batch, executor)
                     took = time.monotonic() - stepped
-                    # Deferring pays only where steps are long enough to hide the hand-over (a wafer's);
-                    # after a short one (the null executor) the tokens are finished here and now.
-                    defer = took >= OVERLAP_MIN_STEP_S
+                    computing = time.thread_time() - cpu
+                    # Deferring pays only where the step waits long enough to hide the hand-over (a
+                    # wafer's); after one that computes (the null executor, the simulator's own work on
+                    # this thread) the tokens are finished here and now.
+                    defer = took - computing >= OVERLAP_MIN_WAIT_S
                     # A step that kept the worker computing (the GIL held) gave the event loop no turn.
-                    held = time.thread_time() - cpu >= 0.5 * took
+                    held = computing >= 0.5 * took
                     with self._cond:
                         if self._generation != generation:
                             return  # the watchdog gave up on this step: another worker serves now

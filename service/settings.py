@@ -53,7 +53,8 @@ class ServerSettings:
     # GIL time with 16 streams (issue 18: streams 1.2-1.4x faster on asyncio, the rest the same).
     event_loop: str = "asyncio"
     # The engine in a process of its own (`service/engine_process.py`): HTTP and the engine each get a
-    # GIL. The executor factory must then be picklable (it crosses a spawn).
+    # GIL. The executor factory must then be picklable (it crosses a spawn). `serve` turns it on
+    # (`service.commands.serve.SERVE_ENGINE_PROCESS`).
     engine_process: bool = False
     # After startup (and in an engine process after each load) the long-lived heap is frozen out of
     # the garbage collector (`service/heap.py`). `serve` sets it; tests that build many apps in one

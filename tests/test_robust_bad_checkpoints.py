@@ -146,7 +146,9 @@ def shift_offsets(header: dict, by: int) -> dict:
 
 def start_serve(checkpoint: Path, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "service.cli", "serve", "--weights", str(checkpoint)]
-    command += ["--port", str(port), "--log-level", "warning"]
+    # The engine on a thread of the HTTP process (`serve`'s default runs it in a process of its own:
+    # test_service_lifecycle).
+    command += ["--port", str(port), "--log-level", "warning", "--no-engine-process"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

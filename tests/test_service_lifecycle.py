@@ -203,8 +203,8 @@ def free_port() -> int:
 
 
 def test_serve_command_serves_and_exits_cleanly_on_sigterm(small_params, write_checkpoint):
-    """Here with the engine in a process of its own, logging JSON (the in-process engine's `serve` runs
-    as a subprocess in test_robust_replicas and test_robust_bad_checkpoints)."""
+    """`serve` as it starts by default, its engine in a process of its own, here logging JSON (with
+    `--no-engine-process` it runs as a subprocess in test_robust_bad_checkpoints)."""
     checkpoint = write_checkpoint(small_params, "safetensors")
     port = free_port()
     command = [
@@ -218,7 +218,7 @@ def test_serve_command_serves_and_exits_cleanly_on_sigterm(small_params, write_c
         "reference",
     ]
     command += ["--port", str(port), "--max-concurrent", "2", "--model", "tiny", "--log-level", "info"]
-    command += ["--engine-process", "--log-format", "json"]
+    command += ["--log-format", "json"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

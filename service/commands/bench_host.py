@@ -10,7 +10,8 @@ For each executor and number of streams S, the real server (`service.api.create_
 (`service/commands/load_client.py`) keeps S connections busy with the same greedy request (a short
 prompt, N new tokens, end-of-text never first) over each route for a timed window. The figures: tokens/s
 as the clients receive them, the server's CPU time per token (this process, whose main thread only
-waits, and the engine process's with --engine-process), the client's CPU share, and the client's own ceiling: the same client against a trivial endpoint
+waits, and the engine process's: by default the engine runs in one, as under `serve`), the client's
+CPU share, and the client's own ceiling: the same client against a trivial endpoint
 that replays a recorded response of the same route at once, run in the same session.
 """
 
@@ -31,6 +32,7 @@ from pathlib import Path
 from service.cli import UserError
 from service.commands.bench_server import BenchFailed, BenchServer, HelperProcess
 from service.commands.load_client import LoadJob, LoadResult, client_process, record_response, replay_server
+from service.commands.serve import SERVE_ENGINE_PROCESS
 from wafer.executor import Executor
 from wafer.stand_in import ModeledWaferExecutor, NullExecutor, modeled_step_seconds
 
@@ -455,8 +457,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=float, default=1.0, help="host: unmeasured start of each window (1)")
     parser.add_argument(
         "--engine-process",
-        action="store_true",
-        help="host: the server's engine in a process of its own (serve --engine-process)",
+        action=argparse.BooleanOptionalAction,
+        default=SERVE_ENGINE_PROCESS,
+        help="host: the server's engine in a process of its own, as `serve` runs it "
+        "(--no-engine-process: on a thread of the HTTP process)",
     )
 
 

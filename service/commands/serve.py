@@ -27,6 +27,10 @@ from weights.params import GPT2Params
 
 API_KEY_ENV = "WAFER_GPT2_API_KEY"
 ALLOW_NO_API_KEY_ENV = "WAFER_GPT2_ALLOW_NO_API_KEY"
+# `serve` runs the engine in a process of its own (issue 18: 1.2-2x the tokens/s where the host, not
+# the backend, is the limit; the same on the simulator), while an app built in-process
+# (`ServerSettings`, the tests, `bench`) keeps it on a thread unless asked.
+SERVE_ENGINE_PROCESS = True
 
 
 def exposure_problem(host: str, api_key: str | None, allow_no_api_key: bool) -> str | None:
@@ -179,9 +183,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--engine-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=SERVE_ENGINE_PROCESS,
         help="run the engine (and the model's backend) in a process of its own: HTTP and the engine each "
-        "get a core and a GIL (service/engine_process.py)",
+        "get a core and a GIL (service/engine_process.py; on by default, --no-engine-process: one process)",
     )
     parser.add_argument(
         "--api-key",
