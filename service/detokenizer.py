@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class TokenText:
+class TokenText(
+    NamedTuple
+):  # one per generated token: a named tuple builds in a quarter of a dataclass's time
     text: str  # the characters this token completed (may be "" when it ends inside a character)
     released: str  # text that may be sent to the client now (after UTF-8 and stop-sequence hold-back)
     stop_sequence: str | None  # the stop sequence this token completed, if any

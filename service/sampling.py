@@ -102,17 +102,13 @@ class Sampler:
         if params.sampling:
             self.seed = params.seed if params.seed is not None else secrets.randbits(64)
             self._rng = np.random.default_rng(self.seed)
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy with no penalty: the choice is the best usable candidate, which `greedy_batch` finds
-        for a whole step at once."""
-        p = self.params
-        return (
-            not p.sampling
-            and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0
+        # Greedy with no penalty: the choice is the best usable candidate, which `greedy_batch` finds for
+        # a whole step at once. Read per token; the parameters are frozen, so it is worked out once.
+        self.plain_greedy = (
+            not params.sampling
+            and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0
         )
 
     def distribution(

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from wafer.errors import WaferGPT2Error
 
 
-@dataclass(frozen=True)
-class StepItem:
+class StepItem(
+    NamedTuple
+):  # built per item per step: a named tuple builds in a quarter of a dataclass's time
     slot: int
     position: int
     token: int
