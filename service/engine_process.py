@@ -176,12 +176,11 @@ class _Book:
             self._unfiled.discard(request_id)
             cancel = request_id in self._cancel_when_filed
             self._cancel_when_filed.discard(request_id)
-            if isinstance(outcome, ServiceError):
-                self._send(("events", [(request_id, ErrorEvent(outcome))]))
-                return
-            if outcome.status is not RequestStatus.FINISHED:
+            if not isinstance(outcome, ServiceError) and outcome.status is not RequestStatus.FINISHED:
                 self._filed[request_id] = outcome
-        if cancel:
+        if isinstance(outcome, ServiceError):  # sent outside the lock: a full pipe must not hold it
+            self._send(("events", [(request_id, ErrorEvent(outcome))]))
+        elif cancel:
             self._cancel(outcome)
 
     def to_cancel(self, request_id: str) -> RequestState | None:

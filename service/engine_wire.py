@@ -38,13 +38,16 @@ TOKEN, FINISH = 0, 1  # an event's kind, the first field of its tuple
 def encode(message: tuple) -> bytes:
     """A message for `Connection.send_bytes`."""
     kind = message[0]
-    if kind == "events":
-        packed = _pack_events(message[1])
-        if packed is not None:
-            return MARSHALLED + marshal.dumps(("events", packed))
-    elif kind == "submit":
-        _, request_id, request, stream = message
-        return MARSHALLED + marshal.dumps(("submit", request_id, _pack_request(request), stream))
+    try:
+        if kind == "events":
+            packed = _pack_events(message[1])
+            if packed is not None:
+                return MARSHALLED + marshal.dumps(("events", packed))
+        elif kind == "submit":
+            _, request_id, request, stream = message
+            return MARSHALLED + marshal.dumps(("submit", request_id, _pack_request(request), stream))
+    except ValueError:  # a value marshal cannot pack (a field of a type added later): pickled instead
+        pass
     return PICKLED + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 

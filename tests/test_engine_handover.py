@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from decimal import Decimal
 
 import pytest
 
@@ -89,6 +90,14 @@ def test_other_messages_and_errors_are_pickled():
     assert token == TokenEvent(1, TOKENS[0])
     assert type(failed.error) is Overloaded and str(failed.error) == str(error)
     assert decode(encode(("ask", 3, "kv_usage"))) == ("ask", 3, "kv_usage")
+
+
+def test_a_value_marshal_cannot_pack_crosses_pickled():
+    request = GenerationRequest((1, 2), 4, stop_sequences=("a",))
+    odd = GenerationRequest.__new__(GenerationRequest)
+    odd.__dict__.update({**vars(request), "stop_sequences": ["a"], "timeout_s": Decimal("1.5")})
+    data = encode(("submit", "req-1", odd, False))
+    assert data[:1] == PICKLED and decode(data)[2].timeout_s == Decimal("1.5")
 
 
 def test_bytes_that_are_no_message_of_the_pipe_are_named():
