@@ -49,7 +49,7 @@ RELOAD_ATTEMPTS = 3
 # A step that leaves the GIL free at least this long (a wafer's wait, not the executor's own computing)
 # has the previous step's token work done beside it, on the helper thread (issue 18: handing it over
 # costs tens of microseconds and a GIL hand-off, which a shorter wait cannot hide). 0.1 ms lets the
-# modeled GPT-2 124M step (304 us) overlap: 48-54% wafer busy against 38-41% with the engine in its
+# modeled GPT-2 124M step (304 us) overlap: 43-46% wafer busy against 38-41% with the engine in its
 # own process, no change on a thread (docs/performance.md, Host, fifth pass).
 OVERLAP_MIN_WAIT_S = 0.1e-3
 
@@ -89,6 +89,8 @@ class _Arrival:
     loop: asyncio.AbstractEventLoop
     request_id: str
     filed: Filed
+    # `submit`'s check, made when the request was handed over: one that came before a drain is served.
+    refusal: ServiceError | None
 
 
 LOOP_TURN_TIMEOUT_S = 5e-3
@@ -223,10 +225,11 @@ class Engine:
                 self._set_state(EngineState.DRAINING)
 
     def wait_drained(self, timeout: float) -> bool:
-        """True once no request is queued or running (or the engine no longer runs)."""
+        """True once no request is queued, running or handed over (or the engine no longer runs)."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: self._core is None or not self._core.has_work() or self._stop, timeout
+                lambda: self._core is None or not (self._core.has_work() or self._arrivals) or self._stop,
+                timeout,
             )
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -309,7 +312,8 @@ class Engine:
         process (`service.engine_process`): taking the lock per request, it waited for the lock while
         the worker, holding the GIL, ran steps back to back, and the steps carried 10-17 tokens at 64
         streams instead of 54-57 (issue 18)."""
-        self._arrivals.append(_Arrival(request, stream, loop, request_id, filed))
+        refusal = None if self._state is EngineState.READY else self.unavailable()
+        self._arrivals.append(_Arrival(request, stream, loop, request_id, filed, refusal))
         # The worker sets `_parked` before it looks at the arrivals (under the lock) and waits: either it
         # sees this one, or it is parked by now and this wakes it. An engine that no longer runs refuses.
         if self._parked or self._state in (EngineState.STOPPED, EngineState.FAILED):
@@ -609,8 +613,8 @@ class Engine:
             arrival = arrivals.popleft()
             outcome: RequestState | ServiceError
             try:
-                if self._state is not EngineState.READY:
-                    raise self.unavailable()
+                if arrival.refusal is not None:
+                    raise arrival.refusal
                 state = core.new_request(arrival.request, arrival.loop, arrival.stream)
                 state.id = arrival.request_id
                 outcome = core.add(state)

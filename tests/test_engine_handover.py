@@ -186,6 +186,19 @@ def test_requests_handed_over_beyond_capacity_or_while_draining_are_refused_as_s
         served.shutdown(5)
 
 
+def test_a_request_handed_over_before_a_drain_is_served():
+    served, loop, filed = engine(), Loop(), Filed()
+    try:
+        with served._cond:  # the worker cannot file it before the drain begins
+            served.submit_nowait(REQUEST, True, loop, "before", filed)
+            served.begin_drain()
+        assert isinstance(filed.wait("before"), RequestState)  # accepted when it was handed over
+        assert served.wait_drained(10) and loop.done.is_set()
+        assert loop.events[-1][1].finish_reason is FinishReason.LENGTH
+    finally:
+        served.shutdown(5)
+
+
 def test_an_engine_that_stopped_refuses_what_is_handed_over_at_once():
     served, loop, filed = engine(), Loop(), Filed()
     served.shutdown(5)
