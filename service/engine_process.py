@@ -10,6 +10,10 @@ process, and the HTTP process talks to it over a pipe:
 - from the engine: each step's events in one message (as `EngineCore._flush` hands them to an event
   loop in one call), and the engine's state whenever it changes (`Snapshot`).
 
+Requests and step events cross as plain tuples (`service/engine_wire.py`), the rest pickled. The engine
+process's reader hands each request to the worker without taking the engine's lock
+(`Engine.submit_nowait`); `_Book` keeps the requests by id for cancellations.
+
 `EngineProcess` has the surface the API uses of an `Engine`. A request is refused in the HTTP process
 (synchronously, as the in-process engine does) when the last known state is not READY, or when the
 requests it has sent and not yet seen end reach the engine's capacity (slots plus queue). The engine
@@ -304,7 +308,7 @@ def engine_main(connection, options: EngineOptions) -> None:
                 message = engine_wire.decode(connection.recv_bytes())
             except (EOFError, OSError):
                 break  # the HTTP process is gone
-            except Exception:  # a message that does not unpickle: a bug, logged; the engine goes on
+            except Exception:  # a message that does not decode: a bug, logged; the engine goes on
                 log.exception("could not read a message from the HTTP process")
                 continue
             kind = message[0]
@@ -397,7 +401,7 @@ class EngineProcess:
                 message = engine_wire.decode(self._connection.recv_bytes())
             except (EOFError, OSError):
                 break
-            except Exception:  # a message that does not unpickle: a bug, logged; the pipe goes on
+            except Exception:  # a message that does not decode: a bug, logged; the pipe goes on
                 log.exception("could not read a message from the engine process")
                 continue
             try:
