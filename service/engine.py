@@ -89,8 +89,6 @@ class _Arrival:
     loop: asyncio.AbstractEventLoop
     request_id: str
     filed: Filed
-    # `submit`'s check, made when the request was handed over: one that came before a drain is served.
-    refusal: ServiceError | None
 
 
 LOOP_TURN_TIMEOUT_S = 5e-3
@@ -181,6 +179,7 @@ class Engine:
         # boundary; `_parked`: the worker waits for work (set and read under the GIL, see submit_nowait).
         self._arrivals: collections.deque[_Arrival] = collections.deque()
         self._parked = False
+        self._helper_cpu_s = 0.0  # CPU time of the helper's jobs (under the lock): not the executor's wait
 
     # ----- lifecycle -------------------------------------------------------------------------------
 
@@ -308,12 +307,16 @@ class Engine:
     ) -> None:
         """Queue a request without taking the engine's lock: the worker files it at its next step
         boundary, as `submit` would, and calls `filed(request_id, its state or the refusal)` there
-        (under the lock). For a caller that reads requests off a pipe on a thread of the engine's own
+        (under the lock). `submit`'s check is made now: a request the engine refuses (loading,
+        draining, stopped) is answered at once on this thread, one handed over before a drain is
+        served. For a caller that reads requests off a pipe on a thread of the engine's own
         process (`service.engine_process`): taking the lock per request, it waited for the lock while
         the worker, holding the GIL, ran steps back to back, and the steps carried 10-17 tokens at 64
         streams instead of 54-57 (issue 18)."""
-        refusal = None if self._state is EngineState.READY else self.unavailable()
-        self._arrivals.append(_Arrival(request, stream, loop, request_id, filed, refusal))
+        if self._state is not EngineState.READY:  # `submit`'s check, made when the request is handed over
+            self._tell_filed(_Arrival(request, stream, loop, request_id, filed), self.unavailable())
+            return
+        self._arrivals.append(_Arrival(request, stream, loop, request_id, filed))
         # The worker sets `_parked` before it looks at the arrivals (under the lock) and waits: either it
         # sees this one, or it is parked by now and this wakes it. An engine that no longer runs refuses.
         if self._parked or self._state in (EngineState.STOPPED, EngineState.FAILED):
@@ -397,19 +400,20 @@ class Engine:
                     # finishes the previous step's tokens: detokenizing, events, ends (issue 18).
                     if core.has_deferred:
                         helper.run_soon(self._complete_deferred, generation)
-                    stepped, cpu = time.monotonic(), time.thread_time()
+                    stepped, cpu, helped = time.monotonic(), time.thread_time(), self._helper_cpu_s
                     results = core.execute(batch, executor)
                     took = time.monotonic() - stepped
                     computing = time.thread_time() - cpu
-                    # Deferring pays only where the step waits long enough to hide the hand-over (a
-                    # wafer's); after one that computes (the null executor, the simulator's own work on
-                    # this thread) the tokens are finished here and now.
-                    defer = took - computing >= OVERLAP_MIN_WAIT_S
                     # A step that kept the worker computing (the GIL held) gave the event loop no turn.
                     held = computing >= 0.5 * took
-                    with self._cond:
+                    with self._cond:  # the helper's job, when one ran, has finished by now
                         if self._generation != generation:
                             return  # the watchdog gave up on this step: another worker serves now
+                        # Deferring pays only where the step waits long enough to hide the hand-over: a
+                        # wafer's wait (the simulator's runtime thread's, the stand-in's sleep), not the
+                        # worker's own computing (the null and reference executors) nor the helper's job
+                        # (which would otherwise make every later step look like a wait).
+                        defer = took - computing - (self._helper_cpu_s - helped) >= OVERLAP_MIN_WAIT_S
                         self._step = None
                         core.complete_deferred()  # what the helper did not get to
                         core.finish(batch, results, defer=defer)  # the events went to the event loops
@@ -501,9 +505,11 @@ class Engine:
     def _complete_deferred(self, generation: int) -> None:
         """(The helper thread, while a step runs.) Finish the previous step's tokens."""
         with self._cond:
+            started = time.thread_time()
             if self._generation == generation and self._core is not None:
                 if self._core.complete_deferred(executor_busy=True):
                     self._cond.notify_all()
+            self._helper_cpu_s += time.thread_time() - started
 
     def _next_batch(self, generation: int) -> StepBatch | None:
         """Wait for work; None when the worker should stop."""
@@ -610,11 +616,9 @@ class Engine:
         """Queue the requests `submit_nowait` handed over, or refuse them as `submit` would."""
         arrivals = self._arrivals
         while arrivals:
-            arrival = arrivals.popleft()
+            arrival = arrivals[0]  # taken off once answered: a worker that dies here leaves it to _fail_all
             outcome: RequestState | ServiceError
             try:
-                if arrival.refusal is not None:
-                    raise arrival.refusal
                 state = core.new_request(arrival.request, arrival.loop, arrival.stream)
                 state.id = arrival.request_id
                 outcome = core.add(state)
@@ -625,6 +629,7 @@ class Engine:
                 log.exception("could not queue request %s (reference %s)", arrival.request_id, reference)
                 outcome = RequestFailed(f"the server could not queue this request (reference {reference})")
             self._tell_filed(arrival, outcome)
+            arrivals.popleft()
 
     def _refuse_arrivals(self, error: ServiceError) -> None:
         arrivals = self._arrivals

@@ -44,8 +44,9 @@ from typing import Any, cast
 from service import engine_wire, heap, logs
 from service.engine import Engine, EngineState, ExecutorFactory
 from service.engine_core import gpt2_tokenizer_hooks
-from service.errors import Overloaded, ServiceError, Unavailable
+from service.errors import Overloaded, RequestFailed, ServiceError, Unavailable
 from service.kv_slots import KVUsage
+from service.logs import log_reference
 from service.metrics import Family, ServiceMetrics
 from service.request import (
     ErrorEvent,
@@ -175,26 +176,31 @@ class _Book:
             self._unfiled.add(request_id)
 
     def filed(self, request_id: str, outcome: RequestState | ServiceError) -> None:
-        """(The worker, the engine's lock held.) The request is queued, or refused."""
+        """The request is queued (the worker, under the engine's lock), or refused (there, or on the
+        pipe's reader when the engine refused it as it was handed over)."""
         with self._lock:
             self._unfiled.discard(request_id)
             cancel = request_id in self._cancel_when_filed
             self._cancel_when_filed.discard(request_id)
-            if not isinstance(outcome, ServiceError) and outcome.status is not RequestStatus.FINISHED:
+            if (
+                isinstance(outcome, RequestState)
+                and outcome.status is not RequestStatus.FINISHED
+                and not cancel
+            ):
                 self._filed[request_id] = outcome
-        if isinstance(outcome, ServiceError):  # sent outside the lock: a full pipe must not hold it
+        if isinstance(outcome, ServiceError):  # sent outside the book's lock: a full pipe must not hold it
             self._send(("events", [(request_id, ErrorEvent(outcome))]))
         elif cancel:
             self._cancel(outcome)
 
     def to_cancel(self, request_id: str) -> RequestState | None:
-        """The request to cancel now; None when it is not filed yet (it will be cancelled when it is) or
-        is gone."""
+        """The request to cancel now, forgotten here (a cancelled request ends without an event); None
+        when it is not filed yet (it will be cancelled when it is) or is gone."""
         with self._lock:
             if request_id in self._unfiled:
                 self._cancel_when_filed.add(request_id)
                 return None
-            return self._filed.get(request_id)
+            return self._filed.pop(request_id, None)
 
     def ended(self, request_ids: list[str]) -> None:
         with self._lock:
@@ -308,6 +314,12 @@ def engine_main(connection, options: EngineOptions) -> None:
                 message = engine_wire.decode(connection.recv_bytes())
             except (EOFError, OSError):
                 break  # the HTTP process is gone
+            except engine_wire.UnreadableRequest as unreadable:  # a bug: this request fails alone (500)
+                reference = log_reference()
+                log.exception("could not read request %s (reference %s)", unreadable.request_id, reference)
+                failed = RequestFailed(f"the server could not queue this request (reference {reference})")
+                send(("events", [(unreadable.request_id, ErrorEvent(failed))]))
+                continue
             except Exception:  # a message that does not decode: a bug, logged; the engine goes on
                 log.exception("could not read a message from the HTTP process")
                 continue

@@ -64,8 +64,19 @@ def decode(data: bytes) -> tuple:
         return ("events", [(request_id, _unpack_event(event)) for request_id, event in message[1]])
     if kind == "submit":
         _, request_id, request, stream = message
-        return ("submit", request_id, _unpack_request(request), stream)
+        try:
+            return ("submit", request_id, _unpack_request(request), stream)
+        except Exception as error:  # the constructors' checks (the HTTP process ran them too): a bug
+            raise UnreadableRequest(request_id) from error
     raise ValueError(f"unknown marshalled message {kind!r}")
+
+
+class UnreadableRequest(ValueError):
+    """A request that arrived but could not be rebuilt: the receiver fails it alone, by its id."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request {request_id} could not be rebuilt")
+        self.request_id = request_id
 
 
 # ----- records as plain tuples ---------------------------------------------------------------------

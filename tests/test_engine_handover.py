@@ -6,6 +6,7 @@ applied when it is (`service.engine_process._Book`)."""
 
 from __future__ import annotations
 
+import marshal
 import threading
 import time
 from decimal import Decimal
@@ -15,7 +16,7 @@ import pytest
 from service.engine import Engine, EngineState
 from service.engine_core import gpt2_tokenizer_hooks
 from service.engine_process import _Book
-from service.engine_wire import MARSHALLED, PICKLED, decode, encode
+from service.engine_wire import MARSHALLED, PICKLED, UnreadableRequest, decode, encode
 from service.errors import Overloaded, RequestFailed, ServiceError, Unavailable
 from service.metrics import ServiceMetrics
 from service.request import (
@@ -27,7 +28,6 @@ from service.request import (
     GenerationRequest,
     PromptToken,
     RequestState,
-    RequestStatus,
     TokenEvent,
 )
 from service.sampling import SamplingParams
@@ -98,6 +98,18 @@ def test_a_value_marshal_cannot_pack_crosses_pickled():
     odd.__dict__.update({**vars(request), "stop_sequences": ["a"], "timeout_s": Decimal("1.5")})
     data = encode(("submit", "req-1", odd, False))
     assert data[:1] == PICKLED and decode(data)[2].timeout_s == Decimal("1.5")
+
+
+def test_a_request_that_cannot_be_rebuilt_is_named_by_its_id():
+    request = GenerationRequest((1, 2), 4)
+    data = bytearray(encode(("submit", "req-7", request, False)))
+    message = marshal.loads(bytes(data[1:]))
+    fields = list(message[2])
+    fields[2] = (False, -1.0, *fields[2][2:])  # a temperature the constructor refuses
+    broken = MARSHALLED + marshal.dumps(("submit", "req-7", tuple(fields), False))
+    with pytest.raises(UnreadableRequest, match="req-7") as caught:
+        decode(broken)
+    assert caught.value.request_id == "req-7"
 
 
 def test_bytes_that_are_no_message_of_the_pipe_are_named():
@@ -245,20 +257,56 @@ def test_a_cancellation_before_the_request_is_filed_applies_when_it_is():
         assert cancelled._value.get() == 1 and served.queue_sizes() == (0, 0)
         assert len([e for _, e in loop.events if isinstance(e, TokenEvent)]) < 49
         assert sent == []  # a cancelled request ends without an event
+        assert book._filed == {} and book._unfiled == set() and book._cancel_when_filed == set()
     finally:
         served.shutdown(5)
 
 
-def test_a_filed_request_is_cancelled_at_once_and_forgotten_when_it_ends():
+def test_a_request_is_forgotten_when_it_ends_or_is_cancelled():
     served, loop = engine(), Loop()
     book = _Book(lambda message: None, served.cancel)
     try:
         book.arrived("r")
         served.submit_nowait(GenerationRequest((464,), 3, ignore_eos=True), True, loop, "r", book.filed)
         assert loop.done.wait(10)
-        state = book.to_cancel("r")
-        assert state is not None and state.status is RequestStatus.FINISHED  # cancelling it is a no-op
         book.ended(["r"])  # what the engine process's outbox does with a final event
-        assert book.to_cancel("r") is None
+        assert book.to_cancel("r") is None and book._filed == {}
+        book.arrived("s")
+        served.submit_nowait(GenerationRequest((464,), 50, ignore_eos=True), True, loop, "s", book.filed)
+        deadline = time.monotonic() + 10
+        while "s" not in book._filed and time.monotonic() < deadline:
+            time.sleep(0.005)
+        state = book.to_cancel("s")  # filed: cancelled now (a no-op if it ended meanwhile), and forgotten
+        assert state is not None and book._filed == {}
     finally:
         served.shutdown(5)
+
+
+class WaitingExecutor(NullExecutor):
+    """Answers like the null executor after a wait that leaves the GIL free (as a wafer's step does)."""
+
+    def step(self, items):
+        time.sleep(0.002)
+        return super().step(items)
+
+
+def test_the_helper_finishes_tokens_beside_steps_that_wait_and_not_beside_steps_that_compute():
+    for factory, overlaps in ((NullExecutor, False), (WaitingExecutor, True)):
+        served = Engine(
+            lambda factory=factory: factory(50257, slots=2, context=64, top_k=8),
+            gpt2_tokenizer_hooks(),
+            ServiceMetrics("test"),
+            max_queue=4,
+            step_token_budget=64,
+        )
+        served.start()
+        assert served.wait_ready(30)
+        loop, filed = Loop(), Filed()
+        try:
+            served.submit_nowait(GenerationRequest((464,), 12, ignore_eos=True), True, loop, "r", filed)
+            assert loop.done.wait(10)
+            tokens = [e for _, e in loop.events if isinstance(e, TokenEvent)]
+            assert [e.index for e in tokens] == list(range(1, 12))  # the same events either way
+            assert (served._helper_cpu_s > 0) is overlaps, factory.__name__
+        finally:
+            served.shutdown(5)
