@@ -19,9 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 
-class TokenText(
-    NamedTuple
-):  # one per generated token: a named tuple builds in a quarter of a dataclass's time
+# One per generated token: a named tuple builds in a quarter of a frozen dataclass's time (issue 18).
+class TokenText(NamedTuple):
     text: str  # the characters this token completed (may be "" when it ends inside a character)
     released: str  # text that may be sent to the client now (after UTF-8 and stop-sequence hold-back)
     stop_sequence: str | None  # the stop sequence this token completed, if any

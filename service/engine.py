@@ -49,7 +49,7 @@ RELOAD_ATTEMPTS = 3
 # A step that leaves the GIL free at least this long (a wafer's wait, not the executor's own computing)
 # has the previous step's token work done beside it, on the helper thread (issue 18: handing it over
 # costs tens of microseconds and a GIL hand-off, which a shorter wait cannot hide). 0.1 ms lets the
-# modeled GPT-2 124M step (304 us) overlap: 43-46% wafer busy against 38-41% with the engine in its
+# modeled GPT-2 124M step (304 us) overlap: 43-52% wafer busy against 38-41% with the engine in its
 # own process, no change on a thread (docs/performance.md, Host, fifth pass).
 OVERLAP_MIN_WAIT_S = 0.1e-3
 
@@ -89,6 +89,14 @@ class _Arrival:
     loop: asyncio.AbstractEventLoop
     request_id: str
     filed: Filed
+
+
+def request_failed(request_id: str) -> RequestFailed:
+    """(In an exception handler.) A request the engine could not queue, a bug: logged with the
+    exception under a reference, which the client's 500 names."""
+    reference = log_reference()
+    log.exception("could not queue request %s (reference %s)", request_id, reference)
+    return RequestFailed(f"the server could not queue this request (reference {reference})")
 
 
 LOOP_TURN_TIMEOUT_S = 5e-3
@@ -289,11 +297,7 @@ class Engine:
         with self._cond:
             if self._state is not EngineState.READY:
                 raise self.unavailable()
-            core = self._built_core()
-            state = core.new_request(request, loop, stream)
-            if request_id is not None:
-                state.id = request_id
-            state = core.add(state)
+            state = self._queue(self._built_core(), request, stream, loop, request_id)
             self._cond.notify_all()
         return state
 
@@ -619,17 +623,27 @@ class Engine:
             arrival = arrivals[0]  # taken off once answered: a worker that dies here leaves it to _fail_all
             outcome: RequestState | ServiceError
             try:
-                state = core.new_request(arrival.request, arrival.loop, arrival.stream)
-                state.id = arrival.request_id
-                outcome = core.add(state)
+                outcome = self._queue(core, arrival.request, arrival.stream, arrival.loop, arrival.request_id)
             except ServiceError as error:
                 outcome = error
             except Exception:  # a bug: this request fails (500, a log reference), the engine goes on
-                reference = log_reference()
-                log.exception("could not queue request %s (reference %s)", arrival.request_id, reference)
-                outcome = RequestFailed(f"the server could not queue this request (reference {reference})")
+                outcome = request_failed(arrival.request_id)
             self._tell_filed(arrival, outcome)
             arrivals.popleft()
+
+    def _queue(
+        self,
+        core: EngineCore,
+        request: GenerationRequest,
+        stream: bool,
+        loop: asyncio.AbstractEventLoop,
+        request_id: str | None,
+    ) -> RequestState:
+        """(The lock is held.) The request's state, queued (Overloaded, RequestValidationFailed)."""
+        state = core.new_request(request, loop, stream)
+        if request_id is not None:
+            state.id = request_id
+        return core.add(state)
 
     def _refuse_arrivals(self, error: ServiceError) -> None:
         arrivals = self._arrivals

@@ -42,11 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from service import engine_wire, heap, logs
-from service.engine import Engine, EngineState, ExecutorFactory
+from service.engine import Engine, EngineState, ExecutorFactory, request_failed
 from service.engine_core import gpt2_tokenizer_hooks
-from service.errors import Overloaded, RequestFailed, ServiceError, Unavailable
+from service.errors import Overloaded, ServiceError, Unavailable
 from service.kv_slots import KVUsage
-from service.logs import log_reference
 from service.metrics import Family, ServiceMetrics
 from service.request import (
     ErrorEvent,
@@ -315,10 +314,7 @@ def engine_main(connection, options: EngineOptions) -> None:
             except (EOFError, OSError):
                 break  # the HTTP process is gone
             except engine_wire.UnreadableRequest as unreadable:  # a bug: this request fails alone (500)
-                reference = log_reference()
-                log.exception("could not read request %s (reference %s)", unreadable.request_id, reference)
-                failed = RequestFailed(f"the server could not queue this request (reference {reference})")
-                send(("events", [(unreadable.request_id, ErrorEvent(failed))]))
+                send(("events", [(unreadable.request_id, ErrorEvent(request_failed(unreadable.request_id)))]))
                 continue
             except Exception:  # a message that does not decode: a bug, logged; the engine goes on
                 log.exception("could not read a message from the HTTP process")
