@@ -73,6 +73,31 @@ def test_gemv_cost_by_hand() -> None:
     assert c.phases["bias + epilogue"] == 64 * (1 + cost.GELU_CYCLES)
 
 
+def test_a_shared_epilogue_by_hand() -> None:
+    """fc's GELU shared by the last PEs of a K-line (wafer.cost.epilogue_cycles): 16 outputs on 2 PEs.
+    The root biases all 16 (16) and starts the stream of slice 0 back (S), which reaches the other PE
+    one link later with its 8 words (STEP + 8); a task activation there, 8 GELUs (the root's own 8
+    are done long before). The gather line: the far PE's header (S + 5), a task and a DSD operation,
+    its 8 words; the root passes the header on (STEP), a task and an operation, the 8 words, another
+    task and operation, its own 8. Less the unshared lane's S + 5 + (T + S) + 16."""
+    g = cost.GELU_CYCLES
+    far = 16 + S + STEP + 8 + T + 8 * g
+    end = far + S + 5 + STEP + (T + S) + 8 + (T + S) + 8
+    assert cost.epilogue_cycles(16, 2, g) == end - (S + 5 + (T + S) + 16)
+    assert cost.epilogue_cycles(16, 1, g) == 16 * (1 + g)  # the last PE alone, as before
+    shared = GemvTiling(768, 3072, 32, 192, "k_along_x", epilogue_pes=4)
+    phases = cost.gemv_cost(shared, "wse2", "fp16", g).phases
+    assert (
+        phases["bias + epilogue (shared by 4 PEs)"] == cost.epilogue_cycles(16, 4, g) < 16 * (1 + g) * 2 / 3
+    )
+    with pytest.raises(ValueError, match="do not split 16 outputs"):
+        cost.epilogue_cycles(16, 3, g)
+    # offered only where there is per-output work, on divisors of tile_n that the K-line can hold
+    assert cost.epilogue_options(shared, 0) == [1]
+    assert cost.epilogue_options(shared, g) == [1, 2, 4, 8, 16]
+    assert cost.epilogue_options(GemvTiling(768, 3072, 4, 192, "k_along_x"), g) == [1, 2, 4]
+
+
 def test_norm_cost_by_hand() -> None:
     # 16 values on 4 PEs: input, the local sums of x and x^2 (1 + 2 ops per value), one all-reduce of
     # the two words towards PE 1 (each step passes 2 words, the broadcast too), rsqrt, normalise

@@ -242,3 +242,42 @@ def test_two_sided_attention_merge_equals_the_simulator(arch):
     finally:
         csl.close()
         sim.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "pes"), [("wse2", 4), ("wse3", 2)])
+def test_a_shared_gelu_equals_the_simulator(arch, pes):
+    """fc's GELU shared by the last `pes` PEs of every K-line (pe/gemv.csl with comm/scatter.csl):
+    the root sends the others their slices of the sum back along the line and a gather line carries
+    the slices out through the root's lane. GELU is elementwise, so the scores are the simulator's."""
+    from dataclasses import replace
+
+    from kernels.program.build import build_program
+    from wafer.csl_backend import CslExecutorRuntime, compile_plan
+    from wafer.host import start_model
+    from wafer.plan import build_plan
+    from wafer.sim import SimRuntime
+
+    config = GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-shared-gelu"
+    )
+    plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
+    (fc,) = (region for region in plan.regions if region.name.endswith(".fc"))
+    assert fc.tiling.tile_n % pes == 0 and fc.tiling.rows >= pes
+    fc.tiling = replace(fc.tiling, epilogue_pes=pes)
+    tiles = build_program(plan).tiles.values()
+    roles = [tile.params["scatter_role"] for tile in tiles if tile.region == fc.name]
+    # every column: one PE sends the slices (FIRST), one keeps the last of them (LAST)
+    assert roles.count(0) == fc.tiling.cols and roles.count(2) == fc.tiling.cols
+    params = GPT2Params.random(config, seed=7)
+    csl = start_model(plan, CslExecutorRuntime(compile_plan(plan)), params)
+    sim = start_model(plan, SimRuntime(plan), params)
+    try:
+        items = [StepItem(0, p, (5 * p + 2) % 100, want_scores=p in (3, 7)) for p in range(8)]
+        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+        # a second step: every PE of the shared epilogue is back waiting for the next item
+        items = [StepItem(0, 8, 11, want_scores=True)]
+        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+    finally:
+        csl.close()
+        sim.close()

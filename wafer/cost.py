@@ -103,6 +103,11 @@ TAIL_COMBINE_CYCLES = DSD_OP_START_CYCLES + 3 + EXP_CYCLES + 2 * MERGE_COMPARE_C
 TAIL_EMIT_CYCLES = DSD_OP_START_CYCLES + 3
 
 
+# Words of the header every item carries ahead of its payload on the streams between regions
+# (kernels/comm/recv.csl HDR).
+ITEM_HEADER_WORDS = 5
+
+
 def cycles_to_us(cycles: float, clock_hz: float = CLOCK_HZ) -> float:
     return cycles / clock_hz * 1e6
 
@@ -227,20 +232,76 @@ def gemv_cost(
         f" (runs of {tiling.group})" if tiling.reduction == "two_level" else ""
     )
     cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n, tiling.group))
-    cost.add("bias + epilogue", tiling.tile_n * (FP32_OPS_PER_CYCLE + epilogue_cycles_per_output))
+    cost.add(
+        "bias + epilogue" + (f" (shared by {tiling.epilogue_pes} PEs)" if tiling.epilogue_pes > 1 else ""),
+        epilogue_cycles(tiling.tile_n, tiling.epilogue_pes, epilogue_cycles_per_output),
+    )
     return cost
+
+
+def epilogue_cycles(tile_n: int, pes: int, per_output: int) -> int:
+    """The bias and the epilogue of one output column, from its sum being complete on the K-line's
+    last PE to the output's lane starting (its header and tile_n words then stream as before).
+
+    One PE: the bias and the epilogue, output after output. Shared by the last `pes` PEs of the line
+    (kernels/pe/gemv.csl, comm/scatter.csl, comm/gather.csl), priced step by step as the CSL takes
+    them:
+    - the last PE adds the bias to all outputs, starts one stream of slices 0 .. pes-2 back along the
+      line and applies the epilogue to its own slice (pes - 1) meanwhile;
+    - PE j (0 the farthest) has set up its receive long before: it passes on the j slices for the PEs
+      beyond it as they come, then (a task and a DSD operation later) reads its own; its epilogue starts
+      a task activation after the slice is in;
+    - a gather line from PE 0 carries [header | slice 0 | ... | slice pes-1] out through the last PE:
+      every PE passes the header on, then the words before its slice, then appends its own, with a task
+      activation and a DSD operation between the three (comm/gather.csl's steps).
+    Priced as the time the gathered stream has left, less what the unshared lane takes for the same
+    stream (its header, one task and two DSD operations, tile_n words), which the model leaves to the
+    hand-off."""
+    bias = tile_n * FP32_OPS_PER_CYCLE
+    if pes <= 1:
+        return bias + tile_n * per_output
+    if tile_n % pes:
+        raise ValueError(f"{pes} epilogue PEs do not split {tile_n} outputs evenly")
+    part = tile_n // pes
+    relay = HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE  # a hop, the ramp, a pass through the CE
+    step = TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES  # the next DSD operation, started by a task
+    work = part * per_output
+    sent = bias + DSD_OP_START_CYCLES  # the slices' stream leaves the last PE
+    ready = []  # ready[j]: PE j's slice done
+    for j in range(pes - 1):
+        arrived = sent + (pes - 1 - j) * relay + (j + 1) * part  # its slice's last word, at its queue
+        kept = arrived + (step if j > 0 else 0)  # a PE that passed words on starts its read a step later
+        ready.append(kept + TASK_ACTIVATION_CYCLES + work)
+    ready.append(sent + work)
+    header = ready[0] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS  # the header's last word leaves PE 0
+    end = header + step + part
+    for j in range(1, pes):
+        header = max(ready[j] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS, header + relay)
+        passed = max(header + step + j * part, end + relay)
+        end = passed + step + part
+    lane = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + step + tile_n
+    return end - lane
+
+
+def epilogue_options(tiling: GemvTiling, per_output: int) -> list[int]:
+    """The epilogue_pes the program implements for a tiling: 1, and where there is per-output work,
+    every divisor of tile_n up to the K-line's length that leaves every PE at least one output."""
+    if per_output <= 0:
+        return [1]
+    return [p for p in range(1, min(tiling.tile_n, tiling.rows) + 1) if tiling.tile_n % p == 0]
 
 
 @lru_cache(maxsize=8192)
 def best_gemv_reduction(
     tiling: GemvTiling, arch: Arch | str, dtype: str, epilogue_cycles_per_output: int = 0
 ) -> GemvTiling:
-    """The tiling with the reduction (chain, or two_level with its best run length) the model finds
-    fastest. Only what kernels/comm implements is offered: a faster plan the CSL cannot run is worth
+    """The tiling with the reduction (chain, or two_level with its best run length) and the epilogue
+    sharing (`epilogue_options`) the model finds fastest. Only what kernels/comm implements is offered: a faster plan the CSL cannot run is worth
     nothing."""
     options = [
-        GemvTiling(**{**vars(tiling), "reduction": kind, "group": group})
+        GemvTiling(**{**vars(tiling), "reduction": kind, "group": group, "epilogue_pes": pes})
         for kind, group in reduction_options(tiling.rows)
+        for pes in epilogue_options(tiling, epilogue_cycles_per_output)
     ]
     return min(options, key=lambda t: gemv_cost(t, arch, dtype, epilogue_cycles_per_output).cycles)
 

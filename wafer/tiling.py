@@ -99,6 +99,14 @@ class GemvTiling:
     reduction: Reduction = "chain"
     n_split: int = 1  # N = n_split equal segments; column c holds slice c of each (q | k | v)
     group: int = 0  # two_level only: reduction indices per first-level run
+    # PEs at the end of every K-line that share the epilogue (fc's GELU): the last one scatters
+    # slices back along the line, each applies the epilogue to its slice, a gather line sends them out
+    epilogue_pes: int = 1
+
+    @property
+    def epilogue_slice(self) -> int:
+        """Outputs of a column each epilogue PE finishes (epilogue_pes divides tile_n)."""
+        return self.tile_n // self.epilogue_pes
 
     @property
     def tile_k(self) -> int:

@@ -65,7 +65,7 @@ TASKS = {
     "pe/head.csl": 12,
     "pe/layernorm.csl": 11,
     "pe/residual.csl": 10,
-    "pe/gemv.csl": 7,
+    "pe/gemv.csl": 9,
     "pe/attention.csl": 5,
     "pe/idle.csl": 0,
 }
@@ -369,13 +369,50 @@ class _Builder:
         res2_pes = self.strip(res_2)
         self.connect(f"{tag}.res_1.x", res1_pes, self.chunk(res_1), [[p] for p in res2_pes], self.chunk(res_2),
                      "fwd", "resid")  # fmt: skip
-        _, fc_lines, fc_roots = self.gemv_lines(fc)
+        fc_frame, fc_lines, fc_roots = self.gemv_lines(fc)
         self.connect(f"{tag}.ln_2.y", ln2_pes, ln_2.tiling.chunk, fc_lines, fc.tiling.tile_k, "y", "in")
         _, proj_lines, proj_roots = self.gemv_lines(proj)
         self.connect(f"{tag}.fc.out", fc_roots, fc.tiling.tile_n, proj_lines, proj.tiling.tile_k, "out", "in")
+        self.share_epilogue(fc, fc_frame)
         self.connect(f"{tag}.proj.out", proj_roots, proj.tiling.tile_n, [[p] for p in res2_pes],
                      self.chunk(res_2), "out", "in")  # fmt: skip
         return res2_pes, self.chunk(res_2)
+
+    def share_epilogue(self, region: Any, f: Frame) -> None:
+        """The last `epilogue_pes` PEs of every K-line share the GEMV's epilogue (pe/gemv.csl): the
+        root sends the others their slices back along the line (comm/scatter.csl: a chain of links
+        from the root to the farthest), and a gather line from the farthest through the root carries
+        [header | slices] into the lane `connect` gave the root."""
+        t = region.tiling
+        pes = t.epilogue_pes
+        if pes <= 1:
+            return
+        name = f"{region.name}@{region.replica}"
+        for c in range(t.cols):
+            members = [f.pe(r, c) for r in range(t.rows - pes, t.rows)]  # the farthest first, the root last
+            root = self.params[members[-1]]
+            if root.get("out_role") != ALONE:
+                raise ProgramError(
+                    f"{region.name}: {pes} PEs share its epilogue, which needs one lane per output column "
+                    f"into the next region, but its output column {c} feeds a gather line"
+                )
+            lane = root.pop("out_tx")
+            del root["out_role"]
+            back = members[::-1]
+            links = [self.flow(f"{name}.scatter{c}.{i}", back[i], [back[i + 1]]) for i in range(pes - 1)]
+            for i, pos in enumerate(back):
+                self.params[pos].update(
+                    scatter_role=FIRST if i == 0 else LAST if i == pes - 1 else MIDDLE,
+                    scatter_rx=links[i - 1] if i > 0 else None,
+                    scatter_tx=links[i] if i < pes - 1 else None,
+                    epi_slot=pes - 1 - i,
+                )
+            gather = [
+                self.flow(f"{name}.epilogue{c}.{i}", members[i], [members[i + 1]]) for i in range(pes - 1)
+            ]
+            for i, pos in enumerate(members):
+                tx = gather[i] if i < pes - 1 else lane
+                self._out(pos, "out", FIRST if i == 0 else MIDDLE, gather[i - 1] if i > 0 else None, tx, pes)
 
     def strip(self, region: Any) -> list[Pos]:
         f = self.frame(region)
@@ -463,7 +500,7 @@ def _build_program(plan: Plan) -> Program:
 _GATHER_NONE = {"role": NONE, "rx": None, "tx": None, "line": 1, "rev": False}
 _CHAIN_NONE = {"role": NONE, "rx": None, "tx": None}
 OPTIONAL_OUTPUTS = {
-    "pe/gemv.csl": {"out": _GATHER_NONE},
+    "pe/gemv.csl": {"out": _GATHER_NONE, "scatter": _CHAIN_NONE},
     "pe/layernorm.csl": {"y": _GATHER_NONE, "resid": _GATHER_NONE},
     "pe/residual.csl": {"next": _GATHER_NONE, "fwd": _GATHER_NONE},
     "pe/embed.csl": {"out": _GATHER_NONE},
@@ -500,7 +537,8 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
         elif region.name == "io.out":
             own.update(to_host=D2H, record_words=record_words(plan.top_k))
         elif kind == "gemv":
-            own.update(tile_k=t.tile_k, tile_n=t.tile_n, use_fp16=fp16, gelu_out=region.name.endswith(".fc"))
+            own.update(tile_k=t.tile_k, tile_n=t.tile_n, use_fp16=fp16, gelu_out=region.name.endswith(".fc"),
+                       epi_pes=t.epilogue_pes, epi_slot=t.epilogue_pes)  # fmt: skip
         elif kind == "embed_head":
             own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,
                        topk_bins=TOPK_BINS, topk_block=MERGE_BLOCK,
