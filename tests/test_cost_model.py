@@ -98,6 +98,24 @@ def test_a_shared_epilogue_by_hand() -> None:
     assert cost.epilogue_options(GemvTiling(768, 3072, 4, 192, "k_along_x"), g) == [1, 2, 4]
 
 
+def test_a_shared_sum_of_exps_by_hand() -> None:
+    """The head's sum of exps shared by the last PEs of a K-line (wafer.cost.shared_exp_wait): 8 logits
+    on 2 PEs. The root starts the stream of the other's 4 logits (S), one link on (STEP + 4); a task,
+    their max and exps (4 x (scan + exp)); the pair goes back (S, a link, its second word); the root,
+    idle here, reads it (a task) and adds it (LSE_PAIR_CYCLES)."""
+    scan, e = cost.TOPK_SCAN_CYCLES, cost.EXP_CYCLES
+    back = S + STEP + 4 + T + 4 * (scan + e) + S + STEP + 1
+    assert cost.shared_exp_wait(8, 2, 0) == back + T + cost.LSE_PAIR_CYCLES
+    assert cost.shared_exp_wait(8, 2, 10_000) == T + cost.LSE_PAIR_CYCLES  # hidden behind a busy root
+    head = HeadTiling(vocab=256, dim=16, gemv=GemvTiling(16, 256, 4, 2, "k_along_x"), top_k=8, exp_pes=4)
+    phases = cost.head_cost(head, "wse2", "fp32").phases
+    assert phases["histogram + exp-sum of 1/4"] == S + 128 * cost.TOPK_BIN_CYCLES + 32 * e
+    assert "exp-sums of 3 PEs in" in phases and "exp-sum + histogram" not in phases
+    # offered over a chain reduction only: its links carry the pairs back
+    assert cost.exp_options(head.gemv) == [1, 2, 4]
+    assert cost.exp_options(GemvTiling(16, 256, 4, 2, "k_along_x", "two_level", group=2)) == [1]
+
+
 def test_norm_cost_by_hand() -> None:
     # 16 values on 4 PEs: input, the local sums of x and x^2 (1 + 2 ops per value), one all-reduce of
     # the two words towards PE 1 (each step passes 2 words, the broadcast too), rsqrt, normalise

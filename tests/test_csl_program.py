@@ -281,3 +281,43 @@ def test_a_shared_gelu_equals_the_simulator(arch, pes):
     finally:
         csl.close()
         sim.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "vocab", "pes"), [("wse2", 100, 5), ("wse3", 90, 6)])
+def test_a_shared_sum_of_exps_equals_the_simulator(arch, vocab, pes):
+    """The head's sum of exps shared by the last `pes` PEs of every K-line (pe/head.csl with
+    comm/scatter.csl): the root sends the others their slices of its logits, each sums its slice's
+    exps against its own max, and the (max, sum) pairs chain back to the root over the GEMV
+    reduction's links. The simulator combines in the same order (wafer.sim.kernels._shared_exp_sum);
+    90 tokens on 3 columns of 30 leave the last column's last slices empty."""
+    from dataclasses import replace
+
+    from kernels.program.build import build_program
+    from wafer.csl_backend import CslExecutorRuntime, compile_plan
+    from wafer.host import start_model
+    from wafer.plan import build_plan
+    from wafer.sim import SimRuntime
+
+    config = GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=vocab, n_positions=32, name="tiny-shared-exps"
+    )
+    plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
+    head = plan.region("head")
+    assert head.tiling.gemv.reduction == "chain" and head.tiling.gemv.tile_n % pes == 0
+    plan.head = head.tiling = replace(head.tiling, exp_pes=pes)
+    tiles = build_program(plan).tiles.values()
+    slots = sorted(tile.params["exp_slot"] for tile in tiles if tile.region == "head")
+    assert slots[: pes * head.tiling.gemv.cols] == sorted(list(range(pes)) * head.tiling.gemv.cols)
+    params = GPT2Params.random(config, seed=7)
+    csl = start_model(plan, CslExecutorRuntime(compile_plan(plan)), params)
+    sim = start_model(plan, SimRuntime(plan), params)
+    try:
+        items = [StepItem(0, p, (5 * p + 2) % vocab, want_scores=p in (3, 7), target=1 if p == 7 else None)
+                 for p in range(8)]  # fmt: skip
+        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+        items = [StepItem(0, 8, 11, want_scores=True)]
+        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+    finally:
+        csl.close()
+        sim.close()

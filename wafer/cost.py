@@ -239,6 +239,7 @@ def gemv_cost(
     return cost
 
 
+@lru_cache(maxsize=4096)  # pure, and priced for every candidate of the search
 def epilogue_cycles(tile_n: int, pes: int, per_output: int) -> int:
     """The bias and the epilogue of one output column, from its sum being complete on the K-line's
     last PE to the output's lane starting (its header and tile_n words then stream as before).
@@ -452,16 +453,63 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     cost = StageCost(name, {k: v for k, v in gemv.phases.items() if k != "bias + epilogue"})
     g, k = tiling.gemv, tiling.top_k
     cost.add("local max + min", g.tile_n * TOPK_SCAN_CYCLES)
-    cost.add("exp-sum + histogram", g.tile_n * (EXP_CYCLES + TOPK_BIN_CYCLES))
-    cost.add("local top-k", local_topk_cycles(g.tile_n, k))
-    cols = g.cols
-    if tiling.merge == "chain" or not 1 < tiling.merge_group < cols:
-        merge = stream_merge_cycles(k, cols - 1, 1)
-    else:  # the runs at the same time, then the chain of their ends once every run's record is complete
-        run = tiling.merge_group
-        merge = stream_merge_cycles(k, run - 1, 1) + stream_merge_cycles(k, ceil_div(cols, run) - 1, run)
-    cost.add(f"top-k/LSE {tiling.merge} merge", merge)
+    if tiling.exp_pes <= 1:
+        cost.add("exp-sum + histogram", g.tile_n * (EXP_CYCLES + TOPK_BIN_CYCLES))
+        cost.add("local top-k", local_topk_cycles(g.tile_n, k))
+    else:
+        own = DSD_OP_START_CYCLES + g.tile_n * TOPK_BIN_CYCLES + tiling.exp_slice * EXP_CYCLES
+        cost.add(f"histogram + exp-sum of 1/{tiling.exp_pes}", own)
+        cost.add("local top-k", local_topk_cycles(g.tile_n, k))
+        busy = own + local_topk_cycles(g.tile_n, k)
+        cost.add(f"exp-sums of {tiling.exp_pes - 1} PEs in", shared_exp_wait(g.tile_n, tiling.exp_pes, busy))
+    cost.add(f"top-k/LSE {tiling.merge} merge", head_merge_cycles(tiling))
     return cost
+
+
+def head_merge_cycles(tiling: HeadTiling) -> int:
+    """The records' merge across the head's columns: a chain, or the runs at the same time and then
+    the chain of their ends once every run's record is complete."""
+    cols, k = tiling.gemv.cols, tiling.top_k
+    if tiling.merge == "chain" or not 1 < tiling.merge_group < cols:
+        return stream_merge_cycles(k, cols - 1, 1)
+    run = tiling.merge_group
+    return stream_merge_cycles(k, run - 1, 1) + stream_merge_cycles(k, ceil_div(cols, run) - 1, run)
+
+
+# Combining two (max, sum of exps) pairs (kernels/lib/topk.csl `add_pair`): one exp, and a compare,
+# a multiply, an add and the choice of the greater max.
+LSE_PAIR_CYCLES = EXP_CYCLES + 4
+
+
+@lru_cache(maxsize=4096)  # pure, and priced for every candidate of the search
+def shared_exp_wait(tile_n: int, pes: int, root_busy: int) -> int:
+    """A head root whose column's sum of exps is shared by the last `pes` PEs of its K-line
+    (kernels/pe/head.csl): from the stream of the others' slices starting (the root meanwhile works
+    for `root_busy` cycles: its histogram, its own slice's exps, its top-k) to their sums being in its
+    record. PE j of the others (0 the farthest) gets its slice as in `epilogue_cycles` (a PE that
+    passes words on reads its own a task and a DSD operation later), then a task, the slice's max and
+    exps; PE 0 sends (max, sum) on the GEMV reduction's link, every later PE reads the incoming pair
+    (a task), combines it with its own and sends the result on; the root reads the last pair and adds
+    it, rescaled to its column max."""
+    part = tile_n // pes
+    relay = HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE
+    step = TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES
+    incoming = 0
+    for j in range(pes - 1):
+        arrived = DSD_OP_START_CYCLES + (pes - 1 - j) * relay + (j + 1) * part
+        kept = arrived + (step if j > 0 else 0)
+        own = kept + TASK_ACTIVATION_CYCLES + part * (TOPK_SCAN_CYCLES + EXP_CYCLES)
+        sent = own if j == 0 else max(own, incoming) + TASK_ACTIVATION_CYCLES + LSE_PAIR_CYCLES
+        incoming = sent + DSD_OP_START_CYCLES + relay + 1  # the pair's two words, a link on
+    return max(0, incoming - root_busy) + TASK_ACTIVATION_CYCLES + LSE_PAIR_CYCLES
+
+
+def exp_options(gemv: GemvTiling) -> list[int]:
+    """The exp_pes the head program implements: 1, and over a chain reduction (whose links carry the
+    (max, sum) pairs back) every divisor of tile_n up to the K-line's length."""
+    if gemv.reduction != "chain":
+        return [1]
+    return [p for p in range(1, min(gemv.tile_n, gemv.rows) + 1) if gemv.tile_n % p == 0]
 
 
 def stream_merge_cycles(k: int, steps: int, hops: int) -> int:
@@ -495,6 +543,7 @@ def kept_logits(n: int, k: int) -> float:
     return float(n) if n <= k else min(float(n), k + n / TOPK_BINS / 2)
 
 
+@lru_cache(maxsize=4096)  # pure, and priced for every candidate of the search
 def local_topk_cycles(n: int, k: int) -> int:
     """A column's k best of its n logits, best first, as kernels/lib/topk.csl selects them after the
     exp-sum pass has counted the histogram: the bins' first slots, the placement pass, the insertion
@@ -525,7 +574,19 @@ def best_head(tiling: HeadTiling, arch: Arch | str, dtype: str) -> HeadTiling:
         for kind, group in reduction_options(tiling.gemv.cols)
         if kind == "two_level"
     ]
-    return min(options, key=lambda t: head_cost(t, arch, dtype).cycles)
+    # The columns' own work and their merge add up: the columns' part (with the sharing of the exps)
+    # is priced once per GEMV, the merge per option.
+    columns: dict[GemvTiling, tuple[int, int]] = {}  # exp_pes, cycles before the merge
+    for t in options[:2]:
+        shared = HeadTiling(**{**vars(t), "exp_pes": _best_exp_pes(t, arch, dtype)})
+        columns[t.gemv] = (shared.exp_pes, head_cost(shared, arch, dtype).cycles - head_merge_cycles(shared))
+    best_option = min(options, key=lambda t: columns[t.gemv][1] + head_merge_cycles(t))
+    return HeadTiling(**{**vars(best_option), "exp_pes": columns[best_option.gemv][0]})
+
+
+def _best_exp_pes(tiling: HeadTiling, arch: Arch | str, dtype: str) -> int:
+    options = [HeadTiling(**{**vars(tiling), "exp_pes": pes}) for pes in exp_options(tiling.gemv)]
+    return min(options, key=lambda t: head_cost(t, arch, dtype).cycles).exp_pes
 
 
 def route_cost(words: int, hops: int, name: str) -> StageCost:

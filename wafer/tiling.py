@@ -211,6 +211,15 @@ class HeadTiling:
     top_k: int = 64
     merge: Reduction = "chain"  # how the per-column (top-k, max, sum-exp) are merged across columns
     merge_group: int = 0  # two_level only: columns per first-level run
+    # PEs at the end of every K-line that share a column's sum of exps: the root sends the others
+    # their slices of the logits, each sums its slice's exps against its own max, and the (max, sum)
+    # pairs chain back to the root over the GEMV reduction's links (a chain reduction only)
+    exp_pes: int = 1
+
+    @property
+    def exp_slice(self) -> int:
+        """Logits of a column each of the exp_pes PEs sums (exp_pes divides tile_n)."""
+        return self.gemv.tile_n // self.exp_pes
 
     @property
     def pes(self) -> int:

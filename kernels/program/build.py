@@ -300,6 +300,7 @@ class _Builder:
         for c in range(head_t.cols):
             members = [hf.pe(r, c) for r in range(head_t.rows)]
             self.reduction(f"r{replica}.head.red{c}", members, "red", head_t.reduction, head_t.group)
+        self.share_exps(head, hf)
         roots = [hf.pe(head_t.rows - 1, c) for c in range(head_t.cols)]
         last = self.reduction(f"r{replica}.merge", roots, "merge", head.tiling.merge, head.tiling.merge_group)
         to_io = self.flow(f"r{replica}.scores", last, [(io_out.x, io_out.y)])
@@ -398,21 +399,45 @@ class _Builder:
                 )
             lane = root.pop("out_tx")
             del root["out_role"]
-            back = members[::-1]
-            links = [self.flow(f"{name}.scatter{c}.{i}", back[i], [back[i + 1]]) for i in range(pes - 1)]
-            for i, pos in enumerate(back):
-                self.params[pos].update(
-                    scatter_role=FIRST if i == 0 else LAST if i == pes - 1 else MIDDLE,
-                    scatter_rx=links[i - 1] if i > 0 else None,
-                    scatter_tx=links[i] if i < pes - 1 else None,
-                    epi_slot=pes - 1 - i,
-                )
+            self.scatter_line(f"{name}.scatter{c}", members, "epi_slot")
             gather = [
                 self.flow(f"{name}.epilogue{c}.{i}", members[i], [members[i + 1]]) for i in range(pes - 1)
             ]
             for i, pos in enumerate(members):
                 tx = gather[i] if i < pes - 1 else lane
                 self._out(pos, "out", FIRST if i == 0 else MIDDLE, gather[i - 1] if i > 0 else None, tx, pes)
+
+    def scatter_line(self, name: str, members: list[Pos], slot: str) -> None:
+        """A scatter line (comm/scatter.csl) from the last of `members` (the root) back to the first:
+        scatter_role/_rx/_tx per member, and `slot` = its index in `members` (its slice)."""
+        back = members[::-1]
+        links = [self.flow(f"{name}.{i}", back[i], [back[i + 1]]) for i in range(len(back) - 1)]
+        for i, pos in enumerate(back):
+            self.params[pos].update(
+                {
+                    "scatter_role": FIRST if i == 0 else LAST if i == len(back) - 1 else MIDDLE,
+                    "scatter_rx": links[i - 1] if i > 0 else None,
+                    "scatter_tx": links[i] if i < len(links) else None,
+                    slot: len(back) - 1 - i,
+                }
+            )
+
+    def share_exps(self, head: Any, f: Frame) -> None:
+        """The last `exp_pes` PEs of every head K-line share the column's sum of exps (pe/head.csl):
+        the root sends the others their slices back along the line; their (max, sum) pairs come back
+        on the GEMV reduction's chain links, which must run through them in K order."""
+        t = head.tiling
+        pes = t.exp_pes
+        if pes <= 1:
+            return
+        if t.gemv.reduction != "chain":
+            raise ProgramError(
+                f"{head.name}: {pes} PEs share its sums of exps, which needs a chain reduction along its "
+                f"K-lines (the pairs travel on its links), not {t.gemv.reduction}"
+            )
+        for c in range(t.gemv.cols):
+            members = [f.pe(r, c) for r in range(t.gemv.rows - pes, t.gemv.rows)]
+            self.scatter_line(f"{head.name}@{head.replica}.exps{c}", members, "exp_slot")
 
     def strip(self, region: Any) -> list[Pos]:
         f = self.frame(region)
@@ -509,7 +534,7 @@ OPTIONAL_OUTPUTS = {
         "merge_side": {"on": False, "rx": None},
         "merge_end_side": {"on": False, "rx": None},
     },
-    "pe/head.csl": {"merge": _CHAIN_NONE, "merge_end": _CHAIN_NONE},
+    "pe/head.csl": {"merge": _CHAIN_NONE, "merge_end": _CHAIN_NONE, "scatter": _CHAIN_NONE},
 }
 # Params a connection sets that a PE program names differently, or does not take.
 RENAMES = {
@@ -542,7 +567,7 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
         elif kind == "embed_head":
             own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,
                        topk_bins=TOPK_BINS, topk_block=MERGE_BLOCK,
-                       use_fp16=fp16)  # fmt: skip
+                       use_fp16=fp16, exp_pes=t.exp_pes, exp_slot=t.exp_pes)  # fmt: skip
         elif kind == "embed":
             ppp, tile_k = embed_geometry(region, cfg.n_embd)
             own.update(tile_k=tile_k, ppp=ppp, use_fp16=fp16)
@@ -591,7 +616,8 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
 def _share_end_queue(params: dict[str, Any]) -> None:
     """head.csl's two second-level chains (the GEMV reduction's, the merge's) share input queue 7 and
     output queue 5: at most one is in use (wafer.cost.best_head), and the other names its colors, so
-    that every queue names one color."""
+    that every queue names one color. Likewise a root's merge input and the other PEs' slices of the
+    shared sum of exps share input queue 6."""
     for side in ("rx", "tx"):
         red, merge = f"red_end_{side}", f"merge_end_{side}"
         if params.get(red) is not None and params.get(merge) is not None:
@@ -599,6 +625,10 @@ def _share_end_queue(params: dict[str, Any]) -> None:
                 "the head's GEMV reduction and its merge are both two-level: WSE-3 has no queue left"
             )
         params[red] = params[merge] = params.get(red) or params.get(merge)
+    # Input queue 6: the merge's record on a root, a slice of the shared sum of exps elsewhere.
+    if params.get("merge_rx") is not None and params.get("scatter_rx") is not None:
+        raise ProgramError("a head root would receive both a record and a slice of exps on input queue 6")
+    params["merge_rx"] = params["scatter_rx"] = params.get("merge_rx") or params.get("scatter_rx")
 
 
 def _assign_tasks(tiles: dict[Pos, Tile], flows: list[Flow], arch: str) -> None:

@@ -324,6 +324,7 @@ def _tiling_json(tiling: object | None) -> dict | None:
             "top_k": tiling.top_k,
             "merge": tiling.merge,
             "merge_group": tiling.merge_group,
+            "exp_pes": tiling.exp_pes,
             "gemv": _tiling_json(tiling.gemv),
         }
     data = {"type": type(tiling).__name__}

@@ -401,7 +401,7 @@ def head_scores(
 
     def select(rows: slice) -> None:  # items are independent: halves of the batch run side by side
         ids[rows], best[rows] = top_k(logits[rows], head.top_k)
-        lse[rows] = _logsumexp(logits[rows], tiling, head.merge, head.merge_group)
+        lse[rows] = _logsumexp(logits[rows], head)
 
     halves = [slice(start, start + ceil_div(batch, 2)) for start in range(0, batch, ceil_div(batch, 2))]
     parallel.map_all(select, halves if batch >= 2 else [slice(0, batch)])
@@ -409,19 +409,64 @@ def head_scores(
     return ids, best, lse, target_logit.astype(F32)
 
 
-def _logsumexp(logits: np.ndarray, tiling: GemvTiling, merge: str, merge_group: int) -> np.ndarray:
+def _logsumexp(logits: np.ndarray, head: HeadTiling) -> np.ndarray:
     """[B, V] -> [B]: every column of PEs keeps (max, sum of exp) over its logits; the columns merge in
     the head's order."""
+    tiling = head.gemv
     batch = logits.shape[0]
     tiled = np.full((batch, tiling.cols * tiling.tile_n), -np.inf, dtype=F32)
     tiled[:, : tiling.n] = logits
     by_index = np.ascontiguousarray(np.moveaxis(tiled.reshape(batch, tiling.cols, tiling.tile_n), 2, 0))
     column_max = np.maximum.reduce(by_index, axis=0)  # [B, cols]; -inf for a column past the vocabulary
     finite_max = np.where(np.isfinite(column_max), column_max, F32(0))
-    column_sum = chain_sum(np.exp(by_index - finite_max))  # each column sums its exps in index order
+    if head.exp_pes > 1:
+        column_sum = _shared_exp_sum(by_index, finite_max, head.exp_pes)
+    else:
+        column_sum = chain_sum(np.exp(by_index - finite_max))  # each column sums its exps in index order
     peak = column_max.max(axis=1)
     rescaled = column_sum * np.exp(column_max - peak[:, None])  # [B, cols]
-    return (peak + np.log(combine(np.ascontiguousarray(rescaled.T), merge, merge_group))).astype(F32)
+    return (peak + np.log(combine(np.ascontiguousarray(rescaled.T), head.merge, head.merge_group))).astype(
+        F32
+    )
+
+
+def _shared_exp_sum(by_index: np.ndarray, finite_max: np.ndarray, pes: int) -> np.ndarray:
+    """A column's sum of exps shared by the last `pes` PEs of its K-line (kernels/pe/head.csl): PE j
+    of the others (0 the farthest) sums its slice's exps against the slice's own max, the (max, sum)
+    pairs chain towards the root, each PE combining the incoming pair with its own (`_lse_pair`), and
+    the root adds the chain's sum, rescaled to the column max, to its own slice's."""
+    part = by_index.shape[0] // pes
+    own = chain_sum(np.exp(by_index[(pes - 1) * part :] - finite_max))
+
+    def piece(j: int) -> tuple[np.ndarray, np.ndarray]:
+        logits = by_index[j * part : (j + 1) * part]
+        top = np.maximum.reduce(logits, axis=0)
+        return top, chain_sum(np.exp(logits - np.where(np.isfinite(top), top, F32(0))))
+
+    carried_max, carried_sum = piece(0)
+    for j in range(1, pes - 1):
+        carried_max, carried_sum = _lse_pair(carried_max, carried_sum, *piece(j))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.where(carried_sum != 0, own + carried_sum * np.exp(carried_max - finite_max), own)
+
+
+def _lse_pair(
+    in_max: np.ndarray, in_sum: np.ndarray, own_max: np.ndarray, own_sum: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(max, sum of exps) of two parts, as a PE of the shared exp sum combines the incoming pair with
+    its own: an empty side (sum 0) gives way; otherwise the side with the greater max keeps its sum
+    and the other's is rescaled by one exp."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        in_ahead = in_max > own_max
+        both = np.where(
+            in_ahead,
+            in_sum + own_sum * np.exp(own_max - in_max),
+            in_sum * np.exp(in_max - own_max) + own_sum,
+        )
+        total_max = np.where(in_ahead, in_max, own_max)
+    total_max = np.where(in_sum == 0, own_max, np.where(own_sum == 0, in_max, total_max))
+    total = np.where(in_sum == 0, own_sum, np.where(own_sum == 0, in_sum, both))
+    return total_max.astype(F32), total.astype(F32)
 
 
 def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
