@@ -253,10 +253,7 @@ def test_a_shared_gelu_equals_the_simulator(arch, pes):
     from dataclasses import replace
 
     from kernels.program.build import build_program
-    from wafer.csl_backend import CslExecutorRuntime, compile_plan
-    from wafer.host import start_model
     from wafer.plan import build_plan
-    from wafer.sim import SimRuntime
 
     config = GPT2Config(
         n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-shared-gelu"
@@ -269,18 +266,7 @@ def test_a_shared_gelu_equals_the_simulator(arch, pes):
     roles = [tile.params["scatter_role"] for tile in tiles if tile.region == fc.name]
     # every column: one PE sends the slices (FIRST), one keeps the last of them (LAST)
     assert roles.count(0) == fc.tiling.cols and roles.count(2) == fc.tiling.cols
-    params = GPT2Params.random(config, seed=7)
-    csl = start_model(plan, CslExecutorRuntime(compile_plan(plan)), params)
-    sim = start_model(plan, SimRuntime(plan), params)
-    try:
-        items = [StepItem(0, p, (5 * p + 2) % 100, want_scores=p in (3, 7)) for p in range(8)]
-        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
-        # a second step: every PE of the shared epilogue is back waiting for the next item
-        items = [StepItem(0, 8, 11, want_scores=True)]
-        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
-    finally:
-        csl.close()
-        sim.close()
+    two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=7))
 
 
 @pytest.mark.slow
@@ -294,10 +280,7 @@ def test_a_shared_sum_of_exps_equals_the_simulator(arch, vocab, pes):
     from dataclasses import replace
 
     from kernels.program.build import build_program
-    from wafer.csl_backend import CslExecutorRuntime, compile_plan
-    from wafer.host import start_model
     from wafer.plan import build_plan
-    from wafer.sim import SimRuntime
 
     config = GPT2Config(
         n_layer=1, n_head=2, n_embd=16, vocab_size=vocab, n_positions=32, name="tiny-shared-exps"
@@ -309,7 +292,17 @@ def test_a_shared_sum_of_exps_equals_the_simulator(arch, vocab, pes):
     tiles = build_program(plan).tiles.values()
     slots = sorted(tile.params["exp_slot"] for tile in tiles if tile.region == "head")
     assert slots[: pes * head.tiling.gemv.cols] == sorted(list(range(pes)) * head.tiling.gemv.cols)
-    params = GPT2Params.random(config, seed=7)
+    two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=7))
+
+
+def two_steps_equal_the_simulator(plan, params: GPT2Params) -> None:
+    """Eight prompt items (two scored, one with a target), then a decode item, whose scores on the
+    executor equal the simulator's: the second step finds every PE waiting for its next item again."""
+    from wafer.csl_backend import CslExecutorRuntime, compile_plan
+    from wafer.host import start_model
+    from wafer.sim import SimRuntime
+
+    vocab = plan.config.vocab_size
     csl = start_model(plan, CslExecutorRuntime(compile_plan(plan)), params)
     sim = start_model(plan, SimRuntime(plan), params)
     try:
