@@ -161,6 +161,16 @@ def test_attention_cost_by_hand() -> None:
         AttentionTiling(**{**vars(t), "reduction": "two_sided", "group": 2}), "wse2", "fp16"
     )
     assert sided2.phases["LSE two_sided merge"] == c2.phases["LSE two_level merge"]
+    # Folded: the runs' ends are linked by direct routes, so on a snake of two rows of 5 the meeting
+    # PEs of runs that are rows (indices 2 and 7) sit one hop apart, and the runs' last PEs (4, 9) five
+    folded = AttentionTiling(**{**vars(t), "chain": 10, "context": 10, "fold": 2, "group": 5})
+    assert cost._run_end_links(AttentionTiling(**{**vars(folded), "reduction": "two_sided"})) == [1]
+    assert cost._run_end_links(AttentionTiling(**{**vars(folded), "reduction": "two_level"})) == [5]
+    sided_rows = cost.attention_cost(
+        AttentionTiling(**{**vars(folded), "reduction": "two_sided"}), "wse2", "fp16"
+    )
+    row = max(2 * link, 2 * link + 10 + step) + 10  # 0 1 [2] 3 4: two links each side
+    assert sided_rows.phases["LSE two_sided merge"] == row + (H + R + step) + 10
     # The first token: only the owner works, and it waits for its k and v; the merge still runs the
     # whole chain (the empty PEs pass (-inf, 0, 0) on).
     first = cost.attention_cost(t, "wse2", "fp16", positions=1)

@@ -245,53 +245,35 @@ def test_two_sided_attention_merge_equals_the_simulator(arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "pes"), [("wse2", 4), ("wse3", 2)])
-def test_a_shared_gelu_equals_the_simulator(arch, pes):
-    """fc's GELU shared by the last `pes` PEs of every K-line (pe/gemv.csl with comm/scatter.csl):
+@pytest.mark.parametrize(("arch", "vocab", "gelu_pes", "exp_pes"), [("wse2", 100, 4, 5), ("wse3", 90, 2, 6)])
+def test_a_shared_gelu_and_sum_of_exps_equal_the_simulator(arch, vocab, gelu_pes, exp_pes):
+    """fc's GELU shared by the last `gelu_pes` PEs of every K-line (pe/gemv.csl, comm/scatter.csl):
     the root sends the others their slices of the sum back along the line and a gather line carries
-    the slices out through the root's lane. GELU is elementwise, so the scores are the simulator's."""
+    them out through the root's lane; GELU is elementwise, so the numbers are unchanged. The head's
+    sum of exps shared by the last `exp_pes` (pe/head.csl): the root sends the others their slices of
+    its logits, each sums its slice's exps against its own max, and the (max, sum) pairs chain back
+    over the GEMV reduction's links; the simulator combines in that order
+    (wafer.sim.kernels._shared_exp_sum). 90 tokens on 3 columns of 30 leave the last slices empty.
+    (The latency plans of the tests above share the exps by themselves, not the GELU.)"""
     from dataclasses import replace
 
     from kernels.program.build import build_program
     from wafer.plan import build_plan
 
-    config = GPT2Config(
-        n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-shared-gelu"
-    )
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=vocab, n_positions=32, name="tiny-shared")
     plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
-    (fc,) = (region for region in plan.regions if region.name.endswith(".fc"))
-    assert fc.tiling.tile_n % pes == 0 and fc.tiling.rows >= pes
-    fc.tiling = replace(fc.tiling, epilogue_pes=pes)
+    fc, head = plan.region("L0.fc"), plan.region("head")
+    assert fc.tiling.tile_n % gelu_pes == 0 and fc.tiling.rows >= gelu_pes
+    assert head.tiling.gemv.reduction == "chain" and head.tiling.gemv.tile_n % exp_pes == 0
+    fc.tiling = replace(fc.tiling, epilogue_pes=gelu_pes)
+    plan.head = head.tiling = replace(head.tiling, exp_pes=exp_pes)
     tiles = build_program(plan).tiles.values()
+    # every fc column: one PE sends the slices (FIRST), the farthest keeps the last of them (LAST)
     roles = [tile.params["scatter_role"] for tile in tiles if tile.region == fc.name]
-    # every column: one PE sends the slices (FIRST), one keeps the last of them (LAST)
     assert roles.count(0) == fc.tiling.cols and roles.count(2) == fc.tiling.cols
-    two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=7))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("arch", "vocab", "pes"), [("wse2", 100, 5), ("wse3", 90, 6)])
-def test_a_shared_sum_of_exps_equals_the_simulator(arch, vocab, pes):
-    """The head's sum of exps shared by the last `pes` PEs of every K-line (pe/head.csl with
-    comm/scatter.csl): the root sends the others their slices of its logits, each sums its slice's
-    exps against its own max, and the (max, sum) pairs chain back to the root over the GEMV
-    reduction's links. The simulator combines in the same order (wafer.sim.kernels._shared_exp_sum);
-    90 tokens on 3 columns of 30 leave the last column's last slices empty."""
-    from dataclasses import replace
-
-    from kernels.program.build import build_program
-    from wafer.plan import build_plan
-
-    config = GPT2Config(
-        n_layer=1, n_head=2, n_embd=16, vocab_size=vocab, n_positions=32, name="tiny-shared-exps"
-    )
-    plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
-    head = plan.region("head")
-    assert head.tiling.gemv.reduction == "chain" and head.tiling.gemv.tile_n % pes == 0
-    plan.head = head.tiling = replace(head.tiling, exp_pes=pes)
-    tiles = build_program(plan).tiles.values()
+    cols = head.tiling.gemv.cols
     slots = sorted(tile.params["exp_slot"] for tile in tiles if tile.region == "head")
-    assert slots[: pes * head.tiling.gemv.cols] == sorted(list(range(pes)) * head.tiling.gemv.cols)
+    assert slots[: exp_pes * cols] == sorted(list(range(exp_pes)) * cols)
     two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=7))
 
 

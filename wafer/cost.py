@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import pairwise
 
 from wafer.arch import Arch, resolve_arch
 from wafer.tiling import (
@@ -368,9 +369,9 @@ def attention_cost(
        a step is the read of the predecessor's (m, l), started before they arrive, one exp per head
        (the side with the greater max keeps a factor of 1) and the start of the merged (m, l)'s
        send; then the incoming acc streams in and on, folded with one FMAC per word. two_level: the
-       runs merge at the same time, then the runs' ends (`group` PEs apart along the snake) merge
-       theirs, a second pass of the record. two_sided: every chain of the two levels meets in its
-       middle (`merge_level_cycles`).
+       runs merge at the same time, then the runs' ends merge theirs, a second pass of the record,
+       each link as many hops as the direct route between them (`_run_end_links`). two_sided: every
+       chain of the two levels meets in its middle (`merge_level_cycles`).
     4. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV.
     """
     arch = resolve_arch(arch)
@@ -392,11 +393,10 @@ def attention_cost(
     record = hpp * (dim + 2)
     kind, runs = tiling.reduction, tiling.runs()
     link = HOP_CYCLES + ROUTER_TO_PE_CYCLES + step
-    merge = merge_level_cycles(kind, len(runs[0]), link, step, record)
+    merge = merge_level_cycles(kind, [link] * (len(runs[0]) - 1), step, record)
     if len(runs) > 1:
-        g = len(runs[0])
-        end_link = _fold_distance(g, width) * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step
-        merge += merge_level_cycles(kind, len(runs), end_link, step, record)
+        ends = [hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step for hops in _run_end_links(tiling)]
+        merge += merge_level_cycles(kind, ends, step, record)
     cost.add(f"LSE {tiling.reduction} merge", merge)
     cost.add("normalise", hpp * RSQRT_CYCLES + hpp * dim)
     # The PE that ends the merge sends the group's output to its O rows (a multicast over them).
@@ -404,21 +404,37 @@ def attention_cost(
     return cost
 
 
-def merge_level_cycles(kind: str, members: int, link: int, step: int, record: int) -> int:
-    """One level of attention's log-sum-exp merge over `members` PEs (kernels/pe/attention.csl): a
-    `link` (hops, ramp and the receiver's step) per PE passed, then one pass of the `record`. chain and
-    two_level: one chain. two_sided: the chains from both ends meet at index members // 2
-    (wafer.tiling.meeting_index); the meeting PE takes the far side's shorter chain first, then the
-    near side's (whose step waits for the far record if that is still streaming), one record each."""
-    if members <= 1:
+def merge_level_cycles(kind: str, links: list[int], step: int, record: int) -> int:
+    """One level of attention's log-sum-exp merge over len(links) + 1 PEs (kernels/pe/attention.csl):
+    links[i] (hops, ramp and the receiver's step) between member i and i + 1, then one pass of the
+    `record`. chain and two_level: one chain. two_sided: the chains from both ends meet at index
+    members // 2 (wafer.tiling.meeting_index); the meeting PE takes the far side's chain first, then
+    the near side's (whose step waits for the far record if that is still streaming), one record each."""
+    if not links:
         return 0
     if kind != "two_sided":
-        return (members - 1) * link + record
-    near = meeting_index(members)
-    far = members - 1 - near
-    if far == 0:
-        return near * link + record
-    return max(near * link, far * link + record + step) + record
+        return sum(links) + record
+    near = meeting_index(len(links) + 1)
+    if near == len(links):
+        return sum(links) + record
+    return max(sum(links[:near]), sum(links[near:]) + record + step) + record
+
+
+def _run_end_links(tiling: AttentionTiling) -> list[int]:
+    """Hops between consecutive runs' ends (two_sided: their meeting PEs) of an attention chain, which
+    kernels/program/build.py links by direct routes: the snake runs along rows of ceil(chain / fold)
+    PEs, every other row backwards, so ends a row apart can sit one hop apart."""
+    row_len = ceil_div(tiling.chain, tiling.fold)
+
+    def where(p: int) -> tuple[int, int]:
+        row, along = divmod(p, row_len)
+        return (along if row % 2 == 0 else row_len - 1 - along, row)
+
+    ends = [
+        run[meeting_index(len(run))] if tiling.reduction == "two_sided" else run[-1] for run in tiling.runs()
+    ]
+    spots = [where(p) for p in ends]
+    return [abs(a[0] - b[0]) + abs(a[1] - b[1]) for a, b in pairwise(spots)]
 
 
 @lru_cache(maxsize=4096)
@@ -434,11 +450,6 @@ def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> Att
         for kind, group in [("chain", 0), *reduction_options(tiling.chain)[1:]]
     ]
     return min(options, key=lambda t: attention_cost(t, arch, dtype).cycles)
-
-
-def _fold_distance(stride: int, row_len: int) -> int:
-    """Hops between chain indices p and p + stride in a snake of rows of `row_len` PEs (at most)."""
-    return min(stride, row_len) + stride // max(row_len, 1)
 
 
 # --- Head: final LayerNorm is priced by norm_cost; here the LM head GEMV, top-k and log-sum-exp -----
