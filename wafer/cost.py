@@ -265,24 +265,41 @@ def epilogue_cycles(tile_n: int, pes: int, per_output: int) -> int:
     if tile_n % pes:
         raise ValueError(f"{pes} epilogue PEs do not split {tile_n} outputs evenly")
     part = tile_n // pes
-    relay = HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE  # a hop, the ramp, a pass through the CE
-    step = TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES  # the next DSD operation, started by a task
     work = part * per_output
     sent = bias + DSD_OP_START_CYCLES  # the slices' stream leaves the last PE
-    ready = []  # ready[j]: PE j's slice done
-    for j in range(pes - 1):
-        arrived = sent + (pes - 1 - j) * relay + (j + 1) * part  # its slice's last word, at its queue
-        kept = arrived + (step if j > 0 else 0)  # a PE that passed words on starts its read a step later
-        ready.append(kept + TASK_ACTIVATION_CYCLES + work)
+    # ready[j]: PE j's slice done (the last PE's own meanwhile)
+    ready = [kept + TASK_ACTIVATION_CYCLES + work for kept in _scattered(pes, part, sent)]
     ready.append(sent + work)
     header = ready[0] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS  # the header's last word leaves PE 0
-    end = header + step + part
+    end = header + _TASK_STEP + part
     for j in range(1, pes):
-        header = max(ready[j] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS, header + relay)
-        passed = max(header + step + j * part, end + relay)
-        end = passed + step + part
-    lane = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + step + tile_n
+        header = max(ready[j] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS, header + _RELAY)
+        passed = max(header + _TASK_STEP + j * part, end + _RELAY)
+        end = passed + _TASK_STEP + part
+    lane = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + _TASK_STEP + tile_n
     return end - lane
+
+
+# A word passed on through a PE (a hop, the ramp, the CE's move), and the next DSD operation of a PE
+# started by a task: the steps of comm/scatter.csl and comm/gather.csl.
+_RELAY = HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE
+_TASK_STEP = TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES
+
+
+def _scattered(pes: int, part: int, sent: int) -> list[int]:
+    """When PE j (0 the farthest of the pes - 1 others) of a scatter line (comm/scatter.csl) has its
+    slice of `part` words in memory, the last PE having started the stream at `sent`: its slice's last
+    word is at its queue after the links and the slices before it; a PE that passed words on reads its
+    own a task and a DSD operation later."""
+    return [
+        sent + (pes - 1 - j) * _RELAY + (j + 1) * part + (_TASK_STEP if j > 0 else 0) for j in range(pes - 1)
+    ]
+
+
+def _sharing_options(tile_n: int, rows: int) -> list[int]:
+    """The PEs at the end of a K-line that can share a column's work: every divisor of tile_n up to
+    the line's length (every PE gets at least one value, all the same number)."""
+    return [p for p in range(1, min(tile_n, rows) + 1) if tile_n % p == 0]
 
 
 def epilogue_options(tiling: GemvTiling, per_output: int) -> list[int]:
@@ -290,7 +307,7 @@ def epilogue_options(tiling: GemvTiling, per_output: int) -> list[int]:
     every divisor of tile_n up to the K-line's length that leaves every PE at least one output."""
     if per_output <= 0:
         return [1]
-    return [p for p in range(1, min(tiling.tile_n, tiling.rows) + 1) if tiling.tile_n % p == 0]
+    return _sharing_options(tiling.tile_n, tiling.rows)
 
 
 @lru_cache(maxsize=8192)
@@ -298,8 +315,8 @@ def best_gemv_reduction(
     tiling: GemvTiling, arch: Arch | str, dtype: str, epilogue_cycles_per_output: int = 0
 ) -> GemvTiling:
     """The tiling with the reduction (chain, or two_level with its best run length) and the epilogue
-    sharing (`epilogue_options`) the model finds fastest. Only what kernels/comm implements is offered: a faster plan the CSL cannot run is worth
-    nothing."""
+    sharing (`epilogue_options`) the model finds fastest. Only what kernels/comm implements is offered:
+    a faster plan the CSL cannot run is worth nothing."""
     options = [
         GemvTiling(**{**vars(tiling), "reduction": kind, "group": group, "epilogue_pes": pes})
         for kind, group in reduction_options(tiling.rows)
@@ -424,16 +441,10 @@ def _run_end_links(tiling: AttentionTiling) -> list[int]:
     """Hops between consecutive runs' ends (two_sided: their meeting PEs) of an attention chain, which
     kernels/program/build.py links by direct routes: the snake runs along rows of ceil(chain / fold)
     PEs, every other row backwards, so ends a row apart can sit one hop apart."""
-    row_len = ceil_div(tiling.chain, tiling.fold)
-
-    def where(p: int) -> tuple[int, int]:
-        row, along = divmod(p, row_len)
-        return (along if row % 2 == 0 else row_len - 1 - along, row)
-
     ends = [
         run[meeting_index(len(run))] if tiling.reduction == "two_sided" else run[-1] for run in tiling.runs()
     ]
-    spots = [where(p) for p in ends]
+    spots = [tiling.snake(p) for p in ends]
     return [abs(a[0] - b[0]) + abs(a[1] - b[1]) for a, b in pairwise(spots)]
 
 
@@ -464,15 +475,16 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     cost = StageCost(name, {k: v for k, v in gemv.phases.items() if k != "bias + epilogue"})
     g, k = tiling.gemv, tiling.top_k
     cost.add("local max + min", g.tile_n * TOPK_SCAN_CYCLES)
+    top = local_topk_cycles(g.tile_n, k)
     if tiling.exp_pes <= 1:
         cost.add("exp-sum + histogram", g.tile_n * (EXP_CYCLES + TOPK_BIN_CYCLES))
-        cost.add("local top-k", local_topk_cycles(g.tile_n, k))
+        cost.add("local top-k", top)
     else:
         own = DSD_OP_START_CYCLES + g.tile_n * TOPK_BIN_CYCLES + tiling.exp_slice * EXP_CYCLES
         cost.add(f"histogram + exp-sum of 1/{tiling.exp_pes}", own)
-        cost.add("local top-k", local_topk_cycles(g.tile_n, k))
-        busy = own + local_topk_cycles(g.tile_n, k)
-        cost.add(f"exp-sums of {tiling.exp_pes - 1} PEs in", shared_exp_wait(g.tile_n, tiling.exp_pes, busy))
+        cost.add("local top-k", top)
+        wait = shared_exp_wait(g.tile_n, tiling.exp_pes, own + top)
+        cost.add(f"exp-sums of {tiling.exp_pes - 1} PEs in", wait)
     cost.add(f"top-k/LSE {tiling.merge} merge", head_merge_cycles(tiling))
     return cost
 
@@ -503,15 +515,11 @@ def shared_exp_wait(tile_n: int, pes: int, root_busy: int) -> int:
     (a task), combines it with its own and sends the result on; the root reads the last pair and adds
     it, rescaled to its column max."""
     part = tile_n // pes
-    relay = HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE
-    step = TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES
     incoming = 0
-    for j in range(pes - 1):
-        arrived = DSD_OP_START_CYCLES + (pes - 1 - j) * relay + (j + 1) * part
-        kept = arrived + (step if j > 0 else 0)
+    for j, kept in enumerate(_scattered(pes, part, DSD_OP_START_CYCLES)):
         own = kept + TASK_ACTIVATION_CYCLES + part * (TOPK_SCAN_CYCLES + EXP_CYCLES)
         sent = own if j == 0 else max(own, incoming) + TASK_ACTIVATION_CYCLES + LSE_PAIR_CYCLES
-        incoming = sent + DSD_OP_START_CYCLES + relay + 1  # the pair's two words, a link on
+        incoming = sent + DSD_OP_START_CYCLES + _RELAY + 1  # the pair's two words, a link on
     return max(0, incoming - root_busy) + TASK_ACTIVATION_CYCLES + LSE_PAIR_CYCLES
 
 
@@ -520,7 +528,7 @@ def exp_options(gemv: GemvTiling) -> list[int]:
     (max, sum) pairs back) every divisor of tile_n up to the K-line's length."""
     if gemv.reduction != "chain":
         return [1]
-    return [p for p in range(1, min(gemv.tile_n, gemv.rows) + 1) if gemv.tile_n % p == 0]
+    return _sharing_options(gemv.tile_n, gemv.rows)
 
 
 def stream_merge_cycles(k: int, steps: int, hops: int) -> int:
@@ -588,9 +596,13 @@ def best_head(tiling: HeadTiling, arch: Arch | str, dtype: str) -> HeadTiling:
     # The columns' own work and their merge add up: the columns' part (with the sharing of the exps)
     # is priced once per GEMV, the merge per option.
     columns: dict[GemvTiling, tuple[int, int]] = {}  # exp_pes, cycles before the merge
-    for t in options[:2]:
-        shared = HeadTiling(**{**vars(t), "exp_pes": _best_exp_pes(t, arch, dtype)})
-        columns[t.gemv] = (shared.exp_pes, head_cost(shared, arch, dtype).cycles - head_merge_cycles(shared))
+    for t in options:
+        if t.gemv not in columns:
+            shared = HeadTiling(**{**vars(t), "exp_pes": _best_exp_pes(t, arch, dtype)})
+            columns[t.gemv] = (
+                shared.exp_pes,
+                head_cost(shared, arch, dtype).cycles - head_merge_cycles(shared),
+            )
     best_option = min(options, key=lambda t: columns[t.gemv][1] + head_merge_cycles(t))
     return HeadTiling(**{**vars(best_option), "exp_pes": columns[best_option.gemv][0]})
 

@@ -117,10 +117,8 @@ def _strip(region: Any, pes: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _snake(region: Any, tiling: AttentionTiling) -> tuple[np.ndarray, np.ndarray]:
     axes = {**default_axes(tiling), **(getattr(region, "axes", None) or {})}
-    row_len = ceil_div(tiling.chain, tiling.fold)
     group, chain = np.meshgrid(np.arange(tiling.head_groups), np.arange(tiling.chain), indexing="ij")
-    row, step = chain // row_len, chain % row_len
-    along = np.where(row % 2 == 0, step, row_len - 1 - step)
+    along, row = tiling.snake(chain)
     coords = {}
     for value, spec in ((group * tiling.fold + row, axes["head_group"]), (along, axes["position"])):
         axis, placed = _place(value, spec, region)

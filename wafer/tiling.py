@@ -46,7 +46,7 @@ colors per level, so every input queue serves one color (kernels/comm):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Orientation = Literal["k_along_y", "k_along_x"]
 Reduction = Literal["chain", "two_level", "two_sided"]
@@ -101,12 +101,8 @@ class GemvTiling:
     group: int = 0  # two_level only: reduction indices per first-level run
     # PEs at the end of every K-line that share the epilogue (fc's GELU): the last one scatters
     # slices back along the line, each applies the epilogue to its slice, a gather line sends them out
+    # (epilogue_pes divides tile_n)
     epilogue_pes: int = 1
-
-    @property
-    def epilogue_slice(self) -> int:
-        """Outputs of a column each epilogue PE finishes (epilogue_pes divides tile_n)."""
-        return self.tile_n // self.epilogue_pes
 
     @property
     def tile_k(self) -> int:
@@ -177,6 +173,13 @@ class AttentionTiling:
 
     def runs(self) -> list[range]:
         return reduction_runs(self.chain, self.reduction, self.group)
+
+    def snake(self, p: Any) -> tuple[Any, Any]:
+        """(along, row) of chain index p (an int or an integer array) in its head group's rows: the
+        chain runs along rows of ceil(chain / fold) PEs, every other row backwards."""
+        row_len = ceil_div(self.chain, self.fold)
+        row, step = p // row_len, p % row_len
+        return step + (row % 2) * (row_len - 1 - 2 * step), row
 
 
 @dataclass(frozen=True)

@@ -462,12 +462,10 @@ class _Builder:
             )
         rows_per_group = width // ap.tile_k
         ap_frame = frame_of(attn_proj)
-        row_len = ceil_div(t.chain, t.fold)
         for g in range(t.head_groups):
             snake = []
             for p in range(t.chain):
-                row, step = divmod(p, row_len)
-                along = step if row % 2 == 0 else row_len - 1 - step
+                along, row = t.snake(p)
                 snake.append(f.pe(along, g * t.fold + row))
             self.connect(f"{tag}.qkv.g{g}", qkv_roots[g * cols_per_group : (g + 1) * cols_per_group], q.tile_n,
                          [snake], 3 * cols_per_group * q.segment_tile, "out", "in")  # fmt: skip

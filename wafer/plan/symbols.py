@@ -91,6 +91,7 @@ def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
         "records": Symbol("u32", 4 * record),  # own, its run's, the merged one, the output-stream one
         "topk_bins": Symbol("u16", TOPK_BINS),  # lib/topk.csl's histogram of the column's logits
         "topk_order": Symbol("u16", g.tile_n),  # and its counting sort's indices
+        "exp_pairs": Symbol("f32", 4),  # a shared sum of exps: this PE's (max, sum), the incoming one
         # lib/topk_merge.csl, imported twice (a run, the runs' ends): the input's words, its own tail
         "topk_merge": Symbol("u32", 2 * (record + 3)),
         "comm": COMM,

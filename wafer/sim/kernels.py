@@ -425,9 +425,8 @@ def _logsumexp(logits: np.ndarray, head: HeadTiling) -> np.ndarray:
         column_sum = chain_sum(np.exp(by_index - finite_max))  # each column sums its exps in index order
     peak = column_max.max(axis=1)
     rescaled = column_sum * np.exp(column_max - peak[:, None])  # [B, cols]
-    return (peak + np.log(combine(np.ascontiguousarray(rescaled.T), head.merge, head.merge_group))).astype(
-        F32
-    )
+    total = combine(np.ascontiguousarray(rescaled.T), head.merge, head.merge_group)
+    return (peak + np.log(total)).astype(F32)
 
 
 def _shared_exp_sum(by_index: np.ndarray, finite_max: np.ndarray, pes: int) -> np.ndarray:
