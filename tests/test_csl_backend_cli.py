@@ -62,7 +62,7 @@ def test_bench_on_the_executor(tmp_path, capsys):
     config.write_text(
         json.dumps({"n_layer": 1, "n_head": 2, "n_embd": 32, "vocab_size": 256, "n_positions": 16})
     )
-    argv = ["bench", "sim", "--model", str(config), "--backend", "csl", "--batch", "1,2", "--new-tokens", "2",
+    argv = ["bench", "sim", "--model", str(config), "--backend", "csl", "--batch", "2", "--new-tokens", "2",
             "--prompt-tokens", "3", "--reps", "1", "--dtype", "fp32"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out

@@ -6,7 +6,7 @@ drives it through the executor's SdkRuntime: weights go up with memcpy copy mode
 scores out through the memcpy streams. On WSE-2 and WSE-3, for a tiny GPT-2 (2 layers, n_embd 64,
 2 heads, 64 positions, 2 slots; a 512-token vocabulary here, the real one in the `executor_full`
 test): fp32 scores equal the simulator's, greedy continuations equal the NumPy reference's and
-Hugging Face's; fp16 stays within the simulator's fp16 bound. Running on the executor is not
+Hugging Face's; fp16 (on WSE-2) stays within the simulator's fp16 bound. Running on the executor is not
 compiling with Cerebras cslc.
 """
 
@@ -130,9 +130,10 @@ def test_fp32_greedy_equals_the_reference_and_hugging_face(tiny_params, arch, wr
 
 
 @pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
-@pytest.mark.parametrize("arch", ["wse2", "wse3"])
-def test_fp16_stays_within_the_simulators_bound(tiny_params, arch):
-    csl, sim = executors(tiny_params, arch, "fp16")
+def test_fp16_stays_within_the_simulators_bound(tiny_params):
+    # WSE-2 only (CI time): the kernels' fp16 code is the same on both; what differs by architecture
+    # (queues, colors) runs in fp32 on both above.
+    csl, sim = executors(tiny_params, "wse2", "fp16")
     try:
         for items in scripted_steps(TINY.vocab_size, seed=1):
             assert worst_difference(csl.step(items), sim.step(items), same_ids=False) < FP16_BOUND
@@ -215,11 +216,11 @@ def test_two_level_reductions_equal_the_simulator():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["wse2", "wse3"])
-def test_two_sided_attention_merge_equals_the_simulator(arch):
+def test_two_sided_attention_merge_equals_the_simulator():
     """Attention merges meeting in the middle on both levels: chain 8 in runs of 3 ([0 1 2] [3 4 5]
     [6 7], meeting on 1, 4 and 6; the runs meet on run 1), so both levels have a far chain; 24
-    positions fill six of the eight PEs, the far chains' included."""
+    positions fill six of the eight PEs, the far chains' included. On WSE-2 only: the two-level test
+    above runs a two-sided merge on WSE-3 (CI time)."""
     from dataclasses import replace
 
     from wafer.csl_backend import CslExecutorRuntime, compile_plan
@@ -228,7 +229,7 @@ def test_two_sided_attention_merge_equals_the_simulator(arch):
     from wafer.sim import SimRuntime
 
     config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-two-sided")
-    plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
+    plan = build_plan(config, arch="wse2", dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
     for region in plan.regions:
         if region.kind == "attention":
             assert region.tiling.chain == 8
