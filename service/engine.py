@@ -19,6 +19,10 @@ flight fail (504, `generation`), /health answers 503 `reloading` naming the faul
 builds a fresh executor and goes on with the queue. The hung worker is abandoned (a Python thread cannot
 be killed): its executor is closed from another thread, and when its step returns, if ever, it sees that
 it is no longer the current worker and leaves without touching anything.
+
+An executor that takes several steps at a time (`wafer.executor.PipelinedExecutor`: the modeled wafer
+of `bench host --steps-in-flight 2`) is driven by `_serve_pipelined`: the next step takes what became
+ready while another computes, and the watchdog watches the oldest step in flight.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from service.engine_core import EngineCore, TokenizerHooks
 from service.errors import GenerationFailed, RequestFailed, ServiceError, StepTimedOut, Unavailable
@@ -40,7 +45,7 @@ from service.logs import log_reference
 from service.metrics import ServiceMetrics
 from service.request import GenerationRequest, RequestState, RequestStatus, Submitted
 from service.scheduler import StepBatch
-from wafer.executor import Executor, ExecutorError
+from wafer.executor import Executor, ExecutorError, PipelinedExecutor, steps_in_flight
 
 log = logging.getLogger(__name__)
 
@@ -387,6 +392,11 @@ class Engine:
             if not self._load(first=first):
                 return
             while True:
+                depth = self._steps_in_flight()
+                if depth > 1:  # a pipelined executor: it serves until the worker stops or recovers
+                    if self._serve_pipelined(generation, depth):
+                        continue
+                    return
                 batch = self._next_batch(generation)
                 if batch is None:
                     break
@@ -515,8 +525,89 @@ class Engine:
                     self._cond.notify_all()
             self._helper_cpu_s += time.thread_time() - started
 
-    def _next_batch(self, generation: int) -> StepBatch | None:
-        """Wait for work; None when the worker should stop."""
+    def _steps_in_flight(self) -> int:
+        with self._cond:
+            executor = None if self._core is None else self._core.executor
+            return 1 if executor is None else steps_in_flight(executor)
+
+    def _serve_pipelined(self, generation: int, depth: int) -> bool:
+        """The worker's loop over a `PipelinedExecutor`: up to `depth` steps in flight (issue 18). While
+        one computes, the next takes what became ready meanwhile (new requests' prompts, the requests of a
+        step that returned), so the wafer need not wait for the host between steps. A returned step's
+        tokens are chosen at once; their text, events and ends wait until the next step is out
+        (`finish(defer=True)`, then `complete_deferred` before the worker waits for the executor), done
+        by the worker itself, not the helper thread. The watchdog watches the oldest step. True after a
+        failed step was recovered from (the worker goes on), False when the worker ends (stop, abandoned
+        by the watchdog, reload failed)."""
+        in_flight: collections.deque[tuple[StepBatch, float]] = collections.deque()
+        executor: PipelinedExecutor | None = None
+        try:
+            while True:
+                if len(in_flight) < depth:
+                    batch = self._next_batch(generation, wait=not in_flight)
+                    if batch is None:
+                        return False
+                    if batch.items:
+                        with self._cond:
+                            core = self._built_core()
+                            if executor is None:
+                                executor = cast(PipelinedExecutor, core.executor)
+                            if executor is None or core.executor is not executor:
+                                raise ExecutorError("the executor was detached while steps were in flight")
+                        if self._injected_step_faults:
+                            raise self._injected_step_faults.pop(0)
+                        executor.submit(batch.items)
+                        in_flight.append((batch, time.monotonic()))
+                        self._watch_oldest(in_flight)
+                        # While the wafer computes: the text, events and ends of the tokens chosen last.
+                        # Requests that end free their slots, so the next step can admit waiting ones.
+                        self._complete_chosen()
+                        continue
+                if not in_flight or executor is None:
+                    continue
+                self._complete_chosen()
+                results = executor.collect()
+                batch, submitted = in_flight.popleft()
+                with self._cond:
+                    if self._generation != generation:
+                        return False  # the watchdog gave up on this step: another worker serves now
+                    self._watch_oldest(in_flight)
+                    core = self._built_core()
+                    core.metrics.record_step(time.monotonic() - submitted, len(batch))
+                    # Choose the tokens only: their requests' next step goes out before the rest is done.
+                    core.finish(batch, results, defer=True)
+                    self._cond.notify_all()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # as in `_worker`: a failure of the backend, recovered from
+            with self._cond:
+                if self._generation != generation:
+                    return False
+                self._step = None
+            owners = [state for batch, _ in in_flight for state in batch.owners]
+            ids = ",".join(dict.fromkeys(state.id for state in owners)) or "-"
+            log.exception("engine step failed (requests %s)", ids, extra={"request_id": ids})
+            return self._recover(exc)
+
+    def _complete_chosen(self) -> None:
+        with self._cond:
+            if self._built_core().complete_deferred():
+                self._cond.notify_all()
+
+    def _watch_oldest(self, in_flight: collections.deque[tuple[StepBatch, float]]) -> None:
+        """Point the watchdog at the oldest step in flight (none: nothing to watch)."""
+        with self._cond:
+            if not in_flight:
+                self._step = None
+                return
+            batch, submitted = in_flight[0]
+            self._step = (len(batch), submitted, submitted + self.step_deadline_s(len(batch)))
+            if self._step[2] < self._watch_until:
+                self._watch.notify_all()  # the watchdog must wake before it meant to
+
+    def _next_batch(self, generation: int, wait: bool = True) -> StepBatch | None:
+        """Wait for work; None when the worker should stop. `wait` False: an empty batch when there is
+        nothing to step now (steps are in flight: their end brings work)."""
         with self._cond:
             while True:
                 if self._stop or self._generation != generation:
@@ -524,7 +615,7 @@ class Engine:
                 core = self._built_core()
                 self._file_arrivals(core)
                 batch = core.schedule()
-                if batch.items:
+                if batch.items or not wait:
                     return batch
                 if core.complete_deferred():
                     continue  # requests ended (their slots are free): schedule again

@@ -198,7 +198,8 @@ class EngineCore:
         return self.finish(batch, self.execute(batch))
 
     def schedule(self) -> StepBatch:
-        """At a step boundary: drop cancelled and timed-out requests, admit waiting ones, batch."""
+        """At a step boundary: drop cancelled and timed-out requests, admit waiting ones, batch (the
+        requests with no item in a step still in flight: a `PipelinedExecutor` may run several)."""
         self.release_slots()  # no step runs now: slots of requests that ended during one go free
         self._reap()
         self.scheduler.admit()
@@ -294,6 +295,8 @@ class EngineCore:
     def _reap(self) -> None:
         now = time.monotonic()
         for state in [*self.scheduler.running, *self.scheduler.waiting]:
+            if state.in_flight:
+                continue  # its step is still on the executor: it ends once that step is back
             if state.cancelled:
                 self._end(state, error=None)
                 self.metrics.record_failure("cancelled")
@@ -303,6 +306,8 @@ class EngineCore:
                 self._end(state, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
 
     def _apply(self, batch: StepBatch, results: list[TokenScores | None]) -> None:
+        for slot in self.scheduler.step_returned(batch.owners):
+            self._free_on_executor(slot, None)
         if len(results) != len(batch.items):
             raise ExecutorError(f"the executor returned {len(results)} results for {len(batch.items)} items")
         to_sample: list[tuple[RequestState, TokenScores]] = []  # at most one entry per request

@@ -134,6 +134,7 @@ class RequestState:
     slot: int | None = None
     computed: int = 0  # positions whose K/V are in the slot
     pending_token: int | None = None  # sampled but not yet fed to the wafer
+    in_flight: bool = False  # it has items in a step the executor has not returned yet
     tokens: list[GeneratedToken] = field(default_factory=list)
     prefill: list[PromptToken] = field(default_factory=list)
     cancelled: bool = False

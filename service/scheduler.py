@@ -50,6 +50,7 @@ class Scheduler:
         self.step_token_budget = step_token_budget
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
+        self._held: dict[RequestState, int] = {}  # slots of ended requests whose step is in flight
 
     @property
     def capacity(self) -> int:
@@ -65,17 +66,34 @@ class Scheduler:
         self.waiting.append(sequence)
 
     def remove(self, sequence: RequestState) -> int | None:
-        """Take a request out, whatever its state; returns the KV slot it held (already released)."""
+        """Take a request out, whatever its state; returns the KV slot it held (already released). A
+        request with items in a step still in flight keeps its slot until that step is back
+        (`step_returned`): a new request must not get the slot while the wafer still writes it."""
         slot = sequence.slot
         if sequence.status is RequestStatus.WAITING:
             self.waiting.remove(sequence)
         elif sequence.status is RequestStatus.RUNNING:
             self.running.remove(sequence)
-            if slot is not None:
+            if slot is not None and sequence.in_flight:
+                self._held[sequence] = slot
+                slot = None
+            elif slot is not None:
                 self.slots.free(slot)
         sequence.status = RequestStatus.FINISHED
         sequence.slot = None
         return slot
+
+    def step_returned(self, owners: list[RequestState]) -> list[int]:
+        """A step is back: its requests may be scheduled again; the slots of those that ended while it
+        ran are released now (returned, to be freed on the executor too)."""
+        released = []
+        for sequence in owners:
+            sequence.in_flight = False
+            slot = self._held.pop(sequence, None)
+            if slot is not None:
+                self.slots.free(slot)
+                released.append(slot)
+        return released
 
     def admit(self) -> list[RequestState]:
         """Give free slots to waiting requests, oldest first."""
@@ -94,19 +112,23 @@ class Scheduler:
         return admitted
 
     def build_step(self) -> StepBatch:
+        """The next step's items, from the requests with none in a step still in flight (a
+        `PipelinedExecutor` runs several: one takes what became ready while another computes)."""
         items: list[StepItem] = []
         owners: list[RequestState] = []
         for sequence in self.running:
-            if not sequence.prefilling and sequence.pending_token is not None:
+            if not sequence.prefilling and sequence.pending_token is not None and not sequence.in_flight:
                 items.append(StepItem(_slot(sequence), sequence.computed, sequence.pending_token))
                 owners.append(sequence)
+                sequence.in_flight = True
 
         budget = self.step_token_budget - len(items)
         for sequence in self.running:
             if budget <= 0:
                 break
-            if not sequence.prefilling:
+            if not sequence.prefilling or sequence.in_flight:
                 continue
+            sequence.in_flight = True
             prompt = sequence.prompt
             start = sequence.computed
             stop = min(len(prompt), start + budget)

@@ -244,8 +244,9 @@ def test_bench_host_runs_end_to_end_at_a_tiny_size():
 @pytest.mark.slow
 def test_bench_host_measures_the_engine_in_a_process_of_its_own():
     """The engine process's CPU counts towards the server's, and its modeled busy time reaches the
-    benchmark through the engine's state reports."""
-    cells, _ = bench_host.measure(
+    benchmark through the engine's state reports; the engine process builds a modeled wafer that takes
+    two steps at a time, as asked (tests/test_engine_pipelined.py has what the engine does with it)."""
+    cells, labels = bench_host.measure(
         ["modeled"],
         [2],
         ["generate"],
@@ -254,7 +255,9 @@ def test_bench_host_measures_the_engine_in_a_process_of_its_own():
         warmup_s=0.1,
         log=lambda _: None,
         engine_process=True,
+        steps_in_flight=2,
     )
+    assert "2 step(s) in flight" in labels["modeled 2"]
     (cell,) = cells
     assert cell.errors == 0 and cell.tokens_per_s > 0 and cell.server_us_per_token > 0, cell
     assert cell.utilisation is not None and 0 < cell.utilisation <= 1.05, cell

@@ -84,6 +84,26 @@ class Executor(ExecutorShape, Protocol):
     def close(self) -> None: ...
 
 
+class PipelinedExecutor(Executor, Protocol):
+    """An executor that takes a step while earlier ones are still in flight, as the wafer's layer
+    pipeline takes items (issue 18): the host prepares the next step while the wafer computes one.
+    `submit` starts a step and returns at once; `collect` returns the results of the oldest step not yet
+    collected, waiting for them. At most `steps_in_flight` steps are submitted and not collected; a slot
+    has items in one of them at most (the engine's rule), so steps never depend on each other, and a
+    slot freed meanwhile has none in flight. `step(items)` is `submit(items)` then `collect()`."""
+
+    steps_in_flight: int
+
+    def submit(self, items: Sequence[StepItem]) -> None: ...
+
+    def collect(self) -> list[TokenScores | None]: ...
+
+
+def steps_in_flight(executor: Executor) -> int:
+    """How many steps the executor takes at a time (1: `step` only)."""
+    return max(1, int(getattr(executor, "steps_in_flight", 1)))
+
+
 def validate_items(items: Sequence[StepItem], num_slots: int, context_length: int, vocab_size: int) -> None:
     """The checks every executor makes before touching its cache: bad items never reach the wafer."""
     last_position: dict[int, int] = {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -130,6 +131,24 @@ def modeled_step_seconds(
     return (decode + (busiest - 1) * bottleneck) / clock_hz
 
 
+def pipelined_span(
+    now: float, input_free: list[float], per_replica: Sequence[int], decode_s: float, bottleneck_s: float
+) -> tuple[float, float]:
+    """(first item in, last result out) of a step submitted at `now` with `per_replica[r]` items on
+    replica r, behind the steps in flight: replica r takes its first item when its input is free
+    (`input_free[r]`, moved on in place to a slowest-stage time after its last item), the others a
+    slowest stage apart, and returns each the critical path after it entered. With nothing in flight
+    the span is `modeled_step_seconds`."""
+    first, end = float("inf"), now
+    for replica, n in enumerate(per_replica):
+        if n:
+            start = max(now, input_free[replica])
+            last_in = start + (n - 1) * bottleneck_s
+            input_free[replica] = last_in + bottleneck_s
+            first, end = min(first, start), max(end, last_in + decode_s)
+    return min(first, end), end
+
+
 def timer_lateness(seconds: float, times: int = 50) -> float:
     """How late `time.sleep(seconds)` wakes in this process, the median of `times` tries."""
     late = []
@@ -146,35 +165,84 @@ class ModeledWaferExecutor(NullExecutor):
     a real wafer (a spin would hold the GIL). The OS wakes a sleeper late (tens of microseconds, a few
     percent of a step), which a wafer's memcpy would not add: each sleep is shortened by the timer's
     median lateness (`timer_late_s`, measured at construction unless given), so steps end on time on
-    average. `overshoot_s` sums how late they really ended (negative when early): what is left is the
-    wait for the GIL and the timer's jitter."""
+    average. `overshoot_s` sums how late the steps that left the pipeline empty really ended (negative
+    when early): the wafer's idle time while a finished step waited for the host, the wait for the GIL
+    and the timer's jitter (a step collected late while a later one is still in flight idles nothing).
+
+    Steps may overlap (`PipelinedExecutor`, `steps_in_flight` of them): each replica's pipeline takes an
+    item every slowest-stage time (bottleneck_cycles) and returns it the critical path (decode_cycles)
+    after it entered, so a step submitted while another is in flight enters behind it. One step at a
+    time, that is `modeled_step_seconds`. `modeled_busy_s` is the time at least one item was in a
+    pipeline (the union of the steps' modeled spans)."""
 
     backend = "modeled"
 
-    def __init__(self, plan: Plan, clock_hz: float = CLOCK_HZ, timer_late_s: float | None = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        clock_hz: float = CLOCK_HZ,
+        timer_late_s: float | None = None,
+        steps_in_flight: int = 1,
+    ) -> None:
         super().__init__(
             plan.config.vocab_size, slots=plan.slots * plan.replicas, context=plan.context, top_k=plan.top_k
         )
+        if steps_in_flight < 1:
+            raise InvalidInput(f"steps_in_flight must be at least 1, got {steps_in_flight}")
         self.plan = plan
         self.clock_hz = clock_hz
-        self.modeled_busy_s = 0.0  # the sum of every step's modeled time
-        self.overshoot_s = 0.0  # how much later than modeled the steps returned, in all
+        self.steps_in_flight = steps_in_flight
+        self.modeled_busy_s = 0.0  # time with an item in a pipeline, in all
+        self.overshoot_s = 0.0  # how much later than modeled the steps that emptied the pipeline returned
         # Summed from the plan's stages once: the stand-in's own bookkeeping is no host cost to measure.
         self._cycles = (plan.decode_cycles, plan.bottleneck_cycles)
+        self._input_free = [0.0] * plan.replicas  # when each replica's pipeline takes its next item
+        self._busy_until = 0.0  # the end of the latest modeled span
+        # (modeled end, slots, results) of each step submitted and not collected, oldest first
+        self._in_flight: deque[tuple[float, set[int], list[TokenScores | None]]] = deque()
+        self._slots_in_flight: set[int] = set()
         full_step = modeled_step_seconds(plan, list(range(min(plan.slots, self.num_slots))), clock_hz)
         self.timer_late_s = timer_lateness(full_step) if timer_late_s is None else timer_late_s
 
-    def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
-        start = time.perf_counter()
+    def submit(self, items: Sequence[StepItem]) -> None:
+        if len(self._in_flight) >= self.steps_in_flight:
+            raise ExecutorError(f"{len(self._in_flight)} steps are in flight already: collect one first")
+        slots = {item.slot for item in items}
+        if busy := slots & self._slots_in_flight:
+            raise ExecutorError(f"slots {sorted(busy)} have items in a step still in flight")
+        now = time.perf_counter()
         out = self.answer(items)
-        seconds = modeled_step_seconds(self.plan, [item.slot for item in items], self.clock_hz, self._cycles)
-        self.modeled_busy_s += seconds
-        end = start + seconds
+        decode, bottleneck = (cycles / self.clock_hz for cycles in self._cycles)
+        per_replica = [0] * self.plan.replicas
+        for item in items:
+            per_replica[item.slot // self.plan.slots] += 1
+        first, end = pipelined_span(now, self._input_free, per_replica, decode, bottleneck)
+        self.modeled_busy_s += max(0.0, end - max(first, self._busy_until))
+        self._busy_until = max(self._busy_until, end)
+        self._in_flight.append((end, slots, out))
+        self._slots_in_flight |= slots
+
+    def collect(self) -> list[TokenScores | None]:
+        if not self._in_flight:
+            raise ExecutorError("no step is in flight")
+        end, slots, out = self._in_flight.popleft()
+        self._slots_in_flight -= slots
         remaining = end - time.perf_counter() - self.timer_late_s
         if remaining > 0:
             time.sleep(remaining)
-        self.overshoot_s += time.perf_counter() - end
+        if end >= self._busy_until:  # the pipeline is empty until the host submits again
+            self.overshoot_s += time.perf_counter() - end
         return out
+
+    def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
+        if self._in_flight:
+            raise ExecutorError("step() with steps in flight: collect them first")
+        self.submit(items)
+        return self.collect()
+
+    def reset(self) -> None:
+        self._in_flight.clear()
+        self._slots_in_flight.clear()
 
     def describe(self) -> dict:
         plan = self.plan.to_json()
@@ -185,6 +253,7 @@ class ModeledWaferExecutor(NullExecutor):
             "plan": {key: plan[key] for key in keys if key in plan}
             | {
                 "modeled_step": "modeled: decode_cycles + (items per replica - 1) x bottleneck_cycles",
+                "steps_in_flight": self.steps_in_flight,
                 "decode_cycles": self.plan.decode_cycles,
                 "bottleneck_cycles": self.plan.bottleneck_cycles,
                 "clock_hz": self.clock_hz,

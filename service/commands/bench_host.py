@@ -131,8 +131,9 @@ class Cell:
 # ----------------------------------------------------------------------------------------------------
 
 
-def build_stand_in(kind: str, streams: int, context: int) -> tuple[Executor, str]:
-    """The executor for `kind` with `streams` slots, and how it is described in the output."""
+def build_stand_in(kind: str, streams: int, context: int, steps_in_flight: int = 1) -> tuple[Executor, str]:
+    """The executor for `kind` with `streams` slots, and how it is described in the output;
+    `steps_in_flight`: how many steps the modeled wafer takes at a time (`PipelinedExecutor`)."""
     from wafer import stand_in
     from weights.config import PRESETS
 
@@ -140,12 +141,13 @@ def build_stand_in(kind: str, streams: int, context: int) -> tuple[Executor, str
     if kind == "null":
         return stand_in.NullExecutor(config.vocab_size, slots=streams, context=context), "null (no model)"
     plan = modeled_plan(config, streams, context)
-    executor = stand_in.ModeledWaferExecutor(plan)
+    executor = stand_in.ModeledWaferExecutor(plan, steps_in_flight=steps_in_flight)
     figures = plan.modeled()
     return executor, (
         f"modeled wafer: GPT-2 124M plan, {plan.replicas} replica(s) x {plan.slots} slots x {plan.context} "
         f"positions, {figures['decode_latency_us']:.1f} us critical path, slowest stage "
-        f"{figures['bottleneck_stage_us']:.1f} us (modeled, cost model; no wafer)"
+        f"{figures['bottleneck_stage_us']:.1f} us (modeled, cost model; no wafer); "
+        f"{steps_in_flight} step(s) in flight"
     )
 
 
@@ -173,7 +175,9 @@ def twin_factory(executor: Executor) -> Callable[[], Executor]:
     """A picklable factory of a stand-in like `executor`, for the engine process (the modeled one
     takes its plan along: the planner's search is not run twice)."""
     if isinstance(executor, ModeledWaferExecutor):
-        return functools.partial(ModeledWaferExecutor, executor.plan, executor.clock_hz)
+        return functools.partial(
+            ModeledWaferExecutor, executor.plan, executor.clock_hz, steps_in_flight=executor.steps_in_flight
+        )
     return functools.partial(
         NullExecutor,
         executor.vocab_size,
@@ -223,6 +227,7 @@ def measure(
     reps: int = 1,
     log=print,
     engine_process: bool = False,
+    steps_in_flight: int = 1,
 ) -> tuple[list[Cell], dict[str, str]]:
     """Every (executor, streams, route) `reps` times, routes rotating; then each route's ceiling."""
     cells: list[Cell] = []
@@ -235,7 +240,7 @@ def measure(
         clients.answer(120, "start")
         for kind in executors:
             for count in streams:
-                executor, labels[f"{kind} {count}"] = build_stand_in(kind, count, context)
+                executor, labels[f"{kind} {count}"] = build_stand_in(kind, count, context, steps_in_flight)
                 if isinstance(executor, ModeledWaferExecutor):
                     step_s = modeled_step_seconds(executor.plan, list(range(count)))
                     labels[f"{kind} {count}"] += (
@@ -462,14 +467,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="host: the server's engine in a process of its own, as `serve` runs it "
         "(--no-engine-process: on a thread of the HTTP process)",
     )
+    parser.add_argument(
+        "--steps-in-flight",
+        type=int,
+        default=1,
+        metavar="N",
+        help="host: steps the modeled wafer takes at a time; above 1 the engine submits the next step "
+        "from what became ready while another computes (1: one step at a time, as the host program "
+        "drives the wafer today; docs/performance.md has both)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     executors = _names(args.executor, "--executor", EXECUTORS)
     routes = _names(args.routes, "--routes", ROUTES)
     streams = _int_list(args.host_streams, "--host-streams")
-    if args.new_tokens < 1 or args.reps < 1:
-        raise UserError("--new-tokens and --reps must be at least 1")
+    if args.new_tokens < 1 or args.reps < 1 or args.steps_in_flight < 1:
+        raise UserError("--new-tokens, --reps and --steps-in-flight must be at least 1")
     if not 0 < args.seconds <= 600 or not 0 <= args.warmup <= 60:
         raise UserError("--seconds must be in (0, 600] and --warmup in [0, 60]")
     cells, labels = measure(
@@ -482,6 +496,7 @@ def run(args: argparse.Namespace) -> int:
         reps=args.reps,
         log=lambda message: print(message, file=sys.stderr, flush=True),
         engine_process=args.engine_process,
+        steps_in_flight=args.steps_in_flight,
     )
     print_result(cells, labels, args.new_tokens, args.seconds, args.reps)
     return 0

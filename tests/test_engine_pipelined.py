@@ -1,0 +1,210 @@
+"""Issue 18: steps in flight on a pipelined executor. The modeled wafer takes a step while another
+computes (each replica's pipeline takes items a slowest stage apart); the engine submits the next step
+from what became ready while one is in flight, and every request gets what it gets one step at a time;
+a request never has items in two steps in flight, and the slot of one that ended while its step was in
+flight is not given away before that step is back; a failed step fails the requests in flight and the
+engine reloads."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from service.commands.bench_host import twin_factory
+from service.detokenizer import IncrementalDetokenizer
+from service.engine import Engine
+from service.engine_core import gpt2_tokenizer_hooks
+from service.errors import GenerationFailed
+from service.kv_slots import KVSlotManager
+from service.metrics import ServiceMetrics
+from service.request import (
+    ErrorEvent,
+    FinishEvent,
+    GenerationRequest,
+    RequestState,
+    RequestStatus,
+    TokenEvent,
+)
+from service.sampling import Sampler, SamplingParams
+from service.scheduler import Scheduler
+from wafer.errors import InvalidInput
+from wafer.executor import ExecutorError, StepItem, steps_in_flight
+from wafer.plan import build_plan
+from wafer.stand_in import ModeledWaferExecutor, NullExecutor, modeled_step_seconds, pipelined_span
+from weights import tokenizer
+
+
+@pytest.fixture(scope="module")
+def plan(small_config):
+    """2 replicas of 2 slots (planning takes seconds: built once)."""
+    return build_plan(small_config, slots=2, context=32, replicas=2)
+
+
+# ----- the modeled wafer's pipeline ----------------------------------------------------------------
+
+
+def test_a_step_submitted_behind_another_enters_each_pipeline_after_it():
+    free = [0.0, 0.0]
+    # Replica 0 takes 3 items at 0, 1 and 2 (a slowest stage of 1 apart); the last is out at 2 + 10.
+    assert pipelined_span(0.0, free, [3, 0], decode_s=10.0, bottleneck_s=1.0) == (0.0, 12.0)
+    assert free == [3.0, 0.0]
+    # Submitted at 1: replica 0's items enter behind the others (3, 4), replica 1's at once.
+    assert pipelined_span(1.0, free, [2, 1], decode_s=10.0, bottleneck_s=1.0) == (1.0, 14.0)
+    assert free == [5.0, 2.0]
+    # Once the pipelines are empty, a step spans what `modeled_step_seconds` says.
+    assert pipelined_span(20.0, free, [2, 0], decode_s=10.0, bottleneck_s=1.0) == (20.0, 31.0)
+    assert pipelined_span(40.0, free, [0, 0], decode_s=10.0, bottleneck_s=1.0) == (40.0, 40.0)
+
+
+def test_the_modeled_wafer_takes_steps_in_flight_oldest_first_and_checks_the_contract(plan):
+    executor = ModeledWaferExecutor(plan, timer_late_s=0.0, steps_in_flight=2)
+    assert steps_in_flight(executor) == 2 and steps_in_flight(NullExecutor(50257)) == 1
+    assert executor.describe()["plan"]["steps_in_flight"] == 2
+    assert twin_factory(executor)().steps_in_flight == 2  # what `bench host`'s engine process builds
+    first = [StepItem(0, 0, 100), StepItem(1, 0, 101)]
+    second = [StepItem(2, 0, 102)]
+    executor.submit(first)
+    with pytest.raises(ExecutorError, match=r"slots \[1\] have items in a step still in flight"):
+        executor.submit([StepItem(1, 1, 5)])
+    executor.submit(second)
+    with pytest.raises(ExecutorError, match="2 steps are in flight already"):
+        executor.submit([StepItem(3, 0, 5)])
+    with pytest.raises(ExecutorError, match="collect them first"):
+        executor.step([StepItem(3, 0, 5)])
+    null = NullExecutor(plan.config.vocab_size, slots=4, context=32, top_k=plan.top_k)
+    for items in (first, second):  # oldest first, the null executor's answers
+        got, expected = executor.collect(), null.step(items)
+        assert [s.topk_ids.tolist() for s in got] == [s.topk_ids.tolist() for s in expected]
+    with pytest.raises(ExecutorError, match="no step is in flight"):
+        executor.collect()
+    # Side by side on two replicas: busy for the first step's span at least, not for both spans summed
+    # unless the second came that late (the union of the spans is what counts).
+    alone = modeled_step_seconds(plan, [0, 1])
+    assert executor.modeled_busy_s >= alone - 1e-9
+    with pytest.raises(InvalidInput, match="steps_in_flight must be at least 1"):
+        ModeledWaferExecutor(plan, timer_late_s=0.0, steps_in_flight=0)
+
+
+# ----- the scheduler ----------------------------------------------------------------------------------
+
+
+def _state(prompt: int, new_tokens: int = 4) -> RequestState:
+    return RequestState(
+        request=GenerationRequest(tuple(range(100, 100 + prompt)), new_tokens),
+        detokenizer=IncrementalDetokenizer(tokenizer.token_bytes),
+        sampler=Sampler(SamplingParams()),
+    )
+
+
+def test_a_request_in_flight_is_not_stepped_again_and_keeps_its_slot_until_its_step_is_back():
+    scheduler = Scheduler(KVSlotManager(1, 64), max_queue=2, step_token_budget=8)
+    first, second = _state(3), _state(2)
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.admit()
+    step = scheduler.build_step()
+    assert step.owners == [first] * 3 and first.in_flight
+    assert not scheduler.build_step().items  # its prompt is on the executor: nothing to add
+    # It ends (cancelled, failed) while its step computes: the wafer still writes its slot.
+    assert scheduler.remove(first) is None and first.status is RequestStatus.FINISHED
+    assert scheduler.admit() == []  # the slot is not given to the next request yet
+    assert scheduler.step_returned(step.owners) == [0]  # back: the slot is free again
+    assert scheduler.admit() == [second] and second.slot == 0
+
+
+# ----- the engine -----------------------------------------------------------------------------------
+
+
+class Loop:
+    """What the engine core calls on a request's event loop: collects each request's events."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list] = {}
+        self.ended = threading.Semaphore(0)
+
+    def call_soon_threadsafe(self, function, *args) -> None:
+        if not args:
+            function()
+            return
+        for state, event in args[0]:
+            self.events.setdefault(state.id, []).append(event)
+            if not isinstance(event, TokenEvent):
+                self.ended.release()
+
+    def wait(self, requests: int, timeout: float = 30.0) -> None:
+        for _ in range(requests):
+            assert self.ended.acquire(timeout=timeout), "a request did not end"
+
+
+def _engine(plan, in_flight: int, submits: list[int]) -> Engine:
+    class Counting(ModeledWaferExecutor):  # records how many steps were in flight at each submit
+        def submit(self, items):
+            submits.append(len(self._in_flight))
+            super().submit(items)
+
+    engine = Engine(
+        lambda: Counting(plan, timer_late_s=0.0, steps_in_flight=in_flight),
+        gpt2_tokenizer_hooks(),
+        ServiceMetrics("test"),
+        max_queue=16,
+        step_token_budget=64,
+    )
+    engine.start()
+    assert engine.wait_ready(30)
+    return engine
+
+
+def _outcome(events: list) -> tuple:
+    final = events[-1]
+    assert isinstance(final, FinishEvent), final
+    streamed = [event.token.id for event in events if isinstance(event, TokenEvent)]
+    return streamed, [t.id for t in final.tokens], final.text, final.finish_reason
+
+
+def test_steps_in_flight_give_every_request_what_one_step_at_a_time_gives(plan):
+    # Six requests on four slots: the last two are admitted while other steps compute.
+    requests = [
+        GenerationRequest(tuple(range(200, 200 + n)), new, ignore_eos=True)
+        for n, new in ((3, 6), (5, 9), (1, 4), (7, 7), (2, 8), (4, 5))
+    ]
+    outcomes = {}
+    for in_flight in (1, 2):
+        submits: list[int] = []
+        engine, loop = _engine(plan, in_flight, submits), Loop()
+        try:
+            states = [
+                engine.submit(request, stream=index % 2 == 0, loop=loop)
+                for index, request in enumerate(requests)
+            ]
+            loop.wait(len(requests))
+        finally:
+            engine.shutdown(5)
+        outcomes[in_flight] = [_outcome(loop.events[state.id]) for state in states]
+        assert max(submits) == in_flight - 1  # 1: never two at a time; 2: steps did overlap
+    assert outcomes[2] == outcomes[1]
+    for (streamed, tokens, text, _), request, index in zip(outcomes[2], requests, range(6), strict=True):
+        assert len(tokens) == request.max_new_tokens and text
+        assert streamed == (tokens[:-1] if index % 2 == 0 else [])  # the last one comes with the end
+
+
+def test_a_failed_step_in_flight_fails_its_requests_and_the_engine_reloads(plan):
+    submits: list[int] = []
+    engine, loop = _engine(plan, 2, submits), Loop()
+    try:
+        long = GenerationRequest((464, 2068), 28, ignore_eos=True)
+        states = [engine.submit(long, loop=loop) for _ in range(3)]
+        engine.inject_fault("injected step fault")
+        loop.wait(3)
+        for state in states:
+            final = loop.events[state.id][-1]
+            assert isinstance(final, ErrorEvent) and isinstance(final.error, GenerationFailed)
+        assert engine.wait_ready(30) and engine.restarts == 1
+        after = engine.submit(GenerationRequest((464,), 3, ignore_eos=True), loop=loop)
+        loop.wait(1)
+        assert isinstance(loop.events[after.id][-1], FinishEvent)
+        assert engine.kv_usage().slots_used == 0  # nothing leaked across the reload
+    finally:
+        engine.shutdown(5)
+    assert np.all(np.array(submits) <= 1)
