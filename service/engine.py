@@ -391,12 +391,13 @@ class Engine:
         try:
             if not self._load(first=first):
                 return
+            depth = self._steps_in_flight()
             while True:
-                depth = self._steps_in_flight()
                 if depth > 1:  # a pipelined executor: it serves until the worker stops or recovers
-                    if self._serve_pipelined(generation, depth):
-                        continue
-                    return
+                    if not self._serve_pipelined(generation, depth):
+                        return
+                    depth = self._steps_in_flight()  # the executor reloaded after a failed step
+                    continue
                 batch = self._next_batch(generation)
                 if batch is None:
                     break
@@ -445,6 +446,7 @@ class Engine:
                     log.exception("engine step failed (requests %s)", ids, extra={"request_id": ids})
                     if not self._recover(exc):
                         return
+                    depth = self._steps_in_flight()
         except BaseException as exc:  # the worker itself cannot go on: never leave a silent engine
             death = exc
             if self._generation != generation:
@@ -541,58 +543,71 @@ class Engine:
         by the watchdog, reload failed)."""
         in_flight: collections.deque[tuple[StepBatch, float]] = collections.deque()
         executor: PipelinedExecutor | None = None
-        try:
-            while True:
-                if len(in_flight) < depth:
-                    batch = self._next_batch(generation, wait=not in_flight)
-                    if batch is None:
-                        return False
-                    if batch.items:
-                        with self._cond:
-                            core = self._built_core()
-                            if executor is None:
-                                executor = cast(PipelinedExecutor, core.executor)
-                            if executor is None or core.executor is not executor:
-                                raise ExecutorError("the executor was detached while steps were in flight")
-                        if self._injected_step_faults:
-                            raise self._injected_step_faults.pop(0)
-                        executor.submit(batch.items)
+        while True:
+            batch = None
+            if (
+                len(in_flight) < depth
+            ):  # outside the recovered part, as in `_worker`: a fault there is no step's
+                batch = self._next_batch(generation, wait=not in_flight)
+                if batch is None:
+                    return False
+            try:
+                if batch is not None and batch.items:
+                    with self._cond:
+                        if self._generation != generation:
+                            return False
+                        core = self._built_core()
+                        if executor is None:
+                            executor = cast(PipelinedExecutor, core.executor)
+                        if executor is None or core.executor is not executor:
+                            raise ExecutorError("the executor was detached while steps were in flight")
                         in_flight.append((batch, time.monotonic()))
-                        self._watch_oldest(in_flight)
-                        # While the wafer computes: the text, events and ends of the tokens chosen last.
-                        # Requests that end free their slots, so the next step can admit waiting ones.
-                        self._complete_chosen()
-                        continue
+                        self._watch_oldest(in_flight)  # before it is submitted: a submit may hang too
+                    if self._injected_step_faults:
+                        raise self._injected_step_faults.pop(0)
+                    executor.submit(batch.items)
+                    # While the wafer computes: the text, events and ends of the tokens chosen last.
+                    # Requests that end free their slots, so the next step can admit waiting ones.
+                    if not self._complete_chosen(generation):
+                        return False
+                    continue
                 if not in_flight or executor is None:
                     continue
-                self._complete_chosen()
+                if not self._complete_chosen(generation):
+                    return False
                 results = executor.collect()
-                batch, submitted = in_flight.popleft()
                 with self._cond:
                     if self._generation != generation:
                         return False  # the watchdog gave up on this step: another worker serves now
+                    batch, submitted = in_flight.popleft()
                     self._watch_oldest(in_flight)
                     core = self._built_core()
+                    # From submit to collect: with steps in flight, the wait behind the earlier ones too.
                     core.metrics.record_step(time.monotonic() - submitted, len(batch))
                     # Choose the tokens only: their requests' next step goes out before the rest is done.
                     core.finish(batch, results, defer=True)
                     self._cond.notify_all()
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # as in `_worker`: a failure of the backend, recovered from
-            with self._cond:
-                if self._generation != generation:
-                    return False
-                self._step = None
-            owners = [state for batch, _ in in_flight for state in batch.owners]
-            ids = ",".join(dict.fromkeys(state.id for state in owners)) or "-"
-            log.exception("engine step failed (requests %s)", ids, extra={"request_id": ids})
-            return self._recover(exc)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # as in `_worker`: a failure of the backend, recovered from
+                with self._cond:
+                    if self._generation != generation:
+                        return False
+                    self._step = None
+                owners = [state for batch, _ in in_flight for state in batch.owners]
+                ids = ",".join(dict.fromkeys(state.id for state in owners)) or "-"
+                log.exception("engine step failed (requests %s)", ids, extra={"request_id": ids})
+                return self._recover(exc)
 
-    def _complete_chosen(self) -> None:
+    def _complete_chosen(self, generation: int) -> bool:
+        """The chosen tokens' text, events and ends (`complete_deferred`); False when this worker was
+        abandoned meanwhile (the core is the next worker's now)."""
         with self._cond:
+            if self._generation != generation:
+                return False
             if self._built_core().complete_deferred():
                 self._cond.notify_all()
+            return True
 
     def _watch_oldest(self, in_flight: collections.deque[tuple[StepBatch, float]]) -> None:
         """Point the watchdog at the oldest step in flight (none: nothing to watch)."""

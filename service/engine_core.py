@@ -195,7 +195,12 @@ class EngineCore:
         batch = self.schedule()
         if not batch.items:
             return self.take_outputs()
-        return self.finish(batch, self.execute(batch))
+        try:
+            results = self.execute(batch)
+        except BaseException:
+            self._step_returned(batch)  # not run: its requests may be stepped again (a caller may retry)
+            raise
+        return self.finish(batch, results)
 
     def schedule(self) -> StepBatch:
         """At a step boundary: drop cancelled and timed-out requests, admit waiting ones, batch (the
@@ -306,8 +311,7 @@ class EngineCore:
                 self._end(state, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
 
     def _apply(self, batch: StepBatch, results: list[TokenScores | None]) -> None:
-        for slot in self.scheduler.step_returned(batch.owners):
-            self._free_on_executor(slot, None)
+        self._step_returned(batch)
         if len(results) != len(batch.items):
             raise ExecutorError(f"the executor returned {len(results)} results for {len(batch.items)} items")
         to_sample: list[tuple[RequestState, TokenScores]] = []  # at most one entry per request
@@ -336,6 +340,12 @@ class EngineCore:
                 self._sample(state, scores, chosen.get(id(state)))
             except Exception:
                 self._request_failed(state)
+
+    def _step_returned(self, batch: StepBatch) -> None:
+        """`batch` is off the executor: its requests may be stepped again, and the slots of those that
+        ended while it ran are free now, on the executor too."""
+        for slot in self.scheduler.step_returned(batch.owners):
+            self._free_on_executor(slot, None)
 
     def _request_failed(self, state: RequestState) -> None:
         # Choosing or detokenizing this request's token failed: a fault of this request (its

@@ -3,7 +3,8 @@ computes (each replica's pipeline takes items a slowest stage apart); the engine
 from what became ready while one is in flight, and every request gets what it gets one step at a time;
 a request never has items in two steps in flight, and the slot of one that ended while its step was in
 flight is not given away before that step is back; a failed step fails the requests in flight and the
-engine reloads."""
+engine reloads; a hung submit is caught by the watchdog, and its abandoned worker leaves quietly; a step
+the executor refused leaves its requests ready to step again."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 from service.commands.bench_host import twin_factory
 from service.detokenizer import IncrementalDetokenizer
 from service.engine import Engine
-from service.engine_core import gpt2_tokenizer_hooks
-from service.errors import GenerationFailed
+from service.engine_core import EngineCore, gpt2_tokenizer_hooks
+from service.errors import GenerationFailed, StepTimedOut
 from service.kv_slots import KVSlotManager
 from service.metrics import ServiceMetrics
 from service.request import (
@@ -69,6 +70,8 @@ def test_the_modeled_wafer_takes_steps_in_flight_oldest_first_and_checks_the_con
     with pytest.raises(ExecutorError, match=r"slots \[1\] have items in a step still in flight"):
         executor.submit([StepItem(1, 1, 5)])
     executor.submit(second)
+    with pytest.raises(ExecutorError, match="slot 1 has items in a step still in flight"):
+        executor.free_slot(1)
     with pytest.raises(ExecutorError, match="2 steps are in flight already"):
         executor.submit([StepItem(3, 0, 5)])
     with pytest.raises(ExecutorError, match="collect them first"):
@@ -138,10 +141,14 @@ class Loop:
             assert self.ended.acquire(timeout=timeout), "a request did not end"
 
 
-def _engine(plan, in_flight: int, submits: list[int]) -> Engine:
+def _engine(
+    plan, in_flight: int, submits: list[int], hang: threading.Event | None = None, **limits
+) -> Engine:
     class Counting(ModeledWaferExecutor):  # records how many steps were in flight at each submit
         def submit(self, items):
             submits.append(len(self._in_flight))
+            if hang is not None and len(submits) == 1:
+                hang.wait(10)  # the first submit hangs until the test lets it go
             super().submit(items)
 
     engine = Engine(
@@ -150,6 +157,7 @@ def _engine(plan, in_flight: int, submits: list[int]) -> Engine:
         ServiceMetrics("test"),
         max_queue=16,
         step_token_budget=64,
+        **limits,
     )
     engine.start()
     assert engine.wait_ready(30)
@@ -208,3 +216,47 @@ def test_a_failed_step_in_flight_fails_its_requests_and_the_engine_reloads(plan)
     finally:
         engine.shutdown(5)
     assert np.all(np.array(submits) <= 1)
+
+
+def test_a_hung_submit_is_caught_by_the_watchdog_and_its_worker_leaves_quietly(plan):
+    """A step that hangs on its way in is watched like one in flight: its request fails (504) and a
+    fresh worker serves on; when the hung submit returns at last, the abandoned worker leaves without
+    touching the new one's watchdog or core (no second restart)."""
+    submits: list[int] = []
+    hang = threading.Event()
+    engine, loop = _engine(plan, 2, submits, hang, step_timeout_s=0.3, step_timeout_per_item_s=0.0), Loop()
+    try:
+        hung = engine.submit(GenerationRequest((464, 2068), 4, ignore_eos=True), loop=loop)
+        loop.wait(1)
+        final = loop.events[hung.id][-1]
+        assert isinstance(final, ErrorEvent) and isinstance(final.error, StepTimedOut)
+        assert engine.wait_ready(30) and engine.restarts == 1
+        hang.set()  # the abandoned worker's submit returns (on its closed executor)
+        after = engine.submit(GenerationRequest((464,), 6, ignore_eos=True), loop=loop)
+        loop.wait(1)
+        assert isinstance(loop.events[after.id][-1], FinishEvent)
+        assert engine.restarts == 1 and engine.kv_usage().slots_used == 0
+    finally:
+        hang.set()
+        engine.shutdown(5)
+
+
+def test_a_step_the_executor_refused_leaves_its_requests_ready_to_step_again():
+    class FailsOnce(NullExecutor):
+        failed = False
+
+        def step(self, items):
+            if not self.failed:
+                self.failed = True
+                raise ExecutorError("the wafer refused the step")
+            return super().step(items)
+
+    core = EngineCore(FailsOnce(50257, slots=2, context=32), gpt2_tokenizer_hooks(), 4, 64)
+    state = core.add(GenerationRequest((464, 2068), 3, ignore_eos=True))
+    with pytest.raises(ExecutorError, match="refused"):
+        core.step()
+    assert not state.in_flight
+    events = []
+    while core.has_work():  # a caller that retries gets the request through
+        events += [event for _, event in core.step()]
+    assert isinstance(events[-1], FinishEvent) and len(events[-1].tokens) == 3

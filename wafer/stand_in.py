@@ -240,6 +240,11 @@ class ModeledWaferExecutor(NullExecutor):
         self.submit(items)
         return self.collect()
 
+    def free_slot(self, slot: int) -> None:
+        if slot in self._slots_in_flight:
+            raise ExecutorError(f"slot {slot} has items in a step still in flight: it cannot be freed yet")
+        super().free_slot(slot)
+
     def reset(self) -> None:
         self._in_flight.clear()
         self._slots_in_flight.clear()
