@@ -306,8 +306,9 @@ class EngineCore:
                 self._end(state, error=None)
                 self.metrics.record_failure("cancelled")
                 self.metrics.wafer_cancel_latency_steps.observe(self.steps - state.cancelled_at_step)
-            elif state.deadline is not None and now > state.deadline:
-                limit = state.request.timeout_s
+                continue
+            limit = state.request.timeout_s
+            if limit is not None and now > state.arrived_at + limit:  # `deadline`, once per request a step
                 self._end(state, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
 
     def _apply(self, batch: StepBatch, results: list[TokenScores | None]) -> None:
@@ -315,9 +316,16 @@ class EngineCore:
         if len(results) != len(batch.items):
             raise ExecutorError(f"the executor returned {len(results)} results for {len(batch.items)} items")
         to_sample: list[tuple[RequestState, TokenScores]] = []  # at most one entry per request
+        running = RequestStatus.RUNNING
         for item, scores, state in zip(batch.items, results, batch.owners, strict=True):
-            if state.status is not RequestStatus.RUNNING:
+            if state.status is not running:
                 continue  # it finished on an earlier item of this step
+            if scores is not None and item.position >= len(state.request.prompt_ids):
+                # A decode item (most of a step): `_apply_item`'s decode branch, without the call.
+                state.computed = item.position + 1
+                state.pending_token = None
+                to_sample.append((state, scores))
+                continue
             try:
                 wanted = self._apply_item(item, scores, state)
                 if wanted is not None:
@@ -394,7 +402,7 @@ class EngineCore:
         self, state: RequestState, scores: TokenScores, pick: tuple[int, float] | None = None
     ) -> None:
         """Choose the next token (`pick`: already chosen by `greedy_batch`), detokenize, check stops."""
-        token, logprob = self._choose(state, scores, pick)
+        token, logprob = pick if pick is not None else self._choose(state, scores)
         chosen_at = time.monotonic()
         request = state.request
         if self._deferring and not request.stop_sequences:
@@ -411,24 +419,19 @@ class EngineCore:
             return
         self._complete(state, scores, token, logprob, chosen_at)
 
-    def _choose(
-        self, state: RequestState, scores: TokenScores, pick: tuple[int, float] | None
-    ) -> tuple[int, float]:
+    def _choose(self, state: RequestState, scores: TokenScores) -> tuple[int, float]:
+        """The sampler's choice for a request `greedy_batch` left alone."""
         request = state.request
         early = len(state.tokens) < request.min_tokens  # min_tokens: no end yet
-        if pick is None:
-            ends = request.stop_token_ids | (
-                frozenset() if request.ignore_eos else {self._tokenizer.eos_token_id}
-            )
-            banned = ends if early else ()
-            p = state.sampler.params
-            # The penalties read the history only when they are on: building it is O(length) per token.
-            history = state.history() if p.repetition_penalty != 1.0 else ()
-            output = [t.id for t in state.tokens] if p.presence_penalty or p.frequency_penalty else ()
-            token, logprob = state.sampler.choose(scores, history, output, banned)
-        else:
-            token, logprob = pick
-        return token, logprob
+        ends = request.stop_token_ids | (
+            frozenset() if request.ignore_eos else {self._tokenizer.eos_token_id}
+        )
+        banned = ends if early else ()
+        p = state.sampler.params
+        # The penalties read the history only when they are on: building it is O(length) per token.
+        history = state.history() if p.repetition_penalty != 1.0 else ()
+        output = [t.id for t in state.tokens] if p.presence_penalty or p.frequency_penalty else ()
+        return state.sampler.choose(scores, history, output, banned)
 
     def _complete(
         self, state: RequestState, scores: TokenScores, token: int, logprob: float, now: float
@@ -452,7 +455,11 @@ class EngineCore:
             text, released, stop = piece.text, piece.released, piece.stop_sequence
         else:
             text, released, stop = "", "", None  # special and ending tokens add nothing to the text
-        top = alternatives(scores, request.top_n_tokens, self._tokenizer.vocab_size)
+        top = (
+            alternatives(scores, request.top_n_tokens, self._tokenizer.vocab_size)
+            if request.top_n_tokens
+            else ()
+        )
         state.tokens.append(GeneratedToken(token, text, released, logprob, special, top))
 
         if eos or stop_token:

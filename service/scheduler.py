@@ -86,6 +86,10 @@ class Scheduler:
     def step_returned(self, owners: list[RequestState]) -> list[int]:
         """A step is back: its requests may be scheduled again; the slots of those that ended while it
         ran are released now (returned, to be freed on the executor too)."""
+        if not self._held:  # the usual case: nobody ended while the step ran
+            for sequence in owners:
+                sequence.in_flight = False
+            return []
         released = []
         for sequence in owners:
             sequence.in_flight = False
