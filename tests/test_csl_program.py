@@ -107,7 +107,8 @@ def test_fp32_scores_equal_the_simulator(tiny_params, arch):
         sim.close()
 
 
-@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+# WSE-3 with -m executor_full (CI time): the fp32 scores above equal the simulator's on both.
+@pytest.mark.parametrize("arch", ["wse2", pytest.param("wse3", marks=pytest.mark.executor_full)])
 def test_fp32_greedy_equals_the_reference_and_hugging_face(tiny_params, arch, write_checkpoint):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
