@@ -404,11 +404,9 @@ class Engine:
                 try:
                     started = time.monotonic()
                     with self._cond:
-                        self._step = (len(batch), started, started + self.step_deadline_s(len(batch)))
+                        self._watch_step(len(batch), started)
                         core = self._built_core()
                         executor = core.executor  # this worker's, even if the watchdog detaches it
-                        if self._step[2] < self._watch_until:
-                            self._watch.notify_all()  # the watchdog must wake before it meant to
                     if self._injected_step_faults:
                         raise self._injected_step_faults.pop(0)
                     # While the executor computes (a wafer step leaves the GIL free), the helper thread
@@ -545,9 +543,8 @@ class Engine:
         executor: PipelinedExecutor | None = None
         while True:
             batch = None
-            if (
-                len(in_flight) < depth
-            ):  # outside the recovered part, as in `_worker`: a fault there is no step's
+            # Scheduling stays outside the recovered part, as in `_worker`: a fault there is no step's.
+            if len(in_flight) < depth:
                 batch = self._next_batch(generation, wait=not in_flight)
                 if batch is None:
                     return False
@@ -616,9 +613,13 @@ class Engine:
                 self._step = None
                 return
             batch, submitted = in_flight[0]
-            self._step = (len(batch), submitted, submitted + self.step_deadline_s(len(batch)))
-            if self._step[2] < self._watch_until:
-                self._watch.notify_all()  # the watchdog must wake before it meant to
+            self._watch_step(len(batch), submitted)
+
+    def _watch_step(self, items: int, started: float) -> None:
+        """(The lock is held.) The watchdog watches a step of `items` items started at `started`."""
+        self._step = (items, started, started + self.step_deadline_s(items))
+        if self._step[2] < self._watch_until:
+            self._watch.notify_all()  # the watchdog must wake before it meant to
 
     def _next_batch(self, generation: int, wait: bool = True) -> StepBatch | None:
         """Wait for work; None when the worker should stop. `wait` False: an empty batch when there is

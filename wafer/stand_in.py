@@ -111,24 +111,26 @@ class NullExecutor:
         }
 
 
-def modeled_step_seconds(
-    plan: Plan,
-    slots_of_items: Sequence[int],
-    clock_hz: float = CLOCK_HZ,
-    cycles: tuple[float, float] | None = None,
-) -> float:
-    """The modeled time of one step: each replica streams its items through its pipeline, the first
-    after the critical path (decode_cycles), each further one a slowest-stage time (bottleneck_cycles)
-    later; replicas run side by side, so the step lasts as long as the busiest one. `cycles`: the plan's
-    (decode_cycles, bottleneck_cycles) when the caller has them (the plan sums its stages each time)."""
-    if not slots_of_items:
-        return 0.0
-    decode, bottleneck = (plan.decode_cycles, plan.bottleneck_cycles) if cycles is None else cycles
-    per_replica = [0] * plan.replicas
+def modeled_step_seconds(plan: Plan, slots_of_items: Sequence[int], clock_hz: float = CLOCK_HZ) -> float:
+    """The modeled time of one step with nothing else in flight: each replica streams its items through
+    its pipeline, the first after the critical path (decode_cycles), each further one a slowest-stage
+    time (bottleneck_cycles) later; replicas run side by side, so the step lasts as long as the busiest
+    one (`pipelined_span` from empty pipelines)."""
+    _, end = pipelined_span(
+        0.0,
+        [0.0] * plan.replicas,
+        items_per_replica(plan, slots_of_items),
+        plan.decode_cycles / clock_hz,
+        plan.bottleneck_cycles / clock_hz,
+    )
+    return end
+
+
+def items_per_replica(plan: Plan, slots_of_items: Sequence[int]) -> list[int]:
+    counts = [0] * plan.replicas
     for slot in slots_of_items:
-        per_replica[slot // plan.slots] += 1
-    busiest = max(per_replica)
-    return (decode + (busiest - 1) * bottleneck) / clock_hz
+        counts[slot // plan.slots] += 1
+    return counts
 
 
 def pipelined_span(
@@ -137,8 +139,7 @@ def pipelined_span(
     """(first item in, last result out) of a step submitted at `now` with `per_replica[r]` items on
     replica r, behind the steps in flight: replica r takes its first item when its input is free
     (`input_free[r]`, moved on in place to a slowest-stage time after its last item), the others a
-    slowest stage apart, and returns each the critical path after it entered. With nothing in flight
-    the span is `modeled_step_seconds`."""
+    slowest stage apart, and returns each the critical path after it entered."""
     first, end = float("inf"), now
     for replica, n in enumerate(per_replica):
         if n:
@@ -213,9 +214,7 @@ class ModeledWaferExecutor(NullExecutor):
         now = time.perf_counter()
         out = self.answer(items)
         decode, bottleneck = (cycles / self.clock_hz for cycles in self._cycles)
-        per_replica = [0] * self.plan.replicas
-        for item in items:
-            per_replica[item.slot // self.plan.slots] += 1
+        per_replica = items_per_replica(self.plan, [item.slot for item in items])
         first, end = pipelined_span(now, self._input_free, per_replica, decode, bottleneck)
         self.modeled_busy_s += max(0.0, end - max(first, self._busy_until))
         self._busy_until = max(self._busy_until, end)
