@@ -24,11 +24,14 @@ PROMPT = "Once upon a time"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def slow_factory(params, delay_s: float, slots: int = 2, build_delays=()):
-    """Executors whose steps take `delay_s`; the i-th build first sleeps build_delays[i] (if given)."""
+def slow_factory(params, delay_s: float, slots: int = 2, build_delays=(), first_build_gate=None):
+    """Executors whose steps take `delay_s`; the i-th build first sleeps build_delays[i] (if given); the
+    first waits for `first_build_gate` (a threading.Event) when one is given."""
     builds = []
 
     def build():
+        if first_build_gate is not None and not builds:
+            first_build_gate.wait(30)
         if len(builds) < len(build_delays):
             time.sleep(build_delays[len(builds)])
         builds.append(1)
@@ -40,13 +43,16 @@ def slow_factory(params, delay_s: float, slots: int = 2, build_delays=()):
 
 def test_health_is_503_while_the_model_uploads(small_params):
     settings = ServerSettings(backend="reference", max_concurrent_requests=2)
-    factory = slow_factory(small_params, 0.0, build_delays=(0.6,))
+    # The upload lasts until the test has seen the refusals (a fixed delay raced a loaded CI machine).
+    uploaded = threading.Event()
+    factory = slow_factory(small_params, 0.0, first_build_gate=uploaded)
     with running_server(settings, factory, wait_ready=False) as running, running.client() as c:
         health = c.get("/health")
         assert health.status_code == 503
         assert health.json() == {"error": "unhealthy", "error_type": "healthcheck", "state": "loading"}
         refused = c.post("/generate", json={"inputs": PROMPT})
         assert refused.status_code == 503 and "still being uploaded" in refused.json()["error"]
+        uploaded.set()
         assert running.engine.wait_ready(10)
         assert c.get("/health").status_code == 200
         assert (
