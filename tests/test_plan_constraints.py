@@ -12,6 +12,7 @@ import pytest
 
 from wafer.arch import ARCHS
 from wafer.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
+from wafer.plan.search import forget_kept_plans
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from weights.config import PRESETS, GPT2Config
 
@@ -200,9 +201,26 @@ def test_custom_small_config_and_regions_of() -> None:
 
 @pytest.mark.parametrize("model", ["gpt2", "gpt2-xl"])
 def test_planning_is_fast(model: str) -> None:
+    forget_kept_plans()  # time the search, not the copy of a plan another test asked for
     start = time.perf_counter()
     build_plan(PRESETS[model], ARCHS["wse3"])
     assert time.perf_counter() - start < 5.0
+
+
+def test_a_kept_plan_is_copied_for_every_caller() -> None:
+    """`build_plan` keeps the plans it searched; a caller that changes its plan changes only its own,
+    and an argument that no plan takes is refused even after an equal one (True == 1) was kept."""
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="kept")
+    first = build_plan(config, "wse2", "fp32", slots=1, context=16, top_k=8)
+    first.regions[0].name = "changed"
+    first.regions.pop()
+    second = build_plan(config, "wse2", "fp32", slots=1, context=16, top_k=8)
+    forget_kept_plans()
+    searched = build_plan(config, "wse2", "fp32", slots=1, context=16, top_k=8)
+    assert second == searched and second is not searched and second.regions[0] is not searched.regions[0]
+    assert len(second.regions) == len(first.regions) + 1 and second.regions[0].name != "changed"
+    with pytest.raises(PlanError, match="slots must be a positive integer, got True"):
+        build_plan(config, "wse2", "fp32", slots=True, context=16, top_k=8)
 
 
 def test_price_candidates_is_the_search_build_plan_ranks() -> None:

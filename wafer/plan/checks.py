@@ -4,6 +4,8 @@ limit and by how much it is exceeded."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from wafer.arch import Arch
 from wafer.plan.model import DTYPES, OBJECTIVES, PlanError, Region, Route
 from wafer.plan.symbols import attention_symbols, gemv_symbols, head_symbols, norm_symbols, pe_bytes
@@ -52,15 +54,15 @@ def _memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> 
     """(ratio, message) when some region's per-PE data exceeds the usable bytes."""
     budget = arch.data_bytes_per_pe
     checks = {
-        "qkv": gemv_symbols(lt.qkv, dtype),
-        "attn": attention_symbols(lt.attn, dtype),
-        "attn_proj": gemv_symbols(lt.attn_proj, dtype),
-        "fc": gemv_symbols(lt.fc, dtype),
-        "proj": gemv_symbols(lt.proj, dtype),
-        "head": head_symbols(head, dtype),
-        "ln": norm_symbols(lt.ln),
+        "qkv": lt.qkv,
+        "attn": lt.attn,
+        "attn_proj": lt.attn_proj,
+        "fc": lt.fc,
+        "proj": lt.proj,
+        "head": head,
+        "ln": lt.ln,
     }
-    worst_name, worst = max(((n, pe_bytes(v)) for n, v in checks.items()), key=lambda p: p[1])
+    worst_name, worst = max(((n, _tiling_pe_bytes(t, dtype)) for n, t in checks.items()), key=lambda p: p[1])
     if worst > budget:
         return (
             worst / budget,
@@ -69,6 +71,18 @@ def _memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> 
             f"{arch.sram_reserve_bytes // 1024} KB reserve)",
         )
     return None
+
+
+@lru_cache(maxsize=8192)  # the search meets the same tilings in thousands of candidates
+def _tiling_pe_bytes(tiling: GemvTiling | AttentionTiling | HeadTiling | NormTiling, dtype: str) -> int:
+    """Bytes one PE of a region with this tiling declares (`pe_bytes` of its symbols)."""
+    if isinstance(tiling, GemvTiling):
+        return pe_bytes(gemv_symbols(tiling, dtype))
+    if isinstance(tiling, AttentionTiling):
+        return pe_bytes(attention_symbols(tiling, dtype))
+    if isinstance(tiling, HeadTiling):
+        return pe_bytes(head_symbols(tiling, dtype))
+    return pe_bytes(norm_symbols(tiling))
 
 
 def _check_colors(regions: list[Region], arch: Arch) -> str | None:

@@ -20,6 +20,7 @@ also serve the token embedding), the final LayerNorm and the top-k.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from wafer.arch import Arch
 from wafer.contract import LAYER_OPS
@@ -70,6 +71,7 @@ class _Dirs:
 # Sub-regions of one layer in its own coordinates (flow east): name -> (kind, x, y, w, h, axes), with
 # R = stream PEs, T = attention rows, Lc = attention columns, F = FC columns; `out` is the order of
 # proj's output (the next ln_1's order, or the order a band turn or the head strip needs).
+@lru_cache(maxsize=4096)  # asked for every region and route of every candidate; callers copy `axes`
 def _layer_rects(r: int, t: int, lc: int, f: int, d: _Dirs, out: str) -> dict[str, tuple]:
     return {
         "qkv": ("gemv", 0, 0, r, t, {"k": d.stream_1, "n": d.rows}),
@@ -154,6 +156,8 @@ class _Geometry:
         if mirrored:  # indices that grew east grow west
             lx = self.band_w - lx - w
             axes = {k: _mirror(v) for k, v in axes.items()}
+        else:
+            axes = dict(axes)  # the cached table's stays as it is
         return kind, self.r + lx, band * self.band_h + y, w, h, axes
 
     def rect(self, name: str) -> tuple[int, int, int, int]:

@@ -3,6 +3,7 @@ places and passes every check (`build_plan`); the most KV slots a plan fits (`la
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -138,7 +139,9 @@ def price_candidates(
     closest: tuple[float, str] | None = None
     knobs_list = _candidate_knobs(config, arch, dtype, slots, context, compact)
     for index, knobs in enumerate(knobs_list):
-        lt = _layer_tilings(config, knobs, slots, context, arch, dtype)
+        lt = _layer_tilings(
+            config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
+        )
         head = _head_tiling(config, knobs.stream_pes, knobs.head_cols, top_k, arch, dtype)
         over = _memory_over(lt, head, dtype, arch)
         if over is not None:
@@ -172,8 +175,40 @@ def build_plan(
     replicas: int | str = 1,
     top_k: int = 64,
 ) -> Plan:
-    """The best feasible plan for the request, or PlanError naming the limit it hits."""
-    arch = resolve_arch(arch)
+    """The best feasible plan for the request, or PlanError naming the limit it hits.
+
+    The search is deterministic and costs seconds, and a process often asks for the same plan again
+    (a server and its reloads, the simulator and the executor of one test): the plan is kept, and every
+    caller gets its own copy to change."""
+    request = (config, resolve_arch(arch), dtype, slots, context, objective, replicas, top_k)
+    try:
+        hash(request)
+    except TypeError:  # an argument no plan can take: the search's checks name it
+        return _search_plan(*request)
+    plan = _kept_plan(*request)
+    return copy.deepcopy(plan, {id(plan.config): plan.config, id(plan.arch): plan.arch})
+
+
+@lru_cache(maxsize=32, typed=True)  # typed: slots=True is refused, not taken for slots=1
+def _kept_plan(*request) -> Plan:
+    return _search_plan(*request)
+
+
+def forget_kept_plans() -> None:
+    """Drop the plans `build_plan` keeps: the next request searches again (for timing the search)."""
+    _kept_plan.cache_clear()
+
+
+def _search_plan(
+    config: GPT2Config,
+    arch: Arch,
+    dtype: str,
+    slots: int,
+    context: int | None,
+    objective: str,
+    replicas: int | str,
+    top_k: int,
+) -> Plan:
     context = _check_request(config, dtype, slots, context, top_k, objective)
     if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
         raise PlanError(f"replicas must be a positive integer or 'auto', got {replicas!r}")
@@ -216,9 +251,11 @@ def build_plan(
     raise PlanError(_infeasible_message(config, arch, slots, context, closest))
 
 
-@lru_cache(maxsize=4096)
-def _layer_tilings(config, knobs, slots, context, arch, dtype) -> LayerTilings:
-    return layer_tilings(config, knobs, slots, context, arch, dtype)
+@lru_cache(maxsize=4096)  # keyed by the knobs a layer's tilings depend on: many candidates share them
+def _layer_tilings(
+    config, stream_pes, fold, attn_chain, fc_cols, slots, context, arch, dtype
+) -> LayerTilings:
+    return layer_tilings(config, Knobs(stream_pes, fold, attn_chain, fc_cols, 1), slots, context, arch, dtype)
 
 
 @lru_cache(maxsize=1024)

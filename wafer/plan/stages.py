@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from wafer.arch import Arch
 from wafer.cost import (
     GELU_CYCLES,
@@ -61,10 +63,10 @@ def _outer_stages(
 ) -> tuple[list[StageCost], dict[str, StageCost], list[StageCost]]:
     """(stages before layer 0, band turns by layer, stages after the last layer) of the critical path."""
     chunk = lt.ln.chunk
+    ends = {n: (a, b) for n, a, b in geo.routes()}
 
     def route(name: str) -> int:
-        src, dst = {n: (a, b) for n, a, b in geo.routes()}[name]
-        hops, _ = geo.route_legs(src, dst)
+        hops, _ = geo.route_legs(*ends[name])
         return stream_cycles(_route_words(name, config, geo, head), hops)
 
     before = [
@@ -86,18 +88,28 @@ def _outer_stages(
     before.append(embed)
     turns = {
         name: StageCost(f"band turn after L{name.split('.')[1]}").add("route", route(name))
-        for name, _, _ in geo.routes()
+        for name in ends
         if name.startswith("turn.")
     }
+    ln_f_phases, head_phases = _tail_phases(ln_f, head, arch, dtype)
     after = [
         StageCost("to ln_f").add("route", route("final")),
-        norm_cost(ln_f, "ln_f").add("hand-off", HANDOFF_CYCLES),
-        head_cost(head, arch, dtype, name="head"),
+        StageCost("ln_f", dict(ln_f_phases)),
+        StageCost("head", dict(head_phases)),
         StageCost("io.out")
         .add("scores to output port", route("scores"))
         .add("output port -> memcpy edge", stream_cycles(record_words(head.top_k), _edge_hops(ox))),
     ]
     return before, turns, after
+
+
+@lru_cache(maxsize=1024)  # the same for every candidate with this strip and head: priced once
+def _tail_phases(
+    ln_f: NormTiling, head: HeadTiling, arch: Arch, dtype: str
+) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
+    """The phases of the final LayerNorm (with its hand-off) and of the LM head."""
+    ln = norm_cost(ln_f, "ln_f").add("hand-off", HANDOFF_CYCLES)
+    return tuple(ln.phases.items()), tuple(head_cost(head, arch, dtype, name="head").phases.items())
 
 
 def _critical_path(n_layer: int, layer_stages: list[StageCost], outer) -> list[StageCost]:
