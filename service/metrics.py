@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,13 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+# Requests' and steps' figures wait in plain queues and reach prometheus-client together (`_fold`): at
+# every `samples()` (a scrape, the engine process's report) and once this many wait. Each figure was a
+# locked update of its own (twelve per request, two per step); folded, a batch costs one per counter
+# and per histogram bucket that received any (issue 18).
+FOLD_EVERY = 256
+
+
 def _format_value(value: float) -> str:
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
@@ -70,6 +78,12 @@ class ServiceMetrics:
         self._bare_counters: set[str] = set()  # counters named without `_total` (TGI's)
         self._labels = {"model_name": model_name}
         self._child_cache: dict[tuple, Any] = {}  # `_child`'s
+        # Not yet folded (`_fold`): appended by the recording thread, drained by whoever folds.
+        self._arrivals: deque[int] = deque()  # input lengths
+        self._successes: deque[tuple[str, float, float, int]] = (
+            deque()
+        )  # reason, queue_s, inference_s, tokens
+        self._steps: deque[tuple[float, int]] = deque()  # seconds, items
         model = ("model_name",)
         counter, gauge, histogram = self._counter, self._gauge, self._histogram
 
@@ -193,8 +207,9 @@ class ServiceMetrics:
         self.wafer_kv_tokens_reserved.set(kv.tokens_reserved)
 
     def record_step(self, seconds: float, items: int) -> None:
-        self.tgi_batch_forward_duration.observe(seconds)
-        self.tgi_batch_next_size.observe(items)
+        self._steps.append((seconds, items))
+        if len(self._steps) >= FOLD_EVERY:
+            self._fold()
 
     def record_token(self, since_previous: float, first: bool, count: bool = True) -> None:
         """One generated token's latency; `count` False: the caller counts tokens itself, in bulk
@@ -226,23 +241,43 @@ class ServiceMetrics:
         return child
 
     def record_arrival(self, input_length: int) -> None:
-        self.tgi_request_count.inc()
-        self.tgi_request_input_length.observe(input_length)
-        self._child(self.vllm_prompt_tokens_total).inc(input_length)
+        self._arrivals.append(input_length)
+        if len(self._arrivals) >= FOLD_EVERY:
+            self._fold()
 
     def record_success(
         self, finish_reason: str, queue_s: float, inference_s: float, generated_tokens: int
     ) -> None:
-        total = queue_s + inference_s
-        self.tgi_request_success.inc()
-        self.tgi_request_duration.observe(total)
-        self.tgi_request_queue_duration.observe(queue_s)
-        self.tgi_request_inference_duration.observe(inference_s)
-        self.tgi_request_generated_tokens.observe(generated_tokens)
-        if generated_tokens:
-            self.tgi_request_mean_time_per_token_duration.observe(inference_s / generated_tokens)
-        self._child(self.vllm_e2e_request_latency_seconds).observe(total)
-        self._child(self.vllm_request_success_total, finish_reason).inc()
+        self._successes.append((finish_reason, queue_s, inference_s, generated_tokens))
+        if len(self._successes) >= FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Everything `record_arrival`, `record_success` and `record_step` queued, into the metrics."""
+        arrivals, successes, steps = _drain(self._arrivals), _drain(self._successes), _drain(self._steps)
+        if arrivals:
+            self.tgi_request_count.inc(len(arrivals))
+            observe_all(self.tgi_request_input_length, arrivals)
+            self._child(self.vllm_prompt_tokens_total).inc(sum(arrivals))
+        if successes:
+            self.tgi_request_success.inc(len(successes))
+            totals = [queue_s + inference_s for _, queue_s, inference_s, _ in successes]
+            observe_all(self.tgi_request_duration, totals)
+            observe_all(self.tgi_request_queue_duration, [s[1] for s in successes])
+            observe_all(self.tgi_request_inference_duration, [s[2] for s in successes])
+            observe_all(self.tgi_request_generated_tokens, [s[3] for s in successes])
+            per_token = [inference_s / tokens for _, _, inference_s, tokens in successes if tokens]
+            if per_token:
+                observe_all(self.tgi_request_mean_time_per_token_duration, per_token)
+            observe_all(self._child(self.vllm_e2e_request_latency_seconds), totals)
+            reasons: dict[str, int] = {}
+            for reason, *_ in successes:
+                reasons[reason] = reasons.get(reason, 0) + 1
+            for reason, count in reasons.items():
+                self._child(self.vllm_request_success_total, reason).inc(count)
+        if steps:
+            observe_all(self.tgi_batch_forward_duration, [seconds for seconds, _ in steps])
+            observe_all(self.tgi_batch_next_size, [items for _, items in steps])
 
     def record_failure(self, reason: str) -> None:
         self.tgi_request_failure.labels(err=reason).inc()
@@ -252,6 +287,7 @@ class ServiceMetrics:
     def samples(self) -> list[Family]:
         """Every metric's samples under the names /metrics shows (picklable: the engine process sends
         its own to the HTTP process, `service/engine_process.py`)."""
+        self._fold()
         families: list[Family] = []
         for family in self.registry.collect():
             name = family.name
@@ -290,6 +326,17 @@ class ServiceMetrics:
             for (sample_name, labels), value in values.items():
                 lines.append(f"{sample_name}{_format_labels(dict(labels))} {_format_value(value)}")
         return "\n".join(lines) + "\n"
+
+
+def _drain(waiting: deque) -> list:
+    """What `waiting` holds, taken out: popped one by one, so a figure appended meanwhile by the
+    recording thread is either taken or left for the next fold, never lost."""
+    out = []
+    while True:
+        try:
+            out.append(waiting.popleft())
+        except IndexError:
+            return out
 
 
 def observe_all(histogram: Histogram, values: Sequence[float]) -> None:

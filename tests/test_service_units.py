@@ -221,6 +221,46 @@ def test_openai_field_names_in_messages():
 # ----- metrics -------------------------------------------------------------------------------------
 
 
+def test_figures_folded_in_bulk_render_as_one_by_one():
+    """Arrivals, successes and steps reach prometheus-client in bulk (at FOLD_EVERY and at every
+    render): what renders equals recording each figure alone, also while a fold is pending."""
+    from service.metrics import FOLD_EVERY
+
+    def record_alone(metrics: ServiceMetrics, i: int) -> None:
+        metrics.tgi_request_count.inc()
+        metrics.tgi_request_input_length.observe(i % 40)
+        metrics._child(metrics.vllm_prompt_tokens_total).inc(i % 40)
+        total, tokens = 0.01 * (i % 7) + 0.3 * (i % 3), i % 5
+        metrics.tgi_request_success.inc()
+        for h, v in [
+            (metrics.tgi_request_duration, total),
+            (metrics.tgi_request_queue_duration, 0.01 * (i % 7)),
+            (metrics.tgi_request_inference_duration, 0.3 * (i % 3)),
+            (metrics.tgi_request_generated_tokens, tokens),
+            (metrics._child(metrics.vllm_e2e_request_latency_seconds), total),
+            (metrics.tgi_batch_forward_duration, 0.002 * (i % 9)),
+            (metrics.tgi_batch_next_size, i % 17),
+        ]:
+            h.observe(v)
+        if tokens:
+            metrics.tgi_request_mean_time_per_token_duration.observe(0.3 * (i % 3) / tokens)
+        metrics._child(metrics.vllm_request_success_total, "length" if i % 2 else "stop").inc()
+
+    folded, alone = ServiceMetrics("gpt2"), ServiceMetrics("gpt2")
+    for count in (FOLD_EVERY + 3, 5):  # one fold on the way, the rest at render
+        for i in range(count):
+            folded.record_arrival(i % 40)
+            folded.record_success("length" if i % 2 else "stop", 0.01 * (i % 7), 0.3 * (i % 3), i % 5)
+            folded.record_step(0.002 * (i % 9), i % 17)
+            record_alone(alone, i)
+        assert rendered_values(folded) == pytest.approx(rendered_values(alone), rel=1e-12)  # sums: float order
+
+
+def rendered_values(metrics: ServiceMetrics) -> dict[str, float]:
+    lines = [line.rsplit(" ", 1) for line in metrics.render().splitlines() if not line.startswith("#")]
+    return {sample: float(value) for sample, value in lines}
+
+
 def test_metrics_exposition_format():
     metrics = ServiceMetrics("gpt2")
     metrics.record_arrival(12)
