@@ -437,22 +437,21 @@ class EngineCore:
         self, state: RequestState, scores: TokenScores, token: int, logprob: float, now: float
     ) -> None:
         """A chosen token's text, event and end (`now`: when it was chosen)."""
-        request = state.request
-        early = len(state.tokens) < request.min_tokens  # min_tokens: no end yet
-        first = not state.tokens
-        self._latencies[0 if first else 1].append(now - (state.last_token_at or state.arrived_at))
+        request, tokenizer, tokens = state.request, self._tokenizer, state.tokens
+        generated = len(tokens)
+        early = generated < request.min_tokens  # min_tokens: no end yet
+        self._latencies[1 if generated else 0].append(now - (state.last_token_at or state.arrived_at))
         self._tokens_uncounted += 1
         state.last_token_at = now
 
-        eos = token == self._tokenizer.eos_token_id and not request.ignore_eos
+        eos = token == tokenizer.eos_token_id and not request.ignore_eos
         stop_token = token in request.stop_token_ids
-        special = token in self._tokenizer.special_names
+        special = token in tokenizer.special_names
         shown = not special or not request.skip_special_tokens
         if eos or stop_token:
             shown = shown and request.include_stop_str_in_output  # an ending token's text is cut (vLLM)
         if shown:
-            piece = state.detokenizer.add(token, check_stops=not early)
-            text, released, stop = piece.text, piece.released, piece.stop_sequence
+            text, released, stop = state.detokenizer.add(token, check_stops=not early)
         else:
             text, released, stop = "", "", None  # special and ending tokens add nothing to the text
         top = (
@@ -460,23 +459,19 @@ class EngineCore:
             if request.top_n_tokens
             else ()
         )
-        state.tokens.append(GeneratedToken(token, text, released, logprob, special, top))
+        tokens.append(GeneratedToken(token, text, released, logprob, special, top))
 
         if eos or stop_token:
             self._end(state, finish=FinishReason.EOS)
         elif stop is not None:
             self._end(state, finish=FinishReason.STOP)
-        elif (
-            len(state.tokens) >= request.max_new_tokens
-            or state.computed >= self.scheduler.slots.context_length
-        ):
+        elif generated + 1 >= request.max_new_tokens or state.computed >= self.scheduler.slots.context_length:
             self._end(state, finish=FinishReason.LENGTH)
         else:
             state.pending_token = token
             if state.stream or state.loop is None:  # a non-streamed request hears only its end (`_emit`)
-                index = len(state.tokens)
-                prefill = tuple(state.prefill) if index == 1 else ()
-                self._emit(state, TokenEvent(index, state.tokens[-1], prefill))
+                prefill = tuple(state.prefill) if not generated else ()
+                self._emit(state, TokenEvent(generated + 1, tokens[-1], prefill))
 
     def _end(
         self, state: RequestState, finish: FinishReason | None = None, error: ServiceError | None = None

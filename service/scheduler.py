@@ -120,28 +120,32 @@ class Scheduler:
         `PipelinedExecutor` runs several: one takes what became ready while another computes)."""
         items: list[StepItem] = []
         owners: list[RequestState] = []
+        prefilling: list[RequestState] = []  # in admission order, as `running`
         for sequence in self.running:
-            if not sequence.prefilling and sequence.pending_token is not None and not sequence.in_flight:
+            if sequence.in_flight:
+                continue
+            if sequence.computed < len(sequence.request.prompt_ids):  # `prefilling`, without the call
+                prefilling.append(sequence)
+            elif sequence.pending_token is not None:
                 items.append(StepItem(_slot(sequence), sequence.computed, sequence.pending_token))
                 owners.append(sequence)
                 sequence.in_flight = True
 
         budget = self.step_token_budget - len(items)
-        for sequence in self.running:
+        for sequence in prefilling:
             if budget <= 0:
                 break
-            if not sequence.prefilling or sequence.in_flight:
-                continue
             sequence.in_flight = True
             prompt = sequence.prompt
+            slot, logprobs, final = _slot(sequence), sequence.request.prompt_logprobs, len(prompt) - 1
             start = sequence.computed
             stop = min(len(prompt), start + budget)
             for position in range(start, stop):
-                last = position == len(prompt) - 1
-                wants_logprob = sequence.request.prompt_logprobs and not last
+                last = position == final
+                wants_logprob = logprobs and not last
                 items.append(
                     StepItem(
-                        slot=_slot(sequence),
+                        slot=slot,
                         position=position,
                         token=prompt[position],
                         want_scores=last or wants_logprob,
@@ -149,7 +153,7 @@ class Scheduler:
                         target=prompt[position + 1] if wants_logprob else None,
                     )
                 )
-                owners.append(sequence)
+            owners += [sequence] * (stop - start)
             budget -= stop - start
         return StepBatch(items, owners)
 

@@ -42,6 +42,29 @@ def test_multibyte_character_split_across_tokens_is_held_until_complete():
     assert "".join(chinese) == "你好世界"
 
 
+def test_every_piece_is_what_the_utf8_decoder_gives_for_the_token():
+    """Tokens of whole characters take their remembered text, the others go through the UTF-8 decoder:
+    the pieces equal the decoder's, token by token, whatever the mix (split characters, bytes that can
+    never be valid, a whole token right after an unfinished character), and all of it is released."""
+    import codecs
+    import random
+
+    split = tokenizer.encode("🙂你好")  # characters split across tokens
+    never_valid = [token for token in range(256) if tokenizer.token_bytes(token) in (b"\xff", b"\x80")]
+    pool = tokenizer.encode("plain text, naïve café ") + split + never_valid
+    rng = random.Random(5)
+    for _ in range(200):
+        tokens = [rng.choice(pool) for _ in range(rng.randrange(1, 12))]
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        detok = IncrementalDetokenizer(tokenizer.token_bytes)
+        released = []
+        for token in tokens:
+            piece = detok.add(token)
+            assert piece.text == decoder.decode(tokenizer.token_bytes(token)), tokens
+            released.append(piece.released)
+        assert "".join(released) + detok.flush() == detok.text
+
+
 def test_unfinished_character_at_the_end_is_dropped_not_sent_broken():
     detok = IncrementalDetokenizer(tokenizer.token_bytes)
     assert detok.add(tokenizer.encode("🙂")[0]).released == ""
