@@ -26,12 +26,6 @@ class TokenText(NamedTuple):
     stop_sequence: str | None  # the stop sequence this token completed, if any
 
 
-# Per `token_bytes` function: the text of every token seen whose bytes are whole UTF-8 characters (most
-# of GPT-2's), and the tokens seen that are not. Shared by all detokenizers: a token's bytes are decoded
-# once per process instead of once per generated token (issue 18).
-_WHOLE_TEXTS: dict[Callable[[int], bytes], tuple[dict[int, str], set[int]]] = {}
-
-
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -42,11 +36,6 @@ class IncrementalDetokenizer:
         self._token_bytes = token_bytes
         self._include_stop = include_stop
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        known = _WHOLE_TEXTS.get(token_bytes)
-        if known is None:
-            known = _WHOLE_TEXTS[token_bytes] = ({}, set())
-        self._whole, self._split = known
-        self._between_characters = True  # the UTF-8 decoder holds no bytes of an unfinished character
         self._stops = [stop for stop in stop_sequences if stop]
         self._longest_stop = max((len(stop) for stop in self._stops), default=0)
         self._text = ""  # every complete character so far (cut at a matched stop sequence)
@@ -62,9 +51,7 @@ class IncrementalDetokenizer:
         """`check_stops=False` (vLLM's min_tokens not reached yet): no stop sequence ends the text here."""
         if self.stop_sequence is not None:
             raise RuntimeError("detokenizer already stopped at a stop sequence")
-        piece = self._whole.get(token) if self._between_characters else None
-        if piece is None:
-            piece = self._decode(token)
+        piece = self._utf8.decode(self._token_bytes(token))
         previous_length = len(self._text)
         self._text += piece
         if not check_stops or not self._stops:  # nothing can stop here, nothing is held back
@@ -83,21 +70,6 @@ class IncrementalDetokenizer:
         return TokenText(
             text=piece, released=self._release(len(self._text) - self._held_for_stops()), stop_sequence=None
         )
-
-    def _decode(self, token: int) -> str:
-        """The characters `token` completes: through the UTF-8 decoder, unless its bytes are whole
-        characters and follow whole characters (then they are their own text, as the decoder would
-        return them, and are remembered)."""
-        data = self._token_bytes(token)
-        if self._between_characters and token not in self._split:
-            try:
-                piece = self._whole[token] = data.decode("utf-8")
-                return piece
-            except UnicodeDecodeError:
-                self._split.add(token)
-        piece = self._utf8.decode(data)
-        self._between_characters = not self._utf8.getstate()[0]
-        return piece
 
     def flush(self) -> str:
         """At the end of a generation that did not stop on a stop sequence: release what was held back.

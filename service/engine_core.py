@@ -211,6 +211,8 @@ class EngineCore:
         batch = self.scheduler.build_step()
         self.record_gauges()
         self._flush()
+        if not batch.items:  # idle: the figures queued for the metrics go in now, not at the next render
+            self.metrics.fold()
         return batch
 
     def execute(self, batch: StepBatch, executor: Executor | None = None) -> list[TokenScores | None]:
@@ -334,18 +336,18 @@ class EngineCore:
                 self._request_failed(state)
         # Plain-greedy requests choose together, in a few array operations for the whole step.
         fast = [
-            (state, scores)
-            for state, scores in to_sample
-            if state.sampler.plain_greedy and len(state.tokens) >= state.request.min_tokens
+            state.sampler.plain_greedy and len(state.tokens) >= state.request.min_tokens
+            for state, _ in to_sample
         ]
+        rows = [scores for (_, scores), greedy in zip(to_sample, fast, strict=True) if greedy]
         try:
-            picks = greedy_batch([scores for _, scores in fast], self._tokenizer.vocab_size)
+            picks = iter(greedy_batch(rows, self._tokenizer.vocab_size))
         except Exception:  # a malformed row: every request chooses alone (and fails alone)
-            picks = [None] * len(fast)
-        chosen = {id(state): pick for (state, _), pick in zip(fast, picks, strict=True)}
-        for state, scores in to_sample:
+            picks = iter([None] * len(rows))
+        for (state, scores), greedy in zip(to_sample, fast, strict=True):
+            pick = next(picks) if greedy else None
             try:
-                self._sample(state, scores, chosen.get(id(state)))
+                self._sample(state, scores, pick)
             except Exception:
                 self._request_failed(state)
 

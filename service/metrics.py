@@ -42,8 +42,9 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-# Requests' and steps' figures wait in plain queues and reach prometheus-client together (`_fold`): at
-# every `samples()` (a scrape, the engine process's report) and once this many wait. Each figure was a
+# Requests' and steps' figures wait in plain queues and reach prometheus-client together (`fold`): at
+# every `samples()` (a scrape, the engine process's report), when the engine goes idle, and once this
+# many wait. Each figure was a
 # locked update of its own (twelve per request, two per step); folded, a batch costs one per counter
 # and per histogram bucket that received any (issue 18).
 FOLD_EVERY = 256
@@ -78,12 +79,14 @@ class ServiceMetrics:
         self._bare_counters: set[str] = set()  # counters named without `_total` (TGI's)
         self._labels = {"model_name": model_name}
         self._child_cache: dict[tuple, Any] = {}  # `_child`'s
-        # Not yet folded (`_fold`): appended by the recording thread, drained by whoever folds.
+        # Not yet folded (`fold`): appended by the recording thread, drained by whoever folds.
         self._arrivals: deque[int] = deque()  # input lengths
         self._successes: deque[tuple[str, float, float, int]] = (
             deque()
         )  # reason, queue_s, inference_s, tokens
         self._steps: deque[tuple[float, int]] = deque()  # seconds, items
+        self._scheduler_state: tuple[int, int, KVUsage] | None = None  # the latest recorded
+        self._gauged_state: tuple[int, int, KVUsage] | None = None  # the one the gauges show
         model = ("model_name",)
         counter, gauge, histogram = self._counter, self._gauge, self._histogram
 
@@ -196,6 +199,11 @@ class ServiceMetrics:
         return children
 
     def record_scheduler_state(self, waiting: int, running: int, kv: KVUsage) -> None:
+        """The queue and KV figures of now: the gauges take the latest at the next fold (eight locked
+        sets each time they changed, several times a step, cost more than the step's bookkeeping)."""
+        self._scheduler_state = (waiting, running, kv)
+
+    def _set_scheduler_gauges(self, waiting: int, running: int, kv: KVUsage) -> None:
         waiting_gauge, running_gauge, kv_gauge = self._labelled()[:3]
         self.tgi_queue_size.set(waiting)
         self.tgi_batch_current_size.set(running)
@@ -209,7 +217,7 @@ class ServiceMetrics:
     def record_step(self, seconds: float, items: int) -> None:
         self._steps.append((seconds, items))
         if len(self._steps) >= FOLD_EVERY:
-            self._fold()
+            self.fold()
 
     def record_token(self, since_previous: float, first: bool, count: bool = True) -> None:
         """One generated token's latency; `count` False: the caller counts tokens itself, in bulk
@@ -243,17 +251,22 @@ class ServiceMetrics:
     def record_arrival(self, input_length: int) -> None:
         self._arrivals.append(input_length)
         if len(self._arrivals) >= FOLD_EVERY:
-            self._fold()
+            self.fold()
 
     def record_success(
         self, finish_reason: str, queue_s: float, inference_s: float, generated_tokens: int
     ) -> None:
         self._successes.append((finish_reason, queue_s, inference_s, generated_tokens))
         if len(self._successes) >= FOLD_EVERY:
-            self._fold()
+            self.fold()
 
-    def _fold(self) -> None:
-        """Everything `record_arrival`, `record_success` and `record_step` queued, into the metrics."""
+    def fold(self) -> None:
+        """Everything `record_arrival`, `record_success` and `record_step` queued, and the latest
+        `record_scheduler_state`, into the metrics."""
+        state = self._scheduler_state  # not cleared: a state recorded meanwhile is applied next time
+        if state is not None and state is not self._gauged_state:
+            self._set_scheduler_gauges(*state)
+            self._gauged_state = state
         arrivals, successes, steps = _drain(self._arrivals), _drain(self._successes), _drain(self._steps)
         if arrivals:
             self.tgi_request_count.inc(len(arrivals))
@@ -287,7 +300,7 @@ class ServiceMetrics:
     def samples(self) -> list[Family]:
         """Every metric's samples under the names /metrics shows (picklable: the engine process sends
         its own to the HTTP process, `service/engine_process.py`)."""
-        self._fold()
+        self.fold()
         families: list[Family] = []
         for family in self.registry.collect():
             name = family.name
@@ -346,7 +359,8 @@ def observe_all(histogram: Histogram, values: Sequence[float]) -> None:
     bounds = getattr(histogram, "_upper_bounds", None)
     buckets = getattr(histogram, "_buckets", None)
     total = getattr(histogram, "_sum", None)
-    if bounds is None or buckets is None or total is None or any(v != v for v in values):
+    added = sum(values)  # NaN when a value is NaN (or infinities of both signs: one by one too)
+    if bounds is None or buckets is None or total is None or added != added:
         for value in values:
             histogram.observe(value)
         return
@@ -354,6 +368,6 @@ def observe_all(histogram: Histogram, values: Sequence[float]) -> None:
     for value in values:
         index = bisect_left(bounds, value)  # the first bound >= value: `observe`'s bucket
         counts[index] = counts.get(index, 0) + 1
-    total.inc(sum(values))
+    total.inc(added)
     for index, count in counts.items():
         buckets[index].inc(count)

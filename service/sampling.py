@@ -215,7 +215,7 @@ def greedy_batch(rows: Sequence[TokenScores], vocab_size: int | None) -> list[tu
             chosen.append(None)
             continue
         best = int(logits.argmax())  # the first of equal maxima (the stable sort's pick); a NaN wins here
-        top, token = float(logits[best]), int(ids[best])
+        top, token = float(logits.item(best)), int(ids.item(best))
         if math.isnan(top) or top == -math.inf or (vocab_size is not None and token >= vocab_size):
             chosen.append(None)
             continue

@@ -42,10 +42,10 @@ def test_multibyte_character_split_across_tokens_is_held_until_complete():
     assert "".join(chinese) == "你好世界"
 
 
-def test_every_piece_is_what_the_utf8_decoder_gives_for_the_token():
-    """Tokens of whole characters take their remembered text, the others go through the UTF-8 decoder:
-    the pieces equal the decoder's, token by token, whatever the mix (split characters, bytes that can
-    never be valid, a whole token right after an unfinished character), and all of it is released."""
+def test_every_piece_is_what_the_utf8_decoder_gives_and_all_of_it_is_released():
+    """Token by token, whatever the mix (split characters, bytes that can never be valid, a whole token
+    right after an unfinished character): each piece is what the UTF-8 decoder gives for the token,
+    and what is released adds up to the text (a piece goes out whole when nothing was held back)."""
     import codecs
     import random
 
