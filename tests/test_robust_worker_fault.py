@@ -44,8 +44,30 @@ def server(small_params):
     settings = ServerSettings(
         backend="sim", model_id="faulty", dtype="fp32", max_concurrent_requests=SLOTS, max_queue=8
     )
-    with running_server(settings, executor_factory("sim", small_params, slots=SLOTS)) as running:
+    with running_server(
+        settings, GatedReloads(executor_factory("sim", small_params, slots=SLOTS))
+    ) as running:
         yield running
+
+
+class GatedReloads:
+    """The server's executor factory; every build after the first (a reload) waits for `RELOAD_GATE`,
+    which the test's HealthWatch opens once /health has said 503 "reloading": a reload that takes
+    milliseconds (the plan kept from the first build) is still seen."""
+
+    def __init__(self, factory):
+        self.factory = factory
+        self.builds = 0
+
+    def __call__(self):
+        if self.builds:
+            RELOAD_GATE.wait(30)
+        self.builds += 1
+        return self.factory()
+
+
+RELOAD_GATE = threading.Event()
+RELOAD_GATE.set()  # open unless a HealthWatch is watching for the reload
 
 
 class HealthWatch:
@@ -64,15 +86,19 @@ class HealthWatch:
                 answer = (response.status_code, response.json()["state"] if response.content else None)
                 if not self.seen or self.seen[-1] != answer:
                     self.seen.append(answer)
+                if answer == (503, "reloading"):
+                    RELOAD_GATE.set()
                 time.sleep(0.01)
 
     def __enter__(self) -> HealthWatch:
+        RELOAD_GATE.clear()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(10)
+        RELOAD_GATE.set()  # a reload still to come (none expected) need not wait
 
 
 def in_thread(call) -> tuple[threading.Thread, dict]:

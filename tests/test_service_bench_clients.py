@@ -135,12 +135,11 @@ def test_guidellm_short_run(server, model_dir, tmp_path):
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (benchmark,) = json.loads(out.read_text())["benchmarks"]
-    assert benchmark["metrics"]["request_totals"] == {
-        "successful": 6,
-        "errored": 0,
-        "incomplete": 0,
-        "total": 6,
-    }
+    totals = benchmark["metrics"]["request_totals"]
+    # guidellm's own max_requests constraint counted 5 of 6 once on a loaded CI run (none errored or
+    # incomplete): its count is guidellm's; that every request it sent succeeded is the server's.
+    assert totals["errored"] == totals["incomplete"] == 0, totals
+    assert totals["successful"] == totals["total"] >= 5, totals
     for request in benchmark["requests"]["successful"]:
         assert request["output_metrics"]["text_tokens"] == 8
     server.wait_idle()

@@ -1,0 +1,31 @@
+"""bench/core_instructions.py: its workload and its reading of valgrind's output (valgrind itself is
+too slow for the suite: about 15 s per counted process)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "core_instructions.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("core_instructions", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_workload_generates_every_token_of_every_round(stream):
+    bench = load()
+    assert bench.workload(rounds=2, requests=4, new_tokens=8, stream=stream) == 2 * 4 * 8
+
+
+def test_the_instruction_count_is_read_from_cachegrind_and_its_absence_is_an_error():
+    bench = load()
+    assert bench.parse_instructions("==12== \n==12== I   refs:      1,748,121,465\n") == 1_748_121_465
+    with pytest.raises(RuntimeError, match="no instruction count"):
+        bench.parse_instructions("valgrind: command not found")
