@@ -456,11 +456,7 @@ class EngineCore:
             text, released, stop = state.detokenizer.add(token, check_stops=not early)
         else:
             text, released, stop = "", "", None  # special and ending tokens add nothing to the text
-        top = (
-            alternatives(scores, request.top_n_tokens, self._tokenizer.vocab_size)
-            if request.top_n_tokens
-            else ()
-        )
+        top = alternatives(scores, request.top_n_tokens, tokenizer.vocab_size) if request.top_n_tokens else ()
         tokens.append(GeneratedToken(token, text, released, logprob, special, top))
 
         if eos or stop_token:

@@ -358,7 +358,7 @@ def largest_slots(
 
 def _fits(config, arch, dtype, slots, context) -> bool:
     try:
-        build_plan(config, arch, dtype, slots, context)
+        _kept_plan(config, arch, dtype, slots, context, "latency", 1, 64)  # build_plan's defaults; no copy
         return True
     except PlanError:
         return False
