@@ -35,7 +35,7 @@ from service.engine import EngineState, ExecutorFactory
 from service.engine_core import gpt2_tokenizer_hooks
 from service.engine_process import EngineOptions, EngineProcess
 from service.errors import MethodNotAllowed, NotFound, RequestValidationFailed, ServiceError
-from service.hot_routes import HotRoute, HotRoutesMiddleware
+from service.hot_routes import HotRoute, LeanPath, ServiceApp
 from service.logs import RequestIdMiddleware, log_reference
 from service.metrics import Family, ServiceMetrics
 from service.middleware import OPENAI_PREFIX, GuardMiddleware, error_body, error_status
@@ -112,7 +112,7 @@ def create_app(
     executor_factory: ExecutorFactory,
     model_summary: dict | None = None,
     on_fatal: Callable[[str], None] | None = None,
-) -> FastAPI:
+) -> ServiceApp:
     """The service: `executor_factory` is called on the engine's worker thread to upload the model."""
     hooks = gpt2_tokenizer_hooks()
     ignored = IgnoredFields()
@@ -150,7 +150,7 @@ def create_app(
         await asyncio.to_thread(engine.shutdown, settings.shutdown_timeout_s)
         pool.shutdown(wait=False)
 
-    app = FastAPI(
+    app = ServiceApp(
         title="wafer-gpt2",
         version=VERSION,
         lifespan=lifespan,
@@ -162,10 +162,6 @@ def create_app(
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
-    # Innermost of ours: the generation routes' lean path (the routes are declared below, for FastAPI's
-    # own path and the OpenAPI schema; `hot` is filled in once their handlers exist).
-    hot: dict[str, HotRoute] = {}
-    app.add_middleware(HotRoutesMiddleware, routes=hot, on_error=lambda r, e: service_error(r, e))
     app.add_middleware(
         GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key, metrics=metrics
     )
@@ -239,7 +235,7 @@ def create_app(
             (final,) = await wait_for_results(request, engine, sequences)
         except ClientGone:
             return Response(status_code=499)
-        headers = ignored.headers(body, request.url.path)
+        headers = ignored.headers(body, request.scope["path"])
         data = tgi_json(tgi_response(body, final, hooks))
         return JSONResponse([data] if as_list else data, headers=headers)
 
@@ -252,8 +248,8 @@ def create_app(
             )
         generation = await off_loop(tgi_generation_request, body, limits(), settings, request=request)
         (sequence,) = submit_all(engine, [generation])
-        stream = tgi_stream(engine, sequence, body, hooks, request.url.path)
-        headers = SSE_HEADERS | ignored.headers(body, request.url.path)
+        stream = tgi_stream(engine, sequence, body, hooks, request.scope["path"])
+        headers = SSE_HEADERS | ignored.headers(body, request.scope["path"])
         return EventStreamResponse(stream, media_type="text/event-stream", headers=headers)
 
     @app.post("/generate", response_model=TGIResponse, summary="Generate text (TGI)")
@@ -294,9 +290,9 @@ def create_app(
         )
         sequences = submit_all(engine, generations, stream=bool(body.stream))
         model = settings.model_id
-        headers = ignored.headers(body, request.url.path)
+        headers = ignored.headers(body, request.scope["path"])
         if body.stream:
-            stream = openai_stream(engine, body, choices, sequences, model, request.url.path)
+            stream = openai_stream(engine, body, choices, sequences, model, request.scope["path"])
             return EventStreamResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
         try:
             finals = await wait_for_results(request, engine, sequences)
@@ -325,9 +321,9 @@ def create_app(
             chat_generation_requests, body, chat_template, limits(), settings
         )
         sequences = submit_all(engine, generations, stream=bool(body.stream))
-        headers = ignored.headers(body, request.url.path)
+        headers = ignored.headers(body, request.scope["path"])
         if body.stream:
-            stream = chat_stream(engine, body, choices, sequences, settings.model_id, request.url.path)
+            stream = chat_stream(engine, body, choices, sequences, settings.model_id, request.scope["path"])
             return EventStreamResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS | headers)
         try:
             finals = await wait_for_results(request, engine, sequences)
@@ -336,9 +332,19 @@ def create_app(
         response = chat_response(body, choices, finals, settings.model_id)
         return JSONResponse(response.model_dump(), headers=headers)
 
-    hot["/generate"] = HotRoute(TGIRequest, generate_response)
-    hot["/generate_stream"] = HotRoute(TGIRequest, generate_stream_response)
-    hot["/v1/completions"] = HotRoute(CompletionRequest, completions_response)
+    # The generation routes' lean path, in front of the middleware (service/hot_routes.py); the routes
+    # are declared above too, for the requests it leaves to FastAPI and for the OpenAPI schema.
+    app.lean = LeanPath(
+        routes={
+            "/generate": HotRoute(TGIRequest, generate_response),
+            "/generate_stream": HotRoute(TGIRequest, generate_stream_response),
+            "/v1/completions": HotRoute(CompletionRequest, completions_response),
+        },
+        max_body_bytes=settings.max_body_bytes,
+        api_key=settings.api_key,
+        on_error=service_error,
+        on_unexpected=unexpected_error,
+    )
 
     def model_card() -> ModelCard:
         context = engine.executor.context_length if engine.ready else None
@@ -358,7 +364,7 @@ def create_app(
 
     @app.post("/tokenize", summary="Tokenize: vLLM's shape (`prompt` or `messages`), or TGI's (`inputs`)")
     async def tokenize(request: Request) -> Response:
-        data, path = await json_body(request), request.url.path
+        data, path = await json_body(request), request.scope["path"]
         if tokenize_api.is_tgi_body(data):
             tgi_body = parse_body(TGITokenizeRequest, data)
             tokens = [t.model_dump() for t in await off_loop(tokenize_api.tgi_tokenize, tgi_body)]
@@ -373,7 +379,7 @@ def create_app(
     async def detokenize(request: Request, body: DetokenizeRequest) -> Response:
         check_model(body.model)
         response = tokenize_api.vllm_detokenize(body, limits().vocab_size)
-        return JSONResponse(response.model_dump(), headers=ignored.headers(body, request.url.path))
+        return JSONResponse(response.model_dump(), headers=ignored.headers(body, request.scope["path"]))
 
     @app.get("/tokenizer_info", summary="The tokenizer's config and the chat template (vLLM)")
     async def tokenizer_info() -> dict:

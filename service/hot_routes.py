@@ -1,14 +1,22 @@
 """A lean path for the generation routes (issue 18): `POST /generate`, `/generate_stream` and
-`/v1/completions` with a JSON body that parses and validates are served here, in plain ASGI, instead
-of through Starlette's routing, FastAPI's request handling and its exception middleware, which cost
-more per request than the route's own work.
+`/v1/completions` with a JSON body that parses and validates are served here, in front of the app's
+middleware stack, instead of through it: FastAPI's and Starlette's entry, the server-error and
+body-limit middleware, the service's request-id and guard middleware, Starlette's routing and FastAPI's
+request handling each cost more per request than the route's own work.
 
-It is the same route: the body is parsed as FastAPI parses it (`json.loads`, then the route's model),
-the same handler runs and its response (or, for a `ServiceError`, the same error handler's) is sent the
-same way. Anything else goes on to FastAPI untouched, body included: another path or method, a body
-that is not declared `application/json`, one that does not parse or validate (FastAPI then reports the
-error in its own words, as before). An unexpected exception propagates as it would from the route, to
-the server-error middleware outside, which answers with the `Exception` handler and logs it.
+It is the same route. The lean path does what those layers do for such a request:
+- the guards' checks (API key, body size) pass, else the whole request goes to the stack, which
+  refuses it as before;
+- the body is parsed as FastAPI parses it (`json.loads`, then the route's model);
+- the request id is chosen and set as `RequestIdMiddleware` does, and returned in the same header;
+- the same handler runs, and a `ServiceError` gets the same error handler's response;
+- an unexpected exception is answered as Starlette's server-error middleware answers it: the app's
+  `Exception` handler (which logs it) gives the response, sent unless the response had started, and
+  the exception propagates to the server.
+
+Anything else goes to the stack untouched, body included: another path or method, a body not declared
+`application/json`, one that does not parse or validate (FastAPI then reports the error in its own
+words), a request the guards refuse, a client gone before its body arrived.
 """
 
 from __future__ import annotations
@@ -18,16 +26,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import FastAPI
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service import logs
 from service.errors import ServiceError
-from service.middleware import replay_body
+from service.middleware import authorized, replay_body
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 Handler = Callable[[Request, Any], Awaitable[Response]]  # called with the route's model
 ErrorHandler = Callable[[Request, ServiceError], Awaitable[Response]]
+UnexpectedHandler = Callable[[Request, Exception], Awaitable[Response]]
 JSON_TYPES = (b"application/json", b"application/json; charset=utf-8")  # what FastAPI parses as JSON
 
 
@@ -37,42 +48,85 @@ class HotRoute:
     handler: Handler
 
 
-class HotRoutesMiddleware:
-    """Innermost of the service's middleware: the guards and the request id apply as to every route."""
+@dataclass(frozen=True)
+class LeanPath:
+    routes: dict[str, HotRoute]
+    max_body_bytes: int  # GuardMiddleware's limits, checked the same way
+    api_key: str | None
+    on_error: ErrorHandler  # the app's ServiceError handler
+    on_unexpected: UnexpectedHandler  # the app's Exception handler
 
-    def __init__(self, app: ASGIApp, routes: dict[str, HotRoute], on_error: ErrorHandler):
-        self.app = app
-        self.routes = routes
-        self.on_error = on_error
+
+class ServiceApp(FastAPI):
+    """The service's FastAPI app, with the lean path in front of its middleware stack (set `lean` once
+    the routes' handlers exist)."""
+
+    lean: LeanPath | None = None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
-        if route is None or scope["method"] != "POST":
-            await self.app(scope, receive, send)
+        lean = self.lean
+        if lean is not None and scope["type"] == "http" and scope["method"] == "POST":
+            route = lean.routes.get(scope["path"])
+            if route is not None:
+                await self._serve_lean(lean, route, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+    async def _serve_lean(
+        self, lean: LeanPath, route: HotRoute, scope: dict, receive: Callable, send: Callable
+    ) -> None:
+        headers = dict(scope["headers"])  # the last of a repeated header, as the guards read them
+        declared = headers.get(b"content-length")
+        if (lean.api_key is not None and not authorized(headers, lean.api_key)) or (
+            declared is not None and declared.isdigit() and int(declared) > lean.max_body_bytes
+        ):
+            await super().__call__(scope, receive, send)  # refused there, in the route family's words
             return
-        content_type = next(
-            (value.lower() for name, value in scope["headers"] if name == b"content-type"), None
-        )
-        more, disconnected = True, False
-        chunks: list[bytes] = []
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                disconnected = True
-                break
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        parsed = None if disconnected or content_type not in JSON_TYPES else _parse(route.model, body)
+        body, whole, disconnected = await _read_body(receive, lean.max_body_bytes)
+        # FastAPI reads the first content-type header.
+        content_type = next((v.lower() for n, v in scope["headers"] if n == b"content-type"), None)
+        parsed = _parse(route.model, body) if whole and content_type in JSON_TYPES else None
         if parsed is None:
-            await self.app(scope, replay_body(body, receive, disconnected), send)
+            await super().__call__(scope, replay_body(body, receive, disconnected), send)
             return
+
+        rid = logs.request_id_for(headers)
+        logs.request_id.set(rid)  # not reset: the request's task (and its context) ends with it
+        scope["app"] = self
         request = Request(scope, receive)
         try:
             response = await route.handler(request, parsed)
         except ServiceError as error:
-            response = await self.on_error(request, error)
-        await response(scope, receive, send)
+            response = await lean.on_error(request, error)
+        except Exception as exc:
+            # Outside the request-id middleware on the stack: no id header, as there.
+            await (await lean.on_unexpected(request, exc))(scope, receive, send)
+            raise
+        response.raw_headers.append((logs.HEADER, rid.encode()))
+        try:
+            await response(scope, receive, send)
+        except Exception as exc:
+            # The hot routes' responses (JSONResponse, EventStreamResponse) send their start before
+            # anything that can raise: the response has started, only the log is left to write.
+            await lean.on_unexpected(request, exc)
+            raise
+
+
+async def _read_body(receive: Callable, limit: int) -> tuple[bytes, bool, bool]:
+    """(what arrived, whether that is the whole body within `limit` bytes, whether the client left)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), False, True
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return b"".join(chunks), False, False
+        if not message.get("more_body", False):
+            return b"".join(chunks), True, False
 
 
 def _parse(model: type[BaseModel], body: bytes) -> BaseModel | None:

@@ -69,6 +69,12 @@ def configure(level: str, log_format: str = "text") -> None:
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 
 
+def request_id_for(headers: dict[bytes, bytes]) -> str:
+    """The client's id when it sent a usable one, else a fresh one."""
+    given = headers.get(HEADER, b"").decode("latin-1")
+    return given if USABLE_ID.fullmatch(given) else uuid.uuid4().hex[:16]
+
+
 class RequestIdMiddleware:
     """Plain ASGI (streaming passes through untouched): the request id for logs and the response."""
 
@@ -79,8 +85,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope.get("headers") or ()).get(HEADER, b"").decode("latin-1")
-        rid = given if USABLE_ID.fullmatch(given) else uuid.uuid4().hex[:16]
+        rid = request_id_for(dict(scope.get("headers") or ()))
         request_id.set(rid)
 
         async def send_with_id(message: dict) -> None:

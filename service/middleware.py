@@ -93,6 +93,12 @@ def replay_body(body: bytes, receive: Callable, disconnected: bool = False) -> C
     return replay
 
 
+def authorized(headers: dict[bytes, bytes], api_key: str) -> bool:
+    """Whether the request's `Authorization: Bearer` header carries the key."""
+    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode())
+
+
 class GuardMiddleware:
     def __init__(
         self, app: ASGIApp, max_body_bytes: int, api_key: str | None, metrics: ServiceMetrics | None = None
@@ -109,11 +115,7 @@ class GuardMiddleware:
         path = scope["path"]
         headers = dict(scope.get("headers") or [])
 
-        if (
-            self.api_key is not None
-            and path not in OPEN_PATHS
-            and not self._authorized(headers, self.api_key)
-        ):
+        if self.api_key is not None and path not in OPEN_PATHS and not authorized(headers, self.api_key):
             error = Unauthorized("missing or wrong API key: send the header `Authorization: Bearer <key>`")
             await self._refuse(send, error, path, [(b"www-authenticate", b"Bearer")])
             return
@@ -149,10 +151,6 @@ class GuardMiddleware:
         if self.metrics is not None:
             self.metrics.record_failure(error.metric_reason)
         await send_error(send, error, path, extra_headers)
-
-    def _authorized(self, headers: dict, api_key: str) -> bool:
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode())
 
     def _too_large(self, size: int, at_least: bool = False) -> PayloadTooLarge:
         found = f"at least {size}" if at_least else str(size)

@@ -317,9 +317,11 @@ def test_the_lean_path_answers_as_fastapi_does():
                 answers = []
                 for content_type in ("application/json", "application/json;charset=utf-8"):
                     response = client.post(
-                        path, content=json.dumps(body), headers={"content-type": content_type}
+                        path,
+                        content=json.dumps(body),
+                        headers={"content-type": content_type, "x-request-id": "given-1"},
                     )
-                    headers = {k: v for k, v in response.headers.items() if k not in ("x-request-id", "date")}
+                    headers = {k: v for k, v in response.headers.items() if k != "date"}
                     text: object = response.text
                     if path == "/v1/completions" and body.get("stream"):
                         text = [
@@ -337,6 +339,60 @@ def test_the_lean_path_answers_as_fastapi_does():
                 "/generate", content=b"{not json", headers={"content-type": "application/json"}
             )
             assert response.status_code == 422 and "error" in response.json()
+
+
+def test_the_lean_path_refuses_and_fails_as_fastapi_does(monkeypatch, caplog):
+    """The guards' refusals (a missing or wrong key, a body over the limit, declared or chunked) and a
+    bug in a route: the same status, schema and headers on the lean path as on FastAPI's; the bug is
+    logged under a reference the client is given, on both."""
+    from service import api
+    from service.settings import ServerSettings
+    from tests.service_harness import running_server
+
+    settings = ServerSettings(
+        backend="null", model_id="gpt2", max_concurrent_requests=2, api_key="k3y", max_body_bytes=200
+    )
+    good = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).encode()
+    big = json.dumps({"inputs": "x" * 300}).encode()
+    key = {"authorization": "Bearer k3y"}
+    cases = [
+        ("/generate", good, {}),
+        (
+            "/v1/completions",
+            json.dumps({"prompt": "Hi", "max_tokens": 2}).encode(),
+            {"authorization": "Bearer no"},
+        ),
+        ("/generate", big, key),
+        ("/generate_stream", [big[:150], big[150:]], key),  # chunked: no content-length
+        ("/generate", good, key),  # the route's bug, below
+    ]
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug in the route")
+
+    monkeypatch.setattr(api, "tgi_generation_request", bug)
+    with running_server(settings, lambda: NullExecutor(50257, slots=2, context=64)) as running:
+        for path, body, headers in cases:
+            answers = []
+            for content_type in ("application/json", "application/json;charset=utf-8"):
+                content = body if isinstance(body, bytes) else iter(body)
+                # A connection each: uvicorn closes one whose app raised after answering.
+                with running.client() as client, caplog.at_level("ERROR"):
+                    response = client.post(
+                        path,
+                        content=content,
+                        headers={"content-type": content_type, "x-request-id": "r-7", **headers},
+                    )
+                data = response.json()
+                message = data["error"] if isinstance(data["error"], str) else data["error"]["message"]
+                if response.status_code == 500:
+                    reference = message.split("reference ")[1].split(";")[0]
+                    assert any(reference in r.getMessage() for r in caplog.records), reference
+                    message = message.replace(reference, "REF")
+                kept = {k: v for k, v in response.headers.items() if k not in ("date", "content-length")}
+                answers.append((response.status_code, kept, message))
+            assert answers[0] == answers[1], (path, answers)
+            assert answers[0][0] in (401, 413, 500), answers[0]
 
 
 def test_observe_all_is_observe_one_by_one():
