@@ -18,6 +18,7 @@ from __future__ import annotations
 import marshal
 import pickle
 from dataclasses import fields
+from functools import partial
 
 from service.request import (
     Alternative,
@@ -86,8 +87,10 @@ class UnreadableRequest(ValueError):
 _REQUEST_FIELDS = tuple(f.name for f in fields(GenerationRequest))
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 _SAMPLING_AT = _REQUEST_FIELDS.index("sampling")
-_new_token = GeneratedToken._make
-_new_alternative = Alternative._make
+# A record from its plain tuple, without the named tuple's `_make` (a Python function, a third of the
+# unpacking); the sender packed every tuple from a record, so its length is the record's.
+_token_of = partial(tuple.__new__, GeneratedToken)
+_alternative_of = partial(tuple.__new__, Alternative)
 
 
 def _pack_top(top: tuple[Alternative, ...]) -> tuple:
@@ -95,7 +98,7 @@ def _pack_top(top: tuple[Alternative, ...]) -> tuple:
 
 
 def _unpack_top(top: tuple) -> tuple[Alternative, ...]:
-    return tuple(map(_new_alternative, top))
+    return tuple(map(_alternative_of, top))
 
 
 def _pack_token(t: GeneratedToken) -> tuple:
@@ -103,7 +106,26 @@ def _pack_token(t: GeneratedToken) -> tuple:
 
 
 def _unpack_token(t: tuple) -> GeneratedToken:
-    return _new_token(t) if not t[5] else _new_token((*t[:5], _unpack_top(t[5])))
+    return _token_of(t) if not t[5] else _token_of((*t[:5], _unpack_top(t[5])))
+
+
+def _pack_tokens(tokens: tuple[GeneratedToken, ...]) -> tuple:
+    """A finish event's tokens as columns (one tuple per field), the alternatives as plain tuples: built
+    and rebuilt by C loops (`zip`, `map`), not a Python call per token."""
+    if not tokens:
+        return ()
+    columns = list(zip(*tokens, strict=True))
+    if any(columns[-1]):
+        columns[-1] = tuple(map(_pack_top, columns[-1]))
+    return tuple(columns)
+
+
+def _unpack_tokens(columns: tuple) -> tuple[GeneratedToken, ...]:
+    if not columns:
+        return ()
+    if any(columns[-1]):
+        columns = (*columns[:-1], tuple(map(_unpack_top, columns[-1])))
+    return tuple(map(_token_of, zip(*columns, strict=True)))
 
 
 def _pack_prefill(prefill: tuple[PromptToken, ...]) -> tuple:
@@ -126,7 +148,7 @@ def _pack_events(events: list[tuple[str, Event]]) -> list | None:
                 event.finish_reason.value,
                 event.text,
                 event.tail,
-                tuple(map(_pack_token, event.tokens)),
+                _pack_tokens(event.tokens),
                 _pack_prefill(event.prefill),
                 event.seed,
                 event.input_length,
@@ -147,7 +169,7 @@ def _unpack_event(packed: tuple) -> Event:
         FinishReason(reason),
         text,
         tail,
-        tuple(map(_unpack_token, tokens)),
+        _unpack_tokens(tokens),
         _unpack_prefill(prefill),
         seed,
         input_length,

@@ -86,7 +86,7 @@ class TokenEvent:  # dataclass sets each field through object.__setattr__, 4x th
     prefill: tuple[PromptToken, ...] = ()  # on the first event only: the prompt logprobs, when asked
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per request, twice with the engine process: as TokenEvent, not frozen
 class FinishEvent:
     finish_reason: FinishReason
     text: str  # the whole generated text, stop sequence stripped

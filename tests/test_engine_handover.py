@@ -59,7 +59,8 @@ def test_a_steps_events_cross_in_compact_form_and_arrive_equal():
     message = decode(data)
     assert message == ("events", events)
     finish = message[1][2][1]
-    assert finish.finish_reason is FinishReason.STOP and isinstance(finish.tokens[1].top[0], Alternative)
+    assert finish.finish_reason is FinishReason.STOP and type(finish.tokens[1].top[0]) is Alternative
+    assert all(type(token) is GeneratedToken for token in finish.tokens)
     assert type(message[1][0][1].prefill[1]) is PromptToken
 
 

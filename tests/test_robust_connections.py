@@ -117,6 +117,25 @@ def test_a_half_sent_body_gets_408(server):
         assert time.monotonic() - started < TIMEOUT_S + 2
 
 
+def test_the_next_request_on_a_kept_alive_connection_has_its_own_deadline(server):
+    """The second request's half-sent body gets 408 a body timeout after it was sent: not at the first
+    request's deadline, which passes meanwhile (the connection's timer, set for it, must wait on)."""
+    port, _ = server
+    with connect(port) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(TIMEOUT_S / 2)
+        sent = time.monotonic()
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"inputs": "half a bo'
+        )
+        answer = read_all(sock)
+        took = time.monotonic() - sent
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert TIMEOUT_S - 0.1 < took < TIMEOUT_S + 1, took
+
+
 def test_oversized_headers_get_431(server):
     port, _ = server
     with connect(port) as sock:
