@@ -6,7 +6,7 @@ stream)`) cross the pipe once per step and once per request. Pickled, their reco
 more to pack and unpack than the engine spends choosing and decoding the token: every object is
 pickled with its class and rebuilt attribute by attribute. Here they travel as plain tuples, packed by
 `marshal` (built-in types only; both ends run the same interpreter), and are rebuilt as the same
-records on arrival. Every other message, and an events message with an error in it (rare; an error
+records on arrival; the tokens of a step's token events, and of a finish event, as columns. Every other message, and an events message with an error in it (rare; an error
 is an exception with a class), is pickled as before.
 
 The pipe is private to the server and its own engine process: `marshal`, like `pickle`, is not for
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import marshal
 import pickle
+from collections.abc import Iterator
 from dataclasses import fields
 from functools import partial
 
@@ -33,7 +34,6 @@ from service.request import (
 from service.sampling import SamplingParams
 
 MARSHALLED, PICKLED = b"m", b"p"  # the first byte of every message
-TOKEN, FINISH = 0, 1  # an event's kind, the first field of its tuple
 
 
 def encode(message: tuple) -> bytes:
@@ -62,7 +62,7 @@ def decode(data: bytes) -> tuple:
     message = marshal.loads(body)
     kind = message[0]
     if kind == "events":
-        return ("events", [(request_id, _unpack_event(event)) for request_id, event in message[1]])
+        return ("events", _unpack_events(message[1]))
     if kind == "submit":
         _, request_id, request, stream = message
         try:
@@ -91,6 +91,7 @@ _SAMPLING_AT = _REQUEST_FIELDS.index("sampling")
 # unpacking); the sender packed every tuple from a record, so its length is the record's.
 _token_of = partial(tuple.__new__, GeneratedToken)
 _alternative_of = partial(tuple.__new__, Alternative)
+_token_event_of = partial(tuple.__new__, TokenEvent)
 
 
 def _pack_top(top: tuple[Alternative, ...]) -> tuple:
@@ -101,17 +102,9 @@ def _unpack_top(top: tuple) -> tuple[Alternative, ...]:
     return tuple(map(_alternative_of, top))
 
 
-def _pack_token(t: GeneratedToken) -> tuple:
-    return (*t[:5], _pack_top(t.top)) if t.top else tuple(t)
-
-
-def _unpack_token(t: tuple) -> GeneratedToken:
-    return _token_of(t) if not t[5] else _token_of((*t[:5], _unpack_top(t[5])))
-
-
-def _pack_tokens(tokens: tuple[GeneratedToken, ...]) -> tuple:
-    """A finish event's tokens as columns (one tuple per field), the alternatives as plain tuples: built
-    and rebuilt by C loops (`zip`, `map`), not a Python call per token."""
+def _pack_tokens(tokens: tuple[GeneratedToken, ...] | list[GeneratedToken]) -> tuple:
+    """Tokens as columns (one tuple per field), the alternatives as plain tuples: built and rebuilt by C
+    loops (`zip`, `map`), not a Python call per token."""
     if not tokens:
         return ()
     columns = list(zip(*tokens, strict=True))
@@ -120,12 +113,12 @@ def _pack_tokens(tokens: tuple[GeneratedToken, ...]) -> tuple:
     return tuple(columns)
 
 
-def _unpack_tokens(columns: tuple) -> tuple[GeneratedToken, ...]:
+def _unpack_tokens(columns: tuple) -> Iterator[GeneratedToken]:
     if not columns:
-        return ()
+        return iter(())
     if any(columns[-1]):
         columns = (*columns[:-1], tuple(map(_unpack_top, columns[-1])))
-    return tuple(map(_token_of, zip(*columns, strict=True)))
+    return map(_token_of, zip(*columns, strict=True))
 
 
 def _pack_prefill(prefill: tuple[PromptToken, ...]) -> tuple:
@@ -136,15 +129,25 @@ def _unpack_prefill(prefill: tuple) -> tuple[PromptToken, ...]:
     return tuple(PromptToken(p[0], p[1], _unpack_top(p[2]), p[3]) for p in prefill)
 
 
-def _pack_events(events: list[tuple[str, Event]]) -> list | None:
-    """The events as tuples; None when one of them is not a token or finish event (an error)."""
-    out = []
+def _pack_events(events: list[tuple[str, Event]]) -> tuple | None:
+    """(token events, finish events), each packed as tuples; None when an event is neither (an error).
+
+    The token events, most of a step's, travel as columns: their request ids, indexes, tokens (as
+    `_pack_tokens` packs them) and prefills. They arrive ahead of the finish events: a request's token
+    events all come before its finish event, so each request's own events keep their order."""
+    ids: list[str] = []
+    indexes: list[int] = []
+    tokens: list[GeneratedToken] = []
+    prefills: list[tuple] = []
+    finishes = []
     for request_id, event in events:
-        if isinstance(event, TokenEvent):
-            packed: tuple = (TOKEN, event.index, _pack_token(event.token), _pack_prefill(event.prefill))
-        elif isinstance(event, FinishEvent):
-            packed = (
-                FINISH,
+        if type(event) is TokenEvent:
+            ids.append(request_id)
+            indexes.append(event.index)
+            tokens.append(event.token)
+            prefills.append(_pack_prefill(event.prefill) if event.prefill else ())
+        elif type(event) is FinishEvent:
+            finish = (
                 event.finish_reason.value,
                 event.text,
                 event.tail,
@@ -154,27 +157,36 @@ def _pack_events(events: list[tuple[str, Event]]) -> list | None:
                 event.input_length,
                 event.stop_sequence,
             )
+            finishes.append((request_id, finish))
         else:
             return None
-        out.append((request_id, packed))
+    steps = (tuple(ids), tuple(indexes), _pack_tokens(tokens), tuple(prefills)) if ids else ()
+    return steps, tuple(finishes)
+
+
+def _unpack_events(packed: tuple) -> list[tuple[str, Event]]:
+    steps, finishes = packed
+    out: list[tuple[str, Event]] = []
+    if steps:
+        ids, indexes, tokens, prefills = steps
+        if any(prefills):
+            prefills = tuple(_unpack_prefill(p) if p else () for p in prefills)
+        built = map(_token_event_of, zip(indexes, _unpack_tokens(tokens), prefills, strict=True))
+        out = list(zip(ids, built, strict=True))
+    for request_id, finish in finishes:
+        reason, text, tail, tokens, prefill, seed, input_length, stop_sequence = finish
+        event = FinishEvent(
+            FinishReason(reason),
+            text,
+            tail,
+            tuple(_unpack_tokens(tokens)),
+            _unpack_prefill(prefill),
+            seed,
+            input_length,
+            stop_sequence,
+        )
+        out.append((request_id, event))
     return out
-
-
-def _unpack_event(packed: tuple) -> Event:
-    if packed[0] == TOKEN:
-        _, index, token, prefill = packed
-        return TokenEvent(index, _unpack_token(token), _unpack_prefill(prefill) if prefill else ())
-    _, reason, text, tail, tokens, prefill, seed, input_length, stop_sequence = packed
-    return FinishEvent(
-        FinishReason(reason),
-        text,
-        tail,
-        _unpack_tokens(tokens),
-        _unpack_prefill(prefill),
-        seed,
-        input_length,
-        stop_sequence,
-    )
 
 
 def _pack_request(request: GenerationRequest) -> tuple:

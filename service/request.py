@@ -79,15 +79,14 @@ class FinishReason(enum.StrEnum):
     STOP = "stop_sequence"
 
 
-@dataclass(slots=True)  # built per streamed token, twice with the engine process: not frozen (a frozen
-class TokenEvent:  # dataclass sets each field through object.__setattr__, 4x the time); never modified
+class TokenEvent(NamedTuple):  # built per streamed token, twice with the engine process: a record
     index: int  # 1-based position among the generated tokens
     token: GeneratedToken
     prefill: tuple[PromptToken, ...] = ()  # on the first event only: the prompt logprobs, when asked
 
 
-@dataclass(slots=True)  # built per request, twice with the engine process: as TokenEvent, not frozen
-class FinishEvent:
+@dataclass(slots=True)  # built per request, twice with the engine process: not frozen (a frozen
+class FinishEvent:  # dataclass sets each field through object.__setattr__, 4x the time); never modified
     finish_reason: FinishReason
     text: str  # the whole generated text, stop sequence stripped
     tail: str  # text released only now (held back until the end)

@@ -64,6 +64,18 @@ def test_a_steps_events_cross_in_compact_form_and_arrive_equal():
     assert type(message[1][0][1].prefill[1]) is PromptToken
 
 
+def test_token_events_arrive_ahead_of_finish_events_each_requests_in_its_order():
+    events = [
+        ("req-1", TokenEvent(4, TOKENS[0])),
+        ("req-2", FinishEvent(FinishReason.LENGTH, "a", "", TOKENS[:1], (), None, 1, None)),
+        ("req-3", TokenEvent(1, TOKENS[2], PREFILL)),
+        ("req-1", TokenEvent(5, TOKENS[1])),
+        ("req-1", FinishEvent(FinishReason.EOS, "a b", "", TOKENS, (), 7, 2, None)),
+    ]
+    _, arrived = decode(encode(("events", events)))
+    assert arrived == [events[i] for i in (0, 2, 3, 1, 4)]
+
+
 def test_a_request_crosses_through_its_constructors():
     sampling = SamplingParams(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=2**63, min_p=0.1)
     request = GenerationRequest(
