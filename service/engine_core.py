@@ -40,6 +40,7 @@ from service.request import (
     RequestStatus,
     TokenEvent,
     deliver,
+    token_event_of,
 )
 from service.sampling import Sampler, greedy_batch
 from service.scheduler import Scheduler, StepBatch
@@ -469,7 +470,7 @@ class EngineCore:
             state.pending_token = token
             if state.stream or state.loop is None:  # a non-streamed request hears only its end (`_emit`)
                 prefill = tuple(state.prefill) if not generated else ()
-                self._emit(state, TokenEvent(generated + 1, tokens[-1], prefill))
+                self._emit(state, token_event_of((generated + 1, tokens[-1], prefill)))
 
     def _end(
         self, state: RequestState, finish: FinishReason | None = None, error: ServiceError | None = None

@@ -30,6 +30,7 @@ from service.request import (
     GenerationRequest,
     PromptToken,
     TokenEvent,
+    token_event_of,
 )
 from service.sampling import SamplingParams
 
@@ -91,7 +92,6 @@ _SAMPLING_AT = _REQUEST_FIELDS.index("sampling")
 # unpacking); the sender packed every tuple from a record, so its length is the record's.
 _token_of = partial(tuple.__new__, GeneratedToken)
 _alternative_of = partial(tuple.__new__, Alternative)
-_token_event_of = partial(tuple.__new__, TokenEvent)
 
 
 def _pack_top(top: tuple[Alternative, ...]) -> tuple:
@@ -171,7 +171,7 @@ def _unpack_events(packed: tuple) -> list[tuple[str, Event]]:
         ids, indexes, tokens, prefills = steps
         if any(prefills):
             prefills = tuple(_unpack_prefill(p) if p else () for p in prefills)
-        built = map(_token_event_of, zip(indexes, _unpack_tokens(tokens), prefills, strict=True))
+        built = map(token_event_of, zip(indexes, _unpack_tokens(tokens), prefills, strict=True))
         out = list(zip(ids, built, strict=True))
     for request_id, finish in finishes:
         reason, text, tail, tokens, prefill, seed, input_length, stop_sequence = finish

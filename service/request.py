@@ -14,6 +14,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple, Protocol
 
 from service import logs
@@ -83,6 +84,11 @@ class TokenEvent(NamedTuple):  # built per streamed token, twice with the engine
     index: int  # 1-based position among the generated tokens
     token: GeneratedToken
     prefill: tuple[PromptToken, ...] = ()  # on the first event only: the prompt logprobs, when asked
+
+
+# A TokenEvent from its three fields as one tuple, by `tuple.__new__` alone: the named tuple's own
+# `__new__` is a Python function that builds the tuple twice (per streamed token, issue 18).
+token_event_of = partial(tuple.__new__, TokenEvent)
 
 
 @dataclass(slots=True)  # built per request, twice with the engine process: not frozen (a frozen
