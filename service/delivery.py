@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import json.encoder
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+from itertools import repeat
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse as StarletteJSONResponse
@@ -20,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from service.errors import ServiceError
 from service.middleware import error_body
-from service.request import ErrorEvent, FinishEvent, GenerationRequest, Submitted, TokenEvent
+from service.request import ErrorEvent, Event, FinishEvent, GenerationRequest, Submitted, TokenEvent
 from service.serving import ServingEngine
 from weights import tokenizer
 
@@ -126,10 +128,6 @@ async def openai_sse(
         async for event in events(sequence):
             await merged.put((position, event))
 
-    async def single() -> AsyncIterator[list[tuple[int, TokenEvent | FinishEvent | ErrorEvent]]]:
-        async for batch in event_batches(sequences[0]):
-            yield [(0, event) for event in batch]
-
     async def several() -> AsyncIterator[list[tuple[int, TokenEvent | FinishEvent | ErrorEvent]]]:
         while True:
             batch = [await merged.get()]
@@ -137,13 +135,17 @@ async def openai_sse(
                 batch.append(merged.get_nowait())
             yield batch
 
-    # One choice (the usual case) reads its request's queue directly; several are merged by pumps.
-    pumps = [] if len(sequences) == 1 else [asyncio.create_task(pump(i, s)) for i, s in enumerate(sequences)]
+    # One choice (the usual case) reads its request's queue directly, its events numbered 0 as they are
+    # read (no generator of its own: one more hop per chunk); several are merged by pumps.
+    single = len(sequences) == 1
+    pumps = [] if single else [asyncio.create_task(pump(i, s)) for i, s in enumerate(sequences)]
     remaining, completion_tokens = len(sequences), 0
+    batches: AsyncIterator[list[Any]] = event_batches(sequences[0]) if single else several()
     try:
-        async for batch in single() if not pumps else several():
+        async for batch in batches:
             out: list[bytes] = []
-            for position, event in batch:
+            numbered: Iterable[tuple[int, Event]] = zip(repeat(0), batch) if single else batch
+            for position, event in numbered:
                 if isinstance(event, ErrorEvent):
                     out.append(sse(error_body(event.error, path)))
                     remaining = -1

@@ -6,8 +6,9 @@ stream)`) cross the pipe once per step and once per request. Pickled, their reco
 more to pack and unpack than the engine spends choosing and decoding the token: every object is
 pickled with its class and rebuilt attribute by attribute. Here they travel as plain tuples, packed by
 `marshal` (built-in types only; both ends run the same interpreter), and are rebuilt as the same
-records on arrival; the tokens of a step's token events, and of a finish event, as columns. Every other message, and an events message with an error in it (rare; an error
-is an exception with a class), is pickled as before.
+records on arrival; the tokens of a step's token events, and of a finish event, travel as columns.
+Every other message, and an events message with an error in it (rare; an error is an exception with
+a class), is pickled as before.
 
 The pipe is private to the server and its own engine process: `marshal`, like `pickle`, is not for
 data from anyone else.
@@ -132,18 +133,18 @@ def _unpack_prefill(prefill: tuple) -> tuple[PromptToken, ...]:
 def _pack_events(events: list[tuple[str, Event]]) -> tuple | None:
     """(token events, finish events), each packed as tuples; None when an event is neither (an error).
 
-    The token events, most of a step's, travel as columns: their request ids, indexes, tokens (as
+    The token events, most of a step's, travel as columns: their request ids, numbers, tokens (as
     `_pack_tokens` packs them) and prefills. They arrive ahead of the finish events: a request's token
     events all come before its finish event, so each request's own events keep their order."""
     ids: list[str] = []
-    indexes: list[int] = []
+    numbers: list[int] = []
     tokens: list[GeneratedToken] = []
     prefills: list[tuple] = []
     finishes = []
     for request_id, event in events:
         if type(event) is TokenEvent:
             ids.append(request_id)
-            indexes.append(event.index)
+            numbers.append(event.number)
             tokens.append(event.token)
             prefills.append(_pack_prefill(event.prefill) if event.prefill else ())
         elif type(event) is FinishEvent:
@@ -160,7 +161,7 @@ def _pack_events(events: list[tuple[str, Event]]) -> tuple | None:
             finishes.append((request_id, finish))
         else:
             return None
-    steps = (tuple(ids), tuple(indexes), _pack_tokens(tokens), tuple(prefills)) if ids else ()
+    steps = (tuple(ids), tuple(numbers), _pack_tokens(tokens), tuple(prefills)) if ids else ()
     return steps, tuple(finishes)
 
 
@@ -168,10 +169,10 @@ def _unpack_events(packed: tuple) -> list[tuple[str, Event]]:
     steps, finishes = packed
     out: list[tuple[str, Event]] = []
     if steps:
-        ids, indexes, tokens, prefills = steps
+        ids, numbers, tokens, prefills = steps
         if any(prefills):
             prefills = tuple(_unpack_prefill(p) if p else () for p in prefills)
-        built = map(token_event_of, zip(indexes, _unpack_tokens(tokens), prefills, strict=True))
+        built = map(token_event_of, zip(numbers, _unpack_tokens(tokens), prefills, strict=True))
         out = list(zip(ids, built, strict=True))
     for request_id, finish in finishes:
         reason, text, tail, tokens, prefill, seed, input_length, stop_sequence = finish

@@ -30,12 +30,12 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from service import logs
 from service.errors import ServiceError
 from service.middleware import authorized, replay_body
 
-ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 Handler = Callable[[Request, Any], Awaitable[Response]]  # called with the route's model
 ErrorHandler = Callable[[Request, ServiceError], Awaitable[Response]]
 UnexpectedHandler = Callable[[Request, Exception], Awaitable[Response]]
@@ -63,7 +63,7 @@ class ServiceApp(FastAPI):
 
     lean: LeanPath | None = None
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lean = self.lean
         if lean is not None and scope["type"] == "http" and scope["method"] == "POST":
             route = lean.routes.get(scope["path"])
@@ -73,7 +73,7 @@ class ServiceApp(FastAPI):
         await super().__call__(scope, receive, send)
 
     async def _serve_lean(
-        self, lean: LeanPath, route: HotRoute, scope: dict, receive: Callable, send: Callable
+        self, lean: LeanPath, route: HotRoute, scope: Scope, receive: Receive, send: Send
     ) -> None:
         headers = dict(scope["headers"])  # the last of a repeated header, as the guards read them
         declared = headers.get(b"content-length")
@@ -112,7 +112,7 @@ class ServiceApp(FastAPI):
             raise
 
 
-async def _read_body(receive: Callable, limit: int) -> tuple[bytes, bool, bool]:
+async def _read_body(receive: Receive, limit: int) -> tuple[bytes, bool, bool]:
     """(what arrived, whether that is the whole body within `limit` bytes, whether the client left)."""
     chunks: list[bytes] = []
     size = 0

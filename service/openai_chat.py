@@ -125,7 +125,7 @@ def chat_response(
     )
 
 
-async def chat_stream(
+def chat_stream(
     engine: ServingEngine,
     body: ChatCompletionRequest,
     choices: list[Choice],
@@ -133,6 +133,7 @@ async def chat_stream(
     model: str,
     path: str,
 ) -> AsyncIterator[bytes]:
+    """The stream's bytes: `openai_sse`'s generator, with this protocol's chunks (built here, at the call)."""
     chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     started = [False] * len(choices)
 
@@ -157,7 +158,7 @@ async def chat_stream(
             started[position] = True  # OpenAI's first chunk of a choice names the role
             out.append(chunk(position, 0, ChatDelta(role="assistant", content="")))
         if isinstance(event, TokenEvent):
-            out.append(chunk(position, event.index, ChatDelta(content=event.token.released), [event.token]))
+            out.append(chunk(position, event.number, ChatDelta(content=event.token.released), [event.token]))
             return out
         last = event.tokens[-1:]
         text = "".join(t.released for t in last) + event.tail
@@ -172,5 +173,4 @@ async def chat_stream(
         data = ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[], usage=usage)
         return sse(data.model_dump())
 
-    async for data in openai_sse(engine, sequences, path, render, usage_chunk):
-        yield data
+    return openai_sse(engine, sequences, path, render, usage_chunk)

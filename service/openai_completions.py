@@ -331,7 +331,7 @@ def plain_chunk_frame(head: str, index: int, text: str, finish: str | None) -> b
     ).encode()
 
 
-async def openai_stream(
+def openai_stream(
     engine: ServingEngine,
     body: CompletionRequest,
     choices: list[Choice],
@@ -339,6 +339,7 @@ async def openai_stream(
     model: str,
     path: str,
 ) -> AsyncIterator[bytes]:
+    """The stream's bytes: `openai_sse`'s generator, with this protocol's chunks (built here, at the call)."""
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = chunk_head(completion_id, created, model)
 
@@ -388,7 +389,7 @@ async def openai_stream(
             logprobs = builders[position].generated([event.token]) if want else None
             if prefix_logprobs is not None and logprobs is not None:  # both or neither: `want`
                 logprobs = merge_logprobs(prefix_logprobs, logprobs)
-            return [chunk(position, event.index, prefix + event.token.released, logprobs)]
+            return [chunk(position, event.number, prefix + event.token.released, logprobs)]
         last = event.tokens[-1:]  # none when only the prompt was scored (max_tokens 0)
         logprobs = builders[position].generated(last) if want else None
         if prefix_logprobs is not None and logprobs is not None:  # both or neither: `want`
@@ -407,5 +408,4 @@ async def openai_stream(
             ).model_dump()
         )
 
-    async for data in openai_sse(engine, sequences, path, render, usage_chunk):
-        yield data
+    return openai_sse(engine, sequences, path, render, usage_chunk)

@@ -81,7 +81,7 @@ class FinishReason(enum.StrEnum):
 
 
 class TokenEvent(NamedTuple):  # built per streamed token, twice with the engine process: a record
-    index: int  # 1-based position among the generated tokens
+    number: int  # 1-based, among the generated tokens (TGI's `index`; a tuple's `index` is a method)
     token: GeneratedToken
     prefill: tuple[PromptToken, ...] = ()  # on the first event only: the prompt logprobs, when asked
 

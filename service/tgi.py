@@ -111,7 +111,7 @@ def tgi_token_event(event: TokenEvent, special_ids: dict[int, str]) -> dict:
     the event's path (tests/test_service_units.py checks the two agree)."""
     token = event.token
     return {
-        "index": event.index,
+        "index": event.number,
         "token": {"id": token.id, "text": token.released, "logprob": token.logprob, "special": token.special},
         "top_tokens": [
             {"id": a.id, "text": token_string(a.id), "logprob": a.logprob, "special": a.id in special_ids}
@@ -130,7 +130,7 @@ def tgi_token_frame(event: TokenEvent, special_ids: dict[int, str]) -> bytes:
     if token.top or type(logprob) is not float or not math.isfinite(logprob):
         return sse(tgi_token_event(event, special_ids))
     return (
-        f'data: {{"index":{int(event.index)},"token":{{"id":{int(token.id)},'
+        f'data: {{"index":{int(event.number)},"token":{{"id":{int(token.id)},'
         f'"text":{encode_basestring_ascii(token.released)},"logprob":{float.__repr__(logprob)},'
         f'"special":{"true" if token.special else "false"}}},"top_tokens":[],"generated_text":null,'
         '"details":null}\n\n'

@@ -319,7 +319,7 @@ def test_the_helper_finishes_tokens_beside_steps_that_wait_and_not_beside_steps_
             served.submit_nowait(GenerationRequest((464,), 12, ignore_eos=True), True, loop, "r", filed)
             assert loop.done.wait(10)
             tokens = [e for _, e in loop.events if isinstance(e, TokenEvent)]
-            assert [e.index for e in tokens] == list(range(1, 12))  # the same events either way
+            assert [e.number for e in tokens] == list(range(1, 12))  # the same events either way
             assert (served._helper_cpu_s > 0) is overlaps, factory.__name__
         finally:
             served.shutdown(5)

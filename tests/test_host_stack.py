@@ -155,7 +155,7 @@ def test_tgi_token_event_is_the_models_dump():
     special = {50256: "<|endoftext|>"}
     for top in ((), (Alternative(50256, -0.5), Alternative(11, -1.25))):
         token = GeneratedToken(id=11, text=",", released=", x", logprob=-0.125, special=False, top=top)
-        event = TokenEvent(index=3, token=token)
+        event = TokenEvent(number=3, token=token)
         expected = TGIStreamEvent(
             index=3,
             token=TGIToken(id=11, text=", x", logprob=-0.125, special=False),
