@@ -44,9 +44,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # Requests' and steps' figures wait in plain queues and reach prometheus-client together (`fold`): at
 # every `samples()` (a scrape, the engine process's report), when the engine goes idle, and once this
-# many wait. Each figure was a
-# locked update of its own (twelve per request, two per step); folded, a batch costs one per counter
-# and per histogram bucket that received any (issue 18).
+# many wait. Each figure was a locked update of its own (twelve per request, two per step); folded, a
+# batch costs one per counter and per histogram bucket that received any (issue 18).
 FOLD_EVERY = 256
 
 

@@ -276,9 +276,8 @@ def test_figures_folded_in_bulk_render_as_one_by_one():
             folded.record_success("length" if i % 2 else "stop", 0.01 * (i % 7), 0.3 * (i % 3), i % 5)
             folded.record_step(0.002 * (i % 9), i % 17)
             record_alone(alone, i)
-        assert rendered_values(folded) == pytest.approx(
-            rendered_values(alone), rel=1e-12
-        )  # sums: float order
+        # rel: the sums, added in another order
+        assert rendered_values(folded) == pytest.approx(rendered_values(alone), rel=1e-12)
 
 
 def rendered_values(metrics: ServiceMetrics) -> dict[str, float]:

@@ -50,6 +50,11 @@ def _positions_per_pe_max(config: GPT2Config, arch: Arch, dtype: str, slots: int
     return most
 
 
+# `build_plan`'s defaults, which `largest_slots`' probes ask for too.
+DEFAULT_OBJECTIVE = "latency"
+DEFAULT_REPLICAS = 1
+DEFAULT_TOP_K = 64  # candidates the head returns per token
+
 STREAM_WIDTHS = (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128)
 HEAD_TILES = (16, 32, 64, 128, 256)
 # `compact` also tries the narrowest strips and the widest vocabulary tiles: fewest PEs, not speed.
@@ -128,7 +133,7 @@ def price_candidates(
     dtype: str = "fp16",
     slots: int = 16,
     context: int | None = None,
-    top_k: int = 64,
+    top_k: int = DEFAULT_TOP_K,
     compact: bool = False,
 ) -> CandidateSearch:
     """Every candidate size of the planner's search, checked against the per-PE memory and the kernel
@@ -171,9 +176,9 @@ def build_plan(
     dtype: str = "fp16",
     slots: int = 16,
     context: int | None = None,
-    objective: str = "latency",
-    replicas: int | str = 1,
-    top_k: int = 64,
+    objective: str = DEFAULT_OBJECTIVE,
+    replicas: int | str = DEFAULT_REPLICAS,
+    top_k: int = DEFAULT_TOP_K,
 ) -> Plan:
     """The best feasible plan for the request, or PlanError naming the limit it hits.
 
@@ -358,7 +363,8 @@ def largest_slots(
 
 def _fits(config, arch, dtype, slots, context) -> bool:
     try:
-        _kept_plan(config, arch, dtype, slots, context, "latency", 1, 64)  # build_plan's defaults; no copy
+        # build_plan's request, without its copy: the probe's plan is only looked at
+        _kept_plan(config, arch, dtype, slots, context, DEFAULT_OBJECTIVE, DEFAULT_REPLICAS, DEFAULT_TOP_K)
         return True
     except PlanError:
         return False
