@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 
@@ -26,16 +27,30 @@ class TokenText(NamedTuple):
     stop_sequence: str | None  # the stop sequence this token completed, if any
 
 
+# A TokenText from its fields as one tuple, by `tuple.__new__` alone (the named tuple's own `__new__` is a
+# Python function): built per generated token.
+_token_text_of = partial(tuple.__new__, TokenText)
+
+
+def _no_text(token: int) -> str | None:
+    return None
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
         token_bytes: Callable[[int], bytes],
         stop_sequences: Sequence[str] = (),
         include_stop: bool = False,
+        token_text: Callable[[int], str | None] | None = None,
     ):
+        """`token_text`: a token's text when its bytes are whole characters, else None (a table lookup,
+        `weights.tokenizer.token_text`): such a token skips the UTF-8 decoder while it holds no bytes."""
         self._token_bytes = token_bytes
+        self._token_text = token_text or _no_text
         self._include_stop = include_stop
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._utf8_holds = False  # the decoder holds the first bytes of an unfinished character
         self._stops = [stop for stop in stop_sequences if stop]
         self._longest_stop = max((len(stop) for stop in self._stops), default=0)
         self._text = ""  # every complete character so far (cut at a matched stop sequence)
@@ -51,13 +66,17 @@ class IncrementalDetokenizer:
         """`check_stops=False` (vLLM's min_tokens not reached yet): no stop sequence ends the text here."""
         if self.stop_sequence is not None:
             raise RuntimeError("detokenizer already stopped at a stop sequence")
-        piece = self._utf8.decode(self._token_bytes(token))
+        piece = None if self._utf8_holds else self._token_text(token)
+        if piece is None:  # bytes of an unfinished character on either side: the decoder joins them
+            utf8 = self._utf8
+            piece = utf8.decode(self._token_bytes(token))
+            self._utf8_holds = bool(utf8.getstate()[0])
         previous_length = len(self._text)
         self._text += piece
         if not check_stops or not self._stops:  # nothing can stop here, nothing is held back
             if self._released == previous_length:  # nothing was held back before either
                 self._released = len(self._text)
-                return TokenText(piece, piece, None)
+                return _token_text_of((piece, piece, None))
             return TokenText(text=piece, released=self._release(len(self._text)), stop_sequence=None)
 
         # Never match inside text already sent (it was sent because it could not begin a stop then).

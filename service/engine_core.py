@@ -33,13 +33,13 @@ from service.request import (
     Event,
     FinishEvent,
     FinishReason,
-    GeneratedToken,
     GenerationRequest,
     PromptToken,
     RequestState,
     RequestStatus,
     TokenEvent,
     deliver,
+    generated_token_of,
     token_event_of,
 )
 from service.sampling import Sampler, greedy_batch
@@ -64,6 +64,8 @@ class TokenizerHooks:
     eos_token_id: int
     special_names: dict[int, str]
     vocab_size: int | None = None  # ids at or above it are unknown to the tokenizer: never emitted
+    # A token's text when its bytes are whole UTF-8 characters, else None: the detokenizer's fast path.
+    token_text: Callable[[int], str | None] | None = None
 
 
 def gpt2_tokenizer_hooks() -> TokenizerHooks:
@@ -75,6 +77,7 @@ def gpt2_tokenizer_hooks() -> TokenizerHooks:
         eos_token_id=tokenizer.EOT_ID,
         special_names={tokenizer.EOT_ID: tokenizer.EOT_TEXT},
         vocab_size=tokenizer.VOCAB_SIZE,
+        token_text=tokenizer.token_text,
     )
 
 
@@ -160,7 +163,10 @@ class EngineCore:
             stream=stream,
             request=request,
             detokenizer=IncrementalDetokenizer(
-                self._tokenizer.token_bytes, request.stop_sequences, request.include_stop_str_in_output
+                self._tokenizer.token_bytes,
+                request.stop_sequences,
+                request.include_stop_str_in_output,
+                self._tokenizer.token_text,
             ),
             sampler=Sampler(request.sampling, vocab_size=self._tokenizer.vocab_size),
             loop=loop,
@@ -458,7 +464,7 @@ class EngineCore:
         else:
             text, released, stop = "", "", None  # special and ending tokens add nothing to the text
         top = alternatives(scores, request.top_n_tokens, tokenizer.vocab_size) if request.top_n_tokens else ()
-        tokens.append(GeneratedToken(token, text, released, logprob, special, top))
+        tokens.append(generated_token_of((token, text, released, logprob, special, top)))
 
         if eos or stop_token:
             self._end(state, finish=FinishReason.EOS)

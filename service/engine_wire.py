@@ -31,6 +31,7 @@ from service.request import (
     GenerationRequest,
     PromptToken,
     TokenEvent,
+    generated_token_of,
     token_event_of,
 )
 from service.sampling import SamplingParams
@@ -91,7 +92,6 @@ _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 _SAMPLING_AT = _REQUEST_FIELDS.index("sampling")
 # A record from its plain tuple, without the named tuple's `_make` (a Python function, a third of the
 # unpacking); the sender packed every tuple from a record, so its length is the record's.
-_token_of = partial(tuple.__new__, GeneratedToken)
 _alternative_of = partial(tuple.__new__, Alternative)
 
 
@@ -119,7 +119,7 @@ def _unpack_tokens(columns: tuple) -> Iterator[GeneratedToken]:
         return iter(())
     if any(columns[-1]):
         columns = (*columns[:-1], tuple(map(_unpack_top, columns[-1])))
-    return map(_token_of, zip(*columns, strict=True))
+    return map(generated_token_of, zip(*columns, strict=True))
 
 
 def _pack_prefill(prefill: tuple[PromptToken, ...]) -> tuple:

@@ -86,9 +86,10 @@ class TokenEvent(NamedTuple):  # built per streamed token, twice with the engine
     prefill: tuple[PromptToken, ...] = ()  # on the first event only: the prompt logprobs, when asked
 
 
-# A TokenEvent from its three fields as one tuple, by `tuple.__new__` alone: the named tuple's own
-# `__new__` is a Python function that builds the tuple twice (per streamed token, issue 18).
+# A TokenEvent (a GeneratedToken) from all its fields as one tuple, by `tuple.__new__` alone: the named
+# tuple's own `__new__` is a Python function that builds the tuple twice (per token, issue 18).
 token_event_of = partial(tuple.__new__, TokenEvent)
+generated_token_of = partial(tuple.__new__, GeneratedToken)
 
 
 @dataclass(slots=True)  # built per request, twice with the engine process: not frozen (a frozen

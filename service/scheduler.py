@@ -19,7 +19,7 @@ from service.errors import Overloaded
 from service.kv_slots import KVSlotManager
 from service.request import RequestState, RequestStatus
 from wafer.errors import InvalidInput
-from wafer.executor import StepItem
+from wafer.executor import StepItem, step_item_of
 
 
 def _slot(sequence: RequestState) -> int:
@@ -127,7 +127,9 @@ class Scheduler:
             if sequence.computed < len(sequence.request.prompt_ids):  # `prefilling`, without the call
                 prefilling.append(sequence)
             elif sequence.pending_token is not None:
-                items.append(StepItem(_slot(sequence), sequence.computed, sequence.pending_token))
+                items.append(
+                    step_item_of((_slot(sequence), sequence.computed, sequence.pending_token, True, None))
+                )
                 owners.append(sequence)
                 sequence.in_flight = True
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -27,6 +28,11 @@ class StepItem(NamedTuple):
     token: int
     want_scores: bool = True  # False for prompt tokens whose next-token scores nobody needs
     target: int | None = None  # also return the logit of this token id (prompt logprobs, scoring)
+
+
+# A StepItem from all five fields as one tuple, by `tuple.__new__` alone: the named tuple's own `__new__`
+# is a Python function (the scheduler builds a decode item per running request per step, issue 18).
+step_item_of = partial(tuple.__new__, StepItem)
 
 
 @dataclass(frozen=True)

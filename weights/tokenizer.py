@@ -73,3 +73,13 @@ def longest_token_chars() -> int:
 def token_bytes(token: int) -> bytes:
     """The bytes of one token id (remembered: the engine asks for every generated token, issue 18)."""
     return get_encoding().decode_single_token_bytes(token)
+
+
+@cache
+def token_text(token: int) -> str | None:
+    """The text of one token id when its bytes are whole UTF-8 characters, else None (it begins or ends
+    inside a character). Remembered: the detokenizer's fast path for every generated token (issue 18)."""
+    try:
+        return token_bytes(token).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
