@@ -12,6 +12,7 @@ import asyncio
 import json
 import json.encoder
 from collections.abc import AsyncIterator, Callable, Iterable
+from functools import partial
 from itertools import repeat
 from typing import Any
 
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse as StarletteJSONResponse
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from service.connections import WATCH_DISCONNECT, DisconnectWatch
 from service.errors import ServiceError
 from service.middleware import error_body
 from service.request import ErrorEvent, Event, FinishEvent, GenerationRequest, Submitted, TokenEvent
@@ -67,10 +69,39 @@ class ClientGone(Exception):
     pass
 
 
+# Put into a request's event queue when its client disconnects (`_final_event`).
+_CLIENT_GONE = object()
+
+
+async def _final_event(
+    engine: ServingEngine, sequence: Submitted, watch: DisconnectWatch
+) -> FinishEvent | ErrorEvent:
+    """The final event of one request, in the handler's own task: the server's disconnect callback puts
+    `_CLIENT_GONE` into the request's queue, so no task reads ASGI `receive` meanwhile."""
+    queue = sequence.events
+    watch(partial(queue.put_nowait, _CLIENT_GONE))
+    try:
+        while True:
+            event = await queue.get()
+            if event is _CLIENT_GONE:
+                raise ClientGone()
+            if isinstance(event, (FinishEvent, ErrorEvent)):  # a non-streamed request hears no other
+                return event
+    finally:
+        watch(None)
+        engine.cancel(sequence)  # a no-op once it finished
+
+
 async def wait_for_results(
     request: Request, engine: ServingEngine, sequences: list[Submitted]
 ) -> list[FinishEvent]:
     """The final event of each request; a client that disconnects cancels them all."""
+    watch: DisconnectWatch | None = request.scope.get(WATCH_DISCONNECT)
+    if watch is not None and len(sequences) == 1:  # the usual case, on this server's own protocol
+        result = await _final_event(engine, sequences[0], watch)
+        if isinstance(result, ErrorEvent):
+            raise result.error
+        return [result]
     watcher = asyncio.create_task(client_gone(request))
     waits = [asyncio.create_task(last_event(sequence)) for sequence in sequences]
     try:
@@ -184,14 +215,21 @@ class EventStreamResponse(StreamingResponse):
             return
         gone = False
 
-        async def watch() -> None:
+        def left() -> None:
             nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
             gone = True
             task.cancel()
 
-        watcher = asyncio.get_running_loop().create_task(watch())
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left()
+
+        # This server's protocol calls `left` itself; under another server a task reads `receive`.
+        server_watch: DisconnectWatch | None = scope.get(WATCH_DISCONNECT)
+        if server_watch is not None:
+            server_watch(left)
+        watcher = None if server_watch is not None else asyncio.get_running_loop().create_task(watch())
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
@@ -199,7 +237,10 @@ class EventStreamResponse(StreamingResponse):
                 raise  # cancelled from elsewhere (the server stopping): not ours to swallow
             task.uncancel()  # the client went away: the response ends here, as Starlette's does
         finally:
-            watcher.cancel()
+            if server_watch is not None:
+                server_watch(None)
+            if watcher is not None:
+                watcher.cancel()
         if self.background is not None:
             await self.background()
 

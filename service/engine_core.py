@@ -77,7 +77,7 @@ def gpt2_tokenizer_hooks() -> TokenizerHooks:
         eos_token_id=tokenizer.EOT_ID,
         special_names={tokenizer.EOT_ID: tokenizer.EOT_TEXT},
         vocab_size=tokenizer.VOCAB_SIZE,
-        token_text=tokenizer.token_text,
+        token_text=tokenizer.whole_token_texts().__getitem__,
     )
 
 

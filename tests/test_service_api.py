@@ -7,6 +7,7 @@ import json
 import random
 import re
 import socket
+import struct
 import time
 
 import httpx
@@ -446,6 +447,10 @@ def test_many_random_disconnects_leave_no_slot_held(server, client):
 
 
 def test_disconnect_during_a_non_streaming_request_cancels_it(server, client):
+    """The request is cancelled (not left to run to its end): the server's disconnect callback reaches
+    the handler that waits for the final event. The client resets the connection: a plain close looks
+    like a half-close (shutdown(SHUT_WR)) to the server, which then writes the response."""
+    _, before = cancel_latencies(client)
     body = json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 120}}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
@@ -455,7 +460,10 @@ def test_disconnect_during_a_non_streaming_request_cancels_it(server, client):
             + body
         )
         wait_until(lambda: server.engine.kv_usage().slots_used == 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: RST
     server.wait_idle(timeout=5)
+    _, count = cancel_latencies(client)
+    assert count == before + 1
 
 
 # ----- overload and authentication (servers of their own) ------------------------------------------

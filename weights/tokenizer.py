@@ -76,10 +76,20 @@ def token_bytes(token: int) -> bytes:
 
 
 @cache
+def whole_token_texts() -> tuple[str | None, ...]:
+    """Per token id, its text when its bytes are whole UTF-8 characters, else None (it begins or ends
+    inside a character): the detokenizer's fast path for every generated token (issue 18). Built whole
+    at the first call (tens of milliseconds), so serving never grows it."""
+    encoding = get_encoding()
+    texts: list[str | None] = []
+    for token in range(encoding.n_vocab):
+        try:
+            texts.append(encoding.decode_single_token_bytes(token).decode("utf-8"))
+        except UnicodeDecodeError:
+            texts.append(None)
+    return tuple(texts)
+
+
 def token_text(token: int) -> str | None:
-    """The text of one token id when its bytes are whole UTF-8 characters, else None (it begins or ends
-    inside a character). Remembered: the detokenizer's fast path for every generated token (issue 18)."""
-    try:
-        return token_bytes(token).decode("utf-8")
-    except UnicodeDecodeError:
-        return None
+    """One token's entry of `whole_token_texts`."""
+    return whole_token_texts()[token]
