@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
@@ -28,7 +27,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from service import heap, tokenize_api
+from service import heap, logs, tokenize_api
 from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.delivery import ClientGone, EventStreamResponse, JSONResponse, submit_all, wait_for_results
 from service.engine import EngineState, ExecutorFactory
@@ -299,7 +298,7 @@ def create_app(
         except ClientGone:
             return Response(status_code=499)
         response = CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}",
+            id=f"cmpl-{logs.fresh_hex(128)}",
             created=int(time.time()),
             model=model,
             choices=[completion_choice(body, c, f) for c, f in zip(choices, finals, strict=True)],

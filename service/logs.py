@@ -75,10 +75,15 @@ ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 _fresh_ids = random.Random()
 
 
+def fresh_hex(bits: int = 64) -> str:
+    """A fresh id of `bits` random bits in hex: request, completion and chat ids."""
+    return f"{_fresh_ids.getrandbits(bits):0{bits // 4}x}"
+
+
 def request_id_for(headers: dict[bytes, bytes]) -> str:
     """The client's id when it sent a usable one, else a fresh one."""
     given = headers.get(HEADER, b"").decode("latin-1")
-    return given if USABLE_ID.fullmatch(given) else f"{_fresh_ids.getrandbits(64):016x}"
+    return given if USABLE_ID.fullmatch(given) else fresh_hex()
 
 
 class RequestIdMiddleware:

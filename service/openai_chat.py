@@ -6,9 +6,10 @@ chunks and chat-style logprobs.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
+from json.encoder import encode_basestring_ascii
 
+from service import logs
 from service.chat_template import ChatTemplate, ChatTemplateError
 from service.delivery import openai_sse, sse, token_string
 from service.errors import RequestValidationFailed
@@ -116,13 +117,34 @@ def chat_response(
     if body.prompt_logprobs is not None:  # vLLM puts them beside the choices (one prompt for all)
         prompt_logprobs = prompt_logprobs_of(choices[0], finals[0].prefill, body.prompt_logprobs)
     return ChatCompletionResponse(
-        id=f"chatcmpl-{uuid.uuid4().hex}",
+        id=f"chatcmpl-{logs.fresh_hex(128)}",
         created=int(time.time()),
         model=model,
         choices=out,
         usage=usage_of(choices, sum(len(f.tokens) for f in finals), body.n),
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def chat_chunk_head(chat_id: str, created: int, model: str) -> str:
+    """What every content chunk of a chat stream begins with (`chat_content_frame`)."""
+    return (
+        f'data: {{"id":{encode_basestring_ascii(chat_id)},"object":"chat.completion.chunk",'
+        f'"created":{int(created)},"model":{encode_basestring_ascii(model)},"choices":[{{"index":'
+    )
+
+
+def chat_content_frame(head: str, index: int, content: str, finish: str | None) -> bytes:
+    """The SSE frame of `ChatCompletionChunk(...).model_dump()` with one choice whose delta is `content`
+    alone (no role, logprobs, stop reason or usage), given the stream's `chat_chunk_head`, formatted
+    directly: this runs for every token of every chat stream, where the models' validation and dump
+    cost several times the rest (issue 18; tests/test_host_stack.py checks the two agree)."""
+    shown = "null" if finish is None else encode_basestring_ascii(finish)
+    return (
+        f'{head}{int(index)},"delta":{{"role":null,"content":{encode_basestring_ascii(content)}}},'
+        f'"logprobs":null,"finish_reason":{shown},"stop_reason":null}}],"usage":null,'
+        '"system_fingerprint":null}\n\n'
+    ).encode()
 
 
 def chat_stream(
@@ -134,21 +156,24 @@ def chat_stream(
     path: str,
 ) -> AsyncIterator[bytes]:
     """The stream's bytes: `openai_sse`'s generator, with this protocol's chunks (built here, at the call)."""
-    chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    chat_id, created = f"chatcmpl-{logs.fresh_hex(128)}", int(time.time())
+    head = chat_chunk_head(chat_id, created, model)
     started = [False] * len(choices)
 
     def chunk(
-        position: int, generated: int, delta: ChatDelta, tokens=(), finish=None, stop_reason=None
+        position: int, generated: int, content: str, role=None, tokens=(), finish=None, stop_reason=None
     ) -> bytes:
         logprobs = chat_logprobs(tokens) if body.logprobs and tokens else None
+        usage = chunk_usage(body, choices, position, generated)
+        if role is None and logprobs is None and usage is None and stop_reason is None:
+            return chat_content_frame(head, choices[position].index, content, finish)
         choice = ChatChunkChoice(
             index=choices[position].index,
-            delta=delta,
+            delta=ChatDelta(role=role, content=content),
             logprobs=logprobs,
             finish_reason=finish,
             stop_reason=stop_reason,
         )
-        usage = chunk_usage(body, choices, position, generated)
         data = ChatCompletionChunk(id=chat_id, created=created, model=model, choices=[choice], usage=usage)
         return sse(data.model_dump(exclude_none=False))
 
@@ -156,14 +181,14 @@ def chat_stream(
         out = []
         if not started[position]:
             started[position] = True  # OpenAI's first chunk of a choice names the role
-            out.append(chunk(position, 0, ChatDelta(role="assistant", content="")))
+            out.append(chunk(position, 0, "", role="assistant"))
         if isinstance(event, TokenEvent):
-            out.append(chunk(position, event.number, ChatDelta(content=event.token.released), [event.token]))
+            out.append(chunk(position, event.number, event.token.released, tokens=[event.token]))
             return out
         last = event.tokens[-1:]
         text = "".join(t.released for t in last) + event.tail
         reason, stop_reason = openai_finish_reason(event, body)
-        out.append(chunk(position, len(event.tokens), ChatDelta(content=text), last, reason, stop_reason))
+        out.append(chunk(position, len(event.tokens), text, None, last, reason, stop_reason))
         return out
 
     def usage_chunk(completion_tokens: int) -> bytes | None:

@@ -5,12 +5,12 @@ per prompt and choice), and the engine's results to OpenAI's response, stream ch
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Literal
 
+from service import logs
 from service.delivery import openai_sse, sse, token_string
 from service.detokenizer import IncrementalDetokenizer
 from service.errors import RequestValidationFailed
@@ -342,7 +342,7 @@ def openai_stream(
     path: str,
 ) -> AsyncIterator[bytes]:
     """The stream's bytes: `openai_sse`'s generator, with this protocol's chunks (built here, at the call)."""
-    completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    completion_id, created = f"cmpl-{logs.fresh_hex(128)}", int(time.time())
     head = chunk_head(completion_id, created, model)
 
     def chunk(

@@ -11,12 +11,31 @@ import numpy as np
 import pytest
 
 from service.commands import bench_host
+from service.delivery import sse
 from service.engine_core import EngineCore, TokenizerHooks
+from service.openai_chat import chat_chunk_head, chat_content_frame
 from service.openai_completions import plain_chunk
-from service.request import Alternative, FinishEvent, GeneratedToken, GenerationRequest, TokenEvent
+from service.request import (
+    Alternative,
+    FinishEvent,
+    FinishReason,
+    GeneratedToken,
+    GenerationRequest,
+    TokenEvent,
+)
 from service.sampling import Sampler, SamplingParams, greedy_batch
-from service.schemas import CompletionChoice, CompletionResponse, TGIStreamEvent, TGIToken
-from service.tgi import tgi_token_event
+from service.schemas import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    CompletionChoice,
+    CompletionResponse,
+    TGIRequest,
+    TGIStreamDetails,
+    TGIStreamEvent,
+    TGIToken,
+)
+from service.tgi import tgi_final_event, tgi_token_event
 from wafer.backends import ExecutorOptions, build_executor
 from wafer.executor import ExecutorError, StepItem, TokenScores
 from wafer.plan import build_plan
@@ -167,6 +186,46 @@ def test_tgi_token_event_is_the_models_dump():
         built = tgi_token_event(event, special)
         assert built == expected
         assert json.dumps(built) == json.dumps(expected)  # same keys in the same order
+
+
+@pytest.mark.parametrize("finish", [None, "stop", "length"])
+@pytest.mark.parametrize("content", ["", "plain", 'é "quoted"\n\ttab \U0001f642'])
+def test_chat_content_frame_is_the_models_dump(finish, content):
+    expected = ChatCompletionChunk(
+        id="chatcmpl-1",
+        created=5,
+        model='gpt2 "x"',
+        choices=[ChatChunkChoice(index=2, delta=ChatDelta(content=content), finish_reason=finish)],
+    ).model_dump(exclude_none=False)
+    head = chat_chunk_head("chatcmpl-1", 5, 'gpt2 "x"')
+    assert chat_content_frame(head, 2, content, finish) == sse(expected)
+
+
+@pytest.mark.parametrize("details", [False, True])
+@pytest.mark.parametrize("full_text", [False, True])
+def test_tgi_final_event_is_the_models_dump(details, full_text):
+    special = {50256: "<|endoftext|>"}
+    body = TGIRequest(inputs="Say", parameters={"details": details, "return_full_text": full_text})
+    for top in ((), (Alternative(50256, -0.5), Alternative(11, -1.25))):
+        tokens = (
+            GeneratedToken(id=11, text=",", released=",", logprob=-0.125, special=False),
+            GeneratedToken(id=50256, text="", released="", logprob=-2.5, special=True, top=top),
+        )
+        event = FinishEvent(FinishReason.EOS, " hi,", " tail", tokens, (), 7, 3, None)
+        expected = TGIStreamEvent(
+            index=2,
+            token=TGIToken(id=50256, text=" tail", logprob=-2.5, special=True),
+            top_tokens=[
+                TGIToken(id=a.id, text=tokenizer.decode([a.id]), logprob=a.logprob, special=a.id in special)
+                for a in top
+            ],
+            generated_text=("Say hi," if full_text else " hi,"),
+            details=TGIStreamDetails(finish_reason="eos_token", generated_tokens=2, seed=7, input_length=3)
+            if details
+            else None,
+        ).model_dump()
+        built = tgi_final_event(event, body, special)
+        assert json.dumps(built) == json.dumps(expected)  # the same keys in the same order, the same values
 
 
 @pytest.mark.parametrize(
