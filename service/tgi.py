@@ -103,6 +103,14 @@ def tgi_response(body: TGIRequest, final: FinishEvent, hooks: TokenizerHooks) ->
     return TGIResponse(generated_text=text, details=details)
 
 
+def _alternative_dicts(alternatives: tuple[Alternative, ...], special_ids: dict[int, str]) -> list[dict]:
+    """`tgi_alternatives`' tokens as their models' dumps."""
+    return [
+        {"id": a.id, "text": token_string(a.id), "logprob": a.logprob, "special": a.id in special_ids}
+        for a in alternatives
+    ]
+
+
 def tgi_token_event(event: TokenEvent, special_ids: dict[int, str]) -> dict:
     """A token's stream event as `TGIStreamEvent(...).model_dump()` gives it, built directly: this runs
     for every token of every stream, and the model's validation and dump cost more than the rest of
@@ -111,10 +119,7 @@ def tgi_token_event(event: TokenEvent, special_ids: dict[int, str]) -> dict:
     return {
         "index": event.number,
         "token": {"id": token.id, "text": token.released, "logprob": token.logprob, "special": token.special},
-        "top_tokens": [
-            {"id": a.id, "text": token_string(a.id), "logprob": a.logprob, "special": a.id in special_ids}
-            for a in token.top
-        ],
+        "top_tokens": _alternative_dicts(token.top, special_ids),
         "generated_text": None,
         "details": None,
     }
@@ -141,10 +146,7 @@ def tgi_final_event(event: FinishEvent, body: TGIRequest, special_ids: dict[int,
             "logprob": last.logprob,
             "special": last.special,
         },
-        "top_tokens": [
-            {"id": a.id, "text": token_string(a.id), "logprob": a.logprob, "special": a.id in special_ids}
-            for a in last.top
-        ],
+        "top_tokens": _alternative_dicts(last.top, special_ids),
         "generated_text": (body.inputs + event.text) if p.return_full_text else event.text,
         "details": details,
     }

@@ -170,6 +170,13 @@ def test_engine_gives_the_same_tokens_with_and_without_the_batched_choice():
 # ----- hand-built frames equal the models' dumps --------------------------------------------------
 
 
+def tgi_alternatives_model(top: tuple[Alternative, ...], special: dict[int, str]) -> list[TGIToken]:
+    return [
+        TGIToken(id=a.id, text=tokenizer.decode([a.id]), logprob=a.logprob, special=a.id in special)
+        for a in top
+    ]
+
+
 def test_tgi_token_event_is_the_models_dump():
     special = {50256: "<|endoftext|>"}
     for top in ((), (Alternative(50256, -0.5), Alternative(11, -1.25))):
@@ -178,10 +185,7 @@ def test_tgi_token_event_is_the_models_dump():
         expected = TGIStreamEvent(
             index=3,
             token=TGIToken(id=11, text=", x", logprob=-0.125, special=False),
-            top_tokens=[
-                TGIToken(id=a.id, text=tokenizer.decode([a.id]), logprob=a.logprob, special=a.id in special)
-                for a in top
-            ],
+            top_tokens=tgi_alternatives_model(top, special),
         ).model_dump()
         built = tgi_token_event(event, special)
         assert built == expected
@@ -215,10 +219,7 @@ def test_tgi_final_event_is_the_models_dump(details, full_text):
         expected = TGIStreamEvent(
             index=2,
             token=TGIToken(id=50256, text=" tail", logprob=-2.5, special=True),
-            top_tokens=[
-                TGIToken(id=a.id, text=tokenizer.decode([a.id]), logprob=a.logprob, special=a.id in special)
-                for a in top
-            ],
+            top_tokens=tgi_alternatives_model(top, special),
             generated_text=("Say hi," if full_text else " hi,"),
             details=TGIStreamDetails(finish_reason="eos_token", generated_tokens=2, seed=7, input_length=3)
             if details
