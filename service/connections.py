@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -43,10 +44,21 @@ WATCH_DISCONNECT = "wafer.watch_disconnect"
 DisconnectWatch = Callable[[Callable[[], None] | None], None]
 
 
-def _watch_disconnect(cycle: RequestResponseCycle, callback: Callable[[], None] | None) -> None:
+def _watch_disconnect(
+    ref: weakref.ReferenceType[RequestResponseCycle], callback: Callable[[], None] | None
+) -> None:
+    cycle = ref()  # weak: the scope holds this, and the cycle holds the scope
+    if cycle is None:
+        return
     cycle.wafer_on_disconnect = callback  # type: ignore[attr-defined]
-    if callback is not None and cycle.disconnected:
+    if callback is None:
+        return
+    if cycle.disconnected:
         asyncio.get_running_loop().call_soon(_tell_disconnect, cycle)
+    elif not cycle.response_complete:
+        # What ASGI `receive` does before it waits: uvicorn stops reading a connection whose unread body
+        # passed its buffer limit, and only a read notices the client leaving.
+        cycle.flow.resume_reading()
 
 
 def _tell_disconnect(cycle: RequestResponseCycle) -> None:
@@ -154,7 +166,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None and cycle.transport is self.transport:  # a new request's cycle
             # Duck-typed: the cycle only writes, closes and asks is_closing.
             cycle.transport = cast(asyncio.Transport, HeadHeldTransport(self.transport, self.loop))
-            cycle.scope[WATCH_DISCONNECT] = partial(_watch_disconnect, cycle)  # type: ignore[literal-required]
+            cycle.scope[WATCH_DISCONNECT] = partial(_watch_disconnect, weakref.ref(cycle))  # type: ignore[literal-required]
 
     def on_message_complete(self) -> None:
         self._in_body = False

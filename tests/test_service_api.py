@@ -446,19 +446,23 @@ def test_many_random_disconnects_leave_no_slot_held(server, client):
     assert 'vllm:kv_cache_usage_perc{model_name="tiny-gpt2"} 0' in client.get("/metrics").text
 
 
-def test_disconnect_during_a_non_streaming_request_cancels_it(server, client):
+@pytest.mark.parametrize("padding", [0, 100_000], ids=["small-body", "body-over-uvicorn-buffer"])
+def test_disconnect_during_a_non_streaming_request_cancels_it(server, client, padding):
     """The request is cancelled (not left to run to its end): the server's disconnect callback reaches
     the handler that waits for the final event. The client resets the connection: a plain close looks
-    like a half-close (shutdown(SHUT_WR)) to the server, which then writes the response."""
+    like a half-close (shutdown(SHUT_WR)) to the server, which then writes the response. A body larger
+    than uvicorn's read buffer (64 KiB), arriving after the headers, leaves reading paused unless the
+    handler's watch resumes it, as ASGI `receive` does."""
     _, before = cancel_latencies(client)
-    body = json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 120}}).encode()
+    body = json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 120}}).encode() + b" " * padding
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(
             b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
         )
+        time.sleep(0.2)  # the handler starts reading before the body comes
+        sock.sendall(body)
         wait_until(lambda: server.engine.kv_usage().slots_used == 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: RST
     server.wait_idle(timeout=5)
