@@ -45,7 +45,7 @@ class IncrementalDetokenizer:
         token_text: Callable[[int], str | None] | None = None,
     ):
         """`token_text`: a token's text when its bytes are whole characters, else None (a table lookup,
-        `weights.tokenizer.token_text`): such a token skips the UTF-8 decoder while it holds no bytes."""
+        `weights.tokenizer.whole_token_texts`): such a token skips the UTF-8 decoder while it holds no bytes."""
         self._token_bytes = token_bytes
         self._token_text = token_text or _no_text
         self._include_stop = include_stop
