@@ -181,9 +181,7 @@ class LogprobsBuilder:
 
     def prompt(self, choice: Choice, prefill: tuple[PromptToken, ...], n: int) -> CompletionLogprobs:
         """The prompt's entries with n alternatives each (the engine may have kept more)."""
-        pieces = IncrementalDetokenizer(
-            tokenizer.token_bytes, token_text=tokenizer.whole_token_texts().__getitem__
-        )
+        pieces = IncrementalDetokenizer(tokenizer.token_bytes, token_text=tokenizer.token_text)
         entries = []
         for i, token in enumerate(choice.prompt_ids):
             known = prefill[i] if i < len(prefill) else None
