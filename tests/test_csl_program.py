@@ -247,7 +247,7 @@ def test_two_sided_attention_merge_equals_the_simulator():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "vocab", "gelu_pes", "exp_pes"), [("wse2", 100, 4, 5), ("wse3", 90, 2, 6)])
+@pytest.mark.parametrize(("arch", "vocab", "gelu_pes", "exp_pes"), [("wse2", 100, 4, 5), ("wse3", 86, 2, 5)])
 def test_a_shared_gelu_and_sum_of_exps_equal_the_simulator(arch, vocab, gelu_pes, exp_pes):
     """fc's GELU shared by the last `gelu_pes` PEs of every K-line (pe/gemv.csl, comm/scatter.csl):
     the root sends the others their slices of the sum back along the line and a gather line carries
@@ -255,7 +255,8 @@ def test_a_shared_gelu_and_sum_of_exps_equal_the_simulator(arch, vocab, gelu_pes
     sum of exps shared by the last `exp_pes` (pe/head.csl): the root sends the others their slices of
     its logits, each sums its slice's exps against its own max, and the (max, sum) pairs chain back
     over the GEMV reduction's links; the simulator combines in that order
-    (wafer.sim.kernels._shared_exp_sum). 90 tokens on 3 columns of 30 leave the last slices empty.
+    (wafer.sim.kernels._shared_exp_sum). 86 tokens on 6 columns of 15 leave the last column's last
+    slices short or empty (11 logits in slices of 3).
     (The latency plans of the tests above share the exps by themselves, not the GELU.)"""
     from dataclasses import replace
 

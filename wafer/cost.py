@@ -129,17 +129,15 @@ def chain_reduce_cycles(steps: int, words: int) -> int:
 
 
 def two_level_reduce_cycles(n: int, words: int, group: int) -> int:
-    """Runs of `group` PEs chain at the same time (one pass of the vector), then the runs' last PEs,
-    `group` PEs apart, chain their sums (a second pass: a run's end adds its run before it joins)."""
+    """Runs of `group` PEs chain at the same time, and the runs' last PEs, `group` PEs apart, chain
+    their sums as those stream out (kernels/comm/reduce.csl: a run's end adds its run's stream and the
+    ends' stream at once, through a FIFO): every link adds its latency, the vector streams through
+    once."""
     if n <= 1:
         return 0
     group = max(1, min(group, n))
     runs = ceil_div(n, group)
-    cross = 0
-    if runs > 1:
-        cross = (runs - 1) * (group * HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE) + ceil_div(
-            words, FP32_OPS_PER_CYCLE
-        )
+    cross = (runs - 1) * (group * HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE)
     return chain_reduce_cycles(group - 1, words) + cross
 
 

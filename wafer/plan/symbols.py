@@ -31,6 +31,14 @@ def weight_symbol_dtype(dtype: str) -> Literal["f16", "f32"]:
 # Every PE program also keeps a few words for stream headers, sinks and link buffers of its comm
 # modules (kernels/comm): counted as one small array.
 COMM = Symbol("u32", 16)
+# kernels/comm/reduce.csl's FIFO (PASS_WORDS) on a two-level reduction's run ends, where both levels
+# stream at once.
+REDUCE_PASS = Symbol("f32", 16)
+
+
+def reduction_symbols(reduction: str) -> dict[str, Symbol]:
+    """The FIFO a PE of a two-level reduction may hold (the run ends that stream into the ends' chain)."""
+    return {"reduce_pass": REDUCE_PASS} if reduction == "two_level" else {}
 
 
 def gemv_symbols(t: GemvTiling, dtype: str) -> dict[str, Symbol]:
@@ -42,6 +50,7 @@ def gemv_symbols(t: GemvTiling, dtype: str) -> dict[str, Symbol]:
         "x": Symbol("f32", t.tile_k),  # the input chunk as it arrives
         "acc": Symbol("f32", t.tile_n),  # fp32 partial sums
         "comm": COMM,
+        **reduction_symbols(t.reduction),
     }
 
 
@@ -54,6 +63,7 @@ def norm_symbols(t: NormTiling) -> dict[str, Symbol]:
         "y": Symbol("f32", t.chunk),
         "sums": Symbol("f32", 2),  # sum of x, sum of x^2: the statistics all-reduced together
         "comm": COMM,
+        **reduction_symbols(t.reduction),
     }
 
 
@@ -95,6 +105,7 @@ def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
         # lib/topk_merge.csl, imported twice (a run, the runs' ends): the input's words, its own tail
         "topk_merge": Symbol("u32", 2 * (record + 3)),
         "comm": COMM,
+        **reduction_symbols(g.reduction),
     }
 
 
