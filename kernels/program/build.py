@@ -62,10 +62,10 @@ TASKS = {
     "pe/io_in.csl": 4,
     "pe/io_out.csl": 2,
     "pe/embed.csl": 6,
-    "pe/head.csl": 12,
-    "pe/layernorm.csl": 11,
+    "pe/head.csl": 11,
+    "pe/layernorm.csl": 10,
     "pe/residual.csl": 10,
-    "pe/gemv.csl": 9,
+    "pe/gemv.csl": 8,
     "pe/attention.csl": 5,
     "pe/idle.csl": 0,
 }
