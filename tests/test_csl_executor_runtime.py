@@ -22,7 +22,7 @@ from csl_executor_helpers import COL, ROW, Host, compile_program, where
 
 from wafer.csl import timing
 from wafer.csl.arch import RULES
-from wafer.csl.errors import CslDeadlock
+from wafer.csl.errors import CslDeadlock, CslRuntimeError
 from wafer.csl.sdk import MemcpyDataType, SdkRuntime
 
 ARCHS = ["wse2", "wse3"]
@@ -41,7 +41,7 @@ def tsc(words: np.ndarray) -> np.ndarray:
 
 
 def run_tasks(arch: str) -> dict[str, np.ndarray]:
-    host = Host(compile_program("tasks", arch=arch))
+    host = Host(compile_program("tasks", arch=arch, params={"data_out_queue": 5}))
     out: dict[str, np.ndarray] = {}
     host.launch("order_test")
     out["order"] = host.d2h("log", 32)
@@ -85,7 +85,7 @@ def test_activation_is_a_flag_not_a_counter(tasks):
 
 def test_the_picker_order_is_an_option(monkeypatch):
     monkeypatch.setenv("WAFER_CSL_PICKER", "lowest")
-    host = Host(compile_program("tasks", arch="wse2"))
+    host = Host(compile_program("tasks", arch="wse2", params={"data_out_queue": 5}))
     host.launch("order_test")
     log = logged(host.d2h("log", 32))
     host.stop()
@@ -108,6 +108,17 @@ def test_async_operations_activate_and_unblock_tasks_when_they_complete(tasks):
     # receive's .unblock releases task 21 (activated, blocked), which unblocks the command stream.
     assert logged(out["async"])[9:] == [3, 20, 21]
     np.testing.assert_array_equal(out["vals"], [1, 2, 3, 4, 1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_concurrent_operations_must_not_share_a_microthread(arch):
+    """async_test's send and receive run at once. With the send on output queue 4 and the receive on
+    input queue 4 both take microthread 4 (no ut_id: WSE-2 takes the fabout's output queue, else the
+    first fabin's input queue; WSE-3 the highest-ranked fabric operand's queue), which the SDK forbids."""
+    host = Host(compile_program("tasks", arch=arch, params={"data_out_queue": 4}))
+    with pytest.raises(CslRuntimeError, match=r"pe\.csl:\d+: microthread 4 is busy with @fmovs"):
+        host.launch("async_test")
+        host.d2h("log", 32)  # the launch runs when the host next waits on the wafer
 
 
 def test_time_counts_the_cycles_of_dsd_operations(tasks):

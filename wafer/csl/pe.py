@@ -786,11 +786,30 @@ class StreamOp:
                     "concurrent operations must not share a queue"
                 )
             self.pe.busy_queues[q] = self
-        ut = self.spec.opts.get("ut_id")
+        ut = self.microthread()
         if ut is not None:
             for m in self.pe.micro:
-                if not m.done and m.spec.opts.get("ut_id") == ut:
-                    raise CslRuntimeError(f"{self.spec.where}: microthread {ut} is busy with {m.describe()}")
+                if not m.done and m.microthread() == ut:
+                    raise CslRuntimeError(
+                        f"{self.spec.where}: microthread {ut} is busy with {m.describe()}; "
+                        "concurrent operations must not share a microthread"
+                    )
+
+    def microthread(self) -> int | None:
+        """The microthread an asynchronous operation runs on: its `ut_id`, or else the one its queues
+        imply (csl-semantics.md, asynchronous operations): on WSE-2 the fabout's output queue, else the
+        first fabin's input queue; on WSE-3 the queue of the highest-ranked fabric operand (the
+        destination, then the first source, then the second). None for an operation with neither."""
+        ut = self.spec.opts.get("ut_id")
+        if ut is not None:
+            return int(ut)
+        fabric = [o for o in (self.dest, *self.srcs) if isinstance(o, Dsd) and o.kind in ("fabin", "fabout")]
+        if self.pe.arch.name == "wse2":
+            fabric.sort(key=lambda o: o.kind != "fabout")  # the fabout first, then the fabins in order
+        for o in fabric:
+            if o.queue is not None:
+                return int(o.queue)
+        return None
 
     def kick(self, t: int) -> None:
         if 0 <= self.at <= t:
