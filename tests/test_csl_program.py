@@ -280,6 +280,26 @@ def test_a_shared_gelu_and_sum_of_exps_equal_the_simulator(arch, vocab, gelu_pes
     two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=7))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_a_two_level_head_gemv_equals_the_simulator(arch):
+    """The head's GEMV reduced in two levels (wafer.cost.best_head offers it where the exps are not
+    shared), runs of 2 over 8 K-lines: the runs' ends past the first fill and drain a FIFO at once
+    (comm/reduce.csl), so the drain must leave on another queue than the fill's (its microthread):
+    the executor refuses two concurrent operations on one microthread."""
+    from dataclasses import replace
+
+    from wafer.plan import build_plan
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-head-two")
+    plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
+    head = plan.region("head")
+    assert head.tiling.gemv.rows == 8
+    gemv = replace(head.tiling.gemv, reduction="two_level", group=2)
+    plan.head = head.tiling = replace(head.tiling, gemv=gemv, merge="chain", merge_group=0, exp_pes=1)
+    two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=11))
+
+
 def two_steps_equal_the_simulator(plan, params: GPT2Params) -> None:
     """Eight prompt items (two scored, one with a target), then a decode item, whose scores on the
     executor equal the simulator's: the second step finds every PE waiting for its next item again."""
