@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from wafer.plan.model import Plan
 
 BUILD_DIR = Path("build/csl-executor")
+# Modules outside kernels/program whose code shapes the generated program (reduction orders, the
+# wire format, the merge's block and the top-k's bins).
+GENERATOR_INPUTS = [Path(__file__).parent / name for name in ("tiling.py", "wire.py", "cost.py")]
 
 
 def runtime_module():
@@ -32,19 +35,22 @@ def runtime_module():
 
 def compile_plan(plan: Plan, out_dir: str | Path | None = None) -> Path:
     """Generate and compile `plan`'s CSL on the executor; returns the output folder for SdkRuntime.
-    The default folder is keyed by the plan request and the program's sources, so a rebuild happens
-    only when either changed; a folder given by the caller is always rebuilt."""
+    The default folder is keyed by the plan itself (its regions and tilings: a plan changed after
+    `build_plan`, as tests do, is another program) and the program's sources (the kernels, the
+    generator and the modules it reads), so a rebuild happens only when either changed; a folder
+    given by the caller is always rebuilt."""
     from wafer.compile import KERNEL_DIR, SOURCE_DIRS, compile_program, plan_request, prepare_sources
 
     if out_dir is not None:
         job = prepare_sources(plan, out_dir, simfabric=True)
         compile_program(job, executor=True)
         return job.bin_dir
-    digest = hashlib.sha256(json.dumps(plan_request(plan), sort_keys=True).encode())
+    layout = {k: v for k, v in plan.to_json().items() if k != "summary"}
+    digest = hashlib.sha256(json.dumps([plan_request(plan), layout], sort_keys=True, default=str).encode())
     for name in SOURCE_DIRS:
         for source in sorted((KERNEL_DIR / name).glob("*.csl")):
             digest.update(source.read_bytes())
-    for source in sorted((KERNEL_DIR / "program").glob("*.py")):
+    for source in [*sorted((KERNEL_DIR / "program").glob("*.py")), *GENERATOR_INPUTS]:
         digest.update(source.read_bytes())
     out_dir = BUILD_DIR / digest.hexdigest()[:16]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
