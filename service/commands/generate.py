@@ -13,7 +13,7 @@ import sys
 import time
 
 from service.cli import UserError
-from service.engine_core import EngineCore, TokenizerHooks
+from service.engine_core import EngineCore, gpt2_tokenizer_hooks
 from service.request import ErrorEvent, FinishEvent, FinishReason, GenerationRequest, TokenEvent
 from service.sampling import SamplingParams
 from wafer.backends import BACKENDS, DEFAULT_BACKEND, ExecutorOptions, build_executor
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     )
     # The engine core, as the server runs it: the prompt in one step (a budget that holds it whole),
     # then one step per token. Special tokens print as text (--ignore-eos goes on past <|endoftext|>).
-    core = EngineCore(executor, cli_tokenizer_hooks(), max_queue=0, step_token_budget=len(prompt))
+    core = EngineCore(executor, gpt2_tokenizer_hooks(), max_queue=0, step_token_budget=len(prompt))
     request = GenerationRequest(
         tuple(prompt),
         max_new,
@@ -148,14 +148,6 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def cli_tokenizer_hooks() -> TokenizerHooks:
-    return TokenizerHooks(
-        token_bytes=tokenizer.token_bytes,
-        eos_token_id=tokenizer.EOT_ID,
-        special_names={tokenizer.EOT_ID: tokenizer.EOT_TEXT},
-    )
 
 
 def emit(text: str) -> None:
