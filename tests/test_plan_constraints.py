@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from wafer import cost
 from wafer.arch import ARCHS
 from wafer.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
 from wafer.plan.search import forget_kept_plans
@@ -155,15 +156,26 @@ def test_gpt2_small_latency_target_on_wse2() -> None:
     assert plan.decode_cycles == sum(s.cycles for s in plan.stage_costs)
 
 
-def test_the_embedding_is_priced_as_the_chain_the_csl_runs() -> None:
-    """kernels/pe/head.csl chain-reduces a K-line's wte chunks through every head row and then every wpe
-    row (comm/chain.csl), each PE adding in its CE: a hop, the ramp and an add per link, not a route
-    (which had priced the 393-row chain of gpt2 at a fifth of that)."""
-    plan = build_plan(PRESETS["gpt2"], "wse2", "fp16")
-    rows = plan.region("embed").h + plan.region("head").h
-    chunk = plan.layers[0].ln_1.chunk
-    embed = next(s for s in plan.stage_costs if s.name == "embed")
-    assert embed.phases["wte chunk chained to wpe"] == (rows - 1) * (2 + 7 + 1) + chunk
+def test_the_embedding_is_priced_as_the_reduction_the_csl_runs() -> None:
+    """kernels/pe/head.csl reduces a K-line's wte chunks through every head row and then every wpe
+    row (comm/reduce.csl), each PE adding in its CE: a hop, the ramp and an add per link, not a route
+    (which had priced the 393-row chain of gpt2 at a fifth of that). WSE-3 leaves head.csl no input
+    queue for a second level, so there it is a chain; on WSE-2 runs and their ends, as priced."""
+    for arch in ("wse2", "wse3"):
+        plan = build_plan(PRESETS["gpt2"], arch, "fp16")
+        rows = plan.region("embed").h + plan.region("head").h
+        chunk = plan.layers[0].ln_1.chunk
+        embed = next(s for s in plan.stage_costs if s.name == "embed")
+        kind, group = cost.embed_reduction(arch, rows, chunk)
+        if arch == "wse3":
+            assert (kind, group) == ("chain", 0)
+            assert embed.phases["wte chunk chained to wpe"] == (rows - 1) * (2 + 7 + 1) + chunk
+        else:
+            assert kind == "two_level" and (kind, group) == cost.best_reduction(rows, chunk)
+            runs = -(-rows // group)
+            linked = (group - 1) * (2 + 7 + 1) + (runs - 1) * (2 * group + 7 + 1) + chunk
+            assert embed.phases[f"wte chunk two_level (runs of {group}) to wpe"] == linked
+            assert linked < (rows - 1) * (2 + 7 + 1) / 2
 
 
 def test_fp32_and_throughput_replicas() -> None:

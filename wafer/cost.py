@@ -179,6 +179,16 @@ def best_reduction(n: int, words: int) -> tuple[str, int]:
     return min(reduction_options(n), key=lambda kg: reduce_cycles(kg[0], n, words, kg[1]))
 
 
+def embed_reduction(arch: Arch | str, members: int, words: int) -> tuple[str, int]:
+    """How a K-line's wte chunks reach the embed region along its line of `members` PEs (every head
+    column, then every embed row: kernels/pe/head.csl, pe/embed.csl): the fastest reduction where a
+    head PE has an input queue for a chain of run ends (WSE-2's queue 1), a chain on WSE-3 (whose
+    memcpy keeps queues 0 and 1, and head.csl uses the other six)."""
+    if resolve_arch(arch).name != "wse2":
+        return "chain", 0
+    return best_reduction(members, words)
+
+
 @dataclass
 class StageCost:
     """Modeled cycles of one stage, phase by phase (phases run one after the other)."""

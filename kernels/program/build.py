@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from kernels.program.errors import ProgramError
 from kernels.program.frames import Frame, frame_of
 from kernels.program.routes import Flow, Pos, assign_colors, make_flow
-from wafer.cost import MERGE_BLOCK, TOPK_BINS
+from wafer.cost import MERGE_BLOCK, TOPK_BINS, embed_reduction
 from wafer.tiling import ceil_div, meeting_index, reduction_runs
 from wafer.wire import D2H_COLOR, H2D_COLOR, record_words
 
@@ -275,14 +275,16 @@ class _Builder:
         for pos in head_pes + embed_pes:
             self.params.setdefault(pos, {})["req_color"] = request
 
-        # The embedding chains: head column Cn-1 .. 0 of K-line r, then embed column r from the head side.
+        # The embedding lines: head column Cn-1 .. 0 of K-line r, then embed column r from the head side,
+        # reduced as a chain or in two levels (wafer.cost.embed_reduction).
         rows_order = list(range(ef.b_len))
         near = hf.pe(0, 0)
         if _distance(ef.pe(0, ef.b_len - 1), near) < _distance(ef.pe(0, 0), near):
             rows_order.reverse()
+        kind, group = embed_reduction(plan.arch, head_t.cols + ef.b_len, embed_tile_k)
         for r in range(head_t.rows):
             members = [hf.pe(r, c) for c in reversed(range(head_t.cols))] + [ef.pe(r, j) for j in rows_order]
-            self.chain(f"r{replica}.emb{r}", members, "emb")
+            self.reduction(f"r{replica}.emb{r}", members, "emb", kind, group)
         last_embed_row = [ef.pe(i, rows_order[-1]) for i in range(ef.a_len)]
         for i in range(ef.a_len):
             for j in rows_order[:-1]:

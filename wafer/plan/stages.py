@@ -12,10 +12,11 @@ from wafer.cost import (
     TASK_ACTIVATION_CYCLES,
     StageCost,
     attention_cost,
-    chain_reduce_cycles,
+    embed_reduction,
     gemv_cost,
     head_cost,
     norm_cost,
+    reduce_cycles,
     residual_cost,
     stream_cycles,
 )
@@ -75,15 +76,18 @@ def _outer_stages(
         )
     ]
     # Embedding (kernels/pe/head.csl, pe/embed.csl): the request runs down the head strip to the
-    # farthest vocab row and along it (R PEs); from there each K-line's chunks are chain-reduced
-    # (comm/chain.csl) through every head row and then every wpe row: each PE adds its wte chunk (the
-    # token's row) or zeros, its wpe chunk (the item's position) or zeros, in its CE, and passes the
-    # sum on; the last wpe row sends it to layer 0. Every PE's add is started by its request, which
-    # reaches it before the chain does, so a link costs a hop, the ramp into the CE and the add.
+    # farthest vocab row and along it (R PEs); from there each K-line's chunks are reduced
+    # (comm/reduce.csl, a chain or two levels: `embed_reduction`) through every head row and then
+    # every wpe row: each PE adds its wte chunk (the token's row) or zeros, its wpe chunk (the item's
+    # position) or zeros, in its CE, and passes the sum on; the last wpe row sends it to layer 0.
+    # Every PE's add is started by its request, which reaches it before the reduction does, so a link
+    # costs a hop, the ramp into the CE and the add.
     rows_down = geo.embed_rows + geo.head_cols
+    kind, group = embed_reduction(arch, rows_down, chunk)
     embed = StageCost("embed")
     embed.add("token id to vocab row", stream_cycles(2, rows_down + geo.r - 1) + TASK_ACTIVATION_CYCLES)
-    embed.add("wte chunk chained to wpe", chain_reduce_cycles(rows_down - 1, chunk))
+    how = "chained" if kind == "chain" else f"{kind} (runs of {group})"
+    embed.add(f"wte chunk {how} to wpe", reduce_cycles(kind, rows_down, chunk, group))
     embed.add("to layer 0", route("embed.out"))
     before.append(embed)
     turns = {

@@ -106,6 +106,7 @@ def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
         "topk_merge": Symbol("u32", 2 * (record + 3)),
         "comm": COMM,
         **reduction_symbols(g.reduction),
+        "emb_pass": REDUCE_PASS,  # the embedding's line may be two-level (wafer.cost.embed_reduction)
     }
 
 
@@ -115,6 +116,7 @@ def embed_symbols(positions_per_pe: int, tile_k: int, dtype: str) -> dict[str, S
         "wpe": Symbol(weight_symbol_dtype(dtype), positions_per_pe * tile_k),  # [position][dim chunk]
         "x": Symbol("f32", tile_k),  # the token's wte chunk arriving from the head, plus wpe
         "comm": COMM,
+        "emb_pass": REDUCE_PASS,  # the embedding's line may be two-level (wafer.cost.embed_reduction)
     }
 
 
