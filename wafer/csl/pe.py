@@ -757,6 +757,7 @@ class StreamOp:
                             f"{where}: on WSE-3 input queue {s.queue} must be bound to color {s.fabric_color.id} "
                             "with @initialize_queue before an operation reads it"
                         )
+        self.ut = self._microthread()
         if self.done:
             self.finish(pe.t)
 
@@ -786,16 +787,16 @@ class StreamOp:
                     "concurrent operations must not share a queue"
                 )
             self.pe.busy_queues[q] = self
-        ut = self.microthread()
+        ut = self.ut
         if ut is not None:
             for m in self.pe.micro:
-                if not m.done and m.microthread() == ut:
+                if not m.done and m.ut == ut:
                     raise CslRuntimeError(
                         f"{self.spec.where}: microthread {ut} is busy with {m.describe()}; "
                         "concurrent operations must not share a microthread"
                     )
 
-    def microthread(self) -> int | None:
+    def _microthread(self) -> int | None:
         """The microthread an asynchronous operation runs on: its `ut_id`, or else the one its queues
         imply (csl-semantics.md, asynchronous operations): on WSE-2 the fabout's output queue, else the
         first fabin's input queue; on WSE-3 the queue of the highest-ranked fabric operand (the
