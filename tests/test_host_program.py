@@ -48,21 +48,24 @@ def pe_at(region, **indices: int) -> tuple[int, int]:
 def test_upload_puts_each_tile_on_its_pe(sim16, small_params):
     """Check a few PEs against the layout's definition, computed here from the tensors directly."""
     plan = sim16.plan
-    # qkv: PE (r, c) holds rows r*tk.. of columns c*st.. of each of q, k and v.
+    # qkv: PE (r, c) holds rows r*tk.. of columns c*st.. of each of q, k and v, of diag(ln_1 gain) @ W
+    # (the LayerNorm folded in); the roots hold the column sums of those fp16 weights.
     qkv = plan.region("L1.qkv")
     t = qkv.tiling
+    assert t.norm_fold
     memory = read_pe(sim16, qkv, "w")
+    layer = small_params.layers[1]
+    folded = (layer.ln_1_g.astype(np.float64)[:, None] * layer.attn_w).astype(np.float16)
     c_dim = small_params.config.n_embd
     for r, c in ((0, 0), (t.rows - 1, t.cols - 1), (1, 2)):
         tile = memory[pe_at(qkv, k=r, n=c)].reshape(t.tile_k, t.tile_n)
         st = t.segment_tile
         for s in range(3):
-            want = small_params.layers[1].attn_w[
-                r * t.tile_k : (r + 1) * t.tile_k, s * c_dim + c * st : s * c_dim + (c + 1) * st
-            ]
-            np.testing.assert_array_equal(
-                tile[: want.shape[0], s * st : s * st + want.shape[1]], want.astype(np.float16)
-            )
+            want = folded[r * t.tile_k : (r + 1) * t.tile_k, s * c_dim + c * st : s * c_dim + (c + 1) * st]
+            np.testing.assert_array_equal(tile[: want.shape[0], s * st : s * st + want.shape[1]], want)
+    colsum = read_pe(sim16, qkv, "norm_g")[pe_at(qkv, k=t.rows - 1, n=0)]
+    want = folded.astype(np.float64).sum(axis=0).astype(np.float32)
+    np.testing.assert_array_equal(colsum[:st], want[:st])  # q's first outputs, column 0
     # proj: PE (0, 1) holds the first tile_k rows of the second tile_n columns.
     proj = plan.region("L1.proj")
     t = proj.tiling

@@ -86,7 +86,7 @@ def test_copy_mode_round_trip_lands_per_pe(runtime, plan, order):
 
 
 def test_misuse_gets_clear_errors(runtime, plan):
-    ln = region(plan, "L0.ln_1")
+    ln = region(plan, "ln_f")  # the layers' strips hold no gain: their LayerNorms are folded in
     gain = runtime.get_id("gain")
     chunk = ln.symbols["gain"].elems
     ok = np.zeros(ln.w * chunk, dtype=np.float32)
@@ -105,7 +105,7 @@ def test_misuse_gets_clear_errors(runtime, plan):
         runtime.memcpy_h2d(gain, np.zeros(ln.w * (chunk + 1), np.float32), ln.x, ln.y, ln.w, 1, chunk + 1)
     with pytest.raises(WaferRuntimeError, match="32-bit elements.*MEMCPY_32BIT"):
         runtime.memcpy_h2d(gain, ok.view(np.uint32), ln.x, ln.y, ln.w, 1, chunk, data_type=F16)
-    with pytest.raises(WaferRuntimeError, match="has no symbol 'gain'"):  # the rectangle reaches into qkv
+    with pytest.raises(WaferRuntimeError, match="has no symbol 'gain'"):  # the rectangle reaches above ln_f
         runtime.memcpy_h2d(gain, np.zeros(2 * chunk, np.float32), ln.x, ln.y - 1, 1, 2, chunk)
     with pytest.raises(WaferRuntimeError, match="unknown symbol id 999"):
         runtime.memcpy_h2d(999, ok, ln.x, ln.y, ln.w, 1, chunk)

@@ -74,6 +74,31 @@ def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
         )
 
 
+@pytest.mark.parametrize("stored", [np.float32, np.float16])
+def test_a_folded_layernorm_is_the_layernorm_then_the_gemv(stored):
+    """LayerNorm(x) @ W + b from the raw x: the gain and beta folded into the weights the PEs hold
+    (`memory_layout.fold_layernorm`), the statistics reduced with the partial sums
+    (`kernels.folded_norm`), against the unfolded float64 LayerNorm (fp16: the weights rounded)."""
+    rng = np.random.default_rng(1)
+    k, n, eps = 40, 48, 1e-5
+    weight = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+    bias, gain, beta = (rng.standard_normal(size).astype(np.float32) for size in (n, k, k))
+    x = (rng.standard_normal((3, k)) + 0.5).astype(np.float32)  # a stream with an offset
+    folded, shifted, colsum = memory_layout.fold_layernorm(weight, bias, gain, beta, np.dtype(stored))
+    x64 = x.astype(np.float64)
+    normed = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + eps)
+    unfolded = normed @ (gain[:, None].astype(np.float64) * weight).astype(stored).astype(np.float64)
+    want = unfolded + beta.astype(np.float64) @ weight + bias
+    for tiling in (
+        GemvTiling(k, n, 3, 5, norm_fold=True),
+        GemvTiling(k, n, 6, 4, "k_along_x", "two_level", group=4, norm_fold=True),
+    ):
+        cache = kernels.gemv_weight_cache(memory_layout.gemv_weight_tiles(folded, tiling), tiling)
+        sums = kernels.gemv_region(x, cache, tiling, fp16=False)
+        got = kernels.folded_norm(sums, x, colsum, tiling, eps) + shifted
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+
+
 def test_top_k_breaks_ties_by_lower_id():
     logits = np.array([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.5]], dtype=np.float32)
     ids, values = kernels.top_k(logits, 4)

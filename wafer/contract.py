@@ -22,9 +22,11 @@ HOST_FUNCTIONS: dict[str, tuple[tuple[str, str], ...]] = {
 # with modeled cycles, the PE programs with their timestamp counter (kernels/lib/timing.csl).
 CYCLES_SYMBOL = "cycles"
 
-# The symbols the checkpoint fills, per kind of region (everything else is working memory).
+# The symbols the checkpoint fills, per kind of region (everything else is working memory); a region
+# holds those its tiling declares (norm_g: a GEMV with the LayerNorm folded in; gain and bias: a
+# LayerNorm strip that normalises).
 WEIGHT_SYMBOLS: dict[str, tuple[str, ...]] = {
-    "gemv": ("w", "b"),
+    "gemv": ("w", "b", "norm_g"),
     "layernorm": ("gain", "bias"),
     "embed": ("wpe",),
     "embed_head": ("w",),
@@ -37,6 +39,7 @@ EXPORTED_ARRAYS: dict[str, str] = {
     "wpe": "w",
     "gain": "f32",
     "bias": "f32",
+    "norm_g": "f32",
     CYCLES_SYMBOL: "u32",
 }
 

@@ -207,6 +207,10 @@ class StageCost:
 
 # --- GEMV ------------------------------------------------------------------------------------------
 
+# LayerNorm's statistics travel as one vector: (sum of x, sum of x^2), all-reduced together by a
+# LayerNorm strip, or reduced with the partial sums of a GEMV that has the LayerNorm folded in.
+NORM_STAT_WORDS = 2
+
 
 def map_fmac_cycles(steps: int, width: int, macs_per_cycle: int) -> int:
     """kernels/lib/fmac.csl `accumulate`: one @map of `steps` steps with the accumulator and the matrix
@@ -232,15 +236,23 @@ def gemv_cost(
        finishes tile_k * ceil(tile_n / SIMD) cycles later (the farthest PE starts cols - 1 hops late).
     2. reduction of the fp32 partials (tile_n words) over the `rows` PEs: chain or two_level.
     3. bias (+ epilogue, e.g. GELU) on the last PE of each output column, one output after another.
+    With the LayerNorm folded in (`norm_fold`), every PE also sums its chunk's x and x^2 (as
+    `norm_cost` prices it), the reduction carries the two sums as two more words, and the last PE
+    turns them into mean and rstd and applies them to its sums (an FMAC and a multiply per output).
     """
     arch = resolve_arch(arch)
     cost = StageCost(name)
     cost.add("input multicast", (tiling.cols - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES)
     cost.add("tile FMAC", max(tiling.tile_k, gemv_compute_cycles(tiling, arch, dtype)))
+    stats = NORM_STAT_WORDS if tiling.norm_fold else 0
+    if tiling.norm_fold:
+        cost.add("LayerNorm sums (x, x^2)", 3 * tiling.tile_k)
     label = f"{tiling.reduction} reduction" + (
         f" (runs of {tiling.group})" if tiling.reduction == "two_level" else ""
     )
-    cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n, tiling.group))
+    cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group))
+    if tiling.norm_fold:
+        cost.add("LayerNorm (mean, rstd) applied", RSQRT_CYCLES + 2 * tiling.tile_n)
     cost.add(
         "bias + epilogue" + (f" (shared by {tiling.epilogue_pes} PEs)" if tiling.epilogue_pes > 1 else ""),
         epilogue_cycles(tiling.tile_n, tiling.epilogue_pes, epilogue_cycles_per_output),
@@ -336,10 +348,6 @@ def best_gemv_reduction(
 # --- LayerNorm -------------------------------------------------------------------------------------
 
 
-# LayerNorm's statistics travel as one vector: (sum of x, sum of x^2), all-reduced together.
-NORM_STAT_WORDS = 2
-
-
 def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
     """One-pass LayerNorm over a strip (kernels/pe/layernorm.csl): every PE sums its chunk's x (one
     fp32 add per value) and x^2 (a multiply and an add), the two words are all-reduced over the strip
@@ -355,6 +363,8 @@ def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
     implement it."""
     cost = StageCost(name)
     cost.add("input", ROUTER_TO_PE_CYCLES + tiling.chunk)
+    if not tiling.normalise:  # x passes on to the GEMV that has the LayerNorm folded in
+        return cost.add("pass x on", DSD_OP_START_CYCLES)
     cost.add("local sums (x, x^2)", 3 * tiling.chunk)
     cost.add(
         f"{tiling.reduction} all-reduce",

@@ -22,8 +22,10 @@ if TYPE_CHECKING:
 
 BUILD_DIR = Path("build/csl-executor")
 # Modules outside kernels/program whose code shapes the generated program (reduction orders, the
-# wire format, the merge's block and the top-k's bins).
-GENERATOR_INPUTS = [Path(__file__).parent / name for name in ("tiling.py", "wire.py", "cost.py")]
+# wire format, the merge's block and the top-k's bins, the arrays the layout exports).
+GENERATOR_INPUTS = [
+    Path(__file__).parent / name for name in ("tiling.py", "wire.py", "cost.py", "contract.py")
+]
 
 
 def runtime_module():

@@ -98,7 +98,9 @@ class WaferGPT2:
                 + ")"
             )
         weights = [r for r in self.plan.regions if r.kind in WEIGHT_SYMBOLS]
-        total = sum(r.symbols[s].nbytes * r.w * r.h for r in weights for s in WEIGHT_SYMBOLS[r.kind])
+        total = sum(
+            r.symbols[s].nbytes * r.w * r.h for r in weights for s in WEIGHT_SYMBOLS[r.kind] if s in r.symbols
+        )
         tasks: list[Task] = []
         with tqdm(total=total, unit="B", unit_scale=True, desc="upload", disable=not progress) as bar:
             for region in weights:
@@ -266,11 +268,20 @@ def _region_tensors(region: Any, params: GPT2Params) -> list[tuple[str, np.ndarr
             "fc": (layer.fc_w, layer.fc_b),
             "proj": (layer.proj_w, layer.proj_b),
         }[op]
+        folded: list[tuple[str, np.ndarray]] = []
+        if tiling.norm_fold:  # the LayerNorm before it folded in
+            gain, beta = {"qkv": (layer.ln_1_g, layer.ln_1_b), "fc": (layer.ln_2_g, layer.ln_2_b)}[op]
+            stored = memory_layout.symbol_dtype(region.symbols["w"].dtype)
+            weight, bias, colsum = memory_layout.fold_layernorm(weight, bias, gain, beta, stored)
+            folded.append(("norm_g", memory_layout.gemv_bias_tiles(colsum, tiling)))
         return [
             ("w", memory_layout.gemv_weight_tiles(weight, tiling)),
             ("b", memory_layout.gemv_bias_tiles(bias, tiling)),
+            *folded,
         ]
     if region.kind == "layernorm":
+        if not tiling.normalise:
+            return []  # it passes x on to a GEMV that has the LayerNorm folded in
         if region.layer is None:
             gain, bias = params.ln_f_g, params.ln_f_b
         else:

@@ -178,6 +178,23 @@ def gemv_bias_tiles(bias: np.ndarray, tiling: GemvTiling) -> np.ndarray:
     )
 
 
+def fold_layernorm(
+    weight: np.ndarray, bias: np.ndarray, gain: np.ndarray, beta: np.ndarray, stored: np.dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The LayerNorm (gain, beta) before a GEMV (W, bias) folded into the GEMV (wafer/tiling.py
+    `GemvTiling.norm_fold`, kernels/pe/gemv.csl):
+
+        LayerNorm(x) @ W + bias = (x @ W' - mean * colsum(W')) * rstd + bias'
+
+    with W' = diag(gain) @ W as the PEs hold it (`stored`: fp16 rounds it), colsum(W') of those stored
+    values, so that the mean's share cancels exactly as x @ W' computes it, and bias' = bias + beta @ W.
+    Returns (W', bias', colsum(W')); the sums are taken in float64."""
+    folded = (gain.astype(np.float64)[:, None] * weight).astype(stored)
+    colsum = folded.astype(np.float64).sum(axis=0).astype(np.float32)
+    shifted = (bias.astype(np.float64) + beta.astype(np.float64) @ weight).astype(np.float32)
+    return folded, shifted, colsum
+
+
 def norm_tiles(vector: np.ndarray, tiling: NormTiling) -> np.ndarray:
     """gain or bias [C] -> [pes, chunk]."""
     padded = np.zeros(tiling.pes * tiling.chunk, dtype=vector.dtype)

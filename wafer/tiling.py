@@ -21,10 +21,14 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
   `reduction` and `group`. On the fabric a head group's chain is folded
   into `fold` rows of `chain // fold` PEs (row-major, snake order), so the region is
   (chain // fold) x (head_groups * fold) PEs.
-- LayerNorm over C values: `pes` PEs each hold `chunk` values. Two passes, each a per-PE partial sum
-  combined over the PEs (`reduction`, `group`): the sum of x gives the mean, then
-  the sum of (x - mean)^2 gives the variance (no one-pass sum of squares: it cancels badly in fp32).
-  Then every PE normalises its chunk. `axis` is the fabric axis the strip lies along.
+- LayerNorm over C values: `pes` PEs each hold `chunk` values. One pass: every PE's sums of x and
+  x^2 are combined over the PEs (`reduction`, `group`) into mean and variance, then every PE
+  normalises its chunk. `axis` is the fabric axis the strip lies along. A strip that does not
+  `normalise` only passes x on: the GEMV it feeds has the LayerNorm folded in (`GemvTiling.norm_fold`).
+- A GEMV with `norm_fold` computes LayerNorm(x) @ W + b from the raw x: its weights are diag(g) @ W
+  (the LayerNorm's gain folded in), each PE adds its chunk's sums of x and x^2 to its partial sums as
+  two more words of the reduction, and the PE that ends a column's reduction finishes
+  y = (s - mean * colsum(diag(g) @ W)) * rstd + (b + beta @ W).
 - Head: the LM head is a GEMV with K = C, N = vocab on `wte` transposed; each output column of PEs
   also keeps its local top-k and (max, sum-exp) which are merged across the columns (`merge`,
   `merge_group`).
@@ -103,6 +107,7 @@ class GemvTiling:
     # slices back along the line, each applies the epilogue to its slice, a gather line sends them out
     # (epilogue_pes divides tile_n)
     epilogue_pes: int = 1
+    norm_fold: bool = False  # the LayerNorm before this GEMV is folded in (module docstring)
 
     @property
     def tile_k(self) -> int:
@@ -189,6 +194,7 @@ class NormTiling:
     reduction: Reduction = "chain"  # how the per-PE partial sums (pass 1 and pass 2) are combined
     axis: Axis = "x"  # the fabric axis the strip of PEs lies along
     group: int = 0  # two_level only
+    normalise: bool = True  # False: the strip passes x on to a GEMV with the LayerNorm folded in
 
     @property
     def chunk(self) -> int:

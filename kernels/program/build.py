@@ -317,6 +317,13 @@ class _Builder:
         f = self.frame(region)
         pes = [f.pe(i) for i in range(t.pes)]
         self.connect(name, sources, chunk, [[pos] for pos in pes], t.chunk, source_out, "in")
+        if not t.normalise:  # x passes on: the all-reduce is a line of one PE, never started
+            for pos in pes:
+                self.params[pos].update(
+                    red_role=ALONE, red_rx=None, red_tx=None, red_end_role=NONE, red_end_rx=None,
+                    red_end_tx=None, red_join_role=JOIN_NONE, red_join=None, red_bcast=None,
+                )  # fmt: skip
+            return pes
         # comm/allreduce.csl: both halves reduce towards the root (the halves share no router, so
         # the colors of one are free for the other), root + 1 joins its half's sums into the root's
         tag = f"{region.name}@{region.replica}"
@@ -563,7 +570,8 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
             own.update(to_host=D2H, record_words=record_words(plan.top_k))
         elif kind == "gemv":
             own.update(tile_k=t.tile_k, tile_n=t.tile_n, use_fp16=fp16, gelu_out=region.name.endswith(".fc"),
-                       epi_pes=t.epilogue_pes, epi_slot=t.epilogue_pes)  # fmt: skip
+                       epi_pes=t.epilogue_pes, epi_slot=t.epilogue_pes, norm_dim=t.k if t.norm_fold else 0,
+                       norm_eps=float(cfg.layer_norm_epsilon))  # fmt: skip
         elif kind == "embed_head":
             own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,
                        topk_bins=TOPK_BINS, topk_block=MERGE_BLOCK,
@@ -573,7 +581,11 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
             own.update(tile_k=tile_k, ppp=ppp, use_fp16=fp16)
         elif kind == "layernorm":
             own.update(
-                dim=t.dim, chunk=t.chunk, eps=float(cfg.layer_norm_epsilon), scored_only=region.layer is None
+                dim=t.dim,
+                chunk=t.chunk,
+                eps=float(cfg.layer_norm_epsilon),
+                scored_only=region.layer is None,
+                normalise=t.normalise,
             )
         elif kind == "residual":
             own.update(chunk=b.chunk(region))

@@ -60,7 +60,7 @@ def _memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> 
         "fc": lt.fc,
         "proj": lt.proj,
         "head": head,
-        "ln": lt.ln,
+        "ln_f": lt.ln_f,  # the layers' strips only pass x on
     }
     worst_name, worst = max(((n, _tiling_pe_bytes(t, dtype)) for n, t in checks.items()), key=lambda p: p[1])
     if worst > budget:

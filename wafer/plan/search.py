@@ -158,7 +158,7 @@ def price_candidates(
             continue
         fit = (arch.kernel_w // geo.width) * (arch.kernel_h // geo.height)
         layer_stages = _cached_layer_stages(lt, arch, dtype)
-        outer = _outer_stages(config, geo, lt, head, lt.ln, arch, dtype, 0)
+        outer = _outer_stages(config, geo, lt, head, lt.ln_f, arch, dtype, 0)
         # The critical path is layer_stages n_layer times plus the outer stages (see `_critical_path`).
         outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
         layer_cycles = [s.cycles for s in layer_stages]
@@ -304,7 +304,7 @@ def _assemble(
     for rep in range(replicas):
         row, col = divmod(rep, per_row)
         placed, placed_routes = _place_replica(
-            config, geo, lt, head, lt.ln, dtype, rep, col * geo.width, row * geo.height
+            config, geo, lt, head, lt.ln_f, dtype, rep, col * geo.width, row * geo.height
         )
         regions.extend(placed)
         routes.extend(placed_routes)
@@ -326,7 +326,7 @@ def _assemble(
         objective=objective,
         replicas=replicas,
         layers=layers,
-        ln_f=lt.ln,
+        ln_f=lt.ln_f,
         head=head,
         regions=regions,
         knobs=cand.knobs,

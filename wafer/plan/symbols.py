@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 from wafer.contract import CYCLES_SYMBOL
-from wafer.cost import TOPK_BINS
+from wafer.cost import NORM_STAT_WORDS, TOPK_BINS
 from wafer.plan.model import Symbol
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer.wire import ITEM_WORDS
@@ -48,14 +48,17 @@ def gemv_symbols(t: GemvTiling, dtype: str) -> dict[str, Symbol]:
         "w": Symbol(wd, t.tile_k * t.tile_n),  # weight tile, row-major [tile_k, tile_n]
         "b": Symbol(wd, t.tile_n),  # bias slice (used on the PEs that end the reduction)
         "x": Symbol("f32", t.tile_k),  # the input chunk as it arrives
-        "acc": Symbol("f32", t.tile_n),  # fp32 partial sums
+        "acc": Symbol("f32", t.tile_n + (NORM_STAT_WORDS if t.norm_fold else 0)),  # fp32 partial sums
+        **({"norm_g": Symbol("f32", t.tile_n)} if t.norm_fold else {}),  # colsum(diag(g) @ W) slice
         "comm": COMM,
         **reduction_symbols(t.reduction),
     }
 
 
 def norm_symbols(t: NormTiling) -> dict[str, Symbol]:
-    """kernels/pe/layernorm.csl's arrays."""
+    """kernels/pe/layernorm.csl's arrays (a strip that only passes x on keeps x alone)."""
+    if not t.normalise:
+        return {"x": Symbol("f32", t.chunk), "comm": COMM}
     return {
         "gain": Symbol("f32", t.chunk),
         "bias": Symbol("f32", t.chunk),

@@ -3,7 +3,7 @@ each with the reduction the cycle model finds fastest."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from wafer.arch import Arch
@@ -30,6 +30,11 @@ class LayerTilings:
     fc: GemvTiling
     proj: GemvTiling
 
+    @property
+    def ln_f(self) -> NormTiling:
+        """The final LayerNorm: the layers' strip, normalising (the LM head has no LayerNorm folded in)."""
+        return replace(self.ln, normalise=True)
+
 
 def layer_tilings(
     config: GPT2Config, knobs: Knobs, slots: int, context: int, arch: Arch, dtype: str
@@ -37,13 +42,14 @@ def layer_tilings(
     c, r, heads = config.n_embd, knobs.stream_pes, config.n_head
     t_rows = heads * knobs.fold
     kind, group = _scalar_reduction(r)
-    ln = NormTiling(c, r, reduction=kind, axis="x", group=group)
+    # ln_1 and ln_2 pass x on; qkv and fc normalise it (the LayerNorm folded in, wafer/tiling.py)
+    ln = NormTiling(c, r, reduction=kind, axis="x", group=group, normalise=False)
     best = best_gemv_reduction
-    qkv = best(GemvTiling(c, 3 * c, r, t_rows, "k_along_x", n_split=3), arch, dtype)
+    qkv = best(GemvTiling(c, 3 * c, r, t_rows, "k_along_x", n_split=3, norm_fold=True), arch, dtype)
     attn = AttentionTiling(heads, config.head_dim, slots, context, heads, knobs.attn_chain, knobs.fold)
     attn = best_attention(attn, arch, dtype)
     o = best(GemvTiling(c, c, t_rows, r, "k_along_y"), arch, dtype)
-    fc = best(GemvTiling(c, 4 * c, r, knobs.fc_cols, "k_along_x"), arch, dtype, GELU_CYCLES)
+    fc = best(GemvTiling(c, 4 * c, r, knobs.fc_cols, "k_along_x", norm_fold=True), arch, dtype, GELU_CYCLES)
     proj = best(GemvTiling(4 * c, c, knobs.fc_cols, r, "k_along_y"), arch, dtype)
     return LayerTilings(ln, qkv, attn, o, fc, proj)
 

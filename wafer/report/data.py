@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wafer import plan as planner
+from wafer.contract import WEIGHT_SYMBOLS
 from wafer.cost import CLOCK_HZ
 from wafer.plan import Plan, build_plan, price_candidates
 from wafer.plan.model import modeled_figures
@@ -237,7 +238,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 
 
 SYMBOL_CLASSES = ("weights", "KV cache", "working buffers")
-_WEIGHT_SYMBOLS = {"w", "b", "wpe", "gain", "bias"}  # the arrays `wafer.plan` fills from the checkpoint
+_WEIGHT_SYMBOLS = {s for names in WEIGHT_SYMBOLS.values() for s in names}  # what the checkpoint fills
 
 
 def symbol_class(name: str) -> str:

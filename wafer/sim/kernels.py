@@ -170,6 +170,28 @@ def _reduce_columns(chunks: np.ndarray, weights: np.ndarray, reduction: str, gro
     return chain_sum(nodes)
 
 
+def folded_norm(
+    sums: np.ndarray, x: np.ndarray, colsum: np.ndarray, tiling: GemvTiling, eps: float
+) -> np.ndarray:
+    """The LayerNorm folded into a GEMV (kernels/pe/gemv.csl norm_dim): `sums` = x @ diag(gain) @ W
+    [B, N] from the raw x [B, K]. Each PE sums its window's x and x^2 in index order (fp32, before any
+    fp16 rounding), the two sums travel with the partial sums (the tiling's reduction order), and the
+    PE that ends the reduction makes (sums - mean * colsum) * rstd, with mean and rstd as
+    `layernorm_region` takes them. Overwrites and returns `sums`."""
+    batch, tk = x.shape[0], tiling.tile_k
+    xp = np.zeros((batch, tiling.rows * tk), dtype=F32)
+    xp[:, : tiling.k] = x
+    by_index = xp.reshape(batch, tiling.rows, tk).transpose(2, 1, 0)  # [tile_k, rows, B]
+    per_pe = np.stack([chain_sum(by_index), chain_sum(np.square(by_index))], axis=1)  # [rows, 2, B]
+    total = combine(per_pe, tiling.reduction, tiling.group)  # [2, B]
+    mean = total[0] / F32(tiling.k)
+    var = np.maximum(total[1] / F32(tiling.k) - mean * mean, F32(0))
+    rstd = F32(1) / np.sqrt(var + F32(eps))
+    sums += colsum * -mean[:, None]
+    sums *= rstd[:, None]
+    return sums
+
+
 # ----------------------------------------------------------------------------------------------------
 # LayerNorm over C values: PE p holds x[p*chunk:(p+1)*chunk] and the same chunk of gain and bias.
 # The strip lies along x ((h, w) = (1, pes)) or along y ((pes, 1)); either way PE p is element p.

@@ -139,6 +139,11 @@ class WaferProgram:
             return weight, None
         return weight, self._cached(region, "b", lambda tiles: kernels.gemv_bias_cache(tiles, gemv))
 
+    def folded_norm(self, region: RegionMemory) -> np.ndarray:
+        """colsum(diag(gain) @ W) of a GEMV with the LayerNorm folded in, [N] float32 in N order."""
+        tiling = region.region.tiling
+        return self._cached(region, "norm_g", lambda tiles: kernels.gemv_bias_cache(tiles, tiling))
+
     def norm_params(self, region: RegionMemory) -> tuple[np.ndarray, np.ndarray]:
         tiling = region.region.tiling
         gain = self._cached(region, "gain", lambda tiles: kernels.norm_cache(tiles, tiling))
@@ -254,8 +259,8 @@ class WaferProgram:
         for layer in pipe.layers:
             for op in ("qkv", "attn_proj", "fc", "proj"):
                 self.gemv_weights(layer[op])
-            for op in ("ln_1", "ln_2"):
-                self.norm_params(layer[op])
+            for op in ("qkv", "fc"):
+                self.folded_norm(layer[op])
             for symbol in ("k_cache", "v_cache"):
                 self.kv_store(layer["attn"], symbol)
 
@@ -263,15 +268,13 @@ class WaferProgram:
         self, pipe: Pipeline, tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray
     ) -> np.ndarray:
         """embed and every layer for these items (whole slots) -> the residual stream [B, C]."""
-        c, eps, fp16 = self.config.n_embd, self.config.layer_norm_epsilon, self.fp16
+        c, fp16 = self.config.n_embd, self.fp16
         head_weights, _ = self.gemv_weights(pipe.head)
         # embed: the token's wte row comes from the head's tiles, wpe from the embed region (fp32 sum).
         x = kernels.embed(tokens, head_weights, self.plan.head) + self.position_table(pipe.embed)[positions]
         for layer in pipe.layers:
-            h = kernels.layernorm_region(
-                x, *self.norm_params(layer["ln_1"]), layer["ln_1"].region.tiling, eps
-            )
-            qkv = self._gemv(layer["qkv"], h)
+            # ln_1 passes x on to qkv, which has the LayerNorm folded in (wafer/tiling.py); so do ln_2, fc
+            qkv = self._gemv(layer["qkv"], x)
             attn = layer["attn"]
             self._write_kv(attn, "k_cache", qkv[:, c : 2 * c], slots, positions)
             self._write_kv(attn, "v_cache", qkv[:, 2 * c :], slots, positions)
@@ -285,18 +288,19 @@ class WaferProgram:
                 fp16,
             )
             x = kernels.residual_add(self._gemv(layer["attn_proj"], a), x)  # res_1
-            h = kernels.layernorm_region(
-                x, *self.norm_params(layer["ln_2"]), layer["ln_2"].region.tiling, eps
-            )
-            f = kernels.gelu_tanh(self._gemv(layer["fc"], h))
+            f = kernels.gelu_tanh(self._gemv(layer["fc"], x))
             x = kernels.residual_add(self._gemv(layer["proj"], f), x)  # res_2
         return x
 
     def _gemv(self, region: RegionMemory, x: np.ndarray) -> np.ndarray:
         weight, bias = self.gemv_weights(region)
-        return (
-            kernels.gemv_region(x, weight, region.region.tiling, self.fp16) + bias
-        )  # bias at the far edge, fp32
+        tiling = region.region.tiling
+        sums = kernels.gemv_region(x, weight, tiling, self.fp16)
+        if tiling.norm_fold:
+            sums = kernels.folded_norm(
+                sums, x, self.folded_norm(region), tiling, self.config.layer_norm_epsilon
+            )
+        return sums + bias  # bias at the far edge, fp32
 
     # -- modeled cycles ----------------------------------------------------------------------------
 

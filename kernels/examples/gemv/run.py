@@ -1,7 +1,8 @@
 #!/usr/bin/env cs_python
 """Run the GEMV kernel (kernels/pe/gemv.csl) alone: stream items through it and check y = x @ W + b,
 with the reduction the layout's `run` param picks (0: a chain; else runs of that many rows, then
-their ends)."""
+their ends); with `norm`, y = LayerNorm(x) @ W + b, the LayerNorm's gain and beta folded into the
+weights: W' = diag(gain) @ W, b' = b + beta @ W and the column sums of W' go up, x goes in raw."""
 
 import argparse
 import json
@@ -24,6 +25,8 @@ params = json.loads((Path(args.name) / "out.json").read_text())["params"]
 rows, cols = int(params["rows"]), int(params["cols"])
 tile_k, tile_n = int(params["tile_k"]), int(params["tile_n"])
 fp16, gelu = int(params["use_fp16"]) == 1, int(params["gelu"]) == 1
+norm = int(params["norm"]) == 1
+EPS = 1e-5  # the layout's norm_eps
 h2d_color, d2h_color = int(params["MEMCPYH2D_DATA_1_ID"]), int(params["MEMCPYD2H_DATA_1_ID"])
 k, n = rows * tile_k, cols * tile_n
 
@@ -31,6 +34,13 @@ rng = np.random.default_rng(7)
 weights = rng.standard_normal((k, n)).astype(np.float32) / np.float32(np.sqrt(k))
 bias = rng.standard_normal(n).astype(np.float32)
 xs = rng.standard_normal((args.items, k)).astype(np.float32)
+plain_weights, plain_bias = weights.astype(np.float64), bias.astype(np.float64)
+if norm:  # a residual stream with an offset, and a LayerNorm's gain and beta, folded in
+    xs += np.float32(0.5)
+    gain = (1 + 0.5 * rng.standard_normal(k)).astype(np.float32)
+    beta = (0.5 * rng.standard_normal(k)).astype(np.float32)
+    weights = gain[:, None] * weights
+    bias = (plain_bias + beta.astype(np.float64) @ plain_weights).astype(np.float32)
 if fp16:
     weights, bias = weights.astype(np.float16), bias.astype(np.float16)
 
@@ -68,6 +78,22 @@ runner.memcpy_h2d(
     order=MemcpyOrder.ROW_MAJOR,
     nonblock=False,
 )
+
+if norm:  # the column sums of the weights as held, on the roots (the last row)
+    colsum = weights.astype(np.float64).sum(axis=0).astype(np.float32)
+    runner.memcpy_h2d(
+        runner.get_id("norm_g"),
+        colsum.view(np.uint32),
+        1,
+        rows - 1,
+        cols,
+        1,
+        tile_n,
+        streaming=False,
+        data_type=MemcpyDataType.MEMCPY_32BIT,
+        order=MemcpyOrder.ROW_MAJOR,
+        nonblock=False,
+    )
 
 # Source r streams [header | x chunk r] per item. memcpy runs one command at a time and the sink holds
 # a few wavelets, so each item's output is read before the next item goes in.
@@ -107,6 +133,10 @@ runner.stop()
 heads, ys = split_items(out, n)
 x_in = xs.astype(np.float16).astype(np.float32) if fp16 else xs
 expected = x_in.astype(np.float64) @ weights.astype(np.float64) + bias.astype(np.float64)
+if norm:  # against the LayerNorm itself, unfolded, in float64
+    x64 = xs.astype(np.float64)
+    normed = (x64 - x64.mean(axis=1, keepdims=True)) / np.sqrt(x64.var(axis=1, keepdims=True) + EPS)
+    expected = (normed * gain + beta) @ plain_weights + plain_bias
 expected = expected.astype(np.float32)
 if gelu:
     expected = gelu_tanh(expected)
