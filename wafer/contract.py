@@ -23,10 +23,10 @@ HOST_FUNCTIONS: dict[str, tuple[tuple[str, str], ...]] = {
 CYCLES_SYMBOL = "cycles"
 
 # The symbols the checkpoint fills, per kind of region (everything else is working memory); a region
-# holds those its tiling declares (norm_g: a GEMV with the LayerNorm folded in; gain and bias: a
-# LayerNorm strip that normalises).
+# holds those its tiling declares (norm_b and norm_g instead of b: a GEMV with the LayerNorm folded
+# in; gain and bias: a LayerNorm strip that normalises).
 WEIGHT_SYMBOLS: dict[str, tuple[str, ...]] = {
-    "gemv": ("w", "b", "norm_g"),
+    "gemv": ("w", "b", "norm_b", "norm_g"),
     "layernorm": ("gain", "bias"),
     "embed": ("wpe",),
     "embed_head": ("w",),
@@ -39,6 +39,7 @@ EXPORTED_ARRAYS: dict[str, str] = {
     "wpe": "w",
     "gain": "f32",
     "bias": "f32",
+    "norm_b": "f32",
     "norm_g": "f32",
     CYCLES_SYMBOL: "u32",
 }

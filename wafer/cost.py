@@ -251,19 +251,21 @@ def gemv_cost(
         f" (runs of {tiling.group})" if tiling.reduction == "two_level" else ""
     )
     cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group))
-    if tiling.norm_fold:
-        cost.add("LayerNorm (mean, rstd) applied", RSQRT_CYCLES + 2 * tiling.tile_n)
+    if tiling.norm_fold:  # the bias rides the multiply by rstd (an FMAC): not a pass of its own
+        cost.add("LayerNorm (mean, rstd) + bias", RSQRT_CYCLES + 2 * tiling.tile_n)
     cost.add(
-        "bias + epilogue" + (f" (shared by {tiling.epilogue_pes} PEs)" if tiling.epilogue_pes > 1 else ""),
-        epilogue_cycles(tiling.tile_n, tiling.epilogue_pes, epilogue_cycles_per_output),
+        ("epilogue" if tiling.norm_fold else "bias + epilogue")
+        + (f" (shared by {tiling.epilogue_pes} PEs)" if tiling.epilogue_pes > 1 else ""),
+        epilogue_cycles(tiling.tile_n, tiling.epilogue_pes, epilogue_cycles_per_output, not tiling.norm_fold),
     )
     return cost
 
 
 @lru_cache(maxsize=4096)  # pure, and priced for every candidate of the search
-def epilogue_cycles(tile_n: int, pes: int, per_output: int) -> int:
-    """The bias and the epilogue of one output column, from its sum being complete on the K-line's
-    last PE to the output's lane starting (its header and tile_n words then stream as before).
+def epilogue_cycles(tile_n: int, pes: int, per_output: int, bias: bool = True) -> int:
+    """The bias (unless it was added already: `bias` False) and the epilogue of one output column,
+    from its sum being complete on the K-line's last PE to the output's lane starting (its header and
+    tile_n words then stream as before).
 
     One PE: the bias and the epilogue, output after output. Shared by the last `pes` PEs of the line
     (kernels/pe/gemv.csl, comm/scatter.csl, comm/gather.csl), priced step by step as the CSL takes
@@ -279,14 +281,14 @@ def epilogue_cycles(tile_n: int, pes: int, per_output: int) -> int:
     Priced as the time the gathered stream has left, less what the unshared lane takes for the same
     stream (its header, one task and two DSD operations, tile_n words), which the model leaves to the
     hand-off."""
-    bias = tile_n * FP32_OPS_PER_CYCLE
+    added = tile_n * FP32_OPS_PER_CYCLE if bias else 0
     if pes <= 1:
-        return bias + tile_n * per_output
+        return added + tile_n * per_output
     if tile_n % pes:
         raise ValueError(f"{pes} epilogue PEs do not split {tile_n} outputs evenly")
     part = tile_n // pes
     work = part * per_output
-    sent = bias + DSD_OP_START_CYCLES  # the slices' stream leaves the last PE
+    sent = added + DSD_OP_START_CYCLES  # the slices' stream leaves the last PE
     # ready[j]: PE j's slice done (the last PE's own meanwhile)
     ready = [kept + TASK_ACTIVATION_CYCLES + work for kept in _scattered(pes, part, sent)]
     ready.append(sent + work)

@@ -268,16 +268,19 @@ def _region_tensors(region: Any, params: GPT2Params) -> list[tuple[str, np.ndarr
             "fc": (layer.fc_w, layer.fc_b),
             "proj": (layer.proj_w, layer.proj_b),
         }[op]
-        folded: list[tuple[str, np.ndarray]] = []
-        if tiling.norm_fold:  # the LayerNorm before it folded in
-            gain, beta = {"qkv": (layer.ln_1_g, layer.ln_1_b), "fc": (layer.ln_2_g, layer.ln_2_b)}[op]
-            stored = memory_layout.symbol_dtype(region.symbols["w"].dtype)
-            weight, bias, colsum = memory_layout.fold_layernorm(weight, bias, gain, beta, stored)
-            folded.append(("norm_g", memory_layout.gemv_bias_tiles(colsum, tiling)))
+        if not tiling.norm_fold:
+            return [
+                ("w", memory_layout.gemv_weight_tiles(weight, tiling)),
+                ("b", memory_layout.gemv_bias_tiles(bias, tiling)),
+            ]
+        # the LayerNorm before it folded in
+        gain, beta = {"qkv": (layer.ln_1_g, layer.ln_1_b), "fc": (layer.ln_2_g, layer.ln_2_b)}[op]
+        stored = memory_layout.symbol_dtype(region.symbols["w"].dtype)
+        weight, bias, colsum = memory_layout.fold_layernorm(weight, bias, gain, beta, stored)
         return [
             ("w", memory_layout.gemv_weight_tiles(weight, tiling)),
-            ("b", memory_layout.gemv_bias_tiles(bias, tiling)),
-            *folded,
+            ("norm_b", memory_layout.gemv_bias_tiles(bias, tiling)),
+            ("norm_g", memory_layout.gemv_bias_tiles(colsum, tiling)),
         ]
     if region.kind == "layernorm":
         if not tiling.normalise:

@@ -46,10 +46,15 @@ def gemv_symbols(t: GemvTiling, dtype: str) -> dict[str, Symbol]:
     wd = weight_symbol_dtype(dtype)
     return {
         "w": Symbol(wd, t.tile_k * t.tile_n),  # weight tile, row-major [tile_k, tile_n]
-        "b": Symbol(wd, t.tile_n),  # bias slice (used on the PEs that end the reduction)
+        # bias slice (used on the PEs that end the reduction); with the LayerNorm folded in, fp32
+        # bias + beta @ W and the column sums of diag(gain) @ W
+        **(
+            {"norm_b": Symbol("f32", t.tile_n), "norm_g": Symbol("f32", t.tile_n)}
+            if t.norm_fold
+            else {"b": Symbol(wd, t.tile_n)}
+        ),
         "x": Symbol("f32", t.tile_k),  # the input chunk as it arrives
         "acc": Symbol("f32", t.tile_n + (NORM_STAT_WORDS if t.norm_fold else 0)),  # fp32 partial sums
-        **({"norm_g": Symbol("f32", t.tile_n)} if t.norm_fold else {}),  # colsum(diag(g) @ W) slice
         "comm": COMM,
         **reduction_symbols(t.reduction),
     }

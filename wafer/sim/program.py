@@ -132,12 +132,14 @@ class WaferProgram:
         return hit[1]
 
     def gemv_weights(self, region: RegionMemory) -> tuple[np.ndarray, np.ndarray | None]:
+        """(weights, bias) of a GEMV or the head; the bias is `norm_b` where the LayerNorm is folded in."""
         tiling = region.region.tiling
         gemv = getattr(tiling, "gemv", tiling)
         weight = self._cached(region, "w", lambda tiles: kernels.gemv_weight_cache(tiles, gemv))
-        if "b" not in region.arrays:
+        bias = next((s for s in ("b", "norm_b") if s in region.arrays), None)
+        if bias is None:
             return weight, None
-        return weight, self._cached(region, "b", lambda tiles: kernels.gemv_bias_cache(tiles, gemv))
+        return weight, self._cached(region, bias, lambda tiles: kernels.gemv_bias_cache(tiles, gemv))
 
     def folded_norm(self, region: RegionMemory) -> np.ndarray:
         """colsum(diag(gain) @ W) of a GEMV with the LayerNorm folded in, [N] float32 in N order."""

@@ -2,7 +2,8 @@
 """Run the GEMV kernel (kernels/pe/gemv.csl) alone: stream items through it and check y = x @ W + b,
 with the reduction the layout's `run` param picks (0: a chain; else runs of that many rows, then
 their ends); with `norm`, y = LayerNorm(x) @ W + b, the LayerNorm's gain and beta folded into the
-weights: W' = diag(gain) @ W, b' = b + beta @ W and the column sums of W' go up, x goes in raw."""
+weights: W' = diag(gain) @ W, b' = b + beta @ W (f32, `norm_b`) and the column sums of W' go up,
+x goes in raw."""
 
 import argparse
 import json
@@ -41,8 +42,9 @@ if norm:  # a residual stream with an offset, and a LayerNorm's gain and beta, f
     beta = (0.5 * rng.standard_normal(k)).astype(np.float32)
     weights = gain[:, None] * weights
     bias = (plain_bias + beta.astype(np.float64) @ plain_weights).astype(np.float32)
-if fp16:
-    weights, bias = weights.astype(np.float16), bias.astype(np.float16)
+if fp16:  # the weights, and the bias where it is not a LayerNorm's FMAC addend (f32 norm_b)
+    weights = weights.astype(np.float16)
+    bias = bias if norm else bias.astype(np.float16)
 
 runner = SdkRuntime(args.name, cmaddr=args.cmaddr)
 runner.load()
@@ -66,15 +68,15 @@ runner.memcpy_h2d(
     nonblock=False,
 )
 runner.memcpy_h2d(
-    runner.get_id("b"),
-    wire(bias.reshape(1, cols, tile_n)).ravel(),
+    runner.get_id("norm_b" if norm else "b"),
+    (bias.view(np.uint32) if norm else wire(bias.reshape(1, cols, tile_n))).ravel(),
     1,
     rows - 1,
     cols,
     1,
     tile_n,
     streaming=False,
-    data_type=dtype,
+    data_type=MemcpyDataType.MEMCPY_32BIT if norm else dtype,
     order=MemcpyOrder.ROW_MAJOR,
     nonblock=False,
 )
