@@ -4,10 +4,15 @@ One replica, in the order a token meets it (wafer/sim/program.py walks the same 
 
     io.in --request--> embed + head        the token's wte row chained down each head K-line
     head columns --emb chain--> embed      and through the embed rows, which add wpe
-    embed --> L0.ln_1 --y--> L0.qkv --per head group--> L0.attn --> L0.attn_proj --> L0.res_1
+    embed --> L0.qkv (and L0.ln_1) --per head group--> L0.attn --> L0.attn_proj --> L0.res_1
               L0.ln_1 --x (residual)------------------------------------------------> L0.res_1
-    L0.res_1 --> L0.ln_2 --> L0.fc --> L0.proj --> L0.res_2;  L0.res_1 --x--> L0.res_2
+    L0.res_1 --> L0.fc --> L0.proj --> L0.res_2;  L0.res_1 --x--> L0.res_2
     L(n-1).res_2 --> ln_f --> head K-lines; head roots --merge chain--> io.out
+
+qkv and fc have their LayerNorms folded in (wafer/tiling.py GemvTiling.norm_fold): the stream
+enters their K-lines through the routers of the ln_1 and ln_2 strips. ln_1's PEs take their chunks
+from the same multicast, only to forward x to res_1; ln_2's PEs idle. (A plan whose strips normalise
+gets the LayerNorm programs in between, as ln_f is.)
 
 Every hand-off between two regions is `connect`ed: as lanes (source PE i feeds destination line i,
 when the slices match and the lanes' routes do not cross), else as a gather line over the sources
@@ -317,13 +322,6 @@ class _Builder:
         f = self.frame(region)
         pes = [f.pe(i) for i in range(t.pes)]
         self.connect(name, sources, chunk, [[pos] for pos in pes], t.chunk, source_out, "in")
-        if not t.normalise:  # x passes on: the all-reduce is a line of one PE, never started
-            for pos in pes:
-                self.params[pos].update(
-                    red_role=ALONE, red_rx=None, red_tx=None, red_end_role=NONE, red_end_rx=None,
-                    red_end_tx=None, red_join_role=JOIN_NONE, red_join=None, red_bcast=None,
-                )  # fmt: skip
-            return pes
         # comm/allreduce.csl: both halves reduce towards the root (the halves share no router, so
         # the colors of one are free for the other), root + 1 joins its half's sums into the root's
         tag = f"{region.name}@{region.replica}"
@@ -342,6 +340,15 @@ class _Builder:
                 red_join_role=role, red_join=join if role != JOIN_NONE else None, red_bcast=bcast
             )
         return pes
+
+    def layernorm_off(self, pes: list[Pos]) -> None:
+        """A LayerNorm strip that only passes x on (pe/layernorm.csl `normalise` off): its all-reduce
+        is a line of one PE, never started."""
+        for pos in pes:
+            self.params.setdefault(pos, {}).update(
+                red_role=ALONE, red_rx=None, red_tx=None, red_end_role=NONE, red_end_rx=None,
+                red_end_tx=None, red_join_role=JOIN_NONE, red_join=None, red_bcast=None,
+            )  # fmt: skip
 
     def gemv_lines(self, region: Any) -> tuple[Frame, list[list[Pos]], list[Pos]]:
         t = region.tiling
@@ -362,10 +369,18 @@ class _Builder:
             region(op) for op in ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
         )
         tag = f"r{replica}.L{layer}"
-        # ln_1 gets the stream; the producer's "next" output feeds it (embed: "out").
-        ln1_pes = self.layernorm(ln_1, stream, chunk, f"{tag}.into_ln_1", "out" if layer == 0 else "next")
+        source = "out" if layer == 0 else "next"  # the producer's output that feeds the layer (embed: "out")
         _, qkv_lines, qkv_roots = self.gemv_lines(qkv)
-        self.connect(f"{tag}.ln_1.y", ln1_pes, ln_1.tiling.chunk, qkv_lines, qkv.tiling.tile_k, "y", "in")
+        if ln_1.tiling.normalise:
+            ln1_pes = self.layernorm(ln_1, stream, chunk, f"{tag}.into_ln_1", source)
+            self.connect(f"{tag}.ln_1.y", ln1_pes, ln_1.tiling.chunk, qkv_lines, qkv.tiling.tile_k, "y", "in")
+        else:
+            # qkv has the LayerNorm folded in: the stream goes straight into its K-lines, through
+            # ln_1's routers, and ln_1's PEs take their chunks from it to forward x to res_1
+            ln1_pes = self.strip(ln_1)
+            self.layernorm_off(ln1_pes)
+            lines = [[pos, *line] for pos, line in zip(ln1_pes, qkv_lines, strict=True)]
+            self.connect(f"{tag}.into_qkv", stream, chunk, lines, qkv.tiling.tile_k, source, "in")
         res1_pes = self.strip(res_1)
         self.connect(f"{tag}.ln_1.x", ln1_pes, ln_1.tiling.chunk, [[p] for p in res1_pes], self.chunk(res_1),
                      "resid", "resid")  # fmt: skip
@@ -375,12 +390,17 @@ class _Builder:
         self.connect(f"{tag}.attn_proj.out", ap_roots, attn_proj.tiling.tile_n, [[p] for p in res1_pes],
                      self.chunk(res_1), "out", "in")  # fmt: skip
 
-        ln2_pes = self.layernorm(ln_2, res1_pes, self.chunk(res_1), f"{tag}.into_ln_2", "next")
         res2_pes = self.strip(res_2)
         self.connect(f"{tag}.res_1.x", res1_pes, self.chunk(res_1), [[p] for p in res2_pes], self.chunk(res_2),
                      "fwd", "resid")  # fmt: skip
         fc_frame, fc_lines, fc_roots = self.gemv_lines(fc)
-        self.connect(f"{tag}.ln_2.y", ln2_pes, ln_2.tiling.chunk, fc_lines, fc.tiling.tile_k, "y", "in")
+        if ln_2.tiling.normalise:
+            ln2_pes = self.layernorm(ln_2, res1_pes, self.chunk(res_1), f"{tag}.into_ln_2", "next")
+            self.connect(f"{tag}.ln_2.y", ln2_pes, ln_2.tiling.chunk, fc_lines, fc.tiling.tile_k, "y", "in")
+        else:  # fc has the LayerNorm folded in: res_1 feeds it through ln_2's routers (its PEs idle)
+            self.connect(
+                f"{tag}.into_fc", res1_pes, self.chunk(res_1), fc_lines, fc.tiling.tile_k, "next", "in"
+            )
         _, proj_lines, proj_roots = self.gemv_lines(proj)
         self.connect(f"{tag}.fc.out", fc_roots, fc.tiling.tile_n, proj_lines, proj.tiling.tile_k, "out", "in")
         self.share_epilogue(fc, fc_frame)
