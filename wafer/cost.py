@@ -253,11 +253,12 @@ def gemv_cost(
     cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group))
     if tiling.norm_fold:  # the bias rides the multiply by rstd (an FMAC): not a pass of its own
         cost.add("LayerNorm (mean, rstd) + bias", RSQRT_CYCLES + 2 * tiling.tile_n)
-    cost.add(
-        ("epilogue" if tiling.norm_fold else "bias + epilogue")
-        + (f" (shared by {tiling.epilogue_pes} PEs)" if tiling.epilogue_pes > 1 else ""),
-        epilogue_cycles(tiling.tile_n, tiling.epilogue_pes, epilogue_cycles_per_output, not tiling.norm_fold),
+    epilogue = epilogue_cycles(
+        tiling.tile_n, tiling.epilogue_pes, epilogue_cycles_per_output, not tiling.norm_fold
     )
+    if epilogue or not tiling.norm_fold:
+        shared = f" (shared by {tiling.epilogue_pes} PEs)" if tiling.epilogue_pes > 1 else ""
+        cost.add(("epilogue" if tiling.norm_fold else "bias + epilogue") + shared, epilogue)
     return cost
 
 
@@ -411,7 +412,8 @@ def attention_cost(
        runs merge at the same time, then the runs' ends merge theirs, a second pass of the record,
        each link as many hops as the direct route between them (`_run_end_links`). two_sided: every
        chain of the two levels meets in its middle (`merge_level_cycles`).
-    4. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV.
+    4. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV, the output
+       multiplied by it as it leaves (kernels/comm/gather.csl send_scaled).
     """
     arch = resolve_arch(arch)
     positions = tiling.context if positions is None else max(1, min(positions, tiling.context))
@@ -437,7 +439,9 @@ def attention_cost(
         ends = [hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step for hops in _run_end_links(tiling)]
         merge += merge_level_cycles(kind, ends, step, record)
     cost.add(f"LSE {tiling.reduction} merge", merge)
-    cost.add("normalise", hpp * RSQRT_CYCLES + hpp * dim)
+    # 1/l per head; acc * (1/l) is made as the output leaves (one @fmuls into the fabric per head, each
+    # after the previous one's task).
+    cost.add("1 / sum", hpp * RSQRT_CYCLES + (hpp - 1) * (TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES))
     # The PE that ends the merge sends the group's output to its O rows (a multicast over them).
     cost.add("to the O rows", stream_cycles(hpp * dim, width - 1 + tiling.fold - 1))
     return cost

@@ -393,7 +393,8 @@ def _attend_group(
     # keeps them fp32.
     weights = round_fp16(weights) if fp16 else weights
     scaled = (weights * rescale[..., None]).reshape(n_slots, heads, n_items, span)
-    out = np.matmul(scaled, v) / total[..., None]  # [S, H, n, D]
+    # The PE that ends the merge multiplies by 1 / l as the output leaves (kernels/comm/gather.csl).
+    out = np.matmul(scaled, v) * (F32(1) / total)[..., None]  # [S, H, n, D]
     return out.transpose(0, 2, 1, 3).reshape(n_slots, n_items, heads * dim)
 
 
