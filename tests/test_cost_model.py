@@ -143,7 +143,8 @@ def test_attention_cost_by_hand() -> None:
     )
     merge_step = H + R + 20 + S  # a link: one exp per head, the start of the merged (m, l)'s send
     assert c.phases["LSE chain merge"] == 3 * merge_step + (8 + 2)
-    assert (c.phases["normalise"], c.phases["to the O rows"]) == (10 + 8, 3 * H + R + 8)
+    # 1/l (one head: no second send to chain), the multiply riding the output's stream
+    assert (c.phases["1 / sum"], c.phases["to the O rows"]) == (10, 3 * H + R + 8)
     assert c.cycles == sum(c.phases.values())
     two = AttentionTiling(**{**vars(t), "reduction": "two_level", "group": 2})
     c2 = cost.attention_cost(two, "wse2", "fp16")

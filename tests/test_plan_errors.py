@@ -39,7 +39,7 @@ def test_model_too_big() -> None:
 def test_layout_limit_names_the_kernel_area() -> None:
     # Fits the wafer's SRAM in total but not the layout: the nearest candidate's limit is reported.
     with pytest.raises(PlanError, match=r"kernel area: .* over the kernel (width|height)"):
-        build_plan(PRESETS["gpt2-xl"], "wse2", slots=64, context=1024)
+        build_plan(PRESETS["gpt2-large"], "wse2", slots=96, context=1024)
 
 
 def test_too_many_replicas() -> None:

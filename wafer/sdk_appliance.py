@@ -216,8 +216,9 @@ def check(address: str, work_dir: str | Path) -> dict:
     local = start_model(local_plan, SimRuntime(local_plan), params)
     try:
         runtime, plan = model.runtime, model.plan
-        # Raw memcpy: a pattern into one GEMV region's bias, read back blocking and non-blocking.
-        region = plan.region("L1.fc")
+        # Raw memcpy: a pattern into one GEMV region's bias (fp16; proj has no LayerNorm folded in, so
+        # its bias is `b`), read back blocking and non-blocking.
+        region = plan.region("L1.proj")
         elems = region.symbols["b"].elems
         pattern = (np.arange(region.w * region.h * elems, dtype=np.float32) / 7).astype(np.float16)
         symbol = runtime.get_id("b")
