@@ -202,7 +202,8 @@ def test_head_cost_by_hand() -> None:
     # 64th of a bin kept (10 each, no inversions: fewer logits than bins), the record's copy (k * 5).
     local_topk = int(3 * 64 + 4 * 6 + (2 + 4 / 64 / 2) * 10 + 2 * 5)
     assert c.phases == {
-        "input multicast": H + R,
+        # the merge runs the way ln_f's output does: only the first column's input is on the path
+        "input to the merge's first column": H + R,
         "tile FMAC": S + 2 * (M + 1),
         "chain reduction": STEP + 4,
         "local max + min": 4 * 4,

@@ -495,10 +495,20 @@ def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> Att
 def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "head") -> StageCost:
     """logits = h @ wte^T, then on the last PE of every output column: (max, sum of exp) over its
     tile_n logits and its local top-k; the (top-k ids, top-k logits, max, sum, target) records are
-    merged across the columns (chain, or two_level), and the result leaves for the output port."""
+    merged across the columns (chain, or two_level), in the direction ln_f's output travels, and the
+    result leaves for the output port."""
     arch = resolve_arch(arch)
     gemv = gemv_cost(tiling.gemv, arch, dtype, name=name)
-    cost = StageCost(name, {k: v for k, v in gemv.phases.items() if k != "bias + epilogue"})
+    cost = StageCost(name)
+    for phase, cycles in gemv.phases.items():
+        if phase == "input multicast":
+            # ln_f's output reaches the columns one after another along the strip, and the merge runs
+            # the same way (wafer/plan/geometry.py strip_rects): a column's input arrives HOP_CYCLES
+            # after its neighbour's, and the merge reaches it at least a link and a root's lag later,
+            # so only the first column's input is on the path.
+            cost.add("input to the merge's first column", HOP_CYCLES + ROUTER_TO_PE_CYCLES)
+        elif phase != "bias + epilogue":
+            cost.add(phase, cycles)
     g, k = tiling.gemv, tiling.top_k
     cost.add("local max + min", g.tile_n * TOPK_SCAN_CYCLES)
     top = local_topk_cycles(g.tile_n, k)

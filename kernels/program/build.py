@@ -280,15 +280,19 @@ class _Builder:
         for pos in head_pes + embed_pes:
             self.params.setdefault(pos, {})["req_color"] = request
 
-        # The embedding lines: head column Cn-1 .. 0 of K-line r, then embed column r from the head side,
-        # reduced as a chain or in two levels (wafer.cost.embed_reduction).
+        # The embedding lines: every head column of K-line r, the farthest from the embed region first,
+        # then embed column r from the head side, reduced as a chain or in two levels
+        # (wafer.cost.embed_reduction).
+        cols_order = list(range(head_t.cols))
+        if _distance(hf.pe(0, 0), ef.pe(0, 0)) < _distance(hf.pe(0, head_t.cols - 1), ef.pe(0, 0)):
+            cols_order.reverse()
         rows_order = list(range(ef.b_len))
-        near = hf.pe(0, 0)
+        near = hf.pe(0, cols_order[-1])
         if _distance(ef.pe(0, ef.b_len - 1), near) < _distance(ef.pe(0, 0), near):
             rows_order.reverse()
         kind, group = embed_reduction(plan.arch, head_t.cols + ef.b_len, embed_tile_k)
         for r in range(head_t.rows):
-            members = [hf.pe(r, c) for c in reversed(range(head_t.cols))] + [ef.pe(r, j) for j in rows_order]
+            members = [hf.pe(r, c) for c in cols_order] + [ef.pe(r, j) for j in rows_order]
             self.reduction(f"r{replica}.emb{r}", members, "emb", kind, group)
         last_embed_row = [ef.pe(i, rows_order[-1]) for i in range(ef.a_len)]
         for i in range(ef.a_len):

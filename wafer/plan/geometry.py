@@ -126,21 +126,31 @@ class _Geometry:
         return sum(self.layer_rect(0, op)[3] * self.layer_rect(0, op)[4] for op in LAYER_OPS)
 
     @property
+    def io_rows(self) -> int:
+        """Rows of the I/O ports at the top of the strip: side by side, or one above the other in a
+        strip of one PE."""
+        return 1 if self.r >= 2 else 2
+
+    @property
     def strip_h(self) -> int:
-        return 3 + self.embed_rows + self.head_cols
+        return self.io_rows + self.embed_rows + self.head_cols + 1
 
     @property
     def height(self) -> int:
         return max(self.strip_h, self.bands * self.band_h)
 
     def strip_rects(self) -> dict[str, tuple[int, int, int, int]]:
-        e, v, r = self.embed_rows, self.head_cols, self.r
+        """The strip west of the layers, top down: the I/O ports side by side, the position embedding,
+        the LM head, the final LayerNorm (fed by the last layer, at the bottom). The head's merge runs
+        up, away from ln_f, and ends next to the embedding: its columns' inputs arrive later the
+        higher they are, as the merge reaches them (`wafer.cost.head_cost`), and io.out is near."""
+        e, v, r, t = self.embed_rows, self.head_cols, self.r, self.io_rows
         return {
             "io.in": (0, 0, 1, 1),
-            "embed": (0, 1, r, e),
-            "head": (0, 1 + e, r, v),
-            "ln_f": (0, 1 + e + v, r, 1),
-            "io.out": (0, 2 + e + v, 1, 1),
+            "io.out": (1, 0, 1, 1) if t == 1 else (0, 1, 1, 1),
+            "embed": (0, t, r, e),
+            "head": (0, t + e, r, v),
+            "ln_f": (0, t + e + v, r, 1),
         }
 
     def layer_rect(self, layer: int, name: str) -> tuple[str, int, int, int, int, dict[str, str]]:
@@ -180,10 +190,10 @@ class _Geometry:
 
     def route_legs(self, src: str, dst: str) -> tuple[int, tuple[tuple[int, int, int, int], ...]]:
         """(hops, legs) of a bundle of lanes from src to dst: along x at src's rows, then along y at
-        dst's columns. "head.root" is the PE where the top-k merge ends (the head's south-east PE)."""
+        dst's columns. "head.root" is the PE where the top-k merge ends (the head's north-east PE)."""
         if src == "head.root":
-            hx, hy, hw, hh = self.rect("head")
-            sx, sy, sw, sh = hx + hw - 1, hy + hh - 1, 1, 1
+            hx, hy, hw, _ = self.rect("head")
+            sx, sy, sw, sh = hx + hw - 1, hy, 1, 1
         else:
             sx, sy, sw, sh = self.rect(src)
         dx, dy, dw, dh = self.rect(dst)

@@ -45,12 +45,13 @@ def _place_replica(
             None,
             {"k": geo.dirs.head_k, "position": "+y"},
         ),
-        # the merge of the columns ends on the last column, at the bottom (next to io.out)
+        # the merge of the columns ends on the last column, at the top: it runs away from ln_f
+        # (geometry.strip_rects)
         "head": (
             "embed_head",
             head_symbols(head, dtype),
             head,
-            {"k": geo.dirs.head_k, "n": exit_dirs(head.merge, "south")},
+            {"k": geo.dirs.head_k, "n": exit_dirs(head.merge, "north")},
         ),
         "ln_f": ("layernorm", norm_symbols(ln_f), ln_f, {"i": geo.dirs.head_k}),
         "io.out": ("io", io_symbols(head.top_k, False), None, {}),

@@ -102,7 +102,10 @@ def _outer_stages(
         StageCost("head", dict(head_phases)),
         StageCost("io.out")
         .add("scores to output port", route("scores"))
-        .add("output port -> memcpy edge", stream_cycles(record_words(head.top_k), _edge_hops(ox))),
+        .add(
+            "output port -> memcpy edge",
+            stream_cycles(record_words(head.top_k), _edge_hops(ox + geo.strip_rects()["io.out"][0])),
+        ),
     ]
     return before, turns, after
 
