@@ -126,31 +126,28 @@ class _Geometry:
         return sum(self.layer_rect(0, op)[3] * self.layer_rect(0, op)[4] for op in LAYER_OPS)
 
     @property
-    def io_rows(self) -> int:
-        """Rows of the I/O ports at the top of the strip: side by side, or one above the other in a
-        strip of one PE."""
-        return 1 if self.r >= 2 else 2
-
-    @property
     def strip_h(self) -> int:
-        return self.io_rows + self.embed_rows + self.head_cols + 1
+        return 3 + self.embed_rows + self.head_cols
 
     @property
     def height(self) -> int:
         return max(self.strip_h, self.bands * self.band_h)
 
     def strip_rects(self) -> dict[str, tuple[int, int, int, int]]:
-        """The strip west of the layers, top down: the I/O ports side by side, the position embedding,
-        the LM head, the final LayerNorm (fed by the last layer, at the bottom). The head's merge runs
-        up, away from ln_f, and ends next to the embedding: its columns' inputs arrive later the
-        higher they are, as the merge reaches them (`wafer.cost.head_cost`), and io.out is near."""
-        e, v, r, t = self.embed_rows, self.head_cols, self.r, self.io_rows
+        """The strip west of the layers, top down: io.out, the position embedding, the LM head, the
+        final LayerNorm (fed by the last layer) and io.in. Each of the strip's two lines runs the way
+        its input travels, so that a column's input arrives as the line reaches it:
+        - the token's request enters at the bottom and runs up, as the embedding's line does (every
+          head column, then the wpe rows, then layer 0 at the top);
+        - ln_f's output runs up the head, as the head's merge does, which ends next to io.out
+          (`wafer.cost.head_cost`)."""
+        e, v, r = self.embed_rows, self.head_cols, self.r
         return {
-            "io.in": (0, 0, 1, 1),
-            "io.out": (1, 0, 1, 1) if t == 1 else (0, 1, 1, 1),
-            "embed": (0, t, r, e),
-            "head": (0, t + e, r, v),
-            "ln_f": (0, t + e + v, r, 1),
+            "io.out": (0, 0, 1, 1),
+            "embed": (0, 1, r, e),
+            "head": (0, 1 + e, r, v),
+            "ln_f": (0, 1 + e + v, r, 1),
+            "io.in": (0, 2 + e + v, 1, 1),
         }
 
     def layer_rect(self, layer: int, name: str) -> tuple[str, int, int, int, int, dict[str, str]]:

@@ -75,17 +75,18 @@ def _outer_stages(
             "memcpy edge -> input port", stream_cycles(HEADER_WORDS + ITEM_WORDS, _edge_hops(ox))
         )
     ]
-    # Embedding (kernels/pe/head.csl, pe/embed.csl): the request runs down the head strip to the
-    # farthest vocab row and along it (R PEs); from there each K-line's chunks are reduced
-    # (comm/reduce.csl, a chain or two levels: `embed_reduction`) through every head row and then
-    # every wpe row: each PE adds its wte chunk (the token's row) or zeros, its wpe chunk (the item's
-    # position) or zeros, in its CE, and passes the sum on; the last wpe row sends it to layer 0.
-    # Every PE's add is started by its request, which reaches it before the reduction does, so a link
-    # costs a hop, the ramp into the CE and the add.
+    # Embedding (kernels/pe/head.csl, pe/embed.csl): the request enters at the bottom of the strip
+    # and runs up it (geometry.strip_rects), the way the lines run: each K-line's chunks are reduced
+    # (comm/reduce.csl, a chain or two levels: `embed_reduction`) from the bottom head row through
+    # every head row and then every wpe row: each PE adds its wte chunk (the token's row) or zeros,
+    # its wpe chunk (the item's position) or zeros, in its CE, and passes the sum on; the last wpe
+    # row sends it to layer 0. The request reaches a row a hop after the row below it, and a line a
+    # link (a hop, the ramp into the CE and the add) later, so only the way to the lines' first row
+    # (past ln_f, along it to the farthest K-line) is on the path.
     rows_down = geo.embed_rows + geo.head_cols
     kind, group = embed_reduction(arch, rows_down, chunk)
     embed = StageCost("embed")
-    embed.add("token id to vocab row", stream_cycles(2, rows_down + geo.r - 1) + TASK_ACTIVATION_CYCLES)
+    embed.add("request to the lines' first row", stream_cycles(2, 2 + geo.r - 1) + TASK_ACTIVATION_CYCLES)
     how = "chained" if kind == "chain" else f"{kind} (runs of {group})"
     embed.add(f"wte chunk {how} to wpe", reduce_cycles(kind, rows_down, chunk, group))
     embed.add("to layer 0", route("embed.out"))
@@ -102,10 +103,7 @@ def _outer_stages(
         StageCost("head", dict(head_phases)),
         StageCost("io.out")
         .add("scores to output port", route("scores"))
-        .add(
-            "output port -> memcpy edge",
-            stream_cycles(record_words(head.top_k), _edge_hops(ox + geo.strip_rects()["io.out"][0])),
-        ),
+        .add("output port -> memcpy edge", stream_cycles(record_words(head.top_k), _edge_hops(ox))),
     ]
     return before, turns, after
 
