@@ -238,7 +238,7 @@ def gemv_cost(
     3. bias (+ epilogue, e.g. GELU) on the last PE of each output column, one output after another.
     With the LayerNorm folded in (`norm_fold`), every PE also sums its chunk's x and x^2 (as
     `norm_cost` prices it), the reduction carries the two sums as two more words, and the last PE
-    turns them into mean and rstd and applies them to its sums (an FMAC and a multiply per output).
+    turns them into mean and rstd and applies them with the bias (two FMACs per output).
     """
     arch = resolve_arch(arch)
     cost = StageCost(name)

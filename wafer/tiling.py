@@ -191,7 +191,7 @@ class AttentionTiling:
 class NormTiling:
     dim: int
     pes: int
-    reduction: Reduction = "chain"  # how the per-PE partial sums (pass 1 and pass 2) are combined
+    reduction: Reduction = "chain"  # how the per-PE sums (of x and of x^2, one pass) are combined
     axis: Axis = "x"  # the fabric axis the strip of PEs lies along
     group: int = 0  # two_level only
     normalise: bool = True  # False: the strip passes x on to a GEMV with the LayerNorm folded in

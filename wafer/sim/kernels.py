@@ -176,17 +176,14 @@ def folded_norm(
     """The LayerNorm folded into a GEMV (kernels/pe/gemv.csl norm_dim): `sums` = x @ diag(gain) @ W
     [B, N] from the raw x [B, K]. Each PE sums its window's x and x^2 in index order (fp32, before any
     fp16 rounding), the two sums travel with the partial sums (the tiling's reduction order), and the
-    PE that ends the reduction makes (sums - mean * colsum) * rstd, with mean and rstd as
-    `layernorm_region` takes them. Overwrites and returns `sums`."""
+    PE that ends the reduction makes (sums - mean * colsum) * rstd (`norm_statistics`). Overwrites and
+    returns `sums`."""
     batch, tk = x.shape[0], tiling.tile_k
     xp = np.zeros((batch, tiling.rows * tk), dtype=F32)
     xp[:, : tiling.k] = x
     by_index = xp.reshape(batch, tiling.rows, tk).transpose(2, 1, 0)  # [tile_k, rows, B]
     per_pe = np.stack([chain_sum(by_index), chain_sum(np.square(by_index))], axis=1)  # [rows, 2, B]
-    total = combine(per_pe, tiling.reduction, tiling.group)  # [2, B]
-    mean = total[0] / F32(tiling.k)
-    var = np.maximum(total[1] / F32(tiling.k) - mean * mean, F32(0))
-    rstd = F32(1) / np.sqrt(var + F32(eps))
+    mean, rstd = norm_statistics(combine(per_pe, tiling.reduction, tiling.group), tiling.k, eps)
     sums += colsum * -mean[:, None]
     sums *= rstd[:, None]
     return sums
@@ -219,10 +216,16 @@ def layernorm_region(
     by_index = xp.reshape(batch, tiling.pes, tiling.chunk).transpose(2, 0, 1)  # [chunk, B, pes]
     sums = np.stack([chain_sum(by_index), chain_sum(np.square(by_index))])  # [2, B, pes]
     total = allreduce_sum(np.moveaxis(sums, 2, 0), tiling.reduction, tiling.group)
-    mean = total[0] / F32(tiling.dim)
-    var = np.maximum(total[1] / F32(tiling.dim) - mean * mean, F32(0))
-    rstd = F32(1) / np.sqrt(var + F32(eps))
+    mean, rstd = norm_statistics(total, tiling.dim, eps)
     return ((x - mean[:, None]) * rstd[:, None]) * gain + bias
+
+
+def norm_statistics(total: np.ndarray, dim: int, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, rstd) [B] from the reduced [sum of x, sum of x^2] [2, B] of `dim` values, as
+    pe/layernorm.csl and pe/gemv.csl take them: variance = E[x^2] - mean^2, clamped at 0, fp32."""
+    mean = total[0] / F32(dim)
+    var = np.maximum(total[1] / F32(dim) - mean * mean, F32(0))
+    return mean, F32(1) / np.sqrt(var + F32(eps))
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:

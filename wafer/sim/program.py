@@ -141,7 +141,7 @@ class WaferProgram:
             return weight, None
         return weight, self._cached(region, bias, lambda tiles: kernels.gemv_bias_cache(tiles, gemv))
 
-    def folded_norm(self, region: RegionMemory) -> np.ndarray:
+    def norm_colsum(self, region: RegionMemory) -> np.ndarray:
         """colsum(diag(gain) @ W) of a GEMV with the LayerNorm folded in, [N] float32 in N order."""
         tiling = region.region.tiling
         return self._cached(region, "norm_g", lambda tiles: kernels.gemv_bias_cache(tiles, tiling))
@@ -262,7 +262,7 @@ class WaferProgram:
             for op in ("qkv", "attn_proj", "fc", "proj"):
                 self.gemv_weights(layer[op])
             for op in ("qkv", "fc"):
-                self.folded_norm(layer[op])
+                self.norm_colsum(layer[op])
             for symbol in ("k_cache", "v_cache"):
                 self.kv_store(layer["attn"], symbol)
 
@@ -300,7 +300,7 @@ class WaferProgram:
         sums = kernels.gemv_region(x, weight, tiling, self.fp16)
         if tiling.norm_fold:
             sums = kernels.folded_norm(
-                sums, x, self.folded_norm(region), tiling, self.config.layer_norm_epsilon
+                sums, x, self.norm_colsum(region), tiling, self.config.layer_norm_epsilon
             )
         return sums + bias  # bias at the far edge, fp32
 
