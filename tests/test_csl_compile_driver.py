@@ -3,12 +3,15 @@ and a compile on the project's CSL executor."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import shlex
 
 import pytest
 
-from kernels.program import LAYOUT_HEADER
+from kernels.program import LAYOUT_HEADER, build_program
+from kernels.program.errors import ProgramError
 from service.cli import main
 from wafer.compile import CompileError, compile_program, prepare_sources
 from wafer.plan import build_plan
@@ -122,6 +125,17 @@ def test_a_program_the_executor_refuses_is_a_compile_error(tmp_path, tiny_plan):
     layout.write_text(layout.read_text().replace("@set_rectangle(", "@set_rectangle(1 + ", 1))
     with pytest.raises(CompileError, match="the CSL executor refused the program: .*layout.csl:"):
         compile_program(job, executor=True)
+
+
+def test_a_plan_whose_layers_normalise_in_their_strips_is_refused(tiny_plan):
+    """The program folds every layer's LayerNorm into qkv and fc, as the simulator and the host do; a
+    plan that normalises in a layer's strip is refused by name, not laid out half-supported."""
+    plan = copy.deepcopy(tiny_plan)
+    strip = plan.region("L1.ln_2")
+    strip.tiling = dataclasses.replace(strip.tiling, normalise=True)
+    with pytest.raises(ProgramError, match=r"L1\.ln_2: the program folds a layer's LayerNorm into L1\.fc"):
+        build_program(plan)
+    build_program(tiny_plan)  # the plan as the planner made it lays out
 
 
 def test_sdk_backends_explain_a_missing_sdk():

@@ -138,18 +138,18 @@ def test_every_size_fits_with_16_slots_of_1024(model: str, arch: str) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 14: with the calibrated constants (2 cycles per hop, 15 per DSD operation started, 2 per "
-    "@map step) gpt2 on WSE-2 is modeled at about 69 us per token (175 before the latency work); the layers "
-    "are four fifths of it (attention's merge, the GEMV reductions), the head a sixth "
-    "(docs/performance.md, 'Before and after the latency work').",
+    reason="issue 14 (blocked): with the calibrated constants gpt2 on WSE-2 is modeled at about 69 us per "
+    "token (175 before the latency work), and this program's multicasts, reductions, merges and routes alone "
+    "take about 41 us of it, which no faster compute removes (docs/performance.md, 'Where the time of a token "
+    "goes'): 30 us needs a different dataflow.",
 )
 def test_gpt2_small_latency_target_on_wse2() -> None:
-    """The issue's target: 124M, batch 1, WSE-2, fp16, modeled <= 50 us per token at 1.1 GHz, with the
+    """The issue's target: 124M, batch 1, WSE-2, fp16, modeled <= 30 us per token at 1.1 GHz, with the
     whole critical path (injection, every layer, LM head, top-k, return) at full context."""
     plan = plan_for("gpt2", "wse2")
     m = plan.modeled()
-    assert m["decode_latency_us"] <= 50.0
-    assert m["tokens_per_s_single_stream"] >= 20_000
+    assert m["decode_latency_us"] <= 30.0
+    assert m["tokens_per_s_single_stream"] >= 1e6 / 30.0
     names = [s.name for s in plan.stage_costs]
     assert names[0] == "io.in" and names[1] == "embed" and names[-2:] == ["head", "io.out"]
     assert all(f"L{i}.{op}" in names for i in range(12) for op in LAYER_OPS)
@@ -169,12 +169,12 @@ def test_the_embedding_is_priced_as_the_reduction_the_csl_runs() -> None:
         kind, group = cost.embed_reduction(arch, rows, chunk)
         if arch == "wse3":
             assert (kind, group) == ("chain", 0)
-            assert embed.phases["wte chunk chained to wpe"] == (rows - 1) * (2 + 7 + 1) + chunk
+            assert embed.phases["wte chunks reduced to wpe, chained"] == (rows - 1) * (2 + 7 + 1) + chunk
         else:
             assert kind == "two_level" and (kind, group) == cost.best_reduction(rows, chunk)
             runs = -(-rows // group)
             linked = (group - 1) * (2 + 7 + 1) + (runs - 1) * (2 * group + 7 + 1) + chunk
-            assert embed.phases[f"wte chunk two_level (runs of {group}) to wpe"] == linked
+            assert embed.phases[f"wte chunks reduced to wpe, two_level (runs of {group})"] == linked
             assert linked < (rows - 1) * (2 + 7 + 1) / 2
 
 

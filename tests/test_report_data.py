@@ -17,6 +17,7 @@ from wafer.report.data import (
     latency_baseline,
     layer_phases,
     pareto_front,
+    path_by_class,
     pes_per_layer,
     phase_class,
     replica_curves,
@@ -51,6 +52,22 @@ def test_layer_phases_keep_every_cycle(plan):
         op = stage.name.split(".", 1)[1]
         assert sum(phases[op].values()) == stage.cycles
         assert set(phases[op]) == set(PHASE_CLASSES)
+
+
+def test_path_by_class_keeps_every_cycle_of_the_path(plan):
+    path = path_by_class(plan)
+    assert set(path) == set(PHASE_CLASSES)
+    assert sum(path.values()) == plan.decode_cycles
+    # The head's top-k merge and the embedding's chain of adds are reductions, the multicasts move data.
+    head = next(stage for stage in plan.stage_costs if stage.name == "head")
+    merges = sum(c for phase, c in head.phases.items() if phase_class(phase) == "reduction / merge")
+    assert merges >= max(head.phases.values()) > 0
+    embed = next(stage for stage in plan.stage_costs if stage.name == "embed")
+    assert any(phase_class(phase) == "reduction / merge" for phase in embed.phases)
+    assert 0 < path["compute"] < plan.decode_cycles
+    assert path["data movement"] >= sum(
+        c for stage in plan.stage_costs for phase, c in stage.phases.items() if "multicast" in phase
+    )
 
 
 def test_phase_classes():

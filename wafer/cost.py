@@ -226,7 +226,13 @@ def gemv_compute_cycles(tiling: GemvTiling, arch: Arch, dtype: str) -> int:
 
 
 def gemv_cost(
-    tiling: GemvTiling, arch: Arch | str, dtype: str, epilogue_cycles_per_output: int = 0, name: str = "gemv"
+    tiling: GemvTiling,
+    arch: Arch | str,
+    dtype: str,
+    epilogue_cycles_per_output: int = 0,
+    name: str = "gemv",
+    input_phase: tuple[str, int] | None = None,
+    epilogue: bool = True,
 ) -> StageCost:
     """y = x @ W on the tiling's grid, from the input chunks at the region's edge to the output
     chunks leaving the far edge.
@@ -239,10 +245,14 @@ def gemv_cost(
     With the LayerNorm folded in (`norm_fold`), every PE also sums its chunk's x and x^2 (as
     `norm_cost` prices it), the reduction carries the two sums as two more words, and the last PE
     turns them into mean and rstd and applies them with the bias (two FMACs per output).
+    `input_phase` (name, cycles) replaces the multicast where the input's latency is priced otherwise
+    (the LM head); `epilogue` False: the outputs go on without a bias or an epilogue (the LM head).
     """
     arch = resolve_arch(arch)
     cost = StageCost(name)
-    cost.add("input multicast", (tiling.cols - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES)
+    if input_phase is None:
+        input_phase = ("input multicast", (tiling.cols - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES)
+    cost.add(*input_phase)
     cost.add("tile FMAC", max(tiling.tile_k, gemv_compute_cycles(tiling, arch, dtype)))
     stats = NORM_STAT_WORDS if tiling.norm_fold else 0
     if tiling.norm_fold:
@@ -253,12 +263,14 @@ def gemv_cost(
     cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group))
     if tiling.norm_fold:  # the bias rides the multiply by rstd (an FMAC): not a pass of its own
         cost.add("LayerNorm (mean, rstd) + bias", RSQRT_CYCLES + 2 * tiling.tile_n)
-    epilogue = epilogue_cycles(
+    if not epilogue:
+        return cost
+    cycles = epilogue_cycles(
         tiling.tile_n, tiling.epilogue_pes, epilogue_cycles_per_output, not tiling.norm_fold
     )
-    if epilogue or not tiling.norm_fold:
+    if cycles or not tiling.norm_fold:
         shared = f" (shared by {tiling.epilogue_pes} PEs)" if tiling.epilogue_pes > 1 else ""
-        cost.add(("epilogue" if tiling.norm_fold else "bias + epilogue") + shared, epilogue)
+        cost.add(("epilogue" if tiling.norm_fold else "bias + epilogue") + shared, cycles)
     return cost
 
 
@@ -498,17 +510,12 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     merged across the columns (chain, or two_level), in the direction ln_f's output travels, and the
     result leaves for the output port."""
     arch = resolve_arch(arch)
-    gemv = gemv_cost(tiling.gemv, arch, dtype, name=name)
-    cost = StageCost(name)
-    for phase, cycles in gemv.phases.items():
-        if phase == "input multicast":
-            # ln_f's output reaches the columns one after another along the strip, and the merge runs
-            # the same way (wafer/plan/geometry.py strip_rects): a column's input arrives HOP_CYCLES
-            # after its neighbour's, and the merge reaches it at least a link and a root's lag later,
-            # so only the first column's input is on the path.
-            cost.add("input to the merge's first column", HOP_CYCLES + ROUTER_TO_PE_CYCLES)
-        elif phase != "bias + epilogue":
-            cost.add(phase, cycles)
+    # ln_f's output reaches the columns one after another along the strip, and the merge runs the same
+    # way (wafer/plan/geometry.py strip_rects): a column's input arrives HOP_CYCLES after its
+    # neighbour's, and the merge reaches it at least a link and a root's lag later, so only the first
+    # column's input is on the path.
+    first_column = ("input to the merge's first column", HOP_CYCLES + ROUTER_TO_PE_CYCLES)
+    cost = gemv_cost(tiling.gemv, arch, dtype, name=name, input_phase=first_column, epilogue=False)
     g, k = tiling.gemv, tiling.top_k
     cost.add("local max + min", g.tile_n * TOPK_SCAN_CYCLES)
     top = local_topk_cycles(g.tile_n, k)

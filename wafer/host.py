@@ -285,14 +285,13 @@ def _region_tensors(region: Any, params: GPT2Params) -> list[tuple[str, np.ndarr
     if region.kind == "layernorm":
         if not tiling.normalise:
             return []  # it passes x on to a GEMV that has the LayerNorm folded in
-        if region.layer is None:
-            gain, bias = params.ln_f_g, params.ln_f_b
-        else:
-            layer = params.layers[region.layer]
-            gain, bias = (layer.ln_1_g, layer.ln_1_b) if op == "ln_1" else (layer.ln_2_g, layer.ln_2_b)
+        if region.layer is not None:  # kernels/program/build.py refuses such a plan before any upload
+            raise ExecutorError(
+                f"{region.name}: a layer's LayerNorm is folded into its GEMV, not normalised in the strip"
+            )
         return [
-            ("gain", memory_layout.norm_tiles(gain, tiling)),
-            ("bias", memory_layout.norm_tiles(bias, tiling)),
+            ("gain", memory_layout.norm_tiles(params.ln_f_g, tiling)),
+            ("bias", memory_layout.norm_tiles(params.ln_f_b, tiling)),
         ]
     if region.kind == "embed":
         return [("wpe", memory_layout.wpe_tiles(params.wpe, region))]

@@ -11,8 +11,8 @@ One replica, in the order a token meets it (wafer/sim/program.py walks the same 
 
 qkv and fc have their LayerNorms folded in (wafer/tiling.py GemvTiling.norm_fold): the stream
 enters their K-lines through the routers of the ln_1 and ln_2 strips. ln_1's PEs take their chunks
-from the same multicast, only to forward x to res_1; ln_2's PEs idle. (A plan whose strips normalise
-gets the LayerNorm programs in between, as ln_f is.)
+from the same multicast, only to forward x to res_1; ln_2's PEs idle. Only ln_f normalises (a plan
+whose layers normalise in their strips is refused: the simulator and the host fold them too).
 
 Every hand-off between two regions is `connect`ed: as lanes (source PE i feeds destination line i,
 when the slices match and the lanes' routes do not cross), else as a gather line over the sources
@@ -372,19 +372,21 @@ class _Builder:
         ln_1, qkv, attn, attn_proj, res_1, ln_2, fc, proj, res_2 = (
             region(op) for op in ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
         )
+        for strip, gemv in ((ln_1, qkv), (ln_2, fc)):
+            if strip.tiling.normalise or not gemv.tiling.norm_fold:
+                raise ProgramError(
+                    f"{strip.name}: the program folds a layer's LayerNorm into {gemv.name} (GemvTiling."
+                    "norm_fold, its strip passing x on); this plan normalises in the strip"
+                )
         tag = f"r{replica}.L{layer}"
         source = "out" if layer == 0 else "next"  # the producer's output that feeds the layer (embed: "out")
         _, qkv_lines, qkv_roots = self.gemv_lines(qkv)
-        if ln_1.tiling.normalise:
-            ln1_pes = self.layernorm(ln_1, stream, chunk, f"{tag}.into_ln_1", source)
-            self.connect(f"{tag}.ln_1.y", ln1_pes, ln_1.tiling.chunk, qkv_lines, qkv.tiling.tile_k, "y", "in")
-        else:
-            # qkv has the LayerNorm folded in: the stream goes straight into its K-lines, through
-            # ln_1's routers, and ln_1's PEs take their chunks from it to forward x to res_1
-            ln1_pes = self.strip(ln_1)
-            self.layernorm_off(ln1_pes)
-            lines = [[pos, *line] for pos, line in zip(ln1_pes, qkv_lines, strict=True)]
-            self.connect(f"{tag}.into_qkv", stream, chunk, lines, qkv.tiling.tile_k, source, "in")
+        # qkv has the LayerNorm folded in: the stream goes straight into its K-lines, through ln_1's
+        # routers, and ln_1's PEs take their chunks from it to forward x to res_1
+        ln1_pes = self.strip(ln_1)
+        self.layernorm_off(ln1_pes)
+        lines = [[pos, *line] for pos, line in zip(ln1_pes, qkv_lines, strict=True)]
+        self.connect(f"{tag}.into_qkv", stream, chunk, lines, qkv.tiling.tile_k, source, "in")
         res1_pes = self.strip(res_1)
         self.connect(f"{tag}.ln_1.x", ln1_pes, ln_1.tiling.chunk, [[p] for p in res1_pes], self.chunk(res_1),
                      "resid", "resid")  # fmt: skip
@@ -398,13 +400,8 @@ class _Builder:
         self.connect(f"{tag}.res_1.x", res1_pes, self.chunk(res_1), [[p] for p in res2_pes], self.chunk(res_2),
                      "fwd", "resid")  # fmt: skip
         fc_frame, fc_lines, fc_roots = self.gemv_lines(fc)
-        if ln_2.tiling.normalise:
-            ln2_pes = self.layernorm(ln_2, res1_pes, self.chunk(res_1), f"{tag}.into_ln_2", "next")
-            self.connect(f"{tag}.ln_2.y", ln2_pes, ln_2.tiling.chunk, fc_lines, fc.tiling.tile_k, "y", "in")
-        else:  # fc has the LayerNorm folded in: res_1 feeds it through ln_2's routers (its PEs idle)
-            self.connect(
-                f"{tag}.into_fc", res1_pes, self.chunk(res_1), fc_lines, fc.tiling.tile_k, "next", "in"
-            )
+        # fc has the LayerNorm folded in: res_1 feeds it through ln_2's routers (its PEs idle)
+        self.connect(f"{tag}.into_fc", res1_pes, self.chunk(res_1), fc_lines, fc.tiling.tile_k, "next", "in")
         _, proj_lines, proj_roots = self.gemv_lines(proj)
         self.connect(f"{tag}.fc.out", fc_roots, fc.tiling.tile_n, proj_lines, proj.tiling.tile_k, "out", "in")
         self.share_epilogue(fc, fc_frame)

@@ -52,6 +52,14 @@ def _edge_hops(ox: int) -> int:
     return ox + 4
 
 
+def _request_hops(geo: _Geometry) -> int:
+    """Routers from io.in to the farthest PE of the embedding lines' first row (the head's bottom row)."""
+    rects = geo.strip_rects()
+    io_x, io_y, _, _ = rects["io.in"]
+    head_x, head_y, head_w, head_h = rects["head"]
+    return (io_y - (head_y + head_h - 1)) + (head_x + head_w - 1 - io_x)
+
+
 def _outer_stages(
     config: GPT2Config,
     geo: _Geometry,
@@ -86,9 +94,11 @@ def _outer_stages(
     rows_down = geo.embed_rows + geo.head_cols
     kind, group = embed_reduction(arch, rows_down, chunk)
     embed = StageCost("embed")
-    embed.add("request to the lines' first row", stream_cycles(2, 2 + geo.r - 1) + TASK_ACTIVATION_CYCLES)
+    embed.add(
+        "request to the lines' first row", stream_cycles(2, _request_hops(geo)) + TASK_ACTIVATION_CYCLES
+    )
     how = "chained" if kind == "chain" else f"{kind} (runs of {group})"
-    embed.add(f"wte chunk {how} to wpe", reduce_cycles(kind, rows_down, chunk, group))
+    embed.add(f"wte chunks reduced to wpe, {how}", reduce_cycles(kind, rows_down, chunk, group))
     embed.add("to layer 0", route("embed.out"))
     before.append(embed)
     turns = {

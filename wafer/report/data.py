@@ -173,6 +173,17 @@ def time_by_layer(plan: Plan) -> list[tuple[str, dict[str, int]]]:
     return rows
 
 
+def path_by_class(plan: Plan) -> dict[str, int]:
+    """The whole critical path of one token: {phase class: cycles}, every stage's phases classed as
+    `phase_class` classes them. What is not "compute" is the path's floor under this program's
+    dataflow: its cycles stay when every compute phase is made free."""
+    classes = dict.fromkeys(PHASE_CLASSES, 0)
+    for stage in plan.stage_costs:
+        for phase, cycles in stage.phases.items():
+            classes[phase_class(phase)] += cycles
+    return classes
+
+
 def layer_phases(plan: Plan) -> dict[str, dict[str, int]]:
     """One layer: {operation: {phase class: cycles}} from the stage costs the planner priced."""
     out: dict[str, dict[str, int]] = {}

@@ -12,6 +12,7 @@ from wafer.report.data import (
     ReportData,
     group_by_part,
     layer_phases,
+    path_by_class,
     pes_per_layer,
     sram_per_pe,
     time_by_part,
@@ -116,6 +117,11 @@ def render(data: ReportData, figures: list[Figure], command: str) -> str:
         else "the arithmetic on each PE's tile outweighs moving and reducing data"
     )
     split = ", ".join(f"{share:.0f}% {cls}" for cls, share in shares.items())
+    path = path_by_class(plan)
+    path_split = ", ".join(
+        f"{cycles:,} cycles {cls} ({100 * cycles / total:.0f}%)" for cls, cycles in path.items()
+    )
+    fabric = total - path["compute"]
     parts.append(
         "## Where the time of a token goes (modeled)\n\n"
         + fig("time_per_token.png")
@@ -124,6 +130,10 @@ def render(data: ReportData, figures: list[Figure], command: str) -> str:
             ["part", "cycles", "us at 1.1 GHz", "share"],
             part_rows + [["total", f"{total:,}", _us(total), "100%"]],
         )
+        + f"\n\nOver the whole path: {path_split}. Were every compute phase free (the FMACs, exps, "
+        "GELUs, top-k selection, LayerNorm arithmetic), the token would still take "
+        f"{fabric:,} cycles, {_us(fabric)} us: the floor of this program's dataflow, its multicasts, "
+        "reductions, merges and routes in series (with the adds, compares and DSD starts of their steps)."
         + f"\n\nOne layer costs {layer_total:,} cycles: {split}; {why}. Phase by phase:\n\n"
         + _table(["operation", "cycles", "phases (cycles)"], phase_rows)
         + "\n\n"
@@ -274,7 +284,7 @@ def _before_after(data: ReportData) -> str:
     def change(old: int, new: int) -> str:
         return f"{new - old:+,}" + (f" ({100 * (new - old) / old:+.0f}%)" if old else "")
 
-    names = sorted(set(before) | set(now), key=lambda n: -before.get(n, 0))
+    names = sorted(set(before) | set(now), key=lambda n: (-before.get(n, 0), n))
     part_rows = [
         [n, f"{before.get(n, 0):,}", f"{now.get(n, 0):,}", change(before.get(n, 0), now.get(n, 0))]
         for n in names
