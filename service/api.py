@@ -426,6 +426,8 @@ def create_app(
     async def info() -> TGIInfo:
         lim = limits()
         executor = engine.describe()
+        # A round trip to an engine process, whose messages this event loop reads: not on the loop.
+        kv_usage = await asyncio.to_thread(engine.kv_usage)
         return TGIInfo(
             model_id=settings.model_id,
             model_dtype=executor["dtype"],
@@ -451,7 +453,7 @@ def create_app(
                 "restarts": engine.restarts,
                 "steps": engine.steps,
                 "step_token_budget": max(settings.step_token_budget, executor["num_slots"]),
-                "kv_usage": dataclasses.asdict(engine.kv_usage()),
+                "kv_usage": dataclasses.asdict(kv_usage),
             },
         )
 

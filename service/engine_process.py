@@ -12,7 +12,9 @@ process, and the HTTP process talks to it over a pipe:
 
 Requests and step events cross as plain tuples (`service/engine_wire.py`), the rest pickled. The engine
 process's reader hands each request to the worker without taking the engine's lock
-(`Engine.submit_nowait`); `_Book` keeps the requests by id for cancellations.
+(`Engine.submit_nowait`); `_Book` keeps the requests by id for cancellations. In the HTTP process the
+server's event loop reads the pipe itself (`FrameReader`), so the loop has no thread to share the GIL
+with and puts each step's events into its requests' queues directly.
 
 `EngineProcess` has the surface the API uses of an `Engine`. A request is refused in the HTTP process
 (synchronously, as the in-process engine does) when the last known state is not READY, or when the
@@ -35,7 +37,10 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
+import socket
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -263,6 +268,69 @@ def _current_executor(engine: Engine) -> Executor | None:
         return None
 
 
+class FrameReader:
+    """`multiprocessing.Connection`'s messages, every whole one that has arrived at one read: the HTTP
+    process's event loop reads the engine's pipe when it is readable (never blocking), the engine
+    process's reader waits for the HTTP process's (`wait`). A frame is a big-endian length (4 bytes;
+    -1 and then 8 bytes for a message of 2 GiB or more) and the message's bytes, as
+    `Connection.send_bytes` writes them. The pipe's socket is read through a duplicate of its
+    descriptor (MSG_DONTWAIT where it must not block), so the connection stays blocking for writers."""
+
+    READ_BYTES = 1 << 20
+
+    def __init__(self, fileno: int):
+        self._socket = socket.socket(fileno=os.dup(fileno))
+        self._buffer = bytearray()
+
+    @property
+    def fileno(self) -> int:
+        return self._socket.fileno()
+
+    def read(self, wait: bool = False) -> list[bytes] | None:
+        """The whole messages that have arrived (none is possible unless `wait`: then it waits for
+        one); None once the pipe is closed."""
+        while True:
+            try:
+                data = self._socket.recv(self.READ_BYTES, 0 if wait else socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return []
+            except OSError:
+                return None
+            if not data:
+                return None
+            messages = self._split(data)
+            if messages or not wait:
+                return messages
+
+    def _split(self, data: bytes) -> list[bytes]:
+        buffer = self._buffer
+        buffer += data
+        messages: list[bytes] = []
+        start = 0
+        while len(buffer) - start >= 4:
+            (size,) = _LENGTH.unpack_from(buffer, start)
+            head = 4
+            if size == -1:
+                if len(buffer) - start < 12:
+                    break
+                (size,) = _LONG_LENGTH.unpack_from(buffer, start + 4)
+                head = 12
+            end = start + head + size
+            if len(buffer) < end:
+                break
+            messages.append(bytes(buffer[start + head : end]))
+            start = end
+        del buffer[:start]
+        return messages
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+_LENGTH = struct.Struct("!i")
+_LONG_LENGTH = struct.Struct("!Q")
+
+
 def engine_main(connection, options: EngineOptions) -> None:
     """The engine process: serve the HTTP process's messages until `shutdown` (or the pipe closes)."""
     # A Ctrl-C reaches the whole process group: the HTTP process drains and then stops this one.
@@ -307,44 +375,33 @@ def engine_main(connection, options: EngineOptions) -> None:
             stopped.wait(STATUS_PERIOD_S)
 
     threading.Thread(target=report_status, name="wafer-engine-status", daemon=True).start()
+    # Every message that has arrived is read and handled at one hold of the GIL: read one by one, the
+    # reader gave the GIL to the worker at every read and waited for it again, up to a switch interval
+    # while the worker stepped, so requests piled up in the pipe and steps ran short (issue 18).
+    reader = FrameReader(connection.fileno())
+    serving = True
     try:
-        while True:
-            try:
-                message = engine_wire.decode(connection.recv_bytes())
-            except (EOFError, OSError):
+        while serving:
+            frames = reader.read(wait=True)
+            if frames is None:
                 break  # the HTTP process is gone
-            except engine_wire.UnreadableRequest as unreadable:  # a bug: this request fails alone (500)
-                send(("events", [(unreadable.request_id, ErrorEvent(request_failed(unreadable.request_id)))]))
-                continue
-            except Exception:  # a message that does not decode: a bug, logged; the engine goes on
-                log.exception("could not read a message from the HTTP process")
-                continue
-            kind = message[0]
-            if kind == "submit":
-                _, request_id, request, stream = message
-                book.arrived(request_id)
-                # Duck-typed: the core only calls the loop's `call_soon_threadsafe`.
-                loop = cast(asyncio.AbstractEventLoop, outbox)
-                engine.submit_nowait(request, stream, loop, request_id, book.filed)
-            elif kind == "cancel":
-                cancelled = book.to_cancel(message[1])
-                if cancelled is not None:
-                    engine.cancel(cancelled)
-            elif kind == "drain":
-                engine.begin_drain()
-            elif kind == "fault":
-                engine.inject_fault(*message[1:])
-            elif kind == "ask":
-                _, number, what = message
-                answer = {
-                    "metrics": metrics.samples,
-                    "kv_usage": engine.kv_usage,
-                    "queue_sizes": engine.queue_sizes,
-                }[what]()
-                send(("answer", number, answer))
-            elif kind == "shutdown":
-                engine.shutdown(message[1])
-                break
+            for raw in frames:
+                try:
+                    message = engine_wire.decode(raw)
+                except engine_wire.UnreadableRequest as unreadable:  # a bug: this request fails alone (500)
+                    send(
+                        (
+                            "events",
+                            [(unreadable.request_id, ErrorEvent(request_failed(unreadable.request_id)))],
+                        )
+                    )
+                    continue
+                except Exception:  # a message that does not decode: a bug, logged; the engine goes on
+                    log.exception("could not read a message from the HTTP process")
+                    continue
+                serving = _serve_message(message, engine, book, outbox, metrics, send)
+                if not serving:
+                    break
     finally:
         stopped.set()
         try:
@@ -352,7 +409,46 @@ def engine_main(connection, options: EngineOptions) -> None:
             send(("stopped",))
         except (OSError, ValueError):
             pass
+        reader.close()
         connection.close()
+
+
+def _serve_message(
+    message: tuple,
+    engine: Engine,
+    book: _Book,
+    outbox: _Outbox,
+    metrics: ServiceMetrics,
+    send: Callable[[tuple], None],
+) -> bool:
+    """One message of the HTTP process, in the engine process; False after `shutdown`."""
+    kind = message[0]
+    if kind == "submit":
+        _, request_id, request, stream = message
+        book.arrived(request_id)
+        # Duck-typed: the core only calls the loop's `call_soon_threadsafe`.
+        loop = cast(asyncio.AbstractEventLoop, outbox)
+        engine.submit_nowait(request, stream, loop, request_id, book.filed)
+    elif kind == "cancel":
+        cancelled = book.to_cancel(message[1])
+        if cancelled is not None:
+            engine.cancel(cancelled)
+    elif kind == "drain":
+        engine.begin_drain()
+    elif kind == "fault":
+        engine.inject_fault(*message[1:])
+    elif kind == "ask":
+        _, number, what = message
+        answer = {
+            "metrics": metrics.samples,
+            "kv_usage": engine.kv_usage,
+            "queue_sizes": engine.queue_sizes,
+        }[what]()
+        send(("answer", number, answer))
+    elif kind == "shutdown":
+        engine.shutdown(message[1])
+        return False
+    return True
 
 
 # ----- the HTTP process ------------------------------------------------------------------------------
@@ -390,34 +486,45 @@ class EngineProcess:
         self._draining = False  # set by `begin_drain`: no state report makes it accept requests again
         self._shutting_down = False  # set by `shutdown`: the engine process's end is expected
         self._fatal_told = False  # `on_fatal` is called once
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop that reads the pipe (`start`)
 
     # ----- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the engine process. Its messages are read on the calling event loop (the server's),
+        not by a thread of this process's own: such a thread took the GIL at every message, and the
+        loop waited for it after each socket write and tokenization that let go of it (issue 18)."""
+        self._loop = loop = asyncio.get_running_loop()
         self._process.start()
         self._child.close()
-        threading.Thread(target=self._receive, name="wafer-engine-pipe", daemon=True).start()
+        frames = FrameReader(self._connection.fileno())
+        loop.add_reader(frames.fileno, self._readable, loop, frames)
 
     def _send(self, message: tuple) -> None:
         with self._send_lock:
             self._connection.send_bytes(engine_wire.encode(message))
 
-    def _receive(self) -> None:
-        """(A thread.) The engine's messages: events to their event loops, state to `_snapshot`."""
-        while True:
+    def _readable(self, loop: asyncio.AbstractEventLoop, reader: FrameReader) -> None:
+        """(On the event loop.) The engine's messages that arrived: events to their requests' queues,
+        state to `_snapshot`."""
+        frames = reader.read()
+        for raw in frames or ():
             try:
-                message = engine_wire.decode(self._connection.recv_bytes())
-            except (EOFError, OSError):
-                break
+                message = engine_wire.decode(raw)
             except Exception:  # a message that does not decode: a bug, logged; the pipe goes on
                 log.exception("could not read a message from the engine process")
                 continue
             try:
                 if not self._handle(message):
+                    frames = None  # it stopped: nothing more comes
                     break
             except Exception:  # a bug here must not end the only reader of the engine's messages
                 log.exception("could not handle the engine process's %r message", message[0])
-        self._engine_gone()
+        if frames is None:  # the pipe closed, or the engine said it stopped
+            loop.remove_reader(reader.fileno)
+            reader.close()
+            # It waits for the process to exit: not on the event loop.
+            threading.Thread(target=self._engine_gone, name="wafer-engine-gone", daemon=True).start()
 
     def _handle(self, message: tuple) -> bool:
         """One message from the engine process; False when it says it stopped."""
@@ -456,6 +563,9 @@ class EngineProcess:
                 del requests[request_id]
             by_loop.setdefault(remote.loop, []).append((remote, event))
         for loop, items in by_loop.items():
+            if loop is self._loop:
+                _put_events(items)  # this loop reads the pipe: its requests' queues are at hand
+                continue
             try:
                 loop.call_soon_threadsafe(_put_events, items)
             except RuntimeError:

@@ -10,9 +10,11 @@ the server; a graceful shutdown drains and then stops the engine process.
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import re
 import signal
+import struct
 import threading
 
 import httpx
@@ -26,7 +28,7 @@ from service_harness import (
 )
 
 from service.engine import EngineState
-from service.engine_process import EngineProcess
+from service.engine_process import EngineProcess, FrameReader
 from service.settings import ServerSettings
 
 PROMPT = "The engine runs in a process of its own"
@@ -194,3 +196,32 @@ def test_a_server_that_freezes_its_heap_has_frozen_it_once_started(small_params)
                 )
     finally:
         gc.unfreeze()
+
+
+def test_the_pipe_is_read_whole_message_by_whole_message_at_one_read():
+    """`FrameReader` reads `Connection.send_bytes`' frames as the other end wrote them, every whole one
+    that has arrived at once: several in one read, none of a frame whose bytes have not all arrived,
+    the long form of the length, and None once the other end is closed."""
+    ours, theirs = multiprocessing.Pipe()
+    reader = FrameReader(ours.fileno())
+    try:
+        assert reader.read() == []  # nothing yet, and it does not block
+        for payload in (b"first", b"", b"x" * 70_000):
+            theirs.send_bytes(payload)
+        got: list[bytes] = []
+        while len(got) < 3:
+            got += reader.read(wait=True) or []
+        assert got == [b"first", b"", b"x" * 70_000]
+
+        frame = struct.pack("!i", 6) + b"second"
+        os.write(theirs.fileno(), frame[:7])  # the length and a byte: not a whole message yet
+        assert reader.read() == []
+        os.write(theirs.fileno(), frame[7:] + struct.pack("!iQ", -1, 4) + b"long")
+        assert reader.read(wait=True) == [b"second", b"long"]
+        theirs.send_bytes(b"last")
+        theirs.close()
+        assert reader.read(wait=True) == [b"last"]
+        assert reader.read(wait=True) is None
+    finally:
+        reader.close()
+        ours.close()
