@@ -376,8 +376,7 @@ def engine_main(connection, options: EngineOptions) -> None:
 
     threading.Thread(target=report_status, name="wafer-engine-status", daemon=True).start()
     # Every message that has arrived is read and handled at one hold of the GIL: read one by one, the
-    # reader gave the GIL to the worker at every read and waited for it again, up to a switch interval
-    # while the worker stepped, so requests piled up in the pipe and steps ran short (issue 18).
+    # reader let go of the GIL at every read and then had to win it back from the stepping worker (issue 18).
     reader = FrameReader(connection.fileno())
     serving = True
     try:
