@@ -24,7 +24,8 @@ checks again: a refusal there arrives as the request's error event.
 The executor lives in the engine process; the HTTP process sees its shape (`ShapeReport`: what the
 request limits and /info read). The engine's metrics are recorded there: /metrics asks for their
 samples and merges them with this process's own (`ServiceMetrics.render`); `kv_usage` and
-`queue_sizes` are asked too (a round trip each), the rest is read from the last state report.
+`queue_sizes` are asked too (a round trip each, off the event loop that reads the answers), the rest
+is read from the last state report.
 
 The engine process is spawned (nothing of this process's threads or locks is inherited), so the
 executor factory must be picklable, and a script that starts a server this way needs the usual
@@ -507,6 +508,7 @@ class EngineProcess:
         """(On the event loop.) The engine's messages that arrived: events to their requests' queues,
         state to `_snapshot`."""
         frames = reader.read()
+        ended = frames is None  # the pipe closed
         for raw in frames or ():
             try:
                 message = engine_wire.decode(raw)
@@ -515,11 +517,11 @@ class EngineProcess:
                 continue
             try:
                 if not self._handle(message):
-                    frames = None  # it stopped: nothing more comes
+                    ended = True  # the engine said it stopped: nothing more comes
                     break
             except Exception:  # a bug here must not end the only reader of the engine's messages
                 log.exception("could not handle the engine process's %r message", message[0])
-        if frames is None:  # the pipe closed, or the engine said it stopped
+        if ended:
             loop.remove_reader(reader.fileno)
             reader.close()
             # It waits for the process to exit: not on the event loop.
@@ -700,11 +702,11 @@ class EngineProcess:
         return self.executor.describe()
 
     def kv_usage(self) -> KVUsage:
-        """Asked of the engine process (a round trip: not for a hot path)."""
+        """Asked of the engine process (a round trip: off the event loop, not for a hot path)."""
         return self._ask("kv_usage", self._snapshot.kv_usage)
 
     def queue_sizes(self) -> tuple[int, int]:
-        """(waiting, running), asked of the engine process (a round trip: not for a hot path)."""
+        """(waiting, running), asked of the engine process (a round trip: off the event loop)."""
         return self._ask("queue_sizes", (self._snapshot.waiting, self._snapshot.running))
 
     def unavailable(self) -> Unavailable:
@@ -748,7 +750,16 @@ class EngineProcess:
 
     def _ask(self, what: str, otherwise: Any, timeout: float = 5.0) -> Any:
         """The engine process's answer to `what` (a round trip over the pipe); `otherwise` when it is
-        gone or does not answer within `timeout`."""
+        gone or does not answer within `timeout`. Never on the event loop that reads the pipe: the
+        answer could not arrive while it waits (RuntimeError)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None and running is self._loop:
+            raise RuntimeError(
+                f"asking the engine process for {what} on the event loop that reads its answers"
+            )
         number = next(self._ids)
         self._send_quietly(("ask", number, what))
         with self._changed:

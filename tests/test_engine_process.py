@@ -9,6 +9,7 @@ the server; a graceful shutdown drains and then stops the engine process.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import multiprocessing
 import os
@@ -18,6 +19,7 @@ import struct
 import threading
 
 import httpx
+import pytest
 from service_harness import (
     built_late,
     executor_factory,
@@ -28,7 +30,8 @@ from service_harness import (
 )
 
 from service.engine import EngineState
-from service.engine_process import EngineProcess, FrameReader
+from service.engine_process import EngineOptions, EngineProcess, FrameReader
+from service.metrics import ServiceMetrics
 from service.settings import ServerSettings
 
 PROMPT = "The engine runs in a process of its own"
@@ -225,3 +228,24 @@ def test_the_pipe_is_read_whole_message_by_whole_message_at_one_read():
     finally:
         reader.close()
         ours.close()
+
+
+def test_asking_the_engine_process_on_the_loop_that_reads_its_answers_is_refused(small_params):
+    """The server's event loop reads the engine's pipe, so a round trip asked on that loop could never
+    get its answer: it is refused at once instead of stalling the loop for the answer's timeout. Off the
+    loop (as /info and /metrics ask) the answer comes."""
+    options = EngineOptions.of(settings(), executor_factory("reference", small_params, slots=1))
+    engine = EngineProcess(options, ServiceMetrics("tiny-gpt2"))
+
+    async def ask_both_ways():
+        engine.start()
+        try:
+            with pytest.raises(RuntimeError, match="kv_usage on the event loop that reads its answers"):
+                engine.kv_usage()
+            assert await asyncio.to_thread(engine.wait_ready, 30), engine.state
+            usage = await asyncio.to_thread(engine.kv_usage)
+            assert usage.slots_total == 1
+        finally:
+            await asyncio.to_thread(engine.shutdown, 10.0)
+
+    asyncio.run(ask_both_ways())
