@@ -39,7 +39,7 @@ from service.logs import RequestIdMiddleware, log_reference
 from service.metrics import Family, ServiceMetrics
 from service.middleware import OPENAI_PREFIX, GuardMiddleware, error_body, error_status
 from service.openai_chat import chat_generation_requests, chat_response, chat_stream
-from service.openai_completions import completion_choice, openai_generation_requests, openai_stream, usage_of
+from service.openai_completions import completion_response, openai_generation_requests, openai_stream
 from service.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -297,14 +297,10 @@ def create_app(
             finals = await wait_for_results(request, engine, sequences)
         except ClientGone:
             return Response(status_code=499)
-        response = CompletionResponse(
-            id=f"cmpl-{logs.fresh_hex(128)}",
-            created=int(time.time()),
-            model=model,
-            choices=[completion_choice(body, c, f) for c, f in zip(choices, finals, strict=True)],
-            usage=usage_of(choices, sum(len(f.tokens) for f in finals), body.n),
+        response = completion_response(
+            body, choices, finals, model, f"cmpl-{logs.fresh_hex(128)}", int(time.time())
         )
-        return JSONResponse(response.model_dump(), headers=headers)
+        return JSONResponse(response, headers=headers)
 
     @app.post(
         "/v1/chat/completions",

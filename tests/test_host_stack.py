@@ -14,13 +14,14 @@ from service.commands import bench_host
 from service.delivery import sse
 from service.engine_core import EngineCore, TokenizerHooks
 from service.openai_chat import chat_chunk_head, chat_content_frame
-from service.openai_completions import plain_chunk
+from service.openai_completions import Choice, completion_choice, completion_response, plain_chunk, usage_of
 from service.request import (
     Alternative,
     FinishEvent,
     FinishReason,
     GeneratedToken,
     GenerationRequest,
+    PromptToken,
     TokenEvent,
 )
 from service.sampling import Sampler, SamplingParams, greedy_batch
@@ -29,6 +30,7 @@ from service.schemas import (
     ChatCompletionChunk,
     ChatDelta,
     CompletionChoice,
+    CompletionRequest,
     CompletionResponse,
     TGIRequest,
     TGIStreamDetails,
@@ -240,6 +242,46 @@ def test_plain_chunk_is_the_models_dump(finish, stop_reason):
         choices=[CompletionChoice(index=2, text="é", finish_reason=finish, stop_reason=stop_reason)],
     ).model_dump(exclude_none=False)
     built = plain_chunk("cmpl-1", 5, "gpt2", 2, "é", finish, stop_reason)
+    assert json.dumps(built) == json.dumps(expected)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"echo": True, "n": 2},
+        {"stop": ["\n"], "stop_token_ids": [13]},
+        {"logprobs": 1},
+        {"logprobs": 2, "echo": True},
+        {"prompt_logprobs": 1},
+    ],
+)
+def test_completion_response_is_the_models_dump(fields):
+    """The non-streamed response built directly is the pydantic models' dump, byte for byte once encoded."""
+    body = CompletionRequest(prompt=["Say", "Go on"], max_tokens=2, **fields)
+    top = (Alternative(11, -0.5), Alternative(13, -1.25))
+    prefill = (PromptToken(50, None), PromptToken(60, -0.75, top, 2))
+    tokens = (
+        GeneratedToken(id=11, text=",", released=",", logprob=-0.125, special=False, top=top),
+        GeneratedToken(id=13, text="é", released="é", logprob=-2.5, special=False, top=top),
+    )
+    ends = [
+        FinishEvent(FinishReason.LENGTH, ",é", "", tokens, prefill, None, 2, None),
+        FinishEvent(FinishReason.STOP, ",", "", tokens, prefill, None, 2, "\n"),
+        FinishEvent(FinishReason.EOS, ",é", "", tokens, prefill, None, 2, None),
+    ]
+    choices = [Choice(index, (50, 60), "Say it") for index in range(len(body.prompt) * body.n)]
+    finals = [ends[index % len(ends)] for index in range(len(choices))]
+    expected = CompletionResponse(
+        id="cmpl-1",
+        created=5,
+        model="gpt2",
+        choices=[
+            completion_choice(body, choice, final) for choice, final in zip(choices, finals, strict=True)
+        ],
+        usage=usage_of(choices, sum(len(final.tokens) for final in finals), body.n),
+    ).model_dump()
+    built = completion_response(body, choices, finals, "gpt2", "cmpl-1", 5)
     assert json.dumps(built) == json.dumps(expected)
 
 
