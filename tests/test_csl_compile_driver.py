@@ -11,10 +11,10 @@ import shlex
 import pytest
 
 from kernels.program import LAYOUT_HEADER, build_program
-from kernels.program.errors import ProgramError
 from service.cli import main
 from wafer.compile import CompileError, compile_program, prepare_sources
 from wafer.plan import build_plan
+from wafer.plan.model import PlanError
 from weights.config import GPT2Config
 
 TINY = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny")
@@ -133,7 +133,9 @@ def test_a_plan_whose_layers_normalise_in_their_strips_is_refused(tiny_plan):
     plan = copy.deepcopy(tiny_plan)
     strip = plan.region("L1.ln_2")
     strip.tiling = dataclasses.replace(strip.tiling, normalise=True)
-    with pytest.raises(ProgramError, match=r"L1\.ln_2: the program folds a layer's LayerNorm into L1\.fc"):
+    with pytest.raises(
+        PlanError, match=r"L1\.ln_2: a layer's LayerNorm is folded into L1\.fc .* this plan normalises"
+    ):
         build_program(plan)
     build_program(tiny_plan)  # the plan as the planner made it lays out
 

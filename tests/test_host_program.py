@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from service.cli import main
 from wafer.backends import ExecutorOptions, build_executor
 from wafer.executor import StepItem
+from wafer.plan.model import PlanError
 from wafer.runtime import MemcpyDataType, from_wire, to_wire
 from wafer.tiling import ceil_div
 
@@ -91,6 +93,19 @@ def test_upload_puts_each_tile_on_its_pe(sim16, small_params):
 def test_upload_refuses_a_checkpoint_of_another_shape(sim16, gpt2_params):
     with pytest.raises(ValueError, match="does not match the plan"):
         sim16.upload(gpt2_params)
+
+
+def test_upload_refuses_a_plan_that_normalises_in_a_layers_strip(small_params):
+    """The host folds every layer's LayerNorm into its GEMV, as the program does: a plan whose layer
+    strip normalises has no home for that strip's gain and bias, and is refused before any copy."""
+    sim = build_executor("sim", small_params, ExecutorOptions(slots=1, dtype="fp32", context=16))
+    try:
+        strip = sim.plan.region("L0.ln_1")
+        strip.tiling = dataclasses.replace(strip.tiling, normalise=True)
+        with pytest.raises(PlanError, match=r"L0\.ln_1: a layer's LayerNorm is folded into L0\.qkv"):
+            sim.upload(small_params)
+    finally:
+        sim.close()
 
 
 def test_attention_reads_the_kv_cache_the_pe_memory_holds(small_params):

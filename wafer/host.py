@@ -24,6 +24,7 @@ from wafer import memory_layout
 from wafer.contract import CYCLES_SYMBOL, WEIGHT_SYMBOLS
 from wafer.errors import InvalidInput
 from wafer.executor import Executor, ExecutorError, StepItem, TokenScores, validate_items
+from wafer.plan.checks import check_layer_norms_folded
 from wafer.runtime import MemcpyDataType, MemcpyOrder, Runtime, Task, from_wire, hwl_to_flat, to_wire
 from wafer.wire import D2H_COLOR, H2D_COLOR, decode_scores, encode_items, record_words
 from weights.params import GPT2Params
@@ -97,6 +98,7 @@ class WaferGPT2:
                 + ", ".join(f"{f}={getattr(want, f)}" for f in shape)
                 + ")"
             )
+        check_layer_norms_folded(self.plan)  # a layer strip's gain and bias have no home on its PEs
         weights = [r for r in self.plan.regions if r.kind in WEIGHT_SYMBOLS]
         total = sum(
             r.symbols[s].nbytes * r.w * r.h for r in weights for s in WEIGHT_SYMBOLS[r.kind] if s in r.symbols
@@ -285,11 +287,7 @@ def _region_tensors(region: Any, params: GPT2Params) -> list[tuple[str, np.ndarr
     if region.kind == "layernorm":
         if not tiling.normalise:
             return []  # it passes x on to a GEMV that has the LayerNorm folded in
-        if region.layer is not None:  # kernels/program/build.py refuses such a plan before any upload
-            raise ExecutorError(
-                f"{region.name}: a layer's LayerNorm is folded into its GEMV, not normalised in the strip"
-            )
-        return [
+        return [  # ln_f: `upload` refused a plan that normalises in a layer's strip
             ("gain", memory_layout.norm_tiles(params.ln_f_g, tiling)),
             ("bias", memory_layout.norm_tiles(params.ln_f_b, tiling)),
         ]

@@ -12,7 +12,8 @@ One replica, in the order a token meets it (wafer/sim/program.py walks the same 
 qkv and fc have their LayerNorms folded in (wafer/tiling.py GemvTiling.norm_fold): the stream
 enters their K-lines through the routers of the ln_1 and ln_2 strips. ln_1's PEs take their chunks
 from the same multicast, only to forward x to res_1; ln_2's PEs idle. Only ln_f normalises (a plan
-whose layers normalise in their strips is refused: the simulator and the host fold them too).
+whose layers normalise in their strips is refused, `check_layer_norms_folded`: the simulator and the
+host fold them too).
 
 Every hand-off between two regions is `connect`ed: as lanes (source PE i feeds destination line i,
 when the slices match and the lanes' routes do not cross), else as a gather line over the sources
@@ -34,6 +35,7 @@ from kernels.program.errors import ProgramError
 from kernels.program.frames import Frame, frame_of
 from kernels.program.routes import Flow, Pos, assign_colors, make_flow
 from wafer.cost import MERGE_BLOCK, TOPK_BINS, embed_reduction
+from wafer.plan.checks import check_layer_norms_folded
 from wafer.tiling import ceil_div, meeting_index, reduction_runs
 from wafer.wire import D2H_COLOR, H2D_COLOR, record_words
 
@@ -372,12 +374,6 @@ class _Builder:
         ln_1, qkv, attn, attn_proj, res_1, ln_2, fc, proj, res_2 = (
             region(op) for op in ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
         )
-        for strip, gemv in ((ln_1, qkv), (ln_2, fc)):
-            if strip.tiling.normalise or not gemv.tiling.norm_fold:
-                raise ProgramError(
-                    f"{strip.name}: the program folds a layer's LayerNorm into {gemv.name} (GemvTiling."
-                    "norm_fold, its strip passing x on); this plan normalises in the strip"
-                )
         tag = f"r{replica}.L{layer}"
         source = "out" if layer == 0 else "next"  # the producer's output that feeds the layer (embed: "out")
         _, qkv_lines, qkv_roots = self.gemv_lines(qkv)
@@ -534,6 +530,7 @@ def build_program(plan: Plan) -> Program:
 
 
 def _build_program(plan: Plan) -> Program:
+    check_layer_norms_folded(plan)
     b = _Builder(plan)
     for replica in range(plan.replicas):
         b.replica(replica)

@@ -7,11 +7,32 @@ from __future__ import annotations
 from functools import lru_cache
 
 from wafer.arch import Arch
-from wafer.plan.model import DTYPES, OBJECTIVES, PlanError, Region, Route
+from wafer.plan.model import DTYPES, OBJECTIVES, Plan, PlanError, Region, Route
 from wafer.plan.symbols import attention_symbols, gemv_symbols, head_symbols, norm_symbols, pe_bytes
 from wafer.plan.tilings import LayerTilings
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from weights.config import GPT2Config
+
+# Each layer LayerNorm strip and the GEMV its LayerNorm is folded into (`GemvTiling.norm_fold`).
+FOLDED_INTO = {"ln_1": "qkv", "ln_2": "fc"}
+
+
+def check_layer_norms_folded(plan: Plan) -> None:
+    """Every layer's LayerNorm is folded into the GEMV after it, its strip only passing x on: the
+    generated program, the simulator and the host fold them all, so a plan that normalises in a layer's
+    strip (a hand-edited one: the planner never makes it) is refused, naming the strip."""
+    for region in plan.regions:
+        if region.kind != "layernorm" or region.layer is None:
+            continue
+        gemv = plan.region(f"L{region.layer}.{FOLDED_INTO[region.name.rsplit('.', 1)[-1]]}", region.replica)
+        strip, fold = region.tiling, gemv.tiling
+        if not isinstance(strip, NormTiling) or not isinstance(fold, GemvTiling):
+            raise PlanError(f"{region.name} and {gemv.name}: expected a LayerNorm strip and a GEMV")
+        if strip.normalise or not fold.norm_fold:
+            raise PlanError(
+                f"{region.name}: a layer's LayerNorm is folded into {gemv.name} (GemvTiling.norm_fold, its "
+                "strip passing x on) by the program, the simulator and the host; this plan normalises in the strip"
+            )
 
 
 def _check_request(
