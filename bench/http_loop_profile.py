@@ -38,8 +38,10 @@ def profile(route: str, streams: int, executor_kind: str, seconds: float) -> tup
     clients.start()
     try:
         clients.answer(120, "start")
-        with bench_host._server(executor, streams, True) as server:
-            job = bench_host._job(route, server.port, streams, NEW_TOKENS, seconds + 2 * WARMUP_S, WARMUP_S)
+        with bench_host.bench_server(executor, streams, True) as server:
+            job = bench_host.load_job(
+                route, server.port, streams, NEW_TOKENS, seconds + 2 * WARMUP_S, WARMUP_S
+            )
             clients.connection.send(job)
             (loop,) = {listener._loop for listener in server.server.servers}
             profiler = cProfile.Profile()

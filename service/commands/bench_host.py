@@ -187,7 +187,7 @@ def twin_factory(executor: Executor) -> Callable[[], Executor]:
     )
 
 
-def _server(executor: Executor, streams: int, engine_process: bool) -> BenchServer:
+def bench_server(executor: Executor, streams: int, engine_process: bool) -> BenchServer:
     """The service for `streams` streams, admitting all of them at once; `engine_process`: its engine
     in a process of its own, which builds an executor like `executor` (`service/engine_process.py`)."""
     from service.settings import ServerSettings
@@ -250,7 +250,7 @@ def measure(
                     )
                 log(f"bench host: {labels[f'{kind} {count}']}; {count} streams")
                 row = {route: Cell(kind, count, route) for route in routes}
-                with _server(executor, count, engine_process) as server:
+                with bench_server(executor, count, engine_process) as server:
                     for route in routes:  # warm-up, and the response the replay server will send
                         recorded[route] = record_response(
                             "127.0.0.1", server.port, ROUTE_TABLE[route].request(new_tokens)
@@ -271,7 +271,7 @@ def measure(
                 replay.connection.send(recorded[route])
                 port = replay.answer(60, "start")
                 for count in streams:
-                    job = _job(route, port, count, new_tokens, seconds, warmup_s)
+                    job = load_job(route, port, count, new_tokens, seconds, warmup_s)
                     clients.connection.send(job)
                     ceilings[route, count] = clients.answer(seconds + warmup_s + 60, "finish")
                     log(
@@ -287,7 +287,10 @@ def measure(
     return cells, labels
 
 
-def _job(route: str, port: int, streams: int, new_tokens: int, seconds: float, warmup_s: float) -> LoadJob:
+def load_job(
+    route: str, port: int, streams: int, new_tokens: int, seconds: float, warmup_s: float
+) -> LoadJob:
+    """The load generator's job: `streams` connections sending `route`'s request to the server at `port`."""
     spec = ROUTE_TABLE[route]
     return LoadJob(
         host="127.0.0.1",
@@ -311,7 +314,7 @@ def _run_cell(
     seconds: float,
     warmup_s: float,
 ) -> None:
-    job = _job(cell.route, server.port, cell.streams, new_tokens, seconds, warmup_s)
+    job = load_job(cell.route, server.port, cell.streams, new_tokens, seconds, warmup_s)
     clients.connection.send(job)
     # The server's CPU and the wafer's modeled busy time over the client's window (from its start time).
     time.sleep(warmup_s)
