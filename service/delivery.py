@@ -258,7 +258,9 @@ _C_ENCODER = (
     )
 )
 # Starlette's `JSONResponse.render` (`json.dumps(..., ensure_ascii=False, allow_nan=False, separators=...)`)
-# with its C encoder built once, as `_C_ENCODER` is: 2 us of every non-streamed response (issue 18).
+# with its C encoder built once, as `_C_ENCODER` is: 2 us of every non-streamed response (issue 18). The
+# same bytes and errors, except that it has no circularity check either: a response is a fresh tree, and
+# a circular one would raise RecursionError instead of ValueError.
 _C_RESPONSE_ENCODER = (
     None
     if _make_encoder is None

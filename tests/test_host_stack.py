@@ -250,7 +250,7 @@ def test_plain_chunk_is_the_models_dump(finish, stop_reason):
     [
         {},
         {"echo": True, "n": 2},
-        {"stop": ["\n"], "stop_token_ids": [13]},
+        {"stop": ["\n"], "stop_token_ids": [13], "n": 2},  # four choices: the EOS one ends on token 13
         {"logprobs": 1},
         {"logprobs": 2, "echo": True},
         {"prompt_logprobs": 1},
