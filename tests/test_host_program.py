@@ -14,6 +14,7 @@ from wafer.executor import StepItem
 from wafer.plan.model import PlanError
 from wafer.runtime import MemcpyDataType, from_wire, to_wire
 from wafer.tiling import ceil_div
+from wafer.wire import WireError, decode_scores, encode_scores
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,32 @@ def test_upload_puts_each_tile_on_its_pe(sim16, small_params):
 def test_upload_refuses_a_checkpoint_of_another_shape(sim16, gpt2_params):
     with pytest.raises(ValueError, match="does not match the plan"):
         sim16.upload(gpt2_params)
+
+
+def test_output_records_decode_to_the_scores_the_wafer_sent():
+    """A step's output records (as the head region writes them) read back as each item's scores, the
+    target logit only where the item asked for one; a stream of the wrong length, or a record of
+    another item where one was due, is a WireError naming it."""
+    rng = np.random.default_rng(3)
+    n, k = 5, 8
+    ids = rng.integers(0, 50257, size=(n, k)).astype(np.int32)
+    logits = np.sort(rng.normal(size=(n, k)).astype(np.float32))[:, ::-1]
+    lse = rng.normal(size=n).astype(np.float32)
+    targets = rng.normal(size=n).astype(np.float32)
+    expected = [0, 2, 3, 6, 7]
+    asked = [False, True, False, True, False]
+    words = encode_scores(np.array(expected), ids, logits, lse, targets)
+    decoded = decode_scores(words, k, expected, asked)
+    for i, scores in enumerate(decoded):
+        np.testing.assert_array_equal(scores.topk_ids, ids[i])
+        np.testing.assert_array_equal(scores.topk_logits, logits[i])
+        assert scores.topk_ids.dtype == np.int32 and scores.topk_logits.dtype == np.float32
+        assert scores.logsumexp == float(lse[i])
+        assert scores.target_logit == (float(targets[i]) if asked[i] else None)
+    with pytest.raises(WireError, match=r"output stream of \d+ words, expected 4 records"):
+        decode_scores(words, k, expected[:4], asked[:4])
+    with pytest.raises(WireError, match="output record for item 3 arrived where item 4 was due"):
+        decode_scores(words, k, [0, 2, 4, 6, 7], asked)
 
 
 def test_upload_refuses_a_plan_that_normalises_in_a_layers_strip(small_params):

@@ -136,7 +136,9 @@ def decode_scores(
     words: np.ndarray, top_k: int, expected_items: Sequence[int], asked_target: Sequence[bool]
 ) -> list[TokenScores]:
     """Parse the output stream of one step: `expected_items` are the indices of the items that asked
-    for scores, `asked_target` whether each of them asked for a target logit."""
+    for scores, `asked_target` whether each of them asked for a target logit. The step's records are
+    split into columns at once and each item's `TokenScores` holds rows of them: a few numpy calls a step,
+    not a few a record (this runs between two steps, issue 18)."""
     size = record_words(top_k)
     words = np.asarray(words, dtype=np.uint32)
     if words.size != size * len(expected_items):
@@ -144,17 +146,22 @@ def decode_scores(
             f"output stream of {words.size} words, expected {len(expected_items)} records of {size}"
         )
     records = words.reshape(len(expected_items), size)
-    results = []
-    for record, expected, asked in zip(records, expected_items, asked_target, strict=True):
-        if int(record[0]) != expected:
-            raise WireError(f"output record for item {int(record[0])} arrived where item {expected} was due")
-        target = float(record[2 + 2 * top_k : 3 + 2 * top_k].view(np.float32)[0])
-        results.append(
-            TokenScores(
-                topk_ids=record[1 : 1 + top_k].astype(np.int32),
-                topk_logits=record[1 + top_k : 1 + 2 * top_k].view(np.float32).copy(),
-                logsumexp=float(record[1 + 2 * top_k : 2 + 2 * top_k].view(np.float32)[0]),
-                target_logit=target if asked else None,
-            )
+    arrived = records[:, 0].tolist()
+    if arrived != list(expected_items):
+        late = next(i for i, (got, due) in enumerate(zip(arrived, expected_items, strict=True)) if got != due)
+        raise WireError(
+            f"output record for item {arrived[late]} arrived where item {expected_items[late]} was due"
         )
-    return results
+    ids = records[:, 1 : 1 + top_k].astype(np.int32)
+    logits = records[:, 1 + top_k : 1 + 2 * top_k].view(np.float32).copy()
+    lse = records[:, 1 + 2 * top_k].view(np.float32).tolist()
+    targets = records[:, 2 + 2 * top_k].view(np.float32).tolist()
+    return [
+        TokenScores(
+            topk_ids=ids[i],
+            topk_logits=logits[i],
+            logsumexp=lse[i],
+            target_logit=targets[i] if asked else None,
+        )
+        for i, asked in enumerate(asked_target)
+    ]
