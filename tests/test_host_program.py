@@ -14,7 +14,7 @@ from wafer.executor import StepItem
 from wafer.plan.model import PlanError
 from wafer.runtime import MemcpyDataType, from_wire, to_wire
 from wafer.tiling import ceil_div
-from wafer.wire import WireError, decode_scores, encode_scores
+from wafer.wire import WireError, decode_scores, encode_items, encode_scores, step_message
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +120,15 @@ def test_output_records_decode_to_the_scores_the_wafer_sent():
         decode_scores(words, k, expected[:4], asked[:4])
     with pytest.raises(WireError, match="output record for item 3 arrived where item 4 was due"):
         decode_scores(words, k, [0, 2, 4, 6, 7], asked)
+
+
+def test_a_step_message_is_the_items_encoded():
+    """The host program's input message of a replica's items (`step_message`) is `encode_items`' words
+    for them, slots counted within the replica, flags and targets as asked; none for no items."""
+    items = [StepItem(9, 3, 464), StepItem(8, 0, 11, want_scores=False), StepItem(10, 7, 13, target=50256)]
+    expected = encode_items([1, 0, 2], [3, 0, 7], [464, 11, 13], [True, False, True], [None, None, 50256])
+    np.testing.assert_array_equal(step_message(items, 8), expected)
+    np.testing.assert_array_equal(step_message([], 8), encode_items([], [], [], [], []))
 
 
 def test_upload_refuses_a_plan_that_normalises_in_a_layers_strip(small_params):

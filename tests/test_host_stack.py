@@ -116,6 +116,32 @@ def test_modeled_executor_takes_the_modeled_time_and_says_modeled(two_replica_pl
     }
 
 
+def test_modeled_executor_decodes_the_records_the_null_executor_answers_with(two_replica_plan):
+    """The modeled stand-in goes through the host program's wire (each replica's message encoded, the
+    scored items' records decoded): what comes back equals the null executor's answers, the target logit
+    only where asked, nothing for an item that wants no scores, on both replicas and in step order."""
+    plan = two_replica_plan
+    modeled = ModeledWaferExecutor(plan, timer_late_s=0.0)
+    null = NullExecutor(plan.config.vocab_size, slots=4, context=32, top_k=plan.top_k)
+    items = [
+        StepItem(2, 0, 464, want_scores=False),
+        StepItem(0, 0, 11, target=7),
+        StepItem(3, 0, 12),
+        StepItem(2, 1, 13, target=50256),
+        StepItem(1, 0, 14),
+    ]
+    got, expected = modeled.step(items), null.step(items)
+    assert got[0] is None and expected[0] is None
+    for ours, theirs in zip(got[1:], expected[1:], strict=True):
+        assert ours is not None and theirs is not None
+        np.testing.assert_array_equal(ours.topk_ids, theirs.topk_ids)
+        np.testing.assert_array_equal(ours.topk_logits, theirs.topk_logits)
+        assert ours.logsumexp == pytest.approx(theirs.logsumexp)
+        assert (ours.target_logit is None) == (theirs.target_logit is None)
+        if ours.target_logit is not None:
+            assert ours.target_logit == pytest.approx(theirs.target_logit)
+
+
 @pytest.mark.slow
 def test_backends_build_the_stand_ins_by_name(small_params):
     null = build_executor("null", small_params, ExecutorOptions(slots=3, context=16, top_k=8))

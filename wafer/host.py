@@ -26,7 +26,7 @@ from wafer.errors import InvalidInput
 from wafer.executor import Executor, ExecutorError, StepItem, TokenScores, validate_items
 from wafer.plan.checks import check_layer_norms_folded
 from wafer.runtime import MemcpyDataType, MemcpyOrder, Runtime, Task, from_wire, hwl_to_flat, to_wire
-from wafer.wire import D2H_COLOR, H2D_COLOR, decode_scores, encode_items, record_words
+from wafer.wire import D2H_COLOR, H2D_COLOR, decode_scores, record_words, step_message
 from weights.params import GPT2Params
 
 if TYPE_CHECKING:
@@ -194,13 +194,7 @@ class WaferGPT2:
 
     def _send(self, replica: int, items: list[StepItem]) -> None:
         port_in, _ = self.plan.io_ports(replica)
-        words = encode_items(
-            [item.slot % self.plan.slots for item in items],
-            [item.position for item in items],
-            [item.token for item in items],
-            [item.want_scores for item in items],
-            [item.target for item in items],
-        )
+        words = step_message(items, self.plan.slots)
         self.runtime.memcpy_h2d(
             H2D_COLOR, words, port_in.x, port_in.y, 1, 1, words.size, streaming=True, nonblock=True
         )

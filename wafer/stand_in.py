@@ -4,7 +4,11 @@
   so whatever a benchmark measures over it is the host's cost alone.
 - `ModeledWaferExecutor` (backend `modeled`): the same answers, but each step takes the time the cost
   model gives the plan for that step, so the host is measured against a wafer as fast as the model says
-  one is. It is labelled modeled everywhere (`describe()`, the benchmark's output): no wafer ran.
+  one is. Around the wafer's time it does the host program's side of the wire as
+  `wafer.host.WaferGPT2.step` does: each replica's input message is encoded before the step starts, and
+  the scored items' output records are decoded after it ends (`wafer.wire`; the records themselves, the
+  wafer's side, come from a table built once). It is labelled modeled everywhere (`describe()`, the
+  benchmark's output): no wafer ran.
 
 Both validate items and keep per-slot positions like the real executors, so a host bug that feeds the
 wafer a bad item fails here as it would there. The scores are deterministic in (token, position):
@@ -24,6 +28,7 @@ from wafer.cost import CLOCK_HZ
 from wafer.errors import InvalidInput
 from wafer.executor import ExecutorError, StepItem, TokenScores, validate_items
 from wafer.plan.model import Plan
+from wafer.wire import decode_scores, encode_scores, step_message
 
 TABLE = 251  # distinct score rows (a prime: (token + position) cycles through all of them)
 # Ids the fixed scores never put first: GPT-2's end-of-text, so a stream never ends early on it.
@@ -60,15 +65,14 @@ class NullExecutor:
         self.vocab_size = vocab_size
         self.top_k = top_k
         self._rows = _score_table(vocab_size, top_k)
+        self._k = len(self._rows[0].topk_ids)
         self._closed = False
         self.steps = 0
         self.items = 0
 
     def answer(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
         """Validate and answer a step (no waiting): what every stand-in returns."""
-        if self._closed:
-            raise ExecutorError("the executor is closed")
-        validate_items(items, self.num_slots, self.context_length, self.vocab_size)
+        self._take(items)
         rows, n = self._rows, TABLE
         out: list[TokenScores | None] = []
         for item in items:
@@ -81,9 +85,15 @@ class NullExecutor:
                     row.topk_ids, row.topk_logits, row.logsumexp, float(row.topk_logits[-1]) - 1.0
                 )
             out.append(row)
+        return out
+
+    def _take(self, items: Sequence[StepItem]) -> None:
+        """Refuse a step the real executors refuse; count it."""
+        if self._closed:
+            raise ExecutorError("the executor is closed")
+        validate_items(items, self.num_slots, self.context_length, self.vocab_size)
         self.steps += 1
         self.items += len(items)
-        return out
 
     def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
         return self.answer(items)
@@ -109,6 +119,44 @@ class NullExecutor:
             "top_k": self.top_k,
             "plan": {},
         }
+
+
+def _records_of(rows: list[TokenScores]) -> np.ndarray:
+    """The output records (`wafer.wire.encode_scores`) of the score table's rows, one row each, with a
+    target logit below each row's worst (as `NullExecutor.answer` gives it)."""
+    logits = np.stack([row.topk_logits for row in rows])
+    return encode_scores(
+        np.zeros(len(rows), dtype=np.int64),
+        np.stack([row.topk_ids for row in rows]),
+        logits,
+        np.array([row.logsumexp for row in rows], dtype=np.float32),
+        logits[:, -1] - 1.0,
+    ).reshape(len(rows), -1)
+
+
+class _Records:
+    """A step's output records as the wafer sends them, per replica's message: the table row of each
+    scored item, numbered as the message's items. Built while the modeled wafer computes; `decode` reads
+    them as `wafer.host.WaferGPT2._collect` does, after the step."""
+
+    def __init__(self, items: Sequence[StepItem], per_message: list[list[int]], table: np.ndarray) -> None:
+        self.count = len(items)
+        self.messages = []
+        for indices in per_message:
+            scored = [n for n, i in enumerate(indices) if items[i].want_scores]
+            if scored:
+                item_of = [items[indices[n]] for n in scored]
+                records = table[[(item.token + item.position) % TABLE for item in item_of]]
+                records[:, 0] = scored
+                asked = [item.target is not None for item in item_of]
+                self.messages.append(([indices[n] for n in scored], scored, records.reshape(-1), asked))
+
+    def decode(self, k: int) -> list[TokenScores | None]:
+        out: list[TokenScores | None] = [None] * self.count
+        for positions, scored, words, asked in self.messages:
+            for at, scores in zip(positions, decode_scores(words, k, scored, asked), strict=True):
+                out[at] = scores
+        return out
 
 
 def modeled_step_seconds(plan: Plan, slots_of_items: Sequence[int], clock_hz: float = CLOCK_HZ) -> float:
@@ -200,7 +248,8 @@ class ModeledWaferExecutor(NullExecutor):
         self._input_free = [0.0] * plan.replicas  # when each replica's pipeline takes its next item
         self._busy_until = 0.0  # the end of the latest modeled span
         # (modeled end, slots, results) of each step submitted and not collected, oldest first
-        self._in_flight: deque[tuple[float, set[int], list[TokenScores | None]]] = deque()
+        self._in_flight: deque[tuple[float, set[int], _Records]] = deque()
+        self._records = _records_of(self._rows)  # the wafer's side of the wire
         self._slots_in_flight: set[int] = set()
         full_step = modeled_step_seconds(plan, list(range(min(plan.slots, self.num_slots))), clock_hz)
         self.timer_late_s = timer_lateness(full_step) if timer_late_s is None else timer_late_s
@@ -211,8 +260,15 @@ class ModeledWaferExecutor(NullExecutor):
         slots = {item.slot for item in items}
         if busy := slots & self._slots_in_flight:
             raise ExecutorError(f"slots {sorted(busy)} have items in a step still in flight")
+        self._take(items)
+        per_message: list[list[int]] = [[] for _ in range(self.plan.replicas)]
+        for index, item in enumerate(items):
+            per_message[item.slot // self.plan.slots].append(index)
+        for indices in per_message:  # the host program's messages, before the wafer starts
+            if indices:
+                step_message([items[i] for i in indices], self.plan.slots)
         now = time.perf_counter()
-        out = self.answer(items)
+        out = _Records(items, per_message, self._records)  # the wafer's side, while it computes
         decode, bottleneck = (cycles / self.clock_hz for cycles in self._cycles)
         per_replica = items_per_replica(self.plan, [item.slot for item in items])
         first, end = pipelined_span(now, self._input_free, per_replica, decode, bottleneck)
@@ -231,7 +287,7 @@ class ModeledWaferExecutor(NullExecutor):
             time.sleep(remaining)
         if end >= self._busy_until:  # the pipeline is empty until the host submits again
             self.overshoot_s += time.perf_counter() - end
-        return out
+        return out.decode(self._k)  # the host program reads the records
 
     def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
         if self._in_flight:

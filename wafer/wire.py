@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wafer.errors import WaferGPT2Error
-from wafer.executor import TokenScores
+from wafer.executor import StepItem, TokenScores
 
 # The memcpy streaming colors (kernels/layout.csl: MEMCPYH2D_DATA_1_ID and MEMCPYD2H_DATA_1_ID).
 H2D_COLOR = 14
@@ -86,6 +86,25 @@ def encode_items(
         has_target, HAS_TARGET, 0
     )
     body[:, 4] = [0 if t is None else t for t in targets]
+    return words
+
+
+def step_message(items: Sequence[StepItem], slots_per_replica: int) -> np.ndarray:
+    """The input-stream message of one replica's items, their slots counted within the replica:
+    `encode_items`' words, built from one row per item (this runs before every step, issue 18)."""
+    words = np.zeros(HEADER_WORDS + ITEM_WORDS * len(items), dtype=np.uint32)
+    words[0] = len(items)
+    if items:
+        words[HEADER_WORDS:].reshape(len(items), ITEM_WORDS)[:] = [
+            (
+                slot % slots_per_replica,
+                position,
+                token,
+                (WANT_SCORES if want else 0) | (0 if target is None else HAS_TARGET),
+                0 if target is None else target,
+            )
+            for slot, position, token, want, target in items
+        ]
     return words
 
 
