@@ -114,8 +114,10 @@ def test_output_records_decode_to_the_scores_the_wafer_sent():
         np.testing.assert_array_equal(scores.topk_ids, ids[i])
         np.testing.assert_array_equal(scores.topk_logits, logits[i])
         assert scores.topk_ids.dtype == np.int32 and scores.topk_logits.dtype == np.float32
-        assert scores.logsumexp == float(lse[i])
+        assert type(scores.logsumexp) is float and scores.logsumexp == float(lse[i])
         assert scores.target_logit == (float(targets[i]) if asked[i] else None)
+        assert asked[i] is False or type(scores.target_logit) is float
+        assert not np.shares_memory(scores.topk_logits, words)  # the caller's buffer may be reused
     with pytest.raises(WireError, match=r"output stream of \d+ words, expected 4 records"):
         decode_scores(words, k, expected[:4], asked[:4])
     with pytest.raises(WireError, match="output record for item 3 arrived where item 4 was due"):

@@ -118,8 +118,10 @@ def test_modeled_executor_takes_the_modeled_time_and_says_modeled(two_replica_pl
 
 def test_modeled_executor_decodes_the_records_the_null_executor_answers_with(two_replica_plan):
     """The modeled stand-in goes through the host program's wire (each replica's message encoded, the
-    scored items' records decoded): what comes back equals the null executor's answers, the target logit
-    only where asked, nothing for an item that wants no scores, on both replicas and in step order."""
+    scored items' records decoded): what comes back equals the null executor's answers (lse and target
+    logit in float32, as the records carry them), the target logit only where asked, nothing for an item
+    that wants no scores, on both replicas and in step order. It refuses and counts steps as the null
+    executor does."""
     plan = two_replica_plan
     modeled = ModeledWaferExecutor(plan, timer_late_s=0.0)
     null = NullExecutor(plan.config.vocab_size, slots=4, context=32, top_k=plan.top_k)
@@ -136,10 +138,16 @@ def test_modeled_executor_decodes_the_records_the_null_executor_answers_with(two
         assert ours is not None and theirs is not None
         np.testing.assert_array_equal(ours.topk_ids, theirs.topk_ids)
         np.testing.assert_array_equal(ours.topk_logits, theirs.topk_logits)
-        assert ours.logsumexp == pytest.approx(theirs.logsumexp)
+        assert type(ours.logsumexp) is float and ours.logsumexp == float(np.float32(theirs.logsumexp))
         assert (ours.target_logit is None) == (theirs.target_logit is None)
         if ours.target_logit is not None:
-            assert ours.target_logit == pytest.approx(theirs.target_logit)
+            assert ours.target_logit == float(np.float32(theirs.target_logit))
+    assert (modeled.steps, modeled.items) == (null.steps, null.items) == (1, 5)
+    with pytest.raises(ExecutorError, match="item 0: slot 4 outside 0..3"):
+        modeled.step([StepItem(4, 0, 1)])
+    modeled.close()
+    with pytest.raises(ExecutorError, match="closed"):
+        modeled.step([StepItem(0, 1, 1)])
 
 
 @pytest.mark.slow

@@ -7,11 +7,12 @@
   one is. Around the wafer's time it does the host program's side of the wire as
   `wafer.host.WaferGPT2.step` does: each replica's input message is encoded before the step starts, and
   the scored items' output records are decoded after it ends (`wafer.wire`; the records themselves, the
-  wafer's side, come from a table built once). It is labelled modeled everywhere (`describe()`, the
+  wafer's side, come from a table built once, their lse and target logit in float32 as a wafer sends
+  them). It is labelled modeled everywhere (`describe()`, the
   benchmark's output): no wafer ran.
 
-Both validate items and keep per-slot positions like the real executors, so a host bug that feeds the
-wafer a bad item fails here as it would there. The scores are deterministic in (token, position):
+Both validate items as every executor does (`validate_items`), so a host bug that feeds the wafer a bad
+item fails here as it would there. The scores are deterministic in (token, position):
 the text they produce varies (the detokenizer does real work) and runs repeat exactly.
 """
 

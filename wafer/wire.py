@@ -182,5 +182,5 @@ def decode_scores(
             logsumexp=lse[i],
             target_logit=targets[i] if asked else None,
         )
-        for i, asked in enumerate(asked_target)
+        for i, asked in zip(range(len(lse)), asked_target, strict=True)
     ]
