@@ -8,8 +8,7 @@
   `wafer.host.WaferGPT2.step` does: each replica's input message is encoded before the step starts, and
   the scored items' output records are decoded after it ends (`wafer.wire`; the records themselves, the
   wafer's side, come from a table built once, their lse and target logit in float32 as a wafer sends
-  them). It is labelled modeled everywhere (`describe()`, the
-  benchmark's output): no wafer ran.
+  them). It is labelled modeled everywhere (`describe()`, the benchmark's output): no wafer ran.
 
 Both validate items as every executor does (`validate_items`), so a host bug that feeds the wafer a bad
 item fails here as it would there. The scores are deterministic in (token, position):
@@ -66,7 +65,6 @@ class NullExecutor:
         self.vocab_size = vocab_size
         self.top_k = top_k
         self._rows = _score_table(vocab_size, top_k)
-        self._k = len(self._rows[0].topk_ids)
         self._closed = False
         self.steps = 0
         self.items = 0
@@ -251,6 +249,7 @@ class ModeledWaferExecutor(NullExecutor):
         # (modeled end, slots, results) of each step submitted and not collected, oldest first
         self._in_flight: deque[tuple[float, set[int], _Records]] = deque()
         self._records = _records_of(self._rows)  # the wafer's side of the wire
+        self._k = len(self._rows[0].topk_ids)  # the records' k (below top_k for a tiny vocabulary)
         self._slots_in_flight: set[int] = set()
         full_step = modeled_step_seconds(plan, list(range(min(plan.slots, self.num_slots))), clock_hz)
         self.timer_late_s = timer_lateness(full_step) if timer_late_s is None else timer_late_s

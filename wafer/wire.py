@@ -74,30 +74,28 @@ def encode_items(
     targets: Sequence[int | None],
 ) -> np.ndarray:
     """The input-stream message for one step: header + ITEM_WORDS per item, uint32."""
-    n = len(slots)
-    words = np.zeros(HEADER_WORDS + ITEM_WORDS * n, dtype=np.uint32)
-    words[0] = n
-    body = words[HEADER_WORDS:].reshape(n, ITEM_WORDS)
-    body[:, 0] = slots
-    body[:, 1] = positions
-    body[:, 2] = tokens
-    has_target = np.array([t is not None for t in targets], dtype=bool)
-    body[:, 3] = np.where(np.asarray(want_scores, dtype=bool), WANT_SCORES, 0) | np.where(
-        has_target, HAS_TARGET, 0
-    )
-    body[:, 4] = [0 if t is None else t for t in targets]
-    return words
+    return _message(list(zip(slots, positions, tokens, want_scores, targets, strict=True)))
 
 
 def step_message(items: Sequence[StepItem], slots_per_replica: int) -> np.ndarray:
-    """The input-stream message of one replica's items, their slots counted within the replica:
-    `encode_items`' words, built from one row per item (this runs before every step, issue 18)."""
+    """The input-stream message of one replica's items, their slots counted within the replica."""
+    return _message(
+        [
+            (item.slot % slots_per_replica, item.position, item.token, item.want_scores, item.target)
+            for item in items
+        ]
+    )
+
+
+def _message(items: Sequence[tuple[int, int, int, bool, int | None]]) -> np.ndarray:
+    """The message of (slot, position, token, want_scores, target) rows: built from one row per item, not
+    a column at a time (this runs before every step, issue 18)."""
     words = np.zeros(HEADER_WORDS + ITEM_WORDS * len(items), dtype=np.uint32)
     words[0] = len(items)
     if items:
         words[HEADER_WORDS:].reshape(len(items), ITEM_WORDS)[:] = [
             (
-                slot % slots_per_replica,
+                slot,
                 position,
                 token,
                 (WANT_SCORES if want else 0) | (0 if target is None else HAS_TARGET),

@@ -2,8 +2,9 @@
 detokenizer) delivers, over executors that stand in for the wafer (`wafer/stand_in.py`):
 
 - `null`: fixed scores at once, no model: the host's own ceiling;
-- `modeled`: the same after the cost model's step time for a GPT-2 124M plan (modeled, no wafer): how
-  busy the host keeps a wafer as fast as the model says one is (utilisation = modeled busy time / wall).
+- `modeled`: the same after the cost model's step time for a GPT-2 124M plan (modeled, no wafer), with
+  the host program's wire work around it (each step's message encoded, its records decoded): how busy
+  the host keeps a wafer as fast as the model says one is (utilisation = modeled busy time / wall).
 
 For each executor and number of streams S, the real server (`service.api.create_app` under uvicorn on
 127.0.0.1, in this process) serves S KV slots, and a load generator in a process of its own

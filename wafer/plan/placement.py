@@ -67,9 +67,9 @@ def _place_replica(
         "attn_proj": (gemv_symbols(lt.attn_proj, dtype), lt.attn_proj),
         "ln_1": (norm_symbols(lt.ln), lt.ln),
         "res_1": (residual_symbols(lt.ln.chunk), None),
-        # A strip that does not normalise passes nothing on from ln_2: the stream crosses its routers
-        # into fc and its PEs run pe/idle.csl (kernels/program/build.py).
-        "ln_2": (norm_symbols(lt.ln) if lt.ln.normalise else {}, lt.ln),
+        # ln_2's LayerNorm is folded into fc (check_layer_norms_folded): the stream crosses the strip's
+        # routers into fc and its PEs run pe/idle.csl (kernels/program/build.py), holding nothing.
+        "ln_2": ({}, lt.ln),
         "fc": (gemv_symbols(lt.fc, dtype), lt.fc),
         "proj": (gemv_symbols(lt.proj, dtype), lt.proj),
         "res_2": (residual_symbols(lt.ln.chunk), None),
