@@ -109,4 +109,3 @@ def test_run_dependencies_alone_serve_a_generation(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
-
