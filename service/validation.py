@@ -5,6 +5,7 @@ say which field broke which rule (the route-independent part; pydantic checks ea
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -158,11 +159,35 @@ def parse_body(model: type[BaseModelT], data: Any) -> BaseModelT:
         raise RequestValidationFailed(message, param=param) from None
 
 
-async def json_body(request: Request) -> Any:
+def parse_json(body: bytes) -> Any:
+    """A request body as JSON: every route's body is parsed here (the lean path's, the FastAPI routes'
+    through `hot_routes.ServiceRoute`, and the routes that pick their model from the body), so a body
+    that Python's json cannot take is a 4xx saying why on every route, never a server error that
+    drops the connection."""
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return json.loads(body)
+    except UnicodeDecodeError as exc:
+        raise RequestValidationFailed(
+            f"request body is not valid JSON: {exc.reason} at byte {exc.start}; send JSON encoded as UTF-8"
+        ) from None
+    except json.JSONDecodeError as exc:
         raise RequestValidationFailed(f"request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        # The decoder recurses once per level of arrays and objects, up to the interpreter's limit.
+        raise RequestValidationFailed(
+            "request body nests arrays and objects too deeply: this server parses at most about "
+            f"{sys.getrecursionlimit()} levels"
+        ) from None
+    except ValueError:
+        # An integer longer than Python converts from text (a guard against quadratic conversions).
+        raise RequestValidationFailed(
+            f"request body holds an integer of more than {sys.get_int_max_str_digits()} digits, the most "
+            "this server parses"
+        ) from None
+
+
+async def json_body(request: Request) -> Any:
+    return parse_json(await request.body())
 
 
 def format_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
