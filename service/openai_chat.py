@@ -70,7 +70,8 @@ def chat_generation_requests(
             param="continue_final_message",
         )
     # A template may place <|endoftext|> itself (as `eos_token`): it is the special token, as in vLLM.
-    prompt = encode_prompt(render_chat(body, template), limits, "messages")
+    truncating = body.truncate_prompt_tokens is not None
+    prompt = encode_prompt(render_chat(body, template), limits, "messages", truncating)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return generation_requests(
         body,

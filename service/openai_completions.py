@@ -50,10 +50,11 @@ class Choice:
 def completion_prompts(body: CompletionRequest, limits: Limits) -> list[list[int]]:
     """The prompts' token ids; text is bounded by characters before it is tokenized."""
     prompt, field = body.prompt, OPENAI_FIELDS.prompt
+    truncating = body.truncate_prompt_tokens is not None
     if isinstance(prompt, str):
-        return [encode_prompt(prompt, limits, field)]
+        return [encode_prompt(prompt, limits, field, truncating)]
     if all(isinstance(item, str) for item in prompt):
-        return [encode_prompt(item, limits, field) for item in prompt]
+        return [encode_prompt(item, limits, field, truncating) for item in prompt]
     if all(isinstance(item, int) for item in prompt):
         return [list(prompt)]
     return [list(item) for item in prompt]

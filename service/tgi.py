@@ -33,7 +33,7 @@ from service.validation import TGI_FIELDS, Limits, check_request, encode_prompt,
 
 def tgi_generation_request(body: TGIRequest, limits: Limits, settings: ServerSettings) -> GenerationRequest:
     p = body.parameters
-    prompt_ids = encode_prompt(body.inputs, limits, TGI_FIELDS.prompt)
+    prompt_ids = encode_prompt(body.inputs, limits, TGI_FIELDS.prompt, truncating=p.truncate is not None)
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate :]
     max_new = p.max_new_tokens

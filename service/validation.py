@@ -30,6 +30,10 @@ class Limits:
     context_length: int
     max_input_tokens: int
     max_input_chars: int  # prompt text, before tokenizing
+    # Prompt text when the request truncates its prompt (TGI `truncate`, vLLM `truncate_prompt_tokens`):
+    # any text truncation can bring within the limit must get through, so the bound on what is tokenized
+    # is the request body's size limit (a JSON string of N characters takes at least N bytes).
+    max_truncated_input_chars: int
     max_new_tokens: int
     max_stop_sequences: int
     max_stop_length: int
@@ -42,10 +46,12 @@ class Limits:
     def of(cls, settings: ServerSettings, executor: ExecutorShape) -> Limits:
         context = executor.context_length
         max_input_tokens = min(settings.max_input_tokens or context - 1, context - 1)
+        max_input_chars = settings.max_input_chars or max_input_tokens * tokenizer.longest_token_chars()
         return cls(
             context_length=context,
             max_input_tokens=max_input_tokens,
-            max_input_chars=settings.max_input_chars or max_input_tokens * tokenizer.longest_token_chars(),
+            max_input_chars=max_input_chars,
+            max_truncated_input_chars=max(max_input_chars, settings.max_body_bytes),
             max_new_tokens=min(settings.max_new_tokens_limit or context - 1, context - 1),
             max_stop_sequences=settings.max_stop_sequences,
             max_stop_length=settings.max_stop_length,
@@ -130,13 +136,21 @@ def check_request(request: GenerationRequest, limits: Limits, names: FieldNames)
     return request
 
 
-def encode_prompt(text: str, limits: Limits, field: str) -> list[int]:
+def encode_prompt(text: str, limits: Limits, field: str, truncating: bool = False) -> list[int]:
     """The prompt's token ids, once its length in characters allows it (tokenizing a long text is
-    slow; callers run this off the event loop)."""
-    if len(text) > limits.max_input_chars:
+    slow; callers run this off the event loop). `truncating`: the request keeps only the prompt's last
+    tokens, so the text may be longer than any prompt that fits."""
+    if truncating and len(text) > limits.max_truncated_input_chars:
+        raise RequestValidationFailed(
+            f"`{field}` must have at most {limits.max_truncated_input_chars} characters even when it is "
+            f"truncated, given {len(text)}",
+            param=field,
+        )
+    if not truncating and len(text) > limits.max_input_chars:
         raise RequestValidationFailed(
             f"`{field}` must have at most {limits.max_input_chars} characters (no longer text fits in "
-            f"{limits.max_input_tokens} tokens), given {len(text)}",
+            f"{limits.max_input_tokens} tokens; a request that truncates its prompt may send up to "
+            f"{limits.max_truncated_input_chars}), given {len(text)}",
             param=field,
         )
     return tokenizer.encode_prompt(text)  # `<|endoftext|>` is the EOT token, as in TGI and vLLM

@@ -173,6 +173,35 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
     assert complete(client, max_tokens=2, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_truncation_lets_through_a_prompt_longer_than_any_that_fits(client):
+    """The character cap lets through, when the request truncates, a text it would refuse otherwise."""
+    cap = 127 * tokenizer.longest_token_chars()  # the small model: 127 prompt tokens of 128 positions
+    text = "word " * (cap // 5 + 100)  # over the cap; about 2,000 tokens
+    ids = tokenizer.encode(text)
+    assert len(text) > cap and len(ids) > 127
+    tgi = {
+        "inputs": text,
+        "parameters": {"max_new_tokens": 1, "details": True, "decoder_input_details": True},
+    }
+    refused = client.post("/generate", json=tgi)
+    assert refused.status_code == 422 and f"at most {cap} characters" in refused.json()["error"]
+    tgi["parameters"]["truncate"] = 8
+    prefill = client.post("/generate", json=tgi).json()["details"]["prefill"]
+    assert [t["id"] for t in prefill] == ids[-8:]
+
+    refused = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+    data = complete(client, prompt=[text, text], max_tokens=1, truncate_prompt_tokens=8, echo=True)
+    assert data["usage"]["prompt_tokens"] == 16
+    assert data["choices"][0]["text"].startswith(tokenizer.decode(ids[-8:]))
+
+    chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    refused = client.post("/v1/chat/completions", json=chat)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages", refused.text
+    answer = client.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 8})
+    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == 8, answer.text
+
+
 def test_prompt_logprobs_match_tgi_prefill(client):
     ids = tokenizer.encode(PROMPT)
     tgi = client.post(

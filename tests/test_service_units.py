@@ -208,6 +208,7 @@ LIMITS = Limits(
     context_length=64,
     max_input_tokens=63,
     max_input_chars=63 * 66,
+    max_truncated_input_chars=1_000_000,
     max_new_tokens=63,
     max_stop_sequences=4,
     max_stop_length=20,
