@@ -5,6 +5,7 @@ chunks and chat-style logprobs.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from json.encoder import encode_basestring_ascii
@@ -37,7 +38,7 @@ from service.schemas import (
 )
 from service.serving import ServingEngine
 from service.settings import ServerSettings
-from service.validation import Limits, encode_prompt
+from service.validation import CHAT_FIELDS, Limits, encode_prompt
 from weights import tokenizer
 
 
@@ -71,8 +72,12 @@ def chat_generation_requests(
         )
     # A template may place <|endoftext|> itself (as `eos_token`): it is the special token, as in vLLM.
     truncating = body.truncate_prompt_tokens is not None
-    prompt = encode_prompt(render_chat(body, template), limits, "messages", truncating)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    prompt = encode_prompt(render_chat(body, template), limits, CHAT_FIELDS.prompt, truncating)
+    names = CHAT_FIELDS
+    max_tokens = body.max_tokens
+    if body.max_completion_tokens is not None:  # it wins over max_tokens: errors name it
+        names = dataclasses.replace(CHAT_FIELDS, max_new_tokens="max_completion_tokens")
+        max_tokens = body.max_completion_tokens
     return generation_requests(
         body,
         [prompt],
@@ -82,6 +87,7 @@ def chat_generation_requests(
         top_n=(body.top_logprobs or 0) if body.logprobs else 0,
         prompt_top_n=body.prompt_logprobs,
         extra_stop=template.stop,
+        names=names,
     )
 
 

@@ -64,18 +64,39 @@ class Limits:
 
 @dataclass(frozen=True)
 class FieldNames:
-    """How each route calls the fields a validation message names (and its one differing rule)."""
+    """How each route calls the fields a validation message names, and whose rules it follows."""
 
     prompt: str
     max_new_tokens: str
     top_n: str
-    caps_stop_count: bool = True  # TGI caps the number of stop sequences; vLLM does not
+    # vLLM's rules (the OpenAI routes): any number of stop sequences (TGI caps them), and a request over
+    # the context refused in vLLM's words, on which clients key their fallbacks (litellm's context-window
+    # fallback looks for "This model's maximum context length is").
+    openai: bool = False
 
 
 TGI_FIELDS = FieldNames(prompt="inputs", max_new_tokens="max_new_tokens", top_n="top_n_tokens")
-OPENAI_FIELDS = FieldNames(
-    prompt="prompt", max_new_tokens="max_tokens", top_n="logprobs", caps_stop_count=False
-)
+OPENAI_FIELDS = FieldNames(prompt="prompt", max_new_tokens="max_tokens", top_n="logprobs", openai=True)
+CHAT_FIELDS = FieldNames(prompt="messages", max_new_tokens="max_tokens", top_n="top_logprobs", openai=True)
+
+
+def context_exceeded(n_prompt: int, n_new: int, limits: Limits) -> str:
+    """vLLM's message for a request over the context: the prompt alone, or the prompt with the tokens
+    asked for (vLLM's serving layer words them so)."""
+    context = limits.context_length
+    if n_prompt > limits.max_input_tokens:
+        # vLLM's prompt limit is the context less one; a lower --max-input-tokens is named too.
+        lower = limits.max_input_tokens < context - 1
+        taken = f" and this server takes at most {limits.max_input_tokens} input tokens" if lower else ""
+        return (
+            f"This model's maximum context length is {context} tokens{taken}. However, your request has "
+            f"{n_prompt} input tokens. Please reduce the length of the input messages."
+        )
+    return (
+        f"'max_tokens' or 'max_completion_tokens' is too large: {n_new}. This model's maximum context "
+        f"length is {context} tokens and your request has {n_prompt} input tokens "
+        f"({n_new} > {context} - {n_prompt})."
+    )
 
 
 def check_request(request: GenerationRequest, limits: Limits, names: FieldNames) -> GenerationRequest:
@@ -88,6 +109,8 @@ def check_request(request: GenerationRequest, limits: Limits, names: FieldNames)
     if n_prompt == 0:
         fail(f"`{names.prompt}` must contain at least one token", names.prompt)
     if n_prompt > limits.max_input_tokens:
+        if names.openai:
+            fail(context_exceeded(n_prompt, n_new, limits), names.prompt)
         fail(
             f"`{names.prompt}` must have at most {limits.max_input_tokens} tokens, given {n_prompt}",
             names.prompt,
@@ -95,6 +118,8 @@ def check_request(request: GenerationRequest, limits: Limits, names: FieldNames)
     bad_ids = [t for t in request.prompt_ids if not 0 <= t < limits.vocab_size]
     if bad_ids:
         fail(f"`{names.prompt}` token id {bad_ids[0]} is outside 0..{limits.vocab_size - 1}", names.prompt)
+    if names.openai and n_prompt + n_new > limits.context_length:  # before the limit on new tokens, as vLLM
+        fail(context_exceeded(n_prompt, n_new, limits), names.max_new_tokens)
     if not 0 <= n_new <= limits.max_new_tokens:  # 0: score the prompt only (the routes allow it or not)
         fail(
             f"`{names.max_new_tokens}` must be between 1 and {limits.max_new_tokens}, given {n_new}",
@@ -107,7 +132,7 @@ def check_request(request: GenerationRequest, limits: Limits, names: FieldNames)
             names.max_new_tokens,
         )
     stops = request.stop_sequences
-    if names.caps_stop_count and len(stops) > limits.max_stop_sequences:
+    if not names.openai and len(stops) > limits.max_stop_sequences:
         fail(f"`stop` accepts at most {limits.max_stop_sequences} stop sequences, given {len(stops)}", "stop")
     total = sum(len(stop) for stop in stops)
     if total > limits.max_stop_chars_total:

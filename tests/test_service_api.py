@@ -307,7 +307,20 @@ def test_completions_stream_ends_with_done_and_usage(client):
         ({"prompt": ""}, 400, "prompt", "prompt: cannot be empty"),
         ({"prompt": 5}, 400, "prompt", "must be a non-empty string, a list of strings"),
         ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "must be at least 1"),
-        ({"prompt": "hi", "max_tokens": 200}, 400, "max_tokens", "`max_tokens` must be between 1 and 127"),
+        (
+            {"prompt": "hi", "max_tokens": 200},
+            400,
+            "max_tokens",
+            "'max_tokens' or 'max_completion_tokens' is too large: 200. This model's maximum context length is "
+            "128 tokens and your request has 1 input tokens (200 > 128 - 1).",
+        ),
+        (
+            {"prompt": [11] * 128},
+            400,
+            "prompt",
+            "This model's maximum context length is 128 tokens. However, your request has 128 input tokens. "
+            "Please reduce the length of the input messages.",
+        ),
         ({"prompt": "hi", "temperature": -1}, 400, "temperature", "between 0 and 2"),
         ({"prompt": "hi", "top_p": 1.5}, 400, "top_p", "must be > 0 and <= 1"),
         (
@@ -565,8 +578,15 @@ def test_openai_client(server, client):
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["generated_text"]
     assert chunks[-1].usage.total_tokens == len(tokenizer.encode(PROMPT)) + 5
-    with pytest.raises(openai.BadRequestError, match="`max_tokens` must be between 1 and 127"):
+    # Over the context: vLLM's words, which litellm's context-window fallback recognises.
+    n_prompt = len(tokenizer.encode(PROMPT))
+    with pytest.raises(openai.BadRequestError) as refused:
         oa.completions.create(model="tiny-gpt2", prompt=PROMPT, max_tokens=500)
+    assert refused.value.body["message"] == (
+        "'max_tokens' or 'max_completion_tokens' is too large: 500. This model's maximum context length is "
+        f"128 tokens and your request has {n_prompt} input tokens (500 > 128 - {n_prompt})."
+    )
+    assert refused.value.param == "max_tokens" and refused.value.status_code == 400
 
 
 # ----- end of text ---------------------------------------------------------------------------------

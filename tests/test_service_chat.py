@@ -101,6 +101,24 @@ def test_openai_client_chat_plain_and_streaming(server, client):
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
         )
 
+    # Over the context: vLLM's words (litellm's context-window fallback keys on them), naming the field.
+    n_prompt = len(tokenizer.encode(TRANSCRIPT))
+    with pytest.raises(openai.BadRequestError) as refused:
+        oa.chat.completions.create(model="tiny-gpt2", messages=MESSAGES, max_completion_tokens=120)
+    assert refused.value.body["message"] == (
+        "'max_tokens' or 'max_completion_tokens' is too large: 120. This model's maximum context length is "
+        f"128 tokens and your request has {n_prompt} input tokens (120 > 128 - {n_prompt})."
+    )
+    assert refused.value.param == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as refused:
+        oa.chat.completions.create(model="tiny-gpt2", messages=[{"role": "user", "content": "hi " * 130}])
+    assert refused.value.param == "messages" and refused.value.body["message"].startswith(
+        "This model's maximum context length is 128 tokens. However, your request has "
+    )
+    assert refused.value.body["message"].endswith(
+        " input tokens. Please reduce the length of the input messages."
+    )
+
 
 def test_huggingface_chat_completion(server, client):
     from huggingface_hub import InferenceClient

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 
 import pytest
@@ -14,7 +15,7 @@ from service.metrics import ServiceMetrics
 from service.request import GenerationRequest, RequestState
 from service.sampling import Sampler, SamplingParams
 from service.scheduler import Scheduler
-from service.validation import OPENAI_FIELDS, TGI_FIELDS, Limits, check_request
+from service.validation import CHAT_FIELDS, OPENAI_FIELDS, TGI_FIELDS, Limits, check_request
 from weights import tokenizer
 
 # ----- detokenizer ---------------------------------------------------------------------------------
@@ -237,12 +238,28 @@ def test_check_request_names_the_limit(changes, message):
         check_request(request, LIMITS, TGI_FIELDS)
 
 
-def test_openai_field_names_in_messages():
+def test_openai_routes_refuse_requests_over_the_context_in_vllms_words():
     request = GenerationRequest(prompt_ids=(1,) * 60, max_new_tokens=10)
-    with pytest.raises(
-        RequestValidationFailed, match=re.escape("`prompt` tokens + `max_tokens` must be <= 64")
-    ):
+    with pytest.raises(RequestValidationFailed) as refused:
         check_request(request, LIMITS, OPENAI_FIELDS)
+    assert refused.value.param == "max_tokens" and refused.value.message == (
+        "'max_tokens' or 'max_completion_tokens' is too large: 10. This model's maximum context length is 64 "
+        "tokens and your request has 60 input tokens (10 > 64 - 60)."
+    )
+    with pytest.raises(RequestValidationFailed) as refused:
+        check_request(GenerationRequest(prompt_ids=(1,) * 64, max_new_tokens=1), LIMITS, CHAT_FIELDS)
+    assert refused.value.param == "messages" and refused.value.message == (
+        "This model's maximum context length is 64 tokens. However, your request has 64 input tokens. "
+        "Please reduce the length of the input messages."
+    )
+    # A --max-input-tokens below the context is named beside it.
+    lower = dataclasses.replace(LIMITS, max_input_tokens=32)
+    with pytest.raises(RequestValidationFailed) as refused:
+        check_request(GenerationRequest(prompt_ids=(1,) * 40, max_new_tokens=1), lower, OPENAI_FIELDS)
+    assert refused.value.message.startswith(
+        "This model's maximum context length is 64 tokens and this server takes at most 32 input tokens. "
+        "However, your request has 40 input tokens."
+    )
 
 
 # ----- metrics -------------------------------------------------------------------------------------
