@@ -27,6 +27,12 @@ def _strictly_positive(value: float | None) -> float | None:
     return value
 
 
+def _not_negative(value: int | None) -> int | None:
+    if value is not None and value < 0:
+        raise ValueError(f"must be 0 or more, got {value}")
+    return value
+
+
 # Fields both APIs check alike (each model's own rules are its field validators).
 Seed = Annotated[int | None, AfterValidator(_unsigned_64)]
 StrictlyPositive = Annotated[float | None, AfterValidator(_strictly_positive)]
@@ -341,9 +347,7 @@ class OpenAIGenerationBody(_Body):
     @field_validator("prompt_logprobs")
     @classmethod
     def _prompt_logprobs(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= 5:
-            raise ValueError(f"must be between 0 and 5, got {value}")
-        return value
+        return _not_negative(value)  # the upper limit is the server's (service.validation)
 
     @field_validator("logit_bias")
     @classmethod
@@ -401,9 +405,7 @@ class CompletionRequest(OpenAIGenerationBody):
     @field_validator("logprobs")
     @classmethod
     def _logprobs(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= 5:
-            raise ValueError(f"must be between 0 and 5, got {value}")
-        return value
+        return _not_negative(value)  # the upper limit is the server's (service.validation)
 
     @field_validator("suffix")
     @classmethod
@@ -544,9 +546,7 @@ class ChatCompletionRequest(OpenAIGenerationBody):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= 5:
-            raise ValueError(f"must be between 0 and 5, got {value}")
-        return value
+        return _not_negative(value)  # the upper limit is the server's (service.validation)
 
     @field_validator("chat_template")
     @classmethod

@@ -38,7 +38,8 @@ class Limits:
     max_stop_sequences: int
     max_stop_length: int
     top_k: int  # candidates per token the wafer returns
-    max_top_n_tokens: int
+    max_top_n_tokens: int  # TGI's top_n_tokens
+    max_logprobs: int  # the OpenAI routes' logprobs, top_logprobs and prompt_logprobs
     vocab_size: int  # token ids the model and the tokenizer both know
     max_stop_chars_total: int = 4000  # all stop sequences of a request together
 
@@ -58,6 +59,7 @@ class Limits:
             max_stop_chars_total=settings.max_stop_chars_total,
             top_k=executor.top_k,
             max_top_n_tokens=min(settings.max_top_n_tokens, executor.top_k),
+            max_logprobs=min(settings.max_logprobs, executor.top_k),
             vocab_size=min(executor.vocab_size, tokenizer.VOCAB_SIZE),  # ids both model and tokenizer know
         )
 
@@ -151,7 +153,17 @@ def check_request(request: GenerationRequest, limits: Limits, names: FieldNames)
             f"`top_k` must be <= {limits.top_k} (the candidates the wafer returns per token), given {top_k}",
             "top_k",
         )
-    if request.top_n_tokens > limits.max_top_n_tokens:
+    if names.openai:
+        # The engine keeps max(logprobs, prompt_logprobs) alternatives per prompt token on completions:
+        # a prompt_top_n over the limit with top_n within it is prompt_logprobs'.
+        for field, asked in ((names.top_n, request.top_n_tokens), ("prompt_logprobs", request.prompt_top_n)):
+            if asked is not None and asked > limits.max_logprobs:
+                fail(
+                    f"`{field}` must be between 0 and {limits.max_logprobs} (the server's --max-logprobs, at "
+                    f"most the {limits.top_k} candidates the wafer returns per token), given {asked}",
+                    field,
+                )
+    elif request.top_n_tokens > limits.max_top_n_tokens:
         fail(
             f"`{names.top_n}` must be <= {limits.max_top_n_tokens}, given {request.top_n_tokens}", names.top_n
         )

@@ -215,6 +215,7 @@ LIMITS = Limits(
     max_stop_length=20,
     top_k=16,
     max_top_n_tokens=5,
+    max_logprobs=16,  # the server's 20, cut to the wafer's 16 candidates
     vocab_size=50257,
 )
 
@@ -236,6 +237,38 @@ def test_check_request_names_the_limit(changes, message):
     request = GenerationRequest(**{"prompt_ids": (1, 2), "max_new_tokens": 4, **changes})
     with pytest.raises(RequestValidationFailed, match=re.escape(message)):
         check_request(request, LIMITS, TGI_FIELDS)
+
+
+@pytest.mark.parametrize(
+    ("names", "changes", "field"),
+    [
+        (OPENAI_FIELDS, {"top_n_tokens": 17}, "logprobs"),
+        (OPENAI_FIELDS, {"top_n_tokens": 2, "prompt_top_n": 17}, "prompt_logprobs"),
+        (CHAT_FIELDS, {"top_n_tokens": 17}, "top_logprobs"),
+        (CHAT_FIELDS, {"prompt_top_n": 17}, "prompt_logprobs"),
+    ],
+)
+def test_logprobs_are_bounded_by_the_wafers_candidates(names, changes, field):
+    check_request(GenerationRequest(prompt_ids=(1,), max_new_tokens=1, top_n_tokens=16), LIMITS, names)
+    request = GenerationRequest(**{"prompt_ids": (1,), "max_new_tokens": 1, **changes})
+    with pytest.raises(RequestValidationFailed) as refused:
+        check_request(request, LIMITS, names)
+    assert refused.value.param == field
+    assert refused.value.message.startswith(
+        f"`{field}` must be between 0 and 16 (the server's --max-logprobs"
+    )
+    assert "16 candidates the wafer returns per token), given 17" in refused.value.message
+
+
+def test_serve_takes_max_logprobs():
+    from service.cli import UserError, build_parser
+    from service.commands.serve import settings_from_args
+
+    parser = build_parser()
+    assert settings_from_args(parser.parse_args(["serve"]), "m").max_logprobs == 20  # vLLM's default
+    assert settings_from_args(parser.parse_args(["serve", "--max-logprobs", "8"]), "m").max_logprobs == 8
+    with pytest.raises(UserError, match="--max-logprobs must be at least 0"):
+        settings_from_args(parser.parse_args(["serve", "--max-logprobs", "-1"]), "m")
 
 
 def test_openai_routes_refuse_requests_over_the_context_in_vllms_words():
