@@ -149,24 +149,38 @@ def test_compatibility_route_streams_or_not(client):
     assert events[-1]["generated_text"] == answer["generated_text"]
 
 
-def test_stop_sequence_ending_inside_a_token_is_stripped_and_never_streamed(client):
+def test_stop_sequence_is_kept_in_the_text_as_tgi_keeps_it(server, client):
+    from huggingface_hub import InferenceClient
+
     base = client.post(
         "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "details": True}}
     ).json()
     texts = [t["text"] for t in base["details"]["tokens"]]
-    # A stop that begins in token 3 and ends inside token 4 (the tokens of this model have >= 2 chars).
+    whole = base["generated_text"]
+    # A stop made of whole tokens 3 and 4 (TGI's case: the text ends with it), and one that begins in a
+    # token and ends inside the next (cut where it ends; the tokens of this model have >= 2 chars).
     k = next(i for i in range(2, 10) if len(texts[i]) >= 2 and len(texts[i + 1]) >= 2)
-    stop = texts[k][-1] + texts[k + 1][:-1]
-    expected = base["generated_text"][: base["generated_text"].index(stop)]
-    params = {"max_new_tokens": 12, "stop": [stop], "details": True}
-    data = client.post("/generate", json={"inputs": PROMPT, "parameters": params}).json()
-    assert data["generated_text"] == expected
-    assert data["details"]["finish_reason"] == "stop_sequence"
-    with client.stream("POST", "/generate_stream", json={"inputs": PROMPT, "parameters": params}) as response:
-        events = list(sse_events(response))
-    streamed = "".join(e["token"]["text"] for e in events)
-    assert streamed == expected and stop not in streamed
-    assert events[-1]["generated_text"] == expected
+    for stop in (texts[k] + texts[k + 1], texts[k][-1] + texts[k + 1][:-1]):
+        expected = whole[: whole.index(stop) + len(stop)]
+        params = {"max_new_tokens": 12, "stop": [stop], "details": True}
+        data = client.post("/generate", json={"inputs": PROMPT, "parameters": params}).json()
+        assert data["generated_text"] == expected and expected.endswith(stop)
+        assert data["details"]["finish_reason"] == "stop_sequence"
+        body = {"inputs": PROMPT, "parameters": params}
+        with client.stream("POST", "/generate_stream", json=body) as response:
+            events = list(sse_events(response))
+        assert "".join(e["token"]["text"] for e in events) == expected
+        assert events[-1]["generated_text"] == expected
+        assert events[-1]["details"]["finish_reason"] == "stop_sequence"
+        hf = InferenceClient(base_url=server.url)
+        assert hf.text_generation(PROMPT, max_new_tokens=12, stop=[stop]) == expected
+        streamed = hf.text_generation(PROMPT, max_new_tokens=12, stop=[stop], stream=True)
+        assert "".join(streamed) == expected
+    # The OpenAI routes cut it, as vLLM does (unless include_stop_str_in_output).
+    stop = texts[k] + texts[k + 1]
+    openai = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    cut = client.post("/v1/completions", json=openai).json()["choices"][0]["text"]
+    assert cut == whole[: whole.index(stop)]
 
 
 def test_full_text_truncate_and_top_tokens(client):
