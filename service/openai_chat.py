@@ -44,7 +44,7 @@ from weights import tokenizer
 
 def render_chat(body: ChatCompletionRequest | TokenizeChatRequest, template: ChatTemplate) -> str:
     """The prompt text of a chat body (also what `/tokenize` shows of one)."""
-    messages = [message.model_dump() for message in body.messages]
+    messages = [message.for_template() for message in body.messages]
     try:
         return template.render(
             messages,
