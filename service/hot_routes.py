@@ -16,8 +16,9 @@ It is the same route. The lean path does what those layers do for such a request
   the exception propagates to the server.
 
 Anything else goes to the stack untouched, body included: another path or method, a body not declared
-`application/json`, one that does not parse or validate (FastAPI then reports the error in its own
-words), a request the guards refuse, a client gone before its body arrived.
+`application/json`, one that does not parse or validate (the route on the stack then reports the
+error: `parse_json`'s words for a body that is not JSON, FastAPI's for one that is not the model), a
+request the guards refuse, a client gone before its body arrived.
 """
 
 from __future__ import annotations
