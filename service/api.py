@@ -362,12 +362,12 @@ def create_app(
         data, path = await json_body(request), request.scope["path"]
         if tokenize_api.is_tgi_body(data):
             tgi_body = parse_body(TGITokenizeRequest, data)
-            tokens = [t.model_dump() for t in await off_loop(tokenize_api.tgi_tokenize, tgi_body)]
+            tokens = [t.model_dump() for t in await off_loop(tokenize_api.tgi_tokenize, tgi_body, limits())]
             return JSONResponse(tokens, headers=ignored.headers(tgi_body, path))
         request.state.error_path = OPENAI_PREFIX  # vLLM's body: OpenAI's error schema
         body = tokenize_api.vllm_tokenize_body(data)
         check_model(body.model)
-        response = await off_loop(tokenize_api.vllm_tokenize, body, chat_template, limits().context_length)
+        response = await off_loop(tokenize_api.vllm_tokenize, body, chat_template, limits())
         return JSONResponse(response.model_dump(), headers=ignored.headers(body, path))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, summary="Token ids to text (vLLM)")

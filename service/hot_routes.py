@@ -7,7 +7,8 @@ request handling each cost more per request than the route's own work.
 It is the same route. The lean path does what those layers do for such a request:
 - the guards' checks (API key, body size) pass, else the whole request goes to the stack, which
   refuses it as before;
-- the body is parsed as FastAPI parses it (`json.loads`, then the route's model);
+- the body is parsed as the routes behind FastAPI get it parsed (`validation.parse_json`, which
+  `ServiceRoute` puts in front of FastAPI's own reading, then the route's model);
 - the request id is chosen and set as `RequestIdMiddleware` does, and returned in the same header;
 - the same handler runs, and a `ServiceError` gets the same error handler's response;
 - an unexpected exception is answered as Starlette's server-error middleware answers it: the app's
@@ -15,18 +16,19 @@ It is the same route. The lean path does what those layers do for such a request
   the exception propagates to the server.
 
 Anything else goes to the stack untouched, body included: another path or method, a body not declared
-`application/json`, one that does not parse or validate (FastAPI then reports the error in its own
-words), a request the guards refuse, a client gone before its body arrived.
+`application/json`, one that does not parse or validate (the route on the stack then reports the
+error: `parse_json`'s words for a body that is not JSON, FastAPI's for one that is not the model), a
+request the guards refuse, a client gone before its body arrived.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
@@ -35,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 from service import logs
 from service.errors import ServiceError
 from service.middleware import authorized, replay_body
+from service.validation import parse_json
 
 Handler = Callable[[Request, Any], Awaitable[Response]]  # called with the route's model
 ErrorHandler = Callable[[Request, ServiceError], Awaitable[Response]]
@@ -57,11 +60,53 @@ class LeanPath:
     on_unexpected: UnexpectedHandler  # the app's Exception handler
 
 
+class ParsedJSONRequest(Request):
+    """A request whose JSON body is parsed by `validation.parse_json` (once), not by Starlette's
+    `json.loads`, which lets RecursionError and the integer-length ValueError through."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_parsed"):
+            self._parsed = parse_json(await self.body())
+        return self._parsed
+
+
+def declares_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this content type as JSON (`application/json`, `.../*+json`)."""
+    if not content_type:
+        return False
+    main, _, sub = content_type.split(";", 1)[0].strip().lower().partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
+
+
+class ServiceRoute(APIRoute):
+    """FastAPI's route, with a JSON body parsed by `validation.parse_json` before FastAPI reads it:
+    FastAPI turns any other parsing failure into a bare "There was an error parsing the body", while a
+    `RequestValidationFailed` raised here reaches the app's handler and says what was wrong."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+        if self.body_field is None:  # FastAPI reads no body for this route
+            return handle
+
+        async def parse_then_handle(request: Request) -> Response:
+            request = ParsedJSONRequest(request.scope, request.receive)
+            # An empty body is left to FastAPI, which reports the missing fields.
+            if declares_json(request.headers.get("content-type")) and await request.body():
+                await request.json()
+            return await handle(request)
+
+        return parse_then_handle
+
+
 class ServiceApp(FastAPI):
     """The service's FastAPI app, with the lean path in front of its middleware stack (set `lean` once
-    the routes' handlers exist)."""
+    the routes' handlers exist); its routes parse JSON bodies as the lean path does (`ServiceRoute`)."""
 
     lean: LeanPath | None = None
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.router.route_class = ServiceRoute
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lean = self.lean
@@ -132,6 +177,6 @@ async def _read_body(receive: Receive, limit: int) -> tuple[bytes, bool, bool]:
 def _parse(model: type[BaseModel], body: bytes) -> BaseModel | None:
     """The body as the route's model, or None where FastAPI would answer with an error."""
     try:
-        return model.model_validate(json.loads(body))
-    except Exception:  # not JSON, or not the model: FastAPI's own path reports it
+        return model.model_validate(parse_json(body))
+    except Exception:  # not JSON, or not the model: the stack's route reports it
         return None

@@ -5,6 +5,7 @@ chunks and chat-style logprobs.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from json.encoder import encode_basestring_ascii
@@ -37,13 +38,13 @@ from service.schemas import (
 )
 from service.serving import ServingEngine
 from service.settings import ServerSettings
-from service.validation import Limits, encode_prompt
+from service.validation import CHAT_FIELDS, Limits, encode_prompt
 from weights import tokenizer
 
 
 def render_chat(body: ChatCompletionRequest | TokenizeChatRequest, template: ChatTemplate) -> str:
     """The prompt text of a chat body (also what `/tokenize` shows of one)."""
-    messages = [message.model_dump() for message in body.messages]
+    messages = [message.for_template() for message in body.messages]
     try:
         return template.render(
             messages,
@@ -70,8 +71,13 @@ def chat_generation_requests(
             param="continue_final_message",
         )
     # A template may place <|endoftext|> itself (as `eos_token`): it is the special token, as in vLLM.
-    prompt = encode_prompt(render_chat(body, template), limits, "messages")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    truncating = body.truncate_prompt_tokens is not None
+    prompt = encode_prompt(render_chat(body, template), limits, CHAT_FIELDS.prompt, truncating)
+    names = CHAT_FIELDS
+    max_tokens = body.max_tokens
+    if body.max_completion_tokens is not None:  # it wins over max_tokens: errors name it
+        names = dataclasses.replace(CHAT_FIELDS, max_new_tokens="max_completion_tokens")
+        max_tokens = body.max_completion_tokens
     return generation_requests(
         body,
         [prompt],
@@ -81,6 +87,7 @@ def chat_generation_requests(
         top_n=(body.top_logprobs or 0) if body.logprobs else 0,
         prompt_top_n=body.prompt_logprobs,
         extra_stop=template.stop,
+        names=names,
     )
 
 

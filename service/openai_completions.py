@@ -36,7 +36,14 @@ from service.schemas import (
 )
 from service.serving import ServingEngine
 from service.settings import ServerSettings
-from service.validation import OPENAI_FIELDS, Limits, check_request, encode_prompt, sampling_params
+from service.validation import (
+    OPENAI_FIELDS,
+    FieldNames,
+    Limits,
+    check_request,
+    encode_prompt,
+    sampling_params,
+)
 from weights import tokenizer
 
 
@@ -50,10 +57,11 @@ class Choice:
 def completion_prompts(body: CompletionRequest, limits: Limits) -> list[list[int]]:
     """The prompts' token ids; text is bounded by characters before it is tokenized."""
     prompt, field = body.prompt, OPENAI_FIELDS.prompt
+    truncating = body.truncate_prompt_tokens is not None
     if isinstance(prompt, str):
-        return [encode_prompt(prompt, limits, field)]
+        return [encode_prompt(prompt, limits, field, truncating)]
     if all(isinstance(item, str) for item in prompt):
-        return [encode_prompt(item, limits, field) for item in prompt]
+        return [encode_prompt(item, limits, field, truncating) for item in prompt]
     if all(isinstance(item, int) for item in prompt):
         return [list(prompt)]
     return [list(item) for item in prompt]
@@ -100,8 +108,10 @@ def generation_requests(
     top_n: int = 0,
     prompt_top_n: int | None = None,
     extra_stop: tuple[str, ...] = (),
+    names: FieldNames = OPENAI_FIELDS,
 ) -> tuple[list[Choice], list[GenerationRequest]]:
-    """One engine request per prompt and choice, from the fields both OpenAI routes share."""
+    """One engine request per prompt and choice, from the fields both OpenAI routes share (`names`: what
+    the route calls them)."""
     if len(prompts) * body.n > settings.max_n:
         raise RequestValidationFailed(
             f"`n` x number of prompts must be <= {settings.max_n}, given {body.n} x {len(prompts)}", param="n"
@@ -156,7 +166,7 @@ def generation_requests(
                 skip_special_tokens=body.skip_special_tokens,
                 prompt_top_n=prompt_top_n,
             )
-            requests.append(check_request(request, limits, OPENAI_FIELDS))
+            requests.append(check_request(request, limits, names))
             choices.append(Choice(index, tuple(ids), tokenizer.decode(ids)))
     return choices, requests
 

@@ -8,7 +8,7 @@ prompt is tokenized. Field validators raise messages that name the rule and the 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
@@ -24,6 +24,12 @@ def _unsigned_64(value: int | None) -> int | None:
 def _strictly_positive(value: float | None) -> float | None:
     if value is not None and not value > 0:
         raise ValueError(f"must be strictly positive, got {value}")
+    return value
+
+
+def _not_negative(value: int | None) -> int | None:
+    if value is not None and value < 0:
+        raise ValueError(f"must be 0 or more, got {value}")
     return value
 
 
@@ -48,16 +54,26 @@ class _Body(BaseModel):
     # Unknown fields are accepted and ignored, as vLLM and TGI do (clients send fields other servers
     # know); they are not ignored silently: `ignored_fields` names them for a warning header and log.
     model_config = ConfigDict(extra="allow")
+    # The fields that hold a list of bodies (chat's `messages`), whose unknown fields are named too;
+    # declared per model so that the walk below looks into no list of another body (a prompt of token
+    # ids) on every request.
+    body_lists: ClassVar[tuple[str, ...]] = ()
 
 
 def ignored_fields(body: BaseModel, prefix: str = "") -> list[str]:
-    """The unknown fields of a body and of the bodies inside it, as dotted paths."""
-    names = [prefix + name for name in body.model_extra or {}] if isinstance(body, _Body) else []
+    """The unknown fields of a body and of the bodies inside it, as dotted paths (`messages.0.foo` for a
+    body in a list)."""
+    if not isinstance(body, _Body):
+        return []
+    names = [prefix + name for name in body.model_extra or {}]
     # The declared fields (`__dict__`; iterating the model builds a list of every field and extra, and
     # extras are plain JSON values, never bodies): this runs for every request (issue 18).
     for name, value in body.__dict__.items():
         if isinstance(value, _Body):
             names += ignored_fields(value, f"{prefix}{name}.")
+    for name in body.body_lists:
+        for index, item in enumerate(getattr(body, name)):
+            names += ignored_fields(item, f"{prefix}{name}.{index}.")
     return names
 
 
@@ -341,9 +357,7 @@ class OpenAIGenerationBody(_Body):
     @field_validator("prompt_logprobs")
     @classmethod
     def _prompt_logprobs(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= 5:
-            raise ValueError(f"must be between 0 and 5, got {value}")
-        return value
+        return _not_negative(value)  # the upper limit is the server's (service.validation)
 
     @field_validator("logit_bias")
     @classmethod
@@ -401,9 +415,7 @@ class CompletionRequest(OpenAIGenerationBody):
     @field_validator("logprobs")
     @classmethod
     def _logprobs(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= 5:
-            raise ValueError(f"must be between 0 and 5, got {value}")
-        return value
+        return _not_negative(value)  # the upper limit is the server's (service.validation)
 
     @field_validator("suffix")
     @classmethod
@@ -483,12 +495,24 @@ class OpenAIError(BaseModel):
 # ----- OpenAI chat ---------------------------------------------------------------------------------
 
 
-class ChatMessage(BaseModel):
-    # Fields beyond role and content (name, tool_call_id, ...) are passed to the template as they come.
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_Body):
+    """A chat message: its role and content, and the fields of OpenAI's messages a chat template may
+    read. Other keys are ignored, and named (`messages.0.foo`) as unknown fields are."""
 
     role: StrictStr
     content: Any = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """What the chat template sees: role, content, and the other fields the message sent (vLLM
+        hands its templates these and leaves other keys out)."""
+        data = {"role": self.role, "content": self.content}
+        for field in ("name", "tool_calls", "tool_call_id"):
+            if field in self.model_fields_set:
+                data[field] = getattr(self, field)
+        return data
 
     @field_validator("content")
     @classmethod
@@ -514,6 +538,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(OpenAIGenerationBody):
+    body_lists = ("messages",)
+
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -544,9 +570,7 @@ class ChatCompletionRequest(OpenAIGenerationBody):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= 5:
-            raise ValueError(f"must be between 0 and 5, got {value}")
-        return value
+        return _not_negative(value)  # the upper limit is the server's (service.validation)
 
     @field_validator("chat_template")
     @classmethod
@@ -654,6 +678,8 @@ class TokenizePromptRequest(_Body):
 
 class TokenizeChatRequest(_Body):
     """vLLM's `/tokenize` with chat messages: the prompt the chat template makes of them."""
+
+    body_lists = ("messages",)
 
     model: str | None = None
     messages: list[ChatMessage]

@@ -34,7 +34,10 @@ class ServerSettings:
     # OpenAI routes take any number of stop sequences (as vLLM); their total length is bounded because
     # the engine's worker checks each one at every token of the request.
     max_stop_chars_total: int = 4000
-    max_top_n_tokens: int = 5
+    max_top_n_tokens: int = 5  # TGI's top_n_tokens (TGI's own default limit)
+    # The OpenAI routes' logprobs, top_logprobs and prompt_logprobs (vLLM's --max-logprobs and its
+    # default); never more than the `top_k` candidates the wafer returns per token.
+    max_logprobs: int = 20
     max_n: int = 8  # OpenAI `n` x number of prompts per request
     max_body_bytes: int = 1_000_000
     request_timeout_s: float = 600.0  # queue + generation; the request fails with 504 beyond it

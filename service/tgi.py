@@ -33,7 +33,7 @@ from service.validation import TGI_FIELDS, Limits, check_request, encode_prompt,
 
 def tgi_generation_request(body: TGIRequest, limits: Limits, settings: ServerSettings) -> GenerationRequest:
     p = body.parameters
-    prompt_ids = encode_prompt(body.inputs, limits, TGI_FIELDS.prompt)
+    prompt_ids = encode_prompt(body.inputs, limits, TGI_FIELDS.prompt, truncating=p.truncate is not None)
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate :]
     max_new = p.max_new_tokens
@@ -53,6 +53,9 @@ def tgi_generation_request(body: TGIRequest, limits: Limits, settings: ServerSet
         max_new_tokens=max_new,
         sampling=sampling,
         stop_sequences=tuple(p.stop),
+        # TGI keeps a matched stop sequence in the text (its generated_text decodes every generated
+        # token); vLLM's routes cut it.
+        include_stop_str_in_output=True,
         prompt_logprobs=p.decoder_input_details and p.details,
         top_n_tokens=p.top_n_tokens or 0,
         timeout_s=settings.request_timeout_s,

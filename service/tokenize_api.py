@@ -1,6 +1,7 @@
 """The tokenizer over HTTP: vLLM's `/tokenize` (a prompt, or chat messages through the chat
 template), `/detokenize` and `/tokenizer_info`, and TGI's `/tokenize` (which shares vLLM's path: a
-body with `inputs` is TGI's). They tokenize exactly as the generation routes do.
+body with `inputs` is TGI's). They tokenize exactly as the generation routes do, and take texts up to
+the same length in characters as a prompt (tokenizing shares the request pool with the prompts).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from service.schemas import (
     TokenizePromptRequest,
     TokenizeResponse,
 )
-from service.validation import parse_body
+from service.validation import Limits, encode_prompt, parse_body
 from weights import hf_tokenizer, tokenizer
 
 
@@ -35,12 +36,14 @@ def vllm_tokenize_body(data: Any) -> TokenizePromptRequest | TokenizeChatRequest
 
 
 def vllm_tokenize(
-    body: TokenizePromptRequest | TokenizeChatRequest, template: ChatTemplate, context_length: int
+    body: TokenizePromptRequest | TokenizeChatRequest, template: ChatTemplate, limits: Limits
 ) -> TokenizeResponse:
-    text = render_chat(body, template) if isinstance(body, TokenizeChatRequest) else body.prompt
-    ids = tokenizer.encode_prompt(text)
+    if isinstance(body, TokenizeChatRequest):
+        ids = encode_prompt(render_chat(body, template), limits, "messages")
+    else:
+        ids = encode_prompt(body.prompt, limits, "prompt")
     strs = [token_string(t) for t in ids] if body.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=context_length, tokens=ids, token_strs=strs)
+    return TokenizeResponse(count=len(ids), max_model_len=limits.context_length, tokens=ids, token_strs=strs)
 
 
 def vllm_detokenize(body: DetokenizeRequest, vocab_size: int) -> DetokenizeResponse:
@@ -52,9 +55,9 @@ def vllm_detokenize(body: DetokenizeRequest, vocab_size: int) -> DetokenizeRespo
     return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
 
 
-def tgi_tokenize(body: TGITokenizeRequest) -> list[TGISimpleToken]:
+def tgi_tokenize(body: TGITokenizeRequest, limits: Limits) -> list[TGISimpleToken]:
     tokens, offset = [], 0
-    for token in tokenizer.encode_prompt(body.inputs):
+    for token in encode_prompt(body.inputs, limits, "inputs"):
         size = len(tokenizer.token_bytes(token))
         tokens.append(TGISimpleToken(id=token, text=token_string(token), start=offset, stop=offset + size))
         offset += size

@@ -10,13 +10,17 @@ What it guarantees (simulator backend, a small model, uvicorn on 127.0.0.1):
   that are tokenized are tokenized off the event loop: /health answers within 0.5 s all through a
   flood of them (tokenizing one on the loop stalled it 0.17 s each);
 - a model whose vocabulary is padded beyond the tokenizer's (50304 rows, 50257 tokens) never emits an id
-  the tokenizer does not know, and a prompt of such ids is refused naming the field.
+  the tokenizer does not know, and a prompt of such ids is refused naming the field;
+- bodies Python's json cannot take (arrays nested 100,000 deep, an integer of 4,400 digits) get a 4xx
+  naming the limit on every route that reads a body, and the connection stays open for the next request.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import sys
 import threading
 import time
 
@@ -281,6 +285,50 @@ def test_echoed_lone_surrogates_come_back_escaped_not_as_500(server):
             "/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"}
         )
         assert response.status_code == 200, response.text
+
+
+# Every route that reads a body, and the status its family answers a bad body with.
+BODY_ROUTES = [
+    ("/generate", 422),
+    ("/generate_stream", 422),
+    ("/", 422),
+    ("/tokenize", 422),
+    ("/invocations", 422),
+    ("/v1/completions", 400),
+    ("/v1/chat/completions", 400),
+    ("/detokenize", 400),
+]
+HOSTILE_BODIES = [
+    (b"[" * 100_000 + b"]" * 100_000, "nests arrays and objects too deeply"),
+    (
+        b'{"inputs": "hi", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "tokens": [1], '
+        b'"seed": ' + b"7" * 4400 + b"}",
+        f"integer of more than {sys.get_int_max_str_digits()} digits",
+    ),
+]
+
+
+@pytest.mark.parametrize(("route", "status"), BODY_ROUTES)
+def test_bodies_json_cannot_take_get_a_4xx_and_the_connection_stays_open(server, route, status):
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        for body, reason in HOSTILE_BODIES:
+            connection.request("POST", route, body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            text = response.read().decode()
+            assert response.status == status, text
+            error = json.loads(text)["error"]
+            assert reason in (error if status == 422 else error["message"]), text
+            assert response.getheader("connection") != "close"
+            sock = connection.sock
+            # The next request goes out on the same connection and is answered there.
+            connection.request("GET", "/health")
+            health = connection.getresponse()
+            health.read()
+            assert health.status == 200 and connection.sock is sock and sock is not None
+    finally:
+        connection.close()
 
 
 def test_an_unexpected_error_answers_without_its_internal_text(server, monkeypatch, caplog):

@@ -149,24 +149,38 @@ def test_compatibility_route_streams_or_not(client):
     assert events[-1]["generated_text"] == answer["generated_text"]
 
 
-def test_stop_sequence_ending_inside_a_token_is_stripped_and_never_streamed(client):
+def test_stop_sequence_is_kept_in_the_text_as_tgi_keeps_it(server, client):
+    from huggingface_hub import InferenceClient
+
     base = client.post(
         "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "details": True}}
     ).json()
     texts = [t["text"] for t in base["details"]["tokens"]]
-    # A stop that begins in token 3 and ends inside token 4 (the tokens of this model have >= 2 chars).
+    whole = base["generated_text"]
+    # A stop made of whole tokens 3 and 4 (TGI's case: the text ends with it), and one that begins in a
+    # token and ends inside the next (cut where it ends; the tokens of this model have >= 2 chars).
     k = next(i for i in range(2, 10) if len(texts[i]) >= 2 and len(texts[i + 1]) >= 2)
-    stop = texts[k][-1] + texts[k + 1][:-1]
-    expected = base["generated_text"][: base["generated_text"].index(stop)]
-    params = {"max_new_tokens": 12, "stop": [stop], "details": True}
-    data = client.post("/generate", json={"inputs": PROMPT, "parameters": params}).json()
-    assert data["generated_text"] == expected
-    assert data["details"]["finish_reason"] == "stop_sequence"
-    with client.stream("POST", "/generate_stream", json={"inputs": PROMPT, "parameters": params}) as response:
-        events = list(sse_events(response))
-    streamed = "".join(e["token"]["text"] for e in events)
-    assert streamed == expected and stop not in streamed
-    assert events[-1]["generated_text"] == expected
+    for stop in (texts[k] + texts[k + 1], texts[k][-1] + texts[k + 1][:-1]):
+        expected = whole[: whole.index(stop) + len(stop)]
+        params = {"max_new_tokens": 12, "stop": [stop], "details": True}
+        data = client.post("/generate", json={"inputs": PROMPT, "parameters": params}).json()
+        assert data["generated_text"] == expected and expected.endswith(stop)
+        assert data["details"]["finish_reason"] == "stop_sequence"
+        body = {"inputs": PROMPT, "parameters": params}
+        with client.stream("POST", "/generate_stream", json=body) as response:
+            events = list(sse_events(response))
+        assert "".join(e["token"]["text"] for e in events) == expected
+        assert events[-1]["generated_text"] == expected
+        assert events[-1]["details"]["finish_reason"] == "stop_sequence"
+        hf = InferenceClient(base_url=server.url)
+        assert hf.text_generation(PROMPT, max_new_tokens=12, stop=[stop]) == expected
+        streamed = hf.text_generation(PROMPT, max_new_tokens=12, stop=[stop], stream=True)
+        assert "".join(streamed) == expected
+    # The OpenAI routes cut it, as vLLM does (unless include_stop_str_in_output).
+    stop = texts[k] + texts[k + 1]
+    openai = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    cut = client.post("/v1/completions", json=openai).json()["choices"][0]["text"]
+    assert cut == whole[: whole.index(stop)]
 
 
 def test_full_text_truncate_and_top_tokens(client):
@@ -307,7 +321,20 @@ def test_completions_stream_ends_with_done_and_usage(client):
         ({"prompt": ""}, 400, "prompt", "prompt: cannot be empty"),
         ({"prompt": 5}, 400, "prompt", "must be a non-empty string, a list of strings"),
         ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "must be at least 1"),
-        ({"prompt": "hi", "max_tokens": 200}, 400, "max_tokens", "`max_tokens` must be between 1 and 127"),
+        (
+            {"prompt": "hi", "max_tokens": 200},
+            400,
+            "max_tokens",
+            "'max_tokens' or 'max_completion_tokens' is too large: 200. This model's maximum context length is "
+            "128 tokens and your request has 1 input tokens (200 > 128 - 1).",
+        ),
+        (
+            {"prompt": [11] * 128},
+            400,
+            "prompt",
+            "This model's maximum context length is 128 tokens. However, your request has 128 input tokens. "
+            "Please reduce the length of the input messages.",
+        ),
         ({"prompt": "hi", "temperature": -1}, 400, "temperature", "between 0 and 2"),
         ({"prompt": "hi", "top_p": 1.5}, 400, "top_p", "must be > 0 and <= 1"),
         (
@@ -565,8 +592,15 @@ def test_openai_client(server, client):
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["generated_text"]
     assert chunks[-1].usage.total_tokens == len(tokenizer.encode(PROMPT)) + 5
-    with pytest.raises(openai.BadRequestError, match="`max_tokens` must be between 1 and 127"):
+    # Over the context: vLLM's words, which litellm's context-window fallback recognises.
+    n_prompt = len(tokenizer.encode(PROMPT))
+    with pytest.raises(openai.BadRequestError) as refused:
         oa.completions.create(model="tiny-gpt2", prompt=PROMPT, max_tokens=500)
+    assert refused.value.body["message"] == (
+        "'max_tokens' or 'max_completion_tokens' is too large: 500. This model's maximum context length is "
+        f"128 tokens and your request has {n_prompt} input tokens (500 > 128 - {n_prompt})."
+    )
+    assert refused.value.param == "max_tokens" and refused.value.status_code == 400
 
 
 # ----- end of text ---------------------------------------------------------------------------------

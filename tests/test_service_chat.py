@@ -101,6 +101,24 @@ def test_openai_client_chat_plain_and_streaming(server, client):
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
         )
 
+    # Over the context: vLLM's words (litellm's context-window fallback keys on them), naming the field.
+    n_prompt = len(tokenizer.encode(TRANSCRIPT))
+    with pytest.raises(openai.BadRequestError) as refused:
+        oa.chat.completions.create(model="tiny-gpt2", messages=MESSAGES, max_completion_tokens=120)
+    assert refused.value.body["message"] == (
+        "'max_tokens' or 'max_completion_tokens' is too large: 120. This model's maximum context length is "
+        f"128 tokens and your request has {n_prompt} input tokens (120 > 128 - {n_prompt})."
+    )
+    assert refused.value.param == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as refused:
+        oa.chat.completions.create(model="tiny-gpt2", messages=[{"role": "user", "content": "hi " * 130}])
+    assert refused.value.param == "messages" and refused.value.body["message"].startswith(
+        "This model's maximum context length is 128 tokens. However, your request has "
+    )
+    assert refused.value.body["message"].endswith(
+        " input tokens. Please reduce the length of the input messages."
+    )
+
 
 def test_huggingface_chat_completion(server, client):
     from huggingface_hub import InferenceClient
@@ -145,6 +163,46 @@ def test_stream_with_n_choices_and_text_parts(client):
     whole = client.post("/v1/chat/completions", json={**body, "stream": False}).json()
     assert [c["message"]["content"] for c in whole["choices"]] == [texts[0], texts[1]]
     assert whole["usage"]["prompt_tokens"] == len(tokenizer.encode("User: Hello\nthere\nAssistant:"))
+
+
+def test_unknown_keys_in_messages_are_named_like_unknown_fields(client):
+    messages = [
+        {"role": "system", "content": "You answer briefly.", "foo": 1},
+        {"role": "user", "content": "What holds every layer?", "name": "ada", "x-trace": {"id": 7}},
+    ]
+    body = {"messages": messages, "max_tokens": 2, "temperature": 0, "priority": 1}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-ignored-fields"] == "priority, messages.0.foo, messages.1.x-trace"
+    # Known message fields are not named; the prompt is the one the messages make without the unknown keys.
+    assert response.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(TRANSCRIPT))
+    tokenized = client.post("/tokenize", json={"messages": messages})
+    assert tokenized.headers["x-ignored-fields"] == "messages.0.foo, messages.1.x-trace"
+    plain = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+    assert "x-ignored-fields" not in plain.headers
+
+
+def test_the_template_sees_the_known_message_fields_only():
+    from service.chat_template import ChatTemplate
+    from service.openai_chat import render_chat
+    from service.schemas import ChatCompletionRequest
+
+    shown = ChatTemplate("{% for m in messages %}{{ m | tojson }}\n{% endfor %}")
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": "Hi", "name": "ada", "foo": 1},
+                {"role": "assistant", "content": None, "tool_calls": [], "bar": 2},
+                {"role": "tool", "content": "42", "tool_call_id": "call-1"},
+            ],
+            "add_generation_prompt": False,
+        }
+    )
+    assert render_chat(body, shown).splitlines() == [
+        '{"role": "user", "content": "Hi", "name": "ada"}',
+        '{"role": "assistant", "content": "", "tool_calls": []}',
+        '{"role": "tool", "content": "42", "tool_call_id": "call-1"}',
+    ]
 
 
 @pytest.mark.parametrize(

@@ -112,7 +112,8 @@ def test_tgi_neutral_values_are_accepted_and_others_refused(client, server):
         ({"min_tokens": -1}, "min_tokens", "0 or more"),
         ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", "`min_tokens` must be <= `max_tokens`"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
-        ({"prompt_logprobs": 6}, "prompt_logprobs", "between 0 and 5"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs", "between 0 and 20"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs", "0 or more"),
         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available when streaming"),
         ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output", "valid boolean"),
     ],
@@ -171,6 +172,68 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
     assert data["usage"]["prompt_tokens"] == 2
     assert data["choices"][0]["text"].startswith(tokenizer.decode(ids[-2:]))
     assert complete(client, max_tokens=2, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_truncation_lets_through_a_prompt_longer_than_any_that_fits(client):
+    """The character cap lets through, when the request truncates, a text it would refuse otherwise."""
+    cap = 127 * tokenizer.longest_token_chars()  # the small model: 127 prompt tokens of 128 positions
+    text = "word " * (cap // 5 + 100)  # over the cap; about 2,000 tokens
+    ids = tokenizer.encode(text)
+    assert len(text) > cap and len(ids) > 127
+    tgi = {
+        "inputs": text,
+        "parameters": {"max_new_tokens": 1, "details": True, "decoder_input_details": True},
+    }
+    refused = client.post("/generate", json=tgi)
+    assert refused.status_code == 422 and f"at most {cap} characters" in refused.json()["error"]
+    tgi["parameters"]["truncate"] = 8
+    prefill = client.post("/generate", json=tgi).json()["details"]["prefill"]
+    assert [t["id"] for t in prefill] == ids[-8:]
+
+    refused = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+    data = complete(client, prompt=[text, text], max_tokens=1, truncate_prompt_tokens=8, echo=True)
+    assert data["usage"]["prompt_tokens"] == 16
+    assert data["choices"][0]["text"].startswith(tokenizer.decode(ids[-8:]))
+
+    chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    refused = client.post("/v1/chat/completions", json=chat)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages", refused.text
+    answer = client.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 8})
+    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == 8, answer.text
+
+
+def test_logprobs_up_to_twenty_as_vllm(server, client):
+    import openai
+
+    oa = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    completion = oa.completions.create(
+        model="tiny-gpt2", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=20, echo=True
+    )
+    tops = completion.choices[0].logprobs.top_logprobs
+    n_prompt = len(tokenizer.encode(PROMPT))
+    # Twenty alternatives, and the token itself when it is not among them (a prompt token may not be).
+    assert tops[0] is None and all(len(top) in (20, 21) for top in tops[1:]), [len(t or ()) for t in tops]
+    assert len(tops) == n_prompt + 3 and all(len(top) == 20 for top in tops[n_prompt:])  # greedy
+    chat = oa.chat.completions.create(
+        model="tiny-gpt2", messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True, top_logprobs=20
+    )
+    assert [len(token.top_logprobs) for token in chat.choices[0].logprobs.content] == [20] * 3
+    data = complete(client, max_tokens=1, prompt_logprobs=20)
+    assert all(len(entry) >= 20 for entry in data["choices"][0]["prompt_logprobs"][1:])
+    for route, body, field in (
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21}, "prompt_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+    ):
+        refused = client.post(route, json=body)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == field and f"`{field}` must be between 0 and 20" in error["message"], error
 
 
 def test_prompt_logprobs_match_tgi_prefill(client):

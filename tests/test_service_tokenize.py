@@ -94,6 +94,27 @@ def test_tokenizer_route_errors_in_the_protocols_schema(client, route, body, sta
     assert check(response.json()), response.json()
 
 
+def test_tokenize_takes_texts_as_long_as_a_prompt_and_no_longer(client):
+    cap = 127 * tokenizer.longest_token_chars()  # the small model's prompt cap: 127 tokens of 128 positions
+    user = {"role": "user", "content": ""}
+    chat_overhead = len(DEFAULT_CHAT_TEMPLATE.render([user]))
+    bodies = [
+        ("prompt", 400, lambda n: {"prompt": "a" * n}),
+        ("messages", 400, lambda n: {"messages": [{**user, "content": "a" * (n - chat_overhead)}]}),
+        ("inputs", 422, lambda n: {"inputs": "a" * n}),
+    ]
+    for field, status, body in bodies:
+        assert client.post("/tokenize", json=body(cap)).status_code == 200, field
+        refused = client.post("/tokenize", json=body(cap + 1))
+        assert refused.status_code == status, refused.text
+        error = refused.json()["error"]
+        message = error if status == 422 else error["message"]
+        assert f"`{field}` must have at most {cap} characters" in message, message
+        assert f"given {cap + 1}" in message, message
+        if status == 400:
+            assert error["param"] == field, error
+
+
 def test_lm_eval_remote_tokenizer(server):
     from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
 

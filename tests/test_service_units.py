@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 
 import pytest
@@ -14,7 +15,7 @@ from service.metrics import ServiceMetrics
 from service.request import GenerationRequest, RequestState
 from service.sampling import Sampler, SamplingParams
 from service.scheduler import Scheduler
-from service.validation import OPENAI_FIELDS, TGI_FIELDS, Limits, check_request
+from service.validation import CHAT_FIELDS, OPENAI_FIELDS, TGI_FIELDS, Limits, check_request
 from weights import tokenizer
 
 # ----- detokenizer ---------------------------------------------------------------------------------
@@ -208,11 +209,13 @@ LIMITS = Limits(
     context_length=64,
     max_input_tokens=63,
     max_input_chars=63 * 66,
+    max_truncated_input_chars=1_000_000,
     max_new_tokens=63,
     max_stop_sequences=4,
     max_stop_length=20,
     top_k=16,
     max_top_n_tokens=5,
+    max_logprobs=16,  # the server's 20, cut to the wafer's 16 candidates
     vocab_size=50257,
 )
 
@@ -236,12 +239,60 @@ def test_check_request_names_the_limit(changes, message):
         check_request(request, LIMITS, TGI_FIELDS)
 
 
-def test_openai_field_names_in_messages():
+@pytest.mark.parametrize(
+    ("names", "changes", "field"),
+    [
+        (OPENAI_FIELDS, {"top_n_tokens": 17}, "logprobs"),
+        (OPENAI_FIELDS, {"top_n_tokens": 2, "prompt_top_n": 17}, "prompt_logprobs"),
+        (CHAT_FIELDS, {"top_n_tokens": 17}, "top_logprobs"),
+        (CHAT_FIELDS, {"prompt_top_n": 17}, "prompt_logprobs"),
+    ],
+)
+def test_logprobs_are_bounded_by_the_wafers_candidates(names, changes, field):
+    check_request(GenerationRequest(prompt_ids=(1,), max_new_tokens=1, top_n_tokens=16), LIMITS, names)
+    request = GenerationRequest(**{"prompt_ids": (1,), "max_new_tokens": 1, **changes})
+    with pytest.raises(RequestValidationFailed) as refused:
+        check_request(request, LIMITS, names)
+    assert refused.value.param == field
+    assert refused.value.message.startswith(
+        f"`{field}` must be between 0 and 16 (the server's --max-logprobs"
+    )
+    assert "16 candidates the wafer returns per token), given 17" in refused.value.message
+
+
+def test_serve_takes_max_logprobs():
+    from service.cli import UserError, build_parser
+    from service.commands.serve import settings_from_args
+
+    parser = build_parser()
+    assert settings_from_args(parser.parse_args(["serve"]), "m").max_logprobs == 20  # vLLM's default
+    assert settings_from_args(parser.parse_args(["serve", "--max-logprobs", "8"]), "m").max_logprobs == 8
+    with pytest.raises(UserError, match="--max-logprobs must be at least 0"):
+        settings_from_args(parser.parse_args(["serve", "--max-logprobs", "-1"]), "m")
+
+
+def test_openai_routes_refuse_requests_over_the_context_in_vllms_words():
     request = GenerationRequest(prompt_ids=(1,) * 60, max_new_tokens=10)
-    with pytest.raises(
-        RequestValidationFailed, match=re.escape("`prompt` tokens + `max_tokens` must be <= 64")
-    ):
+    with pytest.raises(RequestValidationFailed) as refused:
         check_request(request, LIMITS, OPENAI_FIELDS)
+    assert refused.value.param == "max_tokens" and refused.value.message == (
+        "'max_tokens' or 'max_completion_tokens' is too large: 10. This model's maximum context length is 64 "
+        "tokens and your request has 60 input tokens (10 > 64 - 60)."
+    )
+    with pytest.raises(RequestValidationFailed) as refused:
+        check_request(GenerationRequest(prompt_ids=(1,) * 64, max_new_tokens=1), LIMITS, CHAT_FIELDS)
+    assert refused.value.param == "messages" and refused.value.message == (
+        "This model's maximum context length is 64 tokens. However, your request has 64 input tokens. "
+        "Please reduce the length of the input messages."
+    )
+    # A --max-input-tokens below the context is named beside it.
+    lower = dataclasses.replace(LIMITS, max_input_tokens=32)
+    with pytest.raises(RequestValidationFailed) as refused:
+        check_request(GenerationRequest(prompt_ids=(1,) * 40, max_new_tokens=1), lower, OPENAI_FIELDS)
+    assert refused.value.message.startswith(
+        "This model's maximum context length is 64 tokens and this server takes at most 32 input tokens. "
+        "However, your request has 40 input tokens."
+    )
 
 
 # ----- metrics -------------------------------------------------------------------------------------

@@ -124,6 +124,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-new-tokens", type=int, metavar="N", help="largest max_new_tokens (default: context - 1)"
     )
     parser.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=defaults.max_logprobs,
+        metavar="N",
+        help="most alternatives per token the OpenAI routes' logprobs, top_logprobs and prompt_logprobs "
+        f"may ask for, at most --top-k ({defaults.max_logprobs}, as vLLM)",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=defaults.request_timeout_s,
@@ -237,6 +245,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--max-input-tokens", optional[1], 1),
         ("--max-input-chars", args.max_input_chars, 1),
         ("--max-new-tokens", optional[2], 1),
+        ("--max-logprobs", args.max_logprobs, 0),
     ):
         if value is not None and value < minimum:
             raise UserError(f"{flag} must be at least {minimum}, got {value}")
@@ -269,6 +278,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         max_input_tokens=args.max_input_tokens,
         max_input_chars=args.max_input_chars,
         max_new_tokens_limit=args.max_new_tokens,
+        max_logprobs=args.max_logprobs,
         request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         step_timeout_s=args.step_timeout,
