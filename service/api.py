@@ -405,7 +405,10 @@ def create_app(
 
     app.post("/ping", summary="SageMaker's health check: as /health", operation_id="ping_post")(ping)
 
-    @app.get("/health", summary="200 when the engine serves; 503 while loading, reloading, draining or dead")
+    @app.get(
+        "/health",
+        summary="200 when the engine serves; 503 while loading, reloading, draining, unresponsive or dead",
+    )
     async def health() -> Response:
         if engine.ready:
             return Response(status_code=200)
@@ -414,7 +417,7 @@ def create_app(
         headers = {"Retry-After": str(retry)} if retry is not None else None
         if engine.state is EngineState.FAILED and engine.error:
             body["reason"] = engine.error
-        elif engine.state is EngineState.RELOADING and engine.fault:
+        elif engine.state in (EngineState.RELOADING, EngineState.UNRESPONSIVE) and engine.fault:
             body["reason"] = engine.fault
         return JSONResponse(body, status_code=503, headers=headers)
 
@@ -456,10 +459,14 @@ def create_app(
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> PlainTextResponse:
         merged: list[list[Family]] = []
+        own_only = False
         if isinstance(engine, EngineProcess):  # the engine's metrics are recorded over there
-            merged.append(await asyncio.to_thread(engine.metric_samples))
+            samples = await asyncio.to_thread(engine.metric_samples)
+            # Without the engine's samples its series are left out, not shown as 0 (a counter reset).
+            own_only = samples is None
+            merged.append(samples or [])
         return PlainTextResponse(
-            metrics.render(merged), media_type="text/plain; version=0.0.4; charset=utf-8"
+            metrics.render(merged, own_only=own_only), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
     return app

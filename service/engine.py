@@ -138,6 +138,8 @@ class EngineState(enum.Enum):
     DRAINING = "draining"  # shutting down: running requests finish, new ones are refused
     STOPPED = "stopped"
     FAILED = "failed"  # the model could not be (re)loaded: the server cannot serve
+    # An engine process silent past its heartbeat deadline (stopped or hung; `service/engine_process.py`).
+    UNRESPONSIVE = "unresponsive"
 
 
 def close_quietly(executor: Executor) -> None:

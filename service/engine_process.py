@@ -8,13 +8,15 @@ process, and the HTTP process talks to it over a pipe:
 - to the engine: `submit` (the request's id, the `GenerationRequest`, whether it streams), `cancel`,
   `drain`, `shutdown`, `fault` (the test hook);
 - from the engine: each step's events in one message (as `EngineCore._flush` hands them to an event
-  loop in one call), and the engine's state whenever it changes (`Snapshot`).
+  loop in one call), and the engine's state whenever it changes and at least every quarter of the
+  heartbeat deadline (`Snapshot`: the heartbeat).
 
 Requests and step events cross as plain tuples (`service/engine_wire.py`), the rest pickled. The engine
 process's reader hands each request to the worker without taking the engine's lock
 (`Engine.submit_nowait`); `_Book` keeps the requests by id for cancellations. In the HTTP process the
 server's event loop reads the pipe itself (`FrameReader`), so the loop has no thread to share the GIL
-with and puts each step's events into its requests' queues directly.
+with and puts each step's events into its requests' queues directly; it writes the pipe without ever
+blocking (`PipeOutbox`: what the pipe cannot take waits there, bounded).
 
 `EngineProcess` has the surface the API uses of an `Engine`. A request is refused in the HTTP process
 (synchronously, as the in-process engine does) when the last known state is not READY, or when the
@@ -23,9 +25,15 @@ checks again: a refusal there arrives as the request's error event.
 
 The executor lives in the engine process; the HTTP process sees its shape (`ShapeReport`: what the
 request limits and /info read). The engine's metrics are recorded there: /metrics asks for their
-samples and merges them with this process's own (`ServiceMetrics.render`); `kv_usage` and
-`queue_sizes` are asked too (a round trip each, off the event loop that reads the answers), the rest
-is read from the last state report.
+samples and merges them with this process's own (`ServiceMetrics.render`; without an answer within
+`answer_timeout_s`, only this process's own series); `kv_usage` and `queue_sizes` are asked too (a
+round trip each, off the event loop that reads the answers), the rest is read from the last state
+report.
+
+The HTTP process watches the engine process without relying on it: a process silent past its heartbeat
+deadline (stopped, hung) is UNRESPONSIVE until it reports again, and the requests it holds end at their
+own deadline on this side; a process that dies is started again in place, up to a limit (see
+`EngineProcess`).
 
 The engine process is spawned (nothing of this process's threads or locks is inherited), so the
 executor factory must be picklable, and a script that starts a server this way needs the usual
@@ -35,6 +43,7 @@ executor factory must be picklable, and a script that starts a server this way n
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import multiprocessing
@@ -43,6 +52,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -50,7 +60,7 @@ from typing import Any, cast
 from service import engine_wire, heap, logs
 from service.engine import Engine, EngineState, ExecutorFactory, request_failed
 from service.engine_core import gpt2_tokenizer_hooks
-from service.errors import Overloaded, ServiceError, Unavailable
+from service.errors import Overloaded, RequestTimedOut, ServiceError, Unavailable
 from service.kv_slots import KVUsage
 from service.metrics import Family, ServiceMetrics
 from service.request import (
@@ -69,6 +79,9 @@ from wafer.executor import Executor
 log = logging.getLogger(__name__)
 
 STATUS_PERIOD_S = 0.02  # how often the engine process looks for a change of state to report
+# The engine process reports its state at least this many times per heartbeat deadline, changed or not,
+# and the HTTP process looks as often for a report that is overdue.
+HEARTBEATS_PER_TIMEOUT = 4
 # Counters a stand-in executor keeps (`wafer/stand_in.py`), reported with the state for `bench host`.
 EXECUTOR_COUNTERS = ("modeled_busy_s", "overshoot_s")
 # The states a drain turns into DRAINING (the engine's own `begin_drain` rule).
@@ -117,6 +130,8 @@ class RemoteRequest:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    timeout_s: float | None = None  # the request's own (queue and generation)
+    deadline: float | None = None  # monotonic: when the HTTP side ends it if the engine is silent
 
 
 @dataclass(frozen=True)
@@ -132,6 +147,16 @@ class EngineOptions:
     freeze_heap: bool = False  # settle the engine process's heap after each load (`service/heap.py`)
     # (level, format) of the HTTP process's `service.logs.configure`, repeated in the engine process.
     log_config: tuple[str, str] | None = None
+    # `ServerSettings`' engine_* fields: the heartbeat, the outbox, answers, restarts.
+    heartbeat_timeout_s: float = ServerSettings.engine_heartbeat_timeout_s
+    outbox_limit: int = ServerSettings.engine_outbox_limit
+    answer_timeout_s: float = ServerSettings.engine_answer_timeout_s
+    restart_limit: int = ServerSettings.engine_restart_limit
+    restart_window_s: float = ServerSettings.engine_restart_window_s
+
+    @property
+    def heartbeat_period_s(self) -> float:
+        return self.heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT
 
     @classmethod
     def of(cls, settings: ServerSettings, executor_factory: ExecutorFactory) -> EngineOptions:
@@ -144,6 +169,11 @@ class EngineOptions:
             step_timeout_per_item_s=settings.step_timeout_per_item_s,
             freeze_heap=settings.freeze_heap,
             log_config=logs.configured,
+            heartbeat_timeout_s=settings.engine_heartbeat_timeout_s,
+            outbox_limit=settings.engine_outbox_limit,
+            answer_timeout_s=settings.engine_answer_timeout_s,
+            restart_limit=settings.engine_restart_limit,
+            restart_window_s=settings.engine_restart_window_s,
         )
 
     def engine(self, metrics: ServiceMetrics, on_fatal: Callable[[str], None] | None) -> Engine:
@@ -353,9 +383,11 @@ def engine_main(connection, options: EngineOptions) -> None:
     stopped = threading.Event()
 
     def report_status() -> None:
-        """Every STATUS_PERIOD_S: the engine's state when it changed, the executor's shape when a
-        (re)load brought a new one."""
+        """Every STATUS_PERIOD_S: the engine's state when it changed (and, as a heartbeat, every
+        `heartbeat_period_s` even when it did not), the executor's shape when a (re)load brought a new
+        one."""
         last: Snapshot | None = None
+        last_sent = 0.0
         described: Executor | None = None
         while not stopped.is_set():
             try:
@@ -366,9 +398,10 @@ def engine_main(connection, options: EngineOptions) -> None:
                     send(("shape", _shape(executor)))
                     described = executor
                 snapshot = _snapshot(engine, executor)
-                if snapshot != last:
+                now = time.monotonic()
+                if snapshot != last or now - last_sent >= options.heartbeat_period_s:
                     send(("status", snapshot, fatal[-1] if fatal else None))
-                    last = snapshot
+                    last, last_sent = snapshot, now
             except (OSError, ValueError):
                 return  # the pipe is closed
             except Exception:
@@ -454,8 +487,159 @@ def _serve_message(
 # ----- the HTTP process ------------------------------------------------------------------------------
 
 
+def _frame(payload: bytes) -> bytes:
+    """`payload` framed as `Connection.send_bytes` frames it (what `FrameReader` reads)."""
+    size = len(payload)
+    if size > 0x7FFFFFFF:
+        return _LENGTH.pack(-1) + _LONG_LENGTH.pack(size) + payload
+    return _LENGTH.pack(size) + payload
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+class PipeOutbox:
+    """The HTTP process's messages to the engine process, written without ever blocking the event loop.
+    A message goes straight into the pipe when the pipe has room (the usual case); otherwise it waits
+    here and the event loop writes it once the pipe is writable. At most `limit` messages wait before a
+    `bounded` one (a request, a question) is refused: an engine process that stops reading costs the
+    server that much memory, never its event loop. Cancellations and the lifecycle's messages are never
+    refused (each cancellation frees a KV slot; there are at most as many as requests in flight). Any
+    thread may put; the pipe's socket is written through a duplicate of its descriptor with
+    MSG_DONTWAIT, as `FrameReader` reads it."""
+
+    def __init__(self, fileno: int, loop: asyncio.AbstractEventLoop, limit: int):
+        self._socket = socket.socket(fileno=os.dup(fileno))
+        self._loop = loop
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._pending: collections.deque[bytes | memoryview] = collections.deque()
+        self._watching = False  # the event loop writes the pending messages when the pipe has room
+        self._closed = False
+
+    @property
+    def waiting(self) -> int:
+        """Messages waiting for the pipe to have room."""
+        return len(self._pending)
+
+    def put(self, payload: bytes, bounded: bool = True) -> bool:
+        """Send `payload` (or keep it until the pipe has room); False when `bounded` and `limit`
+        messages wait already. OSError when the pipe is closed."""
+        frame = _frame(payload)
+        with self._lock:
+            if self._closed:
+                raise BrokenPipeError("the engine process's pipe is closed")
+            pending = self._pending
+            if pending:  # after those that wait: the engine reads the messages in order
+                if bounded and len(pending) >= self._limit:
+                    return False
+                pending.append(frame)
+                return True
+            sent = self._write(frame)
+            if sent < len(frame):
+                pending.append(memoryview(frame)[sent:])
+                self._watch()
+        return True
+
+    def _write(self, data: bytes | memoryview) -> int:
+        try:
+            return self._socket.send(data, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    def _watch(self) -> None:
+        """(The lock is held.) Have the event loop write what waits once the pipe has room."""
+        if self._watching:
+            return
+        self._watching = True
+        try:
+            if _running_loop() is self._loop:
+                self._loop.add_writer(self._socket.fileno(), self._flush)
+            else:
+                self._loop.call_soon_threadsafe(self._watch_on_loop)
+        except RuntimeError:  # the event loop is gone: nothing will be written any more
+            self._watching = False
+
+    def _watch_on_loop(self) -> None:
+        with self._lock:
+            if self._closed or not self._pending:
+                self._watching = False
+                return
+            self._loop.add_writer(self._socket.fileno(), self._flush)
+
+    def _flush(self) -> None:
+        """(On the event loop, when the pipe has room.) Write what waits, as much as fits."""
+        with self._lock:
+            pending = self._pending
+            try:
+                while pending:
+                    head = pending[0]
+                    sent = self._write(head)
+                    if sent < len(head):
+                        pending[0] = memoryview(head)[sent:]
+                        return
+                    pending.popleft()
+            except OSError:
+                pending.clear()  # the engine process is gone: its end is handled where its pipe is read
+            self._loop.remove_writer(self._socket.fileno())
+            self._watching = False
+
+    def close(self) -> None:
+        """Drop what waits and close (on the event loop when it runs: its writer is removed first)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._pending.clear()
+        if self._loop.is_closed() or _running_loop() is self._loop:
+            self._close_socket()
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._close_socket)
+        except RuntimeError:
+            self._close_socket()
+
+    def _close_socket(self) -> None:
+        if self._watching and not self._loop.is_closed():
+            self._loop.remove_writer(self._socket.fileno())
+        self._watching = False
+        self._socket.close()
+
+
+@dataclass(eq=False)
+class _Link:
+    """One engine process and the HTTP process's ends of its pipe."""
+
+    process: Any  # multiprocessing's process object
+    connection: Any  # multiprocessing's Connection: it owns the pipe's descriptor
+    outbox: PipeOutbox
+    _closing: threading.Lock = field(default_factory=threading.Lock)
+
+    def close(self) -> None:
+        """Close the HTTP process's ends (once: shutdown and the process's end may both get here)."""
+        with self._closing:
+            self.outbox.close()
+            self.connection.close()
+
+
+def _initial_snapshot() -> Snapshot:
+    return Snapshot(EngineState.LOADING, None, None, None, 0, 0, 0.0, KVUsage(0, 0, 0, 0), 0, 0, 0)
+
+
 class EngineProcess:
-    """The API's engine when the engine runs in a process of its own (`Engine`'s surface)."""
+    """The API's engine when the engine runs in a process of its own (`Engine`'s surface).
+
+    Beside the engine's own reports this side keeps three facts of its own. The heartbeat: the engine
+    process reports at least every `heartbeat_period_s`; one silent past `heartbeat_timeout_s` (stopped,
+    hung) is shown as UNRESPONSIVE, with 503 for new requests, and the requests it holds end at their
+    deadline here (its own deadline check runs in the silent process); a report brings it back. The
+    outbox (`PipeOutbox`): what the engine process has not read yet, bounded. Restarts: an engine
+    process that dies is started again in place (RELOADING until it is ready) up to `restart_limit`
+    times within `restart_window_s`; one more death and the server is told to exit (`on_fatal`)."""
 
     def __init__(
         self,
@@ -467,26 +651,32 @@ class EngineProcess:
         self.metrics = metrics  # the HTTP process's own (guards, failures); the engine's are over there
         self._on_fatal = on_fatal
         self._context = multiprocessing.get_context("spawn")
-        self._connection, child = self._context.Pipe()
-        self._child = child
-        self._process = self._context.Process(
-            target=engine_main, args=(child, options), name="wafer-engine", daemon=True
-        )
-        self._send_lock = threading.Lock()
+        self._link: _Link | None = None  # the current engine process (`start`)
+        self._life = threading.Lock()  # starting an engine process, against shutdown
         self._join_lock = threading.Lock()
         self._changed = threading.Condition()
-        self._snapshot = Snapshot(
-            EngineState.LOADING, None, None, None, 0, 0, 0.0, KVUsage(0, 0, 0, 0), 0, 0, 0
-        )
+        self._reported = _initial_snapshot()  # the current engine process's last report
+        self._snapshot = self._reported  # what the API reads: the report as this process sees it
         self._shape: ShapeReport | None = None
         self._requests: dict[str, RemoteRequest] = {}
         self._ids = itertools.count(1)
+        self._asked: set[int] = set()  # questions waiting for their answer (`_ask`)
         self._answers: dict[int, Any] = {}
-        self._stopped = False
+        self._stopped = False  # no engine process runs, nor will
         self._draining = False  # set by `begin_drain`: no state report makes it accept requests again
         self._shutting_down = False  # set by `shutdown`: the engine process's end is expected
         self._fatal_told = False  # `on_fatal` is called once
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop that reads the pipe (`start`)
+        self._heard: float | None = None  # when the current engine process last reported (monotonic)
+        self._silent: str | None = None  # why it is taken for stopped or hung, while it is
+        self._restarting: str | None = None  # why the current engine process was started, until it is ready
+        self._deaths: collections.deque[float] = collections.deque()  # when engine processes died
+        self._restarts_before = 0  # reloads and restarts before the current engine process
+        self._outbox_full = False  # logged once while the outbox stays full
+        self._restarts_counter = metrics.track_engine_process(
+            up=lambda: 1.0 if self._up() else 0.0,
+            outbox=lambda: float(self._link.outbox.waiting) if self._link is not None else 0.0,
+        )
 
     # ----- lifecycle -------------------------------------------------------------------------------
 
@@ -495,16 +685,36 @@ class EngineProcess:
         not by a thread of this process's own: such a thread took the GIL at every message, and the
         loop waited for it after each socket write and tokenization that let go of it (issue 18)."""
         self._loop = loop = asyncio.get_running_loop()
-        self._process.start()
-        self._child.close()
-        frames = FrameReader(self._connection.fileno())
-        loop.add_reader(frames.fileno, self._readable, loop, frames)
+        with self._life:
+            self._link = link = self._launch(loop)
+        self._read(link)
+        loop.call_later(self._options.heartbeat_period_s, self._check_heartbeat)
 
-    def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            self._connection.send_bytes(engine_wire.encode(message))
+    def _launch(self, loop: asyncio.AbstractEventLoop) -> _Link:
+        """Start an engine process (any thread; `_life` is held)."""
+        connection, child = self._context.Pipe()
+        process = self._context.Process(
+            target=engine_main, args=(child, self._options), name="wafer-engine", daemon=True
+        )
+        process.start()
+        child.close()
+        return _Link(process, connection, PipeOutbox(connection.fileno(), loop, self._options.outbox_limit))
 
-    def _readable(self, loop: asyncio.AbstractEventLoop, reader: FrameReader) -> None:
+    def _read(self, link: _Link) -> None:
+        """(On the event loop.) Read `link`'s pipe on this loop."""
+        assert self._loop is not None
+        frames = FrameReader(link.connection.fileno())
+        self._loop.add_reader(frames.fileno, self._readable, link, frames)
+
+    def _send(self, message: tuple, bounded: bool = False) -> bool:
+        """Hand `message` to the engine process (False: `bounded` and the outbox is full; OSError: no
+        engine process reads)."""
+        link = self._link
+        if link is None:
+            raise BrokenPipeError("the engine process is not started")
+        return link.outbox.put(engine_wire.encode(message), bounded)
+
+    def _readable(self, link: _Link, reader: FrameReader) -> None:
         """(On the event loop.) The engine's messages that arrived: events to their requests' queues,
         state to `_snapshot`."""
         frames = reader.read()
@@ -522,10 +732,10 @@ class EngineProcess:
             except Exception:  # a bug here must not end the only reader of the engine's messages
                 log.exception("could not handle the engine process's %r message", message[0])
         if ended:
-            loop.remove_reader(reader.fileno)
+            assert self._loop is not None
+            self._loop.remove_reader(reader.fileno)
             reader.close()
-            # It waits for the process to exit: not on the event loop.
-            threading.Thread(target=self._engine_gone, name="wafer-engine-gone", daemon=True).start()
+            self._link_lost(link)
 
     def _handle(self, message: tuple) -> bool:
         """One message from the engine process; False when it says it stopped."""
@@ -536,21 +746,42 @@ class EngineProcess:
             self._shape = message[1]
         elif kind == "status":
             _, snapshot, fatal = message
-            if self._draining and snapshot.state in ACCEPTING:
-                snapshot = _with_state(snapshot, EngineState.DRAINING)  # sent before our drain arrived
+            silent = self._silent
             with self._changed:
-                self._snapshot = snapshot
-                self._changed.notify_all()
+                self._heard = time.monotonic()
+                self._silent = None
+                if snapshot.state is EngineState.READY:
+                    self._restarting = None
+                self._reported = snapshot
+                self._refresh()
+            if silent is not None:
+                log.warning("the engine process reports again")
             if fatal is not None and not self._fatal_told and self._on_fatal is not None:
                 self._fatal_told = True
                 self._on_fatal(fatal)
         elif kind == "answer":
             with self._changed:
-                self._answers[message[1]] = message[2]
-                self._changed.notify_all()
+                if message[1] in self._asked:  # not one whose asker gave up waiting
+                    self._answers[message[1]] = message[2]
+                    self._changed.notify_all()
         elif kind == "stopped":
             return False
         return True
+
+    def _refresh(self) -> None:
+        """(`_changed` is held.) What the API reads: the engine's report, as this side knows it."""
+        snapshot = self._reported
+        state = snapshot.state
+        if state in (EngineState.FAILED, EngineState.STOPPED):
+            pass
+        elif self._draining and state in ACCEPTING:
+            snapshot = _with_state(snapshot, EngineState.DRAINING)  # reported before our drain arrived
+        elif self._silent is not None:
+            snapshot = _with_state(snapshot, EngineState.UNRESPONSIVE, fault=self._silent)
+        elif self._restarting is not None and state is not EngineState.READY:
+            snapshot = _with_state(snapshot, EngineState.RELOADING, fault=self._restarting)
+        self._snapshot = snapshot
+        self._changed.notify_all()
 
     def _deliver_events(self, events: list[tuple[str, Event]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RemoteRequest, Event]]] = {}
@@ -563,6 +794,18 @@ class EngineProcess:
                 remote.finished = True
                 del requests[request_id]
             by_loop.setdefault(remote.loop, []).append((remote, event))
+        self._put_by_loop(by_loop)
+
+    def _hand_over(self, items: list[tuple[RemoteRequest, Event]]) -> None:
+        """(On the event loop.) Each event into its request's queue, on the request's event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RemoteRequest, Event]]] = {}
+        for remote, event in items:
+            by_loop.setdefault(remote.loop, []).append((remote, event))
+        self._put_by_loop(by_loop)
+
+    def _put_by_loop(
+        self, by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RemoteRequest, Event]]]
+    ) -> None:
         for loop, items in by_loop.items():
             if loop is self._loop:
                 _put_events(items)  # this loop reads the pipe: its requests' queues are at hand
@@ -572,42 +815,168 @@ class EngineProcess:
             except RuntimeError:
                 pass  # the event loop is gone
 
-    def _engine_gone(self) -> None:
-        """The pipe closed. Whatever is still waiting ends with 503; an engine process that ended without
-        being asked to is a failed engine, and the server is told to exit (as when the worker dies)."""
-        self._join(5.0)
-        with self._changed:
-            self._stopped = True
-            unexpected = not self._shutting_down
-            if unexpected and self._snapshot.state is not EngineState.FAILED:
-                code = self._process.exitcode
-                self._snapshot = Snapshot(
-                    **{
-                        **vars(self._snapshot),
-                        "state": EngineState.FAILED,
-                        "error": f"the engine process ended unexpectedly (exit code {code})",
-                    }
-                )
-            elif self._snapshot.state is not EngineState.FAILED:
-                self._snapshot = _with_state(self._snapshot, EngineState.STOPPED)
-            self._changed.notify_all()
+    def _fail_requests(self, error: ServiceError) -> None:
+        """(On the event loop.) Every request held ends with `error`."""
         leftover = list(self._requests.values())
         self._requests.clear()
-        error = (
-            self.unavailable()
-            if unexpected
-            else Unavailable("the server shut down before this request finished")
-        )
         for remote in leftover:
             remote.finished = True
-            try:
-                ended: list[tuple[RemoteRequest, Event]] = [(remote, ErrorEvent(error))]
-                remote.loop.call_soon_threadsafe(_put_events, ended)
-            except RuntimeError:
-                pass
-        if unexpected and not self._fatal_told and self._on_fatal is not None:
+        self._hand_over([(remote, ErrorEvent(error)) for remote in leftover])
+        with self._changed:
+            self._changed.notify_all()  # wake wait_drained
+
+    # ----- the heartbeat ---------------------------------------------------------------------------
+
+    def _check_heartbeat(self) -> None:
+        """(On the event loop, every `heartbeat_period_s`.) An engine process silent past its deadline is
+        taken for stopped or hung; while it is, the requests it holds end at their own deadline here."""
+        assert self._loop is not None
+        if self._shutting_down:
+            return
+        self._loop.call_later(self._options.heartbeat_period_s, self._check_heartbeat)
+        heard, link = self._heard, self._link
+        if self._outbox_full and link is not None and link.outbox.waiting < self._options.outbox_limit:
+            self._outbox_full = False
+            log.warning("the engine process reads its pipe again")
+        if heard is None or link is None or self._stopped:
+            return  # not started reporting yet, or gone (its end is handled where its pipe is read)
+        silent_for = time.monotonic() - heard
+        timeout = self._options.heartbeat_timeout_s
+        if self._silent is None:
+            if silent_for <= timeout:
+                return
+            reason = (
+                f"the engine process (pid {link.process.pid}) has not reported within its "
+                f"{timeout:g} s heartbeat deadline: it is stopped or hung"
+            )
+            with self._changed:
+                self._silent = reason
+                self._refresh()
+            log.error("%s; /health answers 503 until it reports again", reason)
+        self._end_overdue(silent_for)
+
+    def _end_overdue(self, silent_for: float) -> None:
+        """(On the event loop, the engine process silent.) Requests past their deadline end with 504 and
+        are cancelled (the cancellation waits in the outbox: a resumed engine frees their slots)."""
+        now = time.monotonic()
+        overdue = [r for r in self._requests.values() if r.deadline is not None and now >= r.deadline]
+        ended: list[tuple[RemoteRequest, Event]] = []
+        for remote in overdue:
+            del self._requests[remote.id]
+            remote.finished = True
+            error = RequestTimedOut(
+                f"the request did not finish within {remote.timeout_s:g} s: the engine process has not "
+                f"reported for {silent_for:.1f} s (stopped or hung)"
+            )
+            ended.append((remote, ErrorEvent(error)))
+            self._send_quietly(("cancel", remote.id))
+        self._hand_over(ended)
+
+    def _up(self) -> bool:
+        return (
+            self._link is not None and not self._stopped and self._silent is None and self._heard is not None
+        )
+
+    # ----- an engine process's end -----------------------------------------------------------------
+
+    def _link_lost(self, link: _Link) -> None:
+        """(On the event loop.) The engine process's pipe closed: it stopped as asked, or it died."""
+        if link is not self._link:
+            return
+        link.outbox.close()
+        with self._changed:
+            self._heard = self._silent = None
+            if not self._shutting_down and self._reported.state not in (
+                EngineState.FAILED,
+                EngineState.STOPPED,
+            ):
+                # Refused at once from here on: nobody reads this pipe any more.
+                self._restarting = "the engine process ended unexpectedly"
+                self._reported = _with_state(self._reported, EngineState.LOADING)
+            self._refresh()
+        # It waits for the process to exit: not on the event loop.
+        threading.Thread(
+            target=self._engine_gone, args=(link,), name="wafer-engine-gone", daemon=True
+        ).start()
+
+    def _engine_gone(self, link: _Link) -> None:
+        """(A thread of its own.) The engine process's pipe closed; what is still waiting ends with 503.
+        One that ended without being asked to is started again, unless too many died lately: then the
+        engine is failed and the server told to exit."""
+        self._join(link.process, 5.0)
+        link.close()
+        if self._shutting_down or self._reported.state is EngineState.FAILED:  # failed: it said why
+            with self._changed:
+                self._stopped = True
+                if self._reported.state is not EngineState.FAILED:
+                    self._reported = _with_state(self._reported, EngineState.STOPPED)
+                self._refresh()
+            error = (
+                Unavailable("the server shut down before this request finished")
+                if self._shutting_down
+                else self.unavailable()
+            )
+            self._on_loop(self._fail_requests, error)
+            return
+        now = time.monotonic()
+        window = self._options.restart_window_s
+        deaths = self._deaths
+        deaths.append(now)
+        while now - deaths[0] > window:
+            deaths.popleft()
+        died = f"the engine process ended unexpectedly (exit code {link.process.exitcode})"
+        if len(deaths) > self._options.restart_limit:
+            self._give_up(f"{died}, {len(deaths)} times within {window:g} s: it is not started again")
+            return
+        with self._changed:
+            self._restarting = f"{died}; it is being started again"
+            self._restarts_before += self._reported.restarts + 1
+            self._refresh()
+        log.error("%s", self._restarting)
+        self._on_loop(
+            self._fail_requests, Unavailable(f"{died}; it is being started again, retry the request")
+        )
+        self._restart()
+
+    def _restart(self) -> None:
+        """(A thread of its own.) Start a fresh engine process in place of the one that died."""
+        loop = self._loop
+        assert loop is not None
+        try:
+            with self._life:
+                if self._shutting_down:
+                    return
+                link = self._launch(loop)
+                self._link = link
+        except Exception as exc:
+            log.exception("could not start the engine process again")
+            self._give_up(f"the engine process could not be started again: {type(exc).__name__}: {exc}")
+            return
+        self._restarts_counter.inc()
+        log.warning("engine process started again (pid %s): the model is being loaded", link.process.pid)
+        self._on_loop(self._read, link)
+
+    def _give_up(self, fatal: str) -> None:
+        """No engine process will serve again: every request ends with 503 and the server is told to exit
+        (`on_fatal`, once)."""
+        log.error("%s", fatal)
+        with self._changed:
+            self._stopped = True
+            self._reported = _with_state(self._reported, EngineState.FAILED, error=fatal)
+            self._refresh()
+        self._on_loop(self._fail_requests, self.unavailable())
+        if not self._fatal_told and self._on_fatal is not None:
             self._fatal_told = True
-            self._on_fatal(self._snapshot.error or "the engine process ended unexpectedly")
+            self._on_fatal(fatal)
+
+    def _on_loop(self, function: Callable, *args) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:
+            pass  # the event loop is gone
 
     def wait_ready(self, timeout: float) -> bool:
         with self._changed:
@@ -618,8 +987,7 @@ class EngineProcess:
     def begin_drain(self) -> None:
         with self._changed:
             self._draining = True
-            if self._snapshot.state in ACCEPTING:
-                self._snapshot = _with_state(self._snapshot, EngineState.DRAINING)
+            self._refresh()
         self._send_quietly(("drain",))
 
     def wait_drained(self, timeout: float) -> bool:
@@ -629,14 +997,21 @@ class EngineProcess:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Drain (up to `timeout`), fail what is left with 503, stop the engine process."""
         self.begin_drain()
-        self._shutting_down = True
+        with self._life:
+            self._shutting_down = True
+            link = self._link
+        if link is None:
+            return
         self._send_quietly(("shutdown", timeout))
-        self._join(timeout + 10.0)
-        if self._process.is_alive():
+        self._join(link.process, timeout + 10.0)
+        if link.process.is_alive():
             log.error("the engine process did not stop: terminated")
-            self._process.terminate()
-            self._join(5.0)
-        self._connection.close()
+            link.process.terminate()
+            self._join(link.process, 5.0)
+        if link.process.is_alive():  # a stopped process keeps SIGTERM pending; SIGKILL is not held
+            link.process.kill()
+            self._join(link.process, 5.0)
+        link.close()
 
     def inject_fault(
         self, message: str = "injected worker fault", steps: int = 1, reloads: int = 0, error=None
@@ -644,11 +1019,11 @@ class EngineProcess:
         args: tuple = (message, steps, reloads) if error is None else (message, steps, reloads, error)
         self._send(("fault", *args))
 
-    def _join(self, timeout: float) -> None:
+    def _join(self, process: Any, timeout: float) -> None:
         # One thread at a time: two concurrent joins race for the child's exit status, and the loser
         # sees a process that is still alive.
         with self._join_lock:
-            self._process.join(timeout)
+            process.join(timeout)
 
     def _send_quietly(self, message: tuple) -> None:
         try:
@@ -680,7 +1055,8 @@ class EngineProcess:
 
     @property
     def restarts(self) -> int:
-        return self._snapshot.restarts
+        """Reloads after a fault and engine processes started again, since the server started."""
+        return self._restarts_before + self._snapshot.restarts
 
     @property
     def steps(self) -> int:
@@ -710,15 +1086,21 @@ class EngineProcess:
         return self._ask("queue_sizes", (self._snapshot.waiting, self._snapshot.running))
 
     def unavailable(self) -> Unavailable:
-        state = self._snapshot.state
+        snapshot = self._snapshot
+        state = snapshot.state
         final = state in (EngineState.FAILED, EngineState.STOPPED)
-        reason = {
-            EngineState.LOADING: "the model is still being uploaded; retry shortly",
-            EngineState.RELOADING: "the wafer worker is reloading the model after a failure; retry shortly",
-            EngineState.DRAINING: "the server is shutting down and accepts no new requests",
-            EngineState.STOPPED: "the server has shut down",
-            EngineState.FAILED: f"the engine failed and cannot serve: {self._snapshot.error}",
-        }.get(state, "the engine is not ready")
+        if state is EngineState.RELOADING and self._restarting is not None:
+            reason = f"{self._restarting}; retry shortly"
+        elif state is EngineState.UNRESPONSIVE:
+            reason = f"{snapshot.fault}; retry shortly"
+        else:
+            reason = {
+                EngineState.LOADING: "the model is still being uploaded; retry shortly",
+                EngineState.RELOADING: "the wafer worker is reloading the model after a failure; retry shortly",
+                EngineState.DRAINING: "the server is shutting down and accepts no new requests",
+                EngineState.STOPPED: "the server has shut down",
+                EngineState.FAILED: f"the engine failed and cannot serve: {snapshot.error}",
+            }.get(state, "the engine is not ready")
         return Unavailable(reason, final=final)
 
     def submit(self, request: GenerationRequest, stream: bool = True) -> RemoteRequest:
@@ -730,13 +1112,32 @@ class EngineProcess:
                 f"the server is at capacity ({len(self._requests)} requests running or queued, "
                 f"queue limit {self._options.max_queue}); retry later"
             )
-        remote = RemoteRequest(new_request_id(), stream, asyncio.get_running_loop())
+        timeout = request.timeout_s
+        remote = RemoteRequest(
+            new_request_id(),
+            stream,
+            asyncio.get_running_loop(),
+            timeout_s=timeout,
+            deadline=None if timeout is None else time.monotonic() + timeout,
+        )
         self._requests[remote.id] = remote
         try:
-            self._send(("submit", remote.id, request, stream))
+            sent = self._send(("submit", remote.id, request, stream), bounded=True)
         except (OSError, ValueError):
             del self._requests[remote.id]
             raise self.unavailable() from None
+        if not sent:
+            del self._requests[remote.id]
+            if not self._outbox_full:
+                self._outbox_full = True
+                log.error(
+                    "the engine process does not read its pipe: %d messages wait; new requests get 503",
+                    self._options.outbox_limit,
+                )
+            raise Unavailable(
+                f"the engine process is not reading its pipe: {self._options.outbox_limit} messages "
+                "wait for it already; retry shortly"
+            )
         return remote
 
     def cancel(self, remote: Submitted) -> None:
@@ -748,32 +1149,51 @@ class EngineProcess:
         self._requests.pop(remote.id, None)
         self._send_quietly(("cancel", remote.id))
 
-    def _ask(self, what: str, otherwise: Any, timeout: float = 5.0) -> Any:
+    def _ask(self, what: str, otherwise: Any) -> Any:
         """The engine process's answer to `what` (a round trip over the pipe); `otherwise` when it is
-        gone or does not answer within `timeout`. Never on the event loop that reads the pipe: the
-        answer could not arrive while it waits (RuntimeError)."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        silent, gone, its outbox full, or it does not answer within `answer_timeout_s`. Never on the
+        event loop that reads the pipe: the answer could not arrive while it waits (RuntimeError)."""
+        running = _running_loop()
         if running is not None and running is self._loop:
             raise RuntimeError(
                 f"asking the engine process for {what} on the event loop that reads its answers"
             )
+        if not self._up():
+            return otherwise
         number = next(self._ids)
-        self._send_quietly(("ask", number, what))
         with self._changed:
-            self._changed.wait_for(lambda: number in self._answers or self._stopped, timeout)
-            return self._answers.pop(number, otherwise)
+            self._asked.add(number)
+        try:
+            try:
+                if not self._send(("ask", number, what), bounded=True):
+                    return otherwise
+            except (OSError, ValueError):
+                return otherwise
+            with self._changed:
+                self._changed.wait_for(
+                    lambda: number in self._answers or self._stopped, self._options.answer_timeout_s
+                )
+                return self._answers.pop(number, otherwise)
+        finally:
+            with self._changed:
+                self._asked.discard(number)
+                self._answers.pop(number, None)
 
-    def metric_samples(self) -> list[Family]:
-        """The engine process's metrics (`ServiceMetrics.samples`; blocks: call it off the event loop)."""
-        return self._ask("metrics", [])
+    def metric_samples(self) -> list[Family] | None:
+        """The engine process's metrics (`ServiceMetrics.samples`; blocks: call it off the event loop);
+        None when it does not answer (silent, gone, restarting, or too slow)."""
+        return self._ask("metrics", None)
 
     @property
     def pid(self) -> int | None:
         """The engine process's id (`bench host` adds its CPU time to the server's)."""
-        return self._process.pid
+        link = self._link
+        return None if link is None else link.process.pid
+
+    @property
+    def process(self) -> Any:
+        """The current engine process (multiprocessing's object)."""
+        return None if self._link is None else self._link.process
 
     @property
     def executor_counters(self) -> dict[str, float]:
@@ -786,5 +1206,5 @@ def _put_events(items: list[tuple[RemoteRequest, Event]]) -> None:
         remote.events.put_nowait(event)
 
 
-def _with_state(snapshot: Snapshot, state: EngineState) -> Snapshot:
-    return Snapshot(**{**vars(snapshot), "state": state})
+def _with_state(snapshot: Snapshot, state: EngineState, **changes: Any) -> Snapshot:
+    return Snapshot(**{**vars(snapshot), "state": state, **changes})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -86,6 +86,7 @@ class ServiceMetrics:
         self._steps: deque[tuple[float, int]] = deque()  # seconds, items
         self._scheduler_state: tuple[int, int, KVUsage] | None = None  # the latest recorded
         self._gauged_state: tuple[int, int, KVUsage] | None = None  # the one the gauges show
+        self._own_families: set[str] = set()  # what this process alone records (`track_engine_process`)
         model = ("model_name",)
         counter, gauge, histogram = self._counter, self._gauge, self._histogram
 
@@ -167,6 +168,30 @@ class ServiceMetrics:
         self.wafer_engine_step_timeouts_total = counter(
             "wafer_engine_step_timeouts_total", "Steps failed by the step watchdog (hung backend)"
         )
+
+    def track_engine_process(self, up: Callable[[], float], outbox: Callable[[], float]) -> Counter:
+        """The HTTP process's own series of an engine that runs in a process of its own
+        (`service/engine_process.py`): `up` and `outbox` are read at each scrape; the counter returned
+        counts the engine process's restarts. These are what /metrics shows when the engine process
+        does not answer for its own series."""
+        answering = self._gauge(
+            "wafer_engine_process_up",
+            "1 while the engine process runs and reports within its heartbeat deadline, else 0",
+        )
+        answering.set_function(up)
+        waiting = self._gauge(
+            "wafer_engine_outbox_messages", "Messages waiting for the engine process to read its pipe"
+        )
+        waiting.set_function(outbox)
+        restarts = self._counter(
+            "wafer_engine_process_restarts_total", "Times the engine process died and was started again"
+        )
+        self._own_families |= {
+            "wafer_engine_process_up",
+            "wafer_engine_outbox_messages",
+            "wafer_engine_process_restarts_total",
+        }
+        return restarts
 
     def _counter(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> Counter:
         if not name.endswith("_total"):
@@ -319,10 +344,12 @@ class ServiceMetrics:
             families.append((name, family.documentation, family.type, rows))
         return families
 
-    def render(self, merged: Sequence[list[Family]] = ()) -> str:
+    def render(self, merged: Sequence[list[Family]] = (), own_only: bool = False) -> str:
         """The Prometheus text format (0.0.4) of every metric's samples, each summed with the same sample
         of `merged` (another process's `samples()` of the same metrics: there only the engine records
-        the engine's, here only the HTTP process the rest, so the sums are each side's own values)."""
+        the engine's, here only the HTTP process the rest, so the sums are each side's own values).
+        `own_only`: the engine process's samples are missing, so only the series this process alone
+        records (`track_engine_process`); a family both record would read as a counter reset."""
         others: dict[str, dict[tuple[str, tuple], float]] = {}
         for families in merged:
             for name, _, _, rows in families:
@@ -331,6 +358,8 @@ class ServiceMetrics:
                     values[sample_name, labels] = values.get((sample_name, labels), 0.0) + value
         lines: list[str] = []
         for name, documentation, kind, rows in self.samples():
+            if own_only and name not in self._own_families:
+                continue
             lines += [f"# HELP {name} {documentation}", f"# TYPE {name} {kind}"]
             values = {(sample_name, labels): value for sample_name, labels, value in rows}
             for key, value in others.get(name, {}).items():  # a label set only the other side has goes last

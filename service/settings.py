@@ -59,6 +59,20 @@ class ServerSettings:
     # GIL. The executor factory must then be picklable (it crosses a spawn). `serve` turns it on
     # (`service.commands.serve.SERVE_ENGINE_PROCESS`).
     engine_process: bool = False
+    # An engine process that has not reported for this long is taken for stopped or hung: /health answers
+    # 503 `unresponsive`, new requests 503, and the requests it holds end at their own deadline
+    # (`request_timeout_s`, 504) on the HTTP side. It reports at least every quarter of this.
+    engine_heartbeat_timeout_s: float = 5.0
+    # Messages to the engine process (requests, questions) that may wait while it does not read its pipe;
+    # beyond that new requests get 503. Cancellations always wait their turn (each frees a KV slot).
+    engine_outbox_limit: int = 256
+    # How long /metrics and /info wait for the engine process's figures. Without them /metrics shows the
+    # HTTP process's own series only (never the engine's counters as 0).
+    engine_answer_timeout_s: float = 1.0
+    # An engine process that dies is started again in place (/health 503 `reloading` meanwhile); more
+    # than `engine_restart_limit` deaths within `engine_restart_window_s` stop the server (exit 1).
+    engine_restart_limit: int = 3
+    engine_restart_window_s: float = 600.0
     # After startup (and in an engine process after each load) the long-lived heap is frozen out of
     # the garbage collector (`service/heap.py`). `serve` sets it; tests that build many apps in one
     # process do not (each freeze is a full collection of the test process).

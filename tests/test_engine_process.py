@@ -3,8 +3,8 @@
 Every route runs against it in tests/test_service_api.py (the `engine-process` cases). Here: what
 crossing a process boundary adds. The HTTP process refuses at once when the engine is not ready
 (503; when it is full, 429: tests/test_service_api.py); a failed step reaches the requests in flight and the engine reloads (the engine's
-metrics, merged into /metrics, count the restart); an engine process that dies ends every request and
-the server; a graceful shutdown drains and then stops the engine process.
+metrics, merged into /metrics, count the restart); a graceful shutdown drains and then stops the engine
+process. An engine process that stops, stops reading or dies: tests/test_robust_engine_process.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import functools
 import multiprocessing
 import os
 import re
-import signal
 import struct
 import threading
 
@@ -26,10 +25,8 @@ from service_harness import (
     running_server,
     slow_executor,
     sse_events,
-    wait_until,
 )
 
-from service.engine import EngineState
 from service.engine_process import EngineOptions, EngineProcess, FrameReader
 from service.metrics import ServiceMetrics
 from service.settings import ServerSettings
@@ -102,29 +99,9 @@ def test_a_failed_step_reaches_the_requests_in_flight_and_the_engine_reloads(sma
         assert running.engine.restarts == 1 and running.fatal == []
 
 
-def test_an_engine_process_that_dies_ends_every_request_and_the_server(small_params):
-    with running_server(settings(max_concurrent_requests=2), slow(small_params, 2)) as running:
-        first_token = threading.Event()
-        thread, result = in_thread(lambda: long_stream(running.url, first_token))
-        assert first_token.wait(20)
-        os.kill(running.engine.pid, signal.SIGKILL)
-        thread.join(30)
-        assert not thread.is_alive(), "a request hung after the engine process died"
-        last = result["events"][-1]
-        assert last["error_type"] == "unavailable" and "ended unexpectedly" in last["error"], last
-        wait_until(lambda: running.fatal, timeout=10)  # the server is told to exit
-        assert "ended unexpectedly (exit code -9)" in running.fatal[0], running.fatal
-        assert running.engine.state is EngineState.FAILED
-        with running.client() as c:
-            health = c.get("/health")
-            assert health.status_code == 503 and health.json()["state"] == "failed", health.text
-            refused = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}})
-            assert refused.status_code == 503 and "Retry-After" not in refused.headers, refused.text
-
-
 def test_a_graceful_shutdown_drains_then_stops_the_engine_process(small_params):
     with running_server(settings(max_concurrent_requests=2), slow(small_params, 2, 0.01)) as running:
-        process = running.engine._process
+        process = running.engine.process
         with (
             running.client() as c,
             c.stream(

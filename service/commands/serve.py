@@ -197,6 +197,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "get a core and a GIL (service/engine_process.py; on by default, --no-engine-process: one process)",
     )
     parser.add_argument(
+        "--engine-heartbeat-timeout",
+        type=float,
+        default=defaults.engine_heartbeat_timeout_s,
+        metavar="S",
+        help="an engine process that has not reported for S seconds is taken for stopped or hung: /health "
+        "503 `unresponsive`, new requests 503, and its requests end at their --request-timeout "
+        f"(504) until it reports again ({defaults.engine_heartbeat_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--engine-outbox-limit",
+        type=int,
+        default=defaults.engine_outbox_limit,
+        metavar="N",
+        help="messages that may wait for an engine process that does not read them; beyond that new "
+        f"requests get 503 ({defaults.engine_outbox_limit})",
+    )
+    parser.add_argument(
+        "--engine-answer-timeout",
+        type=float,
+        default=defaults.engine_answer_timeout_s,
+        metavar="S",
+        help="how long /metrics and /info wait for the engine process's figures; /metrics then leaves the "
+        f"engine's series out ({defaults.engine_answer_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--engine-restart-limit",
+        type=int,
+        default=defaults.engine_restart_limit,
+        metavar="N",
+        help="an engine process that dies is started again in place (/health 503 `reloading` meanwhile); "
+        "after N restarts within --engine-restart-window the next death stops the server, exit status 1 "
+        f"(0: never restart) ({defaults.engine_restart_limit})",
+    )
+    parser.add_argument(
+        "--engine-restart-window",
+        type=float,
+        default=defaults.engine_restart_window_s,
+        metavar="S",
+        help=f"the window of --engine-restart-limit, seconds ({defaults.engine_restart_window_s:g})",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
         help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; unset: no authentication)",
@@ -241,6 +282,8 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--step-token-budget", args.step_token_budget, 1),
         ("--max-body-bytes", args.max_body_bytes, 1),
         ("--max-connections", args.max_connections, 1),
+        ("--engine-outbox-limit", args.engine_outbox_limit, 1),
+        ("--engine-restart-limit", args.engine_restart_limit, 0),
         ("--context", optional[0], 2),  # one prompt token and one new token
         ("--max-input-tokens", optional[1], 1),
         ("--max-input-chars", args.max_input_chars, 1),
@@ -256,6 +299,9 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--header-timeout", args.header_timeout_s),
         ("--body-timeout", args.body_timeout_s),
         ("--keep-alive-timeout", args.keep_alive_timeout_s),
+        ("--engine-heartbeat-timeout", args.engine_heartbeat_timeout),
+        ("--engine-answer-timeout", args.engine_answer_timeout),
+        ("--engine-restart-window", args.engine_restart_window),
     ):
         if not value > 0:
             raise UserError(f"{flag} must be positive, got {value}")
@@ -270,6 +316,11 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         max_concurrent_requests=args.max_concurrent,
         event_loop=args.event_loop,
         engine_process=args.engine_process,
+        engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        engine_outbox_limit=args.engine_outbox_limit,
+        engine_answer_timeout_s=args.engine_answer_timeout,
+        engine_restart_limit=args.engine_restart_limit,
+        engine_restart_window_s=args.engine_restart_window,
         freeze_heap=True,
         max_queue=args.max_queue,
         context_length=args.context,
