@@ -10,10 +10,15 @@ process runs out of file descriptors). `GuardedHttpToolsProtocol` adds:
   sending headers gets 408. Headers larger than `max_header_bytes` get 431.
 - a body deadline: from the end of the headers to the end of the body, `body_timeout_s`; past it 408
   (if no response has started) and the connection is closed, which the app sees as a disconnect.
+- body-pending connections (headers complete, body still to come: the request cannot have started
+  any work) are bounded per client address, `max_body_pending_per_client`: one more from the same
+  address cuts that address's oldest with 408, so one address cannot hold many of them for the body
+  deadline.
 - a connection cap, `max_connections`: at the cap a new connection evicts the oldest one that has no
-  request under way (connected and silent, sending headers, or idle between requests), so a flood of
-  idle sockets cannot lock clients out; only when every connection carries a request does the new one
-  get 503 with `Retry-After`. Either way file descriptors stay bounded.
+  request under way (connected and silent, sending headers, idle between requests, or already
+  refused), else the oldest body-pending one (408), so neither silent sockets nor body-less requests
+  can lock clients out; only when every connection carries a request whose body has arrived does the
+  new one get 503 with `Retry-After`. Either way file descriptors stay bounded.
 - a client that half-closes after sending its request (shutdown(SHUT_WR)) still gets its response;
   the connection closes once it is sent.
 
@@ -33,6 +38,8 @@ from functools import partial
 from typing import cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from service.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -70,24 +77,30 @@ def _tell_disconnect(cycle: RequestResponseCycle) -> None:
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    keep_alive_timeout_s: float = 5.0
-    max_connections: int = 1024
+    header_timeout_s: float = ServerSettings.header_timeout_s
+    body_timeout_s: float = ServerSettings.body_timeout_s
+    keep_alive_timeout_s: float = ServerSettings.keep_alive_timeout_s
+    max_connections: int = ServerSettings.max_connections
+    max_body_pending_per_client: int = ServerSettings.max_body_pending_per_client
     max_header_bytes: int = 65536
 
 
-def protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
-    """uvicorn's `http=` argument: the guarded protocol bound to `limits`."""
-    # `waiting`: this server's connections with no request under way, oldest first (the eviction order).
-    return type(
-        "BoundGuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits, "waiting": {}}
-    )
+def protocol_class(limits: ConnectionLimits) -> type[GuardedHttpToolsProtocol]:
+    """uvicorn's `http=` argument: the guarded protocol bound to `limits`, with this server's own
+    eviction queues (see `GuardedHttpToolsProtocol`)."""
+    queues: dict[str, object] = {"waiting": {}, "body_pending": {}, "body_pending_by_client": {}}
+    return type("BoundGuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits, **queues})
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits = ConnectionLimits()
+    # This server's connections with no request under way, oldest first (the first to be evicted).
     waiting: dict[GuardedHttpToolsProtocol, None] = {}
+    # Its connections whose request's headers have arrived and its body has not, oldest first (the next
+    # to be evicted), and the same by client address. A connection joins only when a read ends with the
+    # body still to come: a request that arrives whole never does.
+    body_pending: dict[GuardedHttpToolsProtocol, None] = {}
+    body_pending_by_client: dict[str, dict[GuardedHttpToolsProtocol, None]] = {}
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -97,18 +110,29 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._in_headers = False  # between a request's first byte and the end of its headers
         self._in_body = False
+        self._body_pending = False  # in `body_pending` (see there)
         self._eof = False
         self._refused = False  # answered and half-closed: what the client still sends is discarded
         if len(self.connections) > self.limits.max_connections:
-            if not self.waiting:
+            if self.waiting:
+                log.warning(
+                    "%d connections open: the oldest without a request is closed", len(self.connections)
+                )
+                next(iter(self.waiting)).evict()
+            elif self.body_pending:
+                log.warning(
+                    "%d connections open: the oldest still waiting for its request's body is closed",
+                    len(self.connections),
+                )
+                next(iter(self.body_pending)).cut_body(
+                    "request body not received: the server needed the connection for another", linger=False
+                )
+            else:
                 log.warning(
                     "connection refused: all %d connections carry requests", len(self.connections) - 1
                 )
                 self._refuse(503, "too many connections; retry shortly", b"retry-after: 1\r\n")
                 return
-            oldest = next(iter(self.waiting))
-            log.warning("%d connections open: the oldest without a request is closed", len(self.connections))
-            oldest.evict()
         self._set_waiting(True)
         self._arm(self.limits.header_timeout_s, self._header_timed_out)
 
@@ -122,8 +146,53 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._drop_timer()
         self.transport.close()
 
+    def _set_body_pending(self, pending: bool) -> None:
+        if pending == self._body_pending:
+            return
+        self._body_pending = pending
+        client = self.client[0] if self.client else ""
+        same_client = self.body_pending_by_client.get(client)
+        if not pending:
+            self.body_pending.pop(self, None)
+            if same_client is not None:
+                same_client.pop(self, None)
+                if not same_client:
+                    del self.body_pending_by_client[client]
+            return
+        self.body_pending[self] = None
+        if same_client is None:
+            same_client = self.body_pending_by_client[client] = {}
+        same_client[self] = None
+        limit = self.limits.max_body_pending_per_client
+        if len(same_client) > limit:
+            log.warning(
+                "%s: more than %d connections waiting for their bodies: the oldest is closed", client, limit
+            )
+            next(iter(same_client)).cut_body(
+                f"request body not received: more than {limit} connections from this address "
+                "were waiting for their request bodies"
+            )
+
+    def cut_body(self, message: str, linger: bool = True) -> None:
+        """End the request whose body is still to come: 408 if no response has started, and the
+        connection closes (`linger`: gently, see `_refuse`; else at once, to make room now); the app
+        sees a disconnect."""
+        self._set_body_pending(False)
+        self._in_body = False
+        self._disarm()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            self._refuse(408, message, linger=linger)
+        else:
+            self.transport.close()
+        if cycle is not None:
+            cycle.disconnected = True  # the app reads a disconnect now; what it sends goes nowhere
+            cycle.message_event.set()
+            _tell_disconnect(cycle)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_waiting(False)
+        self._set_body_pending(False)
         self._drop_timer()
         super().connection_lost(exc)
         if self.cycle is not None and self.cycle.disconnected:
@@ -137,6 +206,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._header_bytes += len(data)
             if self._header_bytes > self.limits.max_header_bytes:
                 self._refuse(431, f"request headers larger than {self.limits.max_header_bytes} bytes")
+        elif self._in_body and not self._body_pending and not self.transport.is_closing():
+            self._set_body_pending(True)  # the body goes on past this chunk
 
     # asyncio.Protocol's eof_received returns bool | None (True keeps the half-closed transport open);
     # uvicorn annotates its override `-> None`.
@@ -170,6 +241,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._in_body = False
+        if self._body_pending:
+            self._set_body_pending(False)
         self._disarm()
         super().on_message_complete()
 
@@ -228,29 +301,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _body_timed_out(self) -> None:
         if self.transport.is_closing() or not self._in_body:
             return
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_started:
-            self._refuse(408, f"request body not received within {self.limits.body_timeout_s:g} s")
-        else:
-            self.transport.close()
-        if cycle is not None:
-            cycle.disconnected = True  # the app reads a disconnect now; what it sends goes nowhere
-            cycle.message_event.set()
-            _tell_disconnect(cycle)
+        self.cut_body(f"request body not received within {self.limits.body_timeout_s:g} s")
 
-    def _refuse(self, status: int, message: str, extra_headers: bytes = b"") -> None:
+    def _refuse(self, status: int, message: str, extra_headers: bytes = b"", linger: bool = True) -> None:
         """Answer `status` and close gently: half-close, discard what still arrives for a second, then
-        close (closing with unread data would reset the connection and lose the answer)."""
+        close (closing with unread data would reset the connection and lose the answer). Meanwhile the
+        connection is the first to go when the cap needs room: its answer has been written. Without
+        `linger` it closes at once (the answer goes out before the close, unless the client had sent
+        more)."""
         body = message.encode()
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
             b"connection: close\r\n%s\r\n%s" % (status, REASONS[status], len(body), extra_headers, body)
         )
         self._refused = True
-        if self.transport.can_write_eof():
+        if linger and self.transport.can_write_eof():
             self.transport.write_eof()
             self._arm(1.0, self.transport.close)
+            self._set_waiting(True)
         else:
+            self._set_waiting(False)
             self.transport.close()
 
 

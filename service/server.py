@@ -51,6 +51,7 @@ class ServiceServer(uvicorn.Server):
                     body_timeout_s=settings.body_timeout_s,
                     keep_alive_timeout_s=settings.keep_alive_timeout_s,
                     max_connections=settings.max_connections,
+                    max_body_pending_per_client=settings.max_body_pending_per_client,
                 )
             ),
         )

@@ -173,7 +173,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=defaults.max_connections,
         metavar="N",
-        help=f"open connections; a new one beyond gets 503 and is closed ({defaults.max_connections})",
+        help="open connections; at the cap a new one evicts the oldest idle one, else the oldest waiting for "
+        "its body; when all carry requests it gets 503 (lowered below the file-descriptor limit; "
+        f"{defaults.max_connections})",
+    )
+    parser.add_argument(
+        "--max-body-pending-per-client",
+        type=int,
+        default=defaults.max_body_pending_per_client,
+        metavar="N",
+        help="connections from one client address whose request body is still to come; one more cuts "
+        f"the oldest with 408 ({defaults.max_body_pending_per_client})",
     )
     parser.add_argument(
         "--event-loop",
@@ -233,6 +243,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--step-token-budget", args.step_token_budget, 1),
         ("--max-body-bytes", args.max_body_bytes, 1),
         ("--max-connections", args.max_connections, 1),
+        ("--max-body-pending-per-client", args.max_body_pending_per_client, 1),
         ("--context", optional[0], 2),  # one prompt token and one new token
         ("--max-input-tokens", optional[1], 1),
         ("--max-input-chars", args.max_input_chars, 1),
@@ -277,6 +288,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         body_timeout_s=args.body_timeout_s,
         keep_alive_timeout_s=args.keep_alive_timeout_s,
         max_connections=args.max_connections,
+        max_body_pending_per_client=args.max_body_pending_per_client,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key or None,
         chat_template=chat_template,
