@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from typing import cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from service.settings import ServerSettings
+from service.settings import FD_RESERVE, ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,37 @@ class ConnectionLimits:
     max_connections: int = ServerSettings.max_connections
     max_body_pending_per_client: int = ServerSettings.max_body_pending_per_client
     max_header_bytes: int = 65536
+
+
+def fit_to_fd_limit(max_connections: int, reserve: int = FD_RESERVE) -> int:
+    """Raise this process's file-descriptor limit to its hard limit and return the connection cap that
+    fits under it with `reserve` to spare (`max_connections` or less), logging both. Past the limit
+    accept() fails (EMFILE) and new clients wait unanswered, while at the cap they get in by eviction;
+    containers often start with a limit of 1024, the default cap."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max(soft, max_connections + reserve) if hard == resource.RLIM_INFINITY else hard
+    limit = soft
+    if wanted > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            limit = wanted
+        except (ValueError, OSError) as exc:
+            log.warning("the file-descriptor limit %d could not be raised to %d: %s", soft, wanted, exc)
+    raised = f" (raised from {soft})" if limit > soft else ""
+    cap = min(max_connections, max(1, limit - reserve))
+    if cap < max_connections:
+        log.warning(
+            "file-descriptor limit %d%s: --max-connections %d lowered to %d, keeping %d for the server's own "
+            "files (raise the hard limit, e.g. `ulimit -Hn`, docker --ulimit nofile=N:N)",
+            limit,
+            raised,
+            max_connections,
+            cap,
+            limit - cap,
+        )
+    else:
+        log.info("file-descriptor limit %d%s; at most %d connections", limit, raised, cap)
+    return cap
 
 
 def protocol_class(limits: ConnectionLimits) -> type[GuardedHttpToolsProtocol]:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# File descriptors `serve` keeps for the server's own beyond its connections (the listener, the event
+# loop, the engine process's pipes, logs: about 15 when idle), so that connections, capped below the
+# limit less this, never make accept() fail (service.connections.fit_to_fd_limit).
+FD_RESERVE = 64
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -51,8 +56,8 @@ class ServerSettings:
     body_timeout_s: float = 10.0
     keep_alive_timeout_s: float = 5.0  # idle between two requests on one connection
     # Open connections. At the cap a new one evicts the oldest without a request under way, else the
-    # oldest still waiting for its body; when every one carries a request it gets 503. `serve` lowers it
-    # below the file-descriptor limit (service.connections.fit_to_fd_limit).
+    # oldest still waiting for its body; when every one carries a request it gets 503. `serve` raises
+    # the file-descriptor limit to its hard limit and lowers this below it (FD_RESERVE).
     max_connections: int = 1024
     # Connections from one client address whose request body has not yet arrived (such a request has
     # started nothing); one more cuts that address's oldest with 408. Behind a balancer every client

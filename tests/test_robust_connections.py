@@ -15,6 +15,8 @@ evicted oldest first, beyond 8 from one address that address's oldest gets 408.
 from __future__ import annotations
 
 import os
+import re
+import resource
 import socket
 import subprocess
 import sys
@@ -296,6 +298,37 @@ def test_one_address_holds_only_a_few_body_less_requests(bodyless_server):
     finally:
         for sock in socks + other:
             sock.close()
+
+
+# ----- the file-descriptor limit ------------------------------------------------------------------
+
+
+def test_the_fd_limit_is_raised_and_the_cap_kept_below_it():
+    """Started as containers often start it, with a soft file-descriptor limit under the connection
+    cap (here 100, hard limit 200, against the default cap of 1024): the server raises its limit to the
+    hard limit, lowers the cap to fit (200 - 64 kept for its own files) and logs both; then 300 silent
+    sockets cannot make accept() fail: /health still answers at once (it used to wait for descriptors
+    until the silent sockets' header timeout, here 30 s)."""
+
+    def limit_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (100, 200))
+
+    port, process = start_server(["--header-timeout", "30"], preexec_fn=limit_files)
+    idle: list[socket.socket] = []
+    try:
+        limits = Path(f"/proc/{process.pid}/limits").read_text()
+        assert re.search(r"^Max open files\s+200\s+200\s", limits, re.M), limits
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            time.sleep(0.002)
+        started = time.monotonic()
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        assert time.monotonic() - started < 3
+    finally:
+        for sock in idle:
+            sock.close()
+        log = stop(process)
+    assert "file-descriptor limit 200 (raised from 100): --max-connections 1024 lowered to 136" in log, log
 
 
 def test_a_client_that_half_closes_after_its_request_gets_its_answer(server):

@@ -26,6 +26,8 @@ import httpx
 import pytest
 from service_harness import free_port, run_concurrently, sse_events
 
+from service.settings import FD_RESERVE
+
 REPO = Path(__file__).resolve().parents[1]
 HAPROXY_DIR = REPO / "deploy" / "haproxy"
 HAPROXY = shutil.which("haproxy") or next(
@@ -219,6 +221,7 @@ def test_compose_runs_replicas_behind_the_balancer():
     server, balancer = compose["services"]["server"], compose["services"]["balancer"]
     args = build_parser().parse_args(server["command"])
     assert args.command == "serve" and args.port == 8000
+    assert server["ulimits"]["nofile"]["soft"] >= args.max_connections + FD_RESERVE  # the cap is not lowered
     assert "ports" not in server and server["deploy"]["replicas"] == "${WAFER_GPT2_REPLICAS:-2}"
     assert server["environment"]["WAFER_GPT2_API_KEY"] == "${WAFER_GPT2_API_KEY:-}"
     assert balancer["environment"]["WAFER_GPT2_SERVICE"] == "server"

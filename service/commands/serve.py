@@ -13,6 +13,7 @@ import functools
 import ipaddress
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from service.chat_template import ChatTemplateError, load_chat_template
@@ -308,6 +309,7 @@ def load_and_build_backend(backend: str, weights_path: Path, options: ExecutorOp
 
 def run(args: argparse.Namespace) -> int:
     from service.api import create_app
+    from service.connections import fit_to_fd_limit
     from service.log_limits import limit_repeats
     from service.server import ServiceServer
 
@@ -323,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
     if args.top_k > config.vocab_size:
         raise UserError(f"--top-k {args.top_k} exceeds the vocabulary size ({config.vocab_size})")
     settings = settings_from_args(args, model_id=args.model or config.name)
+    # Before the engine process starts: it inherits the raised limit.
+    settings = replace(settings, max_connections=fit_to_fd_limit(settings.max_connections))
 
     options = ExecutorOptions(
         slots=settings.max_concurrent_requests,
