@@ -33,7 +33,7 @@ import asyncio
 import logging
 import resource
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import cast
@@ -126,6 +126,9 @@ def protocol_class(limits: ConnectionLimits) -> type[GuardedHttpToolsProtocol]:
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits = ConnectionLimits()
+    # Set when the server stops accepting (`begin_closing`): every response from then on closes its
+    # connection.
+    closing = False
     # This server's connections with no request under way, oldest first (the first to be evicted).
     waiting: dict[GuardedHttpToolsProtocol, None] = {}
     # Its connections whose request's headers have arrived and its body has not, oldest first (the next
@@ -177,6 +180,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._set_waiting(False)
         self._drop_timer()
         self.transport.close()
+
+    @classmethod
+    def begin_closing(cls, connections: Iterable[object]) -> None:
+        """The server has stopped accepting: each of `connections` (uvicorn's, this server's) closes
+        after the response to its current request, or to its next one if it has none under way."""
+        cls.closing = True
+        for protocol in connections:
+            cycle = getattr(protocol, "cycle", None)
+            if cycle is not None and not cycle.response_complete:
+                cycle.keep_alive = False
+
+    @classmethod
+    def awaiting_first_request(cls) -> int:
+        """Connections that have not yet sent a request (nor been refused)."""
+        return sum(1 for protocol in cls.waiting if protocol.cycle is None and not protocol._refused)
 
     def _set_body_pending(self, pending: bool) -> None:
         if pending == self._body_pending:
@@ -267,6 +285,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.transport is self.transport:  # a new request's cycle
+            if self.closing:
+                cycle.keep_alive = False
             # Duck-typed: the cycle only writes, closes and asks is_closing.
             cycle.transport = cast(asyncio.Transport, HeadHeldTransport(self.transport, self.loop))
             cycle.scope[WATCH_DISCONNECT] = partial(_watch_disconnect, weakref.ref(cycle))  # type: ignore[literal-required]
