@@ -9,7 +9,9 @@ a client that half-closes after its request still gets its answer; and a flood o
 (a hundred malformed requests, refused connections) is cut to a few lines plus a count of what was
 suppressed. A second server (64 connections, 8 per address whose body is still to come, body timeout
 30 s) shows that requests whose body never comes cannot lock clients out: beyond the cap they are
-evicted oldest first, beyond 8 from one address that address's oldest gets 408.
+evicted oldest first, beyond 8 from one address that address's oldest gets 408. A third, started with a
+soft file-descriptor limit below the cap, raises the limit and lowers the cap to fit, so silent
+sockets cannot make accept() fail.
 """
 
 from __future__ import annotations
