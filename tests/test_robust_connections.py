@@ -309,13 +309,13 @@ def test_the_fd_limit_is_raised_and_the_cap_kept_below_it():
     """Started as containers often start it, with a soft file-descriptor limit under the connection
     cap (here 100, hard limit 200, against the default cap of 1024): the server raises its limit to the
     hard limit, lowers the cap to fit (200 - 64 kept for its own files) and logs both; then 300 silent
-    sockets cannot make accept() fail: /health still answers at once (it used to wait for descriptors
-    until the silent sockets' header timeout, here 30 s)."""
+    sockets cannot make accept() fail: /health still answers (it used to wait for descriptors until the
+    silent sockets' header timeout, here 60 s)."""
 
     def limit_files() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (100, 200))
 
-    port, process = start_server(["--header-timeout", "30"], preexec_fn=limit_files)
+    port, process = start_server(["--header-timeout", "60"], preexec_fn=limit_files)
     idle: list[socket.socket] = []
     try:
         limits = Path(f"/proc/{process.pid}/limits").read_text()
@@ -323,9 +323,9 @@ def test_the_fd_limit_is_raised_and_the_cap_kept_below_it():
         for _ in range(300):
             idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
             time.sleep(0.002)
-        started = time.monotonic()
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-        assert time.monotonic() - started < 3
+        # At once unless the server fell behind the connections and met the limit in a burst (it then
+        # pauses accepting for a second at a time while evictions make room).
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=15).status_code == 200
     finally:
         for sock in idle:
             sock.close()
