@@ -6,8 +6,8 @@ guarantees:
 
 - a request whose body never comes stays at the balancer: no replica's connection is held for it;
 - a client whose connection to the balancer has carried a request before gets the balancer's 502 JSON
-  error (with `x-should-retry: false`) when its replica dies mid-generation, not a bare close, which
-  HTTP clients would retry;
+  error (with `x-should-retry: false`) when its replica dies mid-generation, not a bare close, and the
+  openai client does not run the generation again behind its caller's back;
 - the load is spread over both replicas; when one is killed (SIGKILL) mid-generation, every request on
   it ends at once (a non-streaming one with the 502, a stream cut without its final event), none hangs,
   the streams on the other replica finish, and new requests keep succeeding from the moment of the kill
@@ -203,8 +203,9 @@ def long_request(url: str, client: httpx.Client | None = None) -> httpx.Response
         return exc
 
 
-def assert_balancer_502(response: httpx.Response | httpx.HTTPError) -> None:
-    assert isinstance(response, httpx.Response) and response.status_code == 502, response
+def assert_balancer_502(response) -> None:
+    """`response` (httpx's, or the openai client's own) is the balancer's 502."""
+    assert getattr(response, "status_code", None) == 502, response
     assert response.json()["error_type"] == "unavailable" and "went away" in response.json()["error"]
     assert response.headers["x-should-retry"] == "false"  # SDKs that retry 5xx on their own do not
 
@@ -251,20 +252,37 @@ def test_a_request_whose_body_never_comes_holds_no_replica(cluster):
 
 @pytest.mark.slow
 def test_a_kept_alive_client_gets_the_502_when_its_replica_dies(cluster):
-    """The client's connection to the balancer has carried a request when its next one's replica is
-    killed: it gets the 502 JSON error as a first request would (HAProxy 2.6.12 closed such a
-    connection without an answer, which HTTP clients retry: the generation would run again)."""
-    with httpx.Client() as client:
-        assert client.post(cluster.url + "/generate", json=SHORT, timeout=60).status_code == 200
+    """The openai client (which retries connection errors and 5xx on its own, twice by default), its
+    connection to the balancer kept alive from an earlier request, when the replica running its next
+    one is killed: it gets the balancer's 502 JSON error and does not run the generation again on the
+    other replica (HAProxy 2.6.12 closed such a connection without an answer, and the client retried)."""
+    import openai
+
+    with openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=2, timeout=60) as client:
+        assert client.completions.create(model="demo-gpt2", prompt="Kept alive", max_tokens=2).choices
         result: list = []
-        thread = threading.Thread(
-            target=lambda: result.append(long_request(cluster.url, client)), daemon=True
-        )
+
+        def long_completion() -> None:
+            try:
+                result.append(
+                    client.completions.create(
+                        model="demo-gpt2",
+                        prompt="Two wafers",
+                        max_tokens=LONG,
+                        extra_body={"ignore_eos": True},
+                    )
+                )
+            except openai.APIError as exc:
+                result.append(exc)
+
+        thread = threading.Thread(target=long_completion, daemon=True)
         thread.start()
         kill_the_busy_replica(cluster)
         thread.join(HANG_LIMIT_S)
         assert not thread.is_alive(), "the request hung after its replica was killed"
-    assert_balancer_502(result[0])
+    (error,) = result
+    assert isinstance(error, openai.InternalServerError), error  # not retried into a success elsewhere
+    assert_balancer_502(error.response)
 
 
 @pytest.mark.slow
