@@ -21,6 +21,10 @@ process runs out of file descriptors). `GuardedHttpToolsProtocol` adds:
   new one get 503 with `Retry-After`. Either way file descriptors stay bounded.
 - a client that half-closes after sending its request (shutdown(SHUT_WR)) still gets its response;
   the connection closes once it is sent.
+- at shutdown, once the server has closed its port (`begin_closing`, service/server.py), every
+  connection closes after its current response, or its next one if it has none under way.
+
+`fit_to_fd_limit` raises the process's file-descriptor limit and keeps the cap below it.
 
 It also tells a request's handler of its client's disconnect by a callback (`WATCH_DISCONNECT` in the
 request's scope), so a handler waiting for the engine needs no task of its own reading ASGI `receive`

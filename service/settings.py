@@ -61,7 +61,8 @@ class ServerSettings:
     max_connections: int = 1024
     # Connections from one client address whose request body has not yet arrived (such a request has
     # started nothing); one more cuts that address's oldest with 408. Behind a balancer every client
-    # shares its address, but the balancer sends bodies whole (deploy/haproxy: http-buffer-request).
+    # shares its address, but the balancer sends bodies of up to 16 KB whole (deploy/haproxy:
+    # http-buffer-request).
     max_body_pending_per_client: int = 32
     # uvicorn's event loop: "asyncio" or "uvloop". asyncio's socket writes let go of the GIL, which the
     # engine's worker then gets; uvloop's hold it through the system call, which was 40% of the server's
