@@ -11,14 +11,16 @@ process runs out of file descriptors). `GuardedHttpToolsProtocol` adds:
 - a body deadline: from the end of the headers to the end of the body, `body_timeout_s`; past it 408
   (if no response has started) and the connection is closed, which the app sees as a disconnect.
 - body-pending connections (headers complete, body still to come: the request cannot have started
-  any work) are bounded per client address, `max_body_pending_per_client`: one more from the same
-  address cuts that address's oldest with 408, so one address cannot hold many of them for the body
-  deadline.
+  any work) are bounded per client address, `max_body_pending_per_client`: beyond it that address's
+  oldest is cut with 408 once it has waited `body_pending_grace_s` for its body (a client that writes
+  headers and body separately is body-pending for a moment between them), so one address cannot hold
+  many of them for the body deadline.
 - a connection cap, `max_connections`: at the cap a new connection evicts the oldest one that has no
-  request under way (connected and silent, sending headers, idle between requests, or already
-  refused), else the oldest body-pending one (408), so neither silent sockets nor body-less requests
-  can lock clients out; only when every connection carries a request whose body has arrived does the
-  new one get 503 with `Retry-After`. Either way file descriptors stay bounded.
+  request under way (connected and silent, sending headers, or idle between requests), else the oldest
+  body-pending one that has waited `body_pending_grace_s` (408), so neither silent sockets nor
+  body-less requests can lock clients out for long; otherwise the new one gets 503 with `Retry-After`.
+  Connections closing after a refusal hold no place under the cap, and each new one over it closes
+  one of them, so file descriptors stay bounded too.
 - a client that half-closes after sending its request (shutdown(SHUT_WR)) still gets its response;
   the connection closes once it is sent.
 - at shutdown, once the server has closed its port (`begin_closing`, service/server.py), every
@@ -87,6 +89,7 @@ class ConnectionLimits:
     keep_alive_timeout_s: float = ServerSettings.keep_alive_timeout_s
     max_connections: int = ServerSettings.max_connections
     max_body_pending_per_client: int = ServerSettings.max_body_pending_per_client
+    body_pending_grace_s: float = ServerSettings.body_pending_grace_s
     max_header_bytes: int = 65536
 
 
@@ -124,7 +127,12 @@ def fit_to_fd_limit(max_connections: int, reserve: int = FD_RESERVE) -> int:
 def protocol_class(limits: ConnectionLimits) -> type[GuardedHttpToolsProtocol]:
     """uvicorn's `http=` argument: the guarded protocol bound to `limits`, with this server's own
     eviction queues (see `GuardedHttpToolsProtocol`)."""
-    queues: dict[str, object] = {"waiting": {}, "body_pending": {}, "body_pending_by_client": {}}
+    queues: dict[str, object] = {
+        "waiting": {},
+        "refused": {},
+        "body_pending": {},
+        "body_pending_by_client": {},
+    }
     return type("BoundGuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits, **queues})
 
 
@@ -135,6 +143,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     closing = False
     # This server's connections with no request under way, oldest first (the first to be evicted).
     waiting: dict[GuardedHttpToolsProtocol, None] = {}
+    # Its connections answered with a refusal and closing gently (`_refuse`), oldest first: open, so
+    # they hold descriptors, but no place under the cap; each new connection over the cap closes one.
+    refused: dict[GuardedHttpToolsProtocol, None] = {}
     # Its connections whose request's headers have arrived and its body has not, oldest first (the next
     # to be evicted), and the same by client address. A connection joins only when a read ends with the
     # body still to come: a request that arrives whole never does.
@@ -150,15 +161,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_headers = False  # between a request's first byte and the end of its headers
         self._in_body = False
         self._body_pending = False  # in `body_pending` (see there)
+        self._pending_since = 0.0  # when the headers of the request whose body is pending ended
         self._eof = False
         self._refused = False  # answered and half-closed: what the client still sends is discarded
-        if len(self.connections) > self.limits.max_connections:
+        if len(self.connections) - len(self.refused) > self.limits.max_connections:
+            if self.refused:
+                next(iter(self.refused)).evict()  # one descriptor fewer; its answer has been written
             if self.waiting:
                 log.warning(
                     "%d connections open: the oldest without a request is closed", len(self.connections)
                 )
                 next(iter(self.waiting)).evict()
-            elif self.body_pending:
+            elif self.body_pending and self._waited_long(next(iter(self.body_pending))):
                 log.warning(
                     "%d connections open: the oldest still waiting for its request's body is closed",
                     len(self.connections),
@@ -168,7 +182,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 )
             else:
                 log.warning(
-                    "connection refused: all %d connections carry requests", len(self.connections) - 1
+                    "connection refused: all %d connections carry requests or have just sent headers",
+                    len(self.connections) - 1,
                 )
                 self._refuse(503, "too many connections; retry shortly", b"retry-after: 1\r\n")
                 return
@@ -182,6 +197,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def evict(self) -> None:
         self._set_waiting(False)
+        self.refused.pop(self, None)
         self._drop_timer()
         self.transport.close()
 
@@ -198,7 +214,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     @classmethod
     def awaiting_first_request(cls) -> int:
         """Connections that have not yet sent a request (nor been refused)."""
-        return sum(1 for protocol in cls.waiting if protocol.cycle is None and not protocol._refused)
+        return sum(1 for protocol in cls.waiting if protocol.cycle is None)
+
+    def _waited_long(self, protocol: GuardedHttpToolsProtocol) -> bool:
+        """`protocol`'s body has been pending for the grace (evicting it then costs nothing a client
+        sending normally would lose)."""
+        return self.loop.time() >= protocol._pending_since + self.limits.body_pending_grace_s
 
     def _set_body_pending(self, pending: bool) -> None:
         if pending == self._body_pending:
@@ -213,19 +234,45 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 if not same_client:
                     del self.body_pending_by_client[client]
             return
+        # The body deadline was set when the headers ended: no clock read here.
+        self._pending_since = (self._due or 0.0) - self.limits.body_timeout_s
         self.body_pending[self] = None
         if same_client is None:
             same_client = self.body_pending_by_client[client] = {}
         same_client[self] = None
+        if len(same_client) > self.limits.max_body_pending_per_client:
+            self._bound_client(same_client)
+
+    def _bound_client(self, same_client: dict[GuardedHttpToolsProtocol, None]) -> None:
+        """One address has more body-pending connections than its bound: cut its oldest that have
+        waited the grace, and have the next oldest's deadline come when it will have."""
         limit = self.limits.max_body_pending_per_client
-        if len(same_client) > limit:
+        while len(same_client) > limit:
+            oldest = next(iter(same_client))
+            if not self._waited_long(oldest):
+                oldest._arm_at(
+                    oldest._pending_since + self.limits.body_pending_grace_s, oldest._client_bound_due
+                )
+                return
             log.warning(
-                "%s: more than %d connections waiting for their bodies: the oldest is closed", client, limit
+                "%s: more than %d connections waiting for their bodies: the oldest is closed",
+                oldest.client[0] if oldest.client else "",
+                limit,
             )
-            next(iter(same_client)).cut_body(
+            oldest.cut_body(
                 f"request body not received: more than {limit} connections from this address "
                 "were waiting for their request bodies"
             )
+
+    def _client_bound_due(self) -> None:
+        """The grace of the oldest of an address over its bound has passed."""
+        if self.transport.is_closing() or not self._body_pending:
+            return
+        same_client = self.body_pending_by_client.get(self.client[0] if self.client else "", {})
+        if len(same_client) > self.limits.max_body_pending_per_client:
+            self._bound_client(same_client)
+        else:  # back within the bound meanwhile: the body deadline holds again
+            self._arm_at(self._pending_since + self.limits.body_timeout_s, self._body_timed_out)
 
     def cut_body(self, message: str, linger: bool = True) -> None:
         """End the request whose body is still to come: 408 if no response has started, and the
@@ -246,6 +293,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_waiting(False)
+        self.refused.pop(self, None)
         self._set_body_pending(False)
         self._drop_timer()
         super().connection_lost(exc)
@@ -316,7 +364,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # deadline sets itself again for the rest. Clearing it leaves the timer to lapse.
 
     def _arm(self, seconds: float, callback: Callable[[], None]) -> None:
-        due = self.loop.time() + seconds
+        self._arm_at(self.loop.time() + seconds, callback)
+
+    def _arm_at(self, due: float, callback: Callable[[], None]) -> None:
         self._due, self._on_due = due, callback
         timer = self._timer
         if timer is None or timer.when() > due:
@@ -361,22 +411,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int, message: str, extra_headers: bytes = b"", linger: bool = True) -> None:
         """Answer `status` and close gently: half-close, discard what still arrives for a second, then
-        close (closing with unread data would reset the connection and lose the answer). Meanwhile the
-        connection is the first to go when the cap needs room: its answer has been written. Without
-        `linger` it closes at once (the answer goes out before the close, unless the client had sent
-        more)."""
+        close (closing with unread data would reset the connection and lose the answer). Meanwhile it
+        is in `refused`. Without `linger` it closes at once (the answer goes out before the close,
+        unless the client had sent more)."""
         body = message.encode()
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
             b"connection: close\r\n%s\r\n%s" % (status, REASONS[status], len(body), extra_headers, body)
         )
         self._refused = True
+        self._set_waiting(False)
         if linger and self.transport.can_write_eof():
             self.transport.write_eof()
             self._arm(1.0, self.transport.close)
-            self._set_waiting(True)
+            self.refused[self] = None
         else:
-            self._set_waiting(False)
             self.transport.close()
 
 

@@ -54,6 +54,7 @@ class ServiceServer(uvicorn.Server):
                 keep_alive_timeout_s=settings.keep_alive_timeout_s,
                 max_connections=settings.max_connections,
                 max_body_pending_per_client=settings.max_body_pending_per_client,
+                body_pending_grace_s=settings.body_pending_grace_s,
             )
         )
         config = uvicorn.Config(

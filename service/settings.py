@@ -64,6 +64,10 @@ class ServerSettings:
     # shares its address, but the balancer sends bodies of up to 16 KB whole (deploy/haproxy:
     # http-buffer-request).
     max_body_pending_per_client: int = 32
+    # A body-pending connection is cut to make room (the per-address bound above, the connection cap)
+    # only once its body has been this late: many clients write headers and body separately, so a
+    # request is body-pending for a moment between the two.
+    body_pending_grace_s: float = 1.0
     # uvicorn's event loop: "asyncio" or "uvloop". asyncio's socket writes let go of the GIL, which the
     # engine's worker then gets; uvloop's hold it through the system call, which was 40% of the server's
     # GIL time with 16 streams (issue 18: streams 1.2-1.4x faster on asyncio, the rest the same).

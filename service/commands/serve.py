@@ -183,8 +183,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=defaults.max_body_pending_per_client,
         metavar="N",
-        help="connections from one client address whose request body is still to come; one more cuts "
-        f"the oldest with 408 ({defaults.max_body_pending_per_client})",
+        help="connections from one client address whose request body is still to come; beyond it the "
+        f"oldest is cut with 408 once late by --body-pending-grace ({defaults.max_body_pending_per_client})",
+    )
+    parser.add_argument(
+        "--body-pending-grace",
+        type=float,
+        dest="body_pending_grace_s",
+        default=defaults.body_pending_grace_s,
+        metavar="S",
+        help="seconds a request's body may lag its headers before the connection may be cut to make room "
+        f"(the per-address bound, the connection cap) ({defaults.body_pending_grace_s:g})",
     )
     parser.add_argument(
         "--event-loop",
@@ -259,6 +268,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--header-timeout", args.header_timeout_s),
         ("--body-timeout", args.body_timeout_s),
         ("--keep-alive-timeout", args.keep_alive_timeout_s),
+        ("--body-pending-grace", args.body_pending_grace_s),
     ):
         if not value > 0:
             raise UserError(f"{flag} must be positive, got {value}")
@@ -290,6 +300,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         keep_alive_timeout_s=args.keep_alive_timeout_s,
         max_connections=args.max_connections,
         max_body_pending_per_client=args.max_body_pending_per_client,
+        body_pending_grace_s=args.body_pending_grace_s,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key or None,
         chat_template=chat_template,
