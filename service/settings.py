@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# File descriptors `serve` keeps for the server's own beyond its connections (the listener, the event
+# loop, the engine process's pipes, logs: about 15 when idle), so that connections, capped below the
+# limit less this, never make accept() fail (service.connections.fit_to_fd_limit).
+FD_RESERVE = 64
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -48,9 +53,24 @@ class ServerSettings:
 
     # Connections (service/connections.py): what a client may hold open and for how long.
     header_timeout_s: float = 10.0  # from connecting (or the next request's first byte) to its headers' end
-    body_timeout_s: float = 30.0  # from the headers' end to the body's end
+    # From the headers' end to the body's end. A body is at most max_body_bytes (1 MB: 100 KB/s for 10 s)
+    # and a prompt's is a few KB, which a client that is sending at all delivers in well under a second;
+    # the same 10 s as the header deadline and as HAProxy's `timeout http-request` (deploy/haproxy).
+    body_timeout_s: float = 10.0
     keep_alive_timeout_s: float = 5.0  # idle between two requests on one connection
-    max_connections: int = 1024  # beyond it a new connection gets 503 and is closed
+    # Open connections. At the cap a new one evicts the oldest without a request under way, else the
+    # oldest still waiting for its body; when every one carries a request it gets 503. `serve` raises
+    # the file-descriptor limit to its hard limit and lowers this below it (FD_RESERVE).
+    max_connections: int = 1024
+    # Connections from one client address whose request body has not yet arrived (such a request has
+    # started nothing); one more cuts that address's oldest with 408. Behind a balancer every client
+    # shares its address, but the balancer sends bodies of up to 16 KB whole (deploy/haproxy:
+    # http-buffer-request).
+    max_body_pending_per_client: int = 32
+    # A body-pending connection is cut to make room (the per-address bound above, the connection cap)
+    # only once its body has been this late: many clients write headers and body separately, so a
+    # request is body-pending for a moment between the two.
+    body_pending_grace_s: float = 1.0
     # uvicorn's event loop: "asyncio" or "uvloop". asyncio's socket writes let go of the GIL, which the
     # engine's worker then gets; uvloop's hold it through the system call, which was 40% of the server's
     # GIL time with 16 streams (issue 18: streams 1.2-1.4x faster on asyncio, the rest the same).

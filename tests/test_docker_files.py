@@ -17,7 +17,7 @@ import yaml
 from service_harness import executor_factory, running_server
 
 from service.cli import build_parser
-from service.settings import ServerSettings
+from service.settings import FD_RESERVE, ServerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -125,6 +125,7 @@ def test_compose_builds_the_service_and_a_locust_runner():
         stage(DOCKER / "Dockerfile", target)  # the stage exists
     args = build_parser().parse_args(server["command"])
     assert args.command == "serve" and args.port == 8000
+    assert server["ulimits"]["nofile"]["soft"] >= args.max_connections + FD_RESERVE  # the cap is not lowered
     # Published on the host's loopback unless WAFER_GPT2_PUBLISH says otherwise; the key (or the explicit
     # opt-out) comes from the host's environment: with neither the server refuses to start.
     assert server["ports"] == ["${WAFER_GPT2_PUBLISH:-127.0.0.1}:8000:8000"]

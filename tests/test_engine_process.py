@@ -111,10 +111,10 @@ def test_a_graceful_shutdown_drains_then_stops_the_engine_process(small_params):
             events = sse_events(response)
             next(events)
             drain = running.server.begin_graceful_shutdown()
-            refused = httpx.post(
-                running.url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}
-            )
-            assert refused.status_code == 503, refused.text
+            with pytest.raises(httpx.ConnectError):  # the port is closed first
+                httpx.post(
+                    running.url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}
+                )
             rest = list(events)
         assert rest[-1]["generated_text"] is not None and "error" not in rest[-1], rest[-1]
         drain.join(30)

@@ -151,8 +151,19 @@ def test_a_request_past_its_timeout_fails_and_frees_its_slot(small_params):
 
 
 def test_graceful_shutdown_finishes_running_requests_and_refuses_new_ones(small_params):
+    """The shutdown closes the port first (a new connection is refused: its client or balancer can go
+    elsewhere, knowing nothing was sent), serves the first request of a connection accepted before,
+    then refuses requests on kept-alive connections (503, connection closed) while the running
+    request finishes, and the server exits by itself."""
     settings = ServerSettings(backend="reference", max_concurrent_requests=2, shutdown_timeout_s=20)
-    with running_server(settings, slow_factory(small_params, 0.02)) as running, running.client() as c:
+    with (
+        running_server(settings, slow_factory(small_params, 0.02)) as running,
+        running.client() as c,
+        running.client() as kept,
+    ):
+        assert kept.get("/health").status_code == 200  # kept alive, idle when the shutdown begins
+        port = int(running.url.rsplit(":", 1)[1])
+        early = socket.create_connection(("127.0.0.1", port), timeout=10)  # accepted, nothing sent yet
         body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 30, "details": True}}
         with c.stream("POST", "/generate_stream", json=body) as response:
             events = []
@@ -160,12 +171,23 @@ def test_graceful_shutdown_finishes_running_requests_and_refuses_new_ones(small_
                 events.append(event)
                 if len(events) == 1:
                     running.server.begin_graceful_shutdown()
-                    refused = httpx.post(running.url + "/generate", json=body, timeout=10)
+                    with pytest.raises(httpx.ConnectError):
+                        httpx.post(running.url + "/generate", json=body, timeout=10)
+                    with pytest.raises(httpx.ConnectError):
+                        httpx.get(running.url + "/health", timeout=10)
+                    short = json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).encode()
+                    early.sendall(
+                        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(short), short)
+                    )
+                    answer = b"".join(iter(lambda: early.recv(65536), b""))  # until the server closes
+                    assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer, answer
+                    wait_until(lambda: running.engine.state is EngineState.DRAINING)
+                    refused = kept.post("/generate", json=body)
                     assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
                     assert "shutting down" in refused.json()["error"]
-                    refused = httpx.post(running.url + "/v1/completions", json={"prompt": PROMPT}, timeout=10)
-                    assert refused.status_code == 503
-                    assert httpx.get(running.url + "/health", timeout=10).status_code == 503
+                    assert refused.headers["connection"] == "close"
+        early.close()
         assert len(events) == 30 and events[-1]["details"]["finish_reason"] == "length"
         running.thread.join(10)
         assert not running.thread.is_alive()  # the server exited by itself once drained

@@ -13,6 +13,7 @@ import functools
 import ipaddress
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from service.chat_template import ChatTemplateError, load_chat_template
@@ -181,7 +182,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=defaults.max_connections,
         metavar="N",
-        help=f"open connections; a new one beyond gets 503 and is closed ({defaults.max_connections})",
+        help="open connections; at the cap a new one evicts the oldest idle one, else the oldest waiting for "
+        "its body; when all carry requests it gets 503 (lowered below the file-descriptor limit; "
+        f"{defaults.max_connections})",
+    )
+    parser.add_argument(
+        "--max-body-pending-per-client",
+        type=int,
+        default=defaults.max_body_pending_per_client,
+        metavar="N",
+        help="connections from one client address whose request body is still to come; beyond it the "
+        f"oldest is cut with 408 once late by --body-pending-grace ({defaults.max_body_pending_per_client})",
+    )
+    parser.add_argument(
+        "--body-pending-grace",
+        type=float,
+        dest="body_pending_grace_s",
+        default=defaults.body_pending_grace_s,
+        metavar="S",
+        help="seconds a request's body may lag its headers before the connection may be cut to make room "
+        f"(the per-address bound, the connection cap) ({defaults.body_pending_grace_s:g})",
     )
     parser.add_argument(
         "--event-loop",
@@ -284,6 +304,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--max-connections", args.max_connections, 1),
         ("--engine-outbox-limit", args.engine_outbox_limit, 1),
         ("--engine-restart-limit", args.engine_restart_limit, 0),
+        ("--max-body-pending-per-client", args.max_body_pending_per_client, 1),
         ("--context", optional[0], 2),  # one prompt token and one new token
         ("--max-input-tokens", optional[1], 1),
         ("--max-input-chars", args.max_input_chars, 1),
@@ -302,6 +323,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--engine-heartbeat-timeout", args.engine_heartbeat_timeout),
         ("--engine-answer-timeout", args.engine_answer_timeout),
         ("--engine-restart-window", args.engine_restart_window),
+        ("--body-pending-grace", args.body_pending_grace_s),
     ):
         if not value > 0:
             raise UserError(f"{flag} must be positive, got {value}")
@@ -338,6 +360,8 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         body_timeout_s=args.body_timeout_s,
         keep_alive_timeout_s=args.keep_alive_timeout_s,
         max_connections=args.max_connections,
+        max_body_pending_per_client=args.max_body_pending_per_client,
+        body_pending_grace_s=args.body_pending_grace_s,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key or None,
         chat_template=chat_template,
@@ -357,6 +381,7 @@ def load_and_build_backend(backend: str, weights_path: Path, options: ExecutorOp
 
 def run(args: argparse.Namespace) -> int:
     from service.api import create_app
+    from service.connections import fit_to_fd_limit
     from service.log_limits import limit_repeats
     from service.server import ServiceServer
 
@@ -372,6 +397,8 @@ def run(args: argparse.Namespace) -> int:
     if args.top_k > config.vocab_size:
         raise UserError(f"--top-k {args.top_k} exceeds the vocabulary size ({config.vocab_size})")
     settings = settings_from_args(args, model_id=args.model or config.name)
+    # Before the engine process starts: it inherits the raised limit.
+    settings = replace(settings, max_connections=fit_to_fd_limit(settings.max_connections))
 
     options = ExecutorOptions(
         slots=settings.max_concurrent_requests,
