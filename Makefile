@@ -7,17 +7,18 @@ RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 # The sdk-appliance client (PyPI cerebras-sdk) ships cp311 wheels only and pins numpy 1.25, so it gets
 # its own environment; the repository goes on its PYTHONPATH (docs/kernels.md, "Appliance"). The
-# loopback worker in the tests runs the simulator there too, hence threadpoolctl (wafer/sim/parallel.py).
+# loopback worker in the tests runs the simulator there too, hence threadpoolctl (wafer_gpt2/sim/parallel.py).
 PYTHON311 ?= python3.11
 APPLIANCE_VENV ?= .venv-appliance
 APPLIANCE_STAMP := $(APPLIANCE_VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
-# `make loadtest`: locust against a server on the simulator (loadtest/run.py); reports in out/loadtest/.
+# `make loadtest`: locust against a server on the simulator (tools/loadtest/run.py); reports in out/loadtest/.
 LOADTEST_DURATION ?= 60s
 LOADTEST_USERS ?= 16
 
-.PHONY: serve test installed test-fast typecheck lint format generate clean appliance-venv loadtest haproxy
+.PHONY: serve test installed test-fast typecheck lint lint-imports format generate clean appliance-venv loadtest haproxy \
+	bench-sim bench-service bench-host report
 
 $(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,13 +37,15 @@ serve: $(RUN_STAMP)
 generate: $(RUN_STAMP)
 	$(VENV)/bin/wafer-gpt2 generate "The meaning of life is"
 
-# Everything CI runs: lint, the type checker (mypy on wafer/, weights/ and service/, pyproject's [tool.mypy]), then
-# every test, the slow ones included, on one pytest-xdist worker per core (the tests are single-threaded
-# and CPU-bound).
+# Everything CI runs: lint, the type checker (mypy on wafer_gpt2/, csl_executor/ and tools/, pyproject's
+# [tool.mypy]), the import contracts (layers, the CSL executor's independence, no cycles: pyproject's
+# [tool.importlinter]), then every test, the slow ones included, on one pytest-xdist worker per core (the
+# tests are single-threaded and CPU-bound).
 test: installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -n auto
 
 # Both environments and HAProxy, installed side by side: each pip run keeps one core busy, and the
@@ -54,6 +57,7 @@ installed:
 test-fast: $(TEST_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -n auto -x -m "not slow and not executor_full"
 
 typecheck: $(TEST_STAMP)
@@ -63,15 +67,33 @@ lint: $(TEST_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+lint-imports: $(TEST_STAMP)
+	$(VENV)/bin/lint-imports
+
 format: $(TEST_STAMP)
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
 loadtest: installed
-	$(PY) loadtest/run.py --duration $(LOADTEST_DURATION) --users $(LOADTEST_USERS) --out out/loadtest
+	$(PY) tools/loadtest/run.py --duration $(LOADTEST_DURATION) --users $(LOADTEST_USERS) --out out/loadtest
+
+# The benchmarks and the performance report: tools run from the checkout (tools/, not in the wheel).
+# Options go in ARGS, e.g. `make bench-host ARGS="--stand-in null --host-streams 64"`.
+bench-sim: $(TEST_STAMP)
+	$(PY) -m tools.bench sim $(ARGS)
+
+bench-service: $(TEST_STAMP)
+	$(PY) -m tools.bench service $(ARGS)
+
+bench-host: $(TEST_STAMP)
+	$(PY) -m tools.bench host $(ARGS)
+
+# The fast path (every figure modeled); `make report ARGS=--measure` adds the benchmarks measured here.
+report: $(TEST_STAMP)
+	$(PY) -m tools.report --out docs $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(APPLIANCE_VENV) .pytest_cache build *.egg-info out
+	rm -rf $(VENV) $(APPLIANCE_VENV) .pytest_cache .import_linter_cache build *.egg-info out
 
 # tests/test_robust_replicas.py runs Debian's HAProxy in front of two servers: installed here when it is
 # missing and we are root with apt-get; otherwise that test skips and says why.

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from weights.config import PRESETS, GPT2Config
-from weights.params import GPT2Params
+from wafer_gpt2.model.config import PRESETS, GPT2Config
+from wafer_gpt2.model.params import GPT2Params
 
 # Full vocabulary so real tokenizer ids are valid; narrow and shallow so everything is fast.
 SMALL_CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=128, name="small")
@@ -48,8 +48,8 @@ def write_checkpoint(tmp_path: Path) -> Callable[..., Path]:
     fmt: "safetensors" | "pytorch" (HF directories; options go to `save_hf`) or "llmc" (options go
     to `save_llmc`, e.g. version=5).
     """
-    from weights.hf_format import save_hf
-    from weights.llmc_format import save_llmc
+    from wafer_gpt2.model.hf_format import save_hf
+    from wafer_gpt2.model.llmc_format import save_llmc
 
     count = 0
 

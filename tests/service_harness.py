@@ -1,6 +1,6 @@
 """Real servers for the service tests: the app under uvicorn on 127.0.0.1 (a free port), in a thread.
 
-`SlowExecutor` wraps a real executor and sleeps before each step: it makes step timing predictable on
+`SlowBackend` wraps a real backend and sleeps before each step: it makes step timing predictable on
 a busy machine for the tests that need time to act mid-generation (shutdown, timeouts, faults).
 """
 
@@ -19,15 +19,15 @@ from dataclasses import dataclass, replace
 import httpx
 import numpy as np
 
-from service.api import create_app
-from service.engine import Engine
-from service.server import ServiceServer
-from service.settings import ServerSettings
-from wafer.backends import ExecutorOptions, build_executor
-from wafer.executor import Executor, StepItem
-from wafer.reference_executor import ReferenceExecutor
-from weights import tokenizer
-from weights.params import GPT2Params
+from wafer_gpt2.backends.reference import ReferenceBackend
+from wafer_gpt2.backends.registry import BackendOptions, build_backend
+from wafer_gpt2.core.steps import Backend, StepItem
+from wafer_gpt2.engine.worker import Engine
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.model.params import GPT2Params
+from wafer_gpt2.service.api import create_app
+from wafer_gpt2.service.server import ServiceServer
+from wafer_gpt2.settings import ServerSettings
 
 
 @dataclass
@@ -53,7 +53,7 @@ class RunningServer:
         )
 
 
-def executor_factory(
+def backend_factory(
     backend: str,
     params: GPT2Params,
     slots: int,
@@ -61,15 +61,15 @@ def executor_factory(
     top_k: int = 64,
     dtype: str = "fp32",
 ):
-    """Picklable: it also serves an engine in a process of its own (`engine_process`)."""
-    options = ExecutorOptions(slots=slots, context=context, top_k=top_k, dtype=dtype)
-    return functools.partial(build_executor, backend, params, options)
+    """Picklable: it also serves an engine in a process of its own (`settings.engine_process`)."""
+    options = BackendOptions(slots=slots, context=context, top_k=top_k, dtype=dtype)
+    return functools.partial(build_backend, backend, params, options)
 
 
-class SlowExecutor:
-    """A real executor whose steps take at least `delay_s` (for tests that act mid-generation)."""
+class SlowBackend:
+    """A real backend whose steps take at least `delay_s` (for tests that act mid-generation)."""
 
-    def __init__(self, inner: Executor, delay_s: float):
+    def __init__(self, inner: Backend, delay_s: float):
         self.inner = inner
         self.delay_s = delay_s
         self.num_slots = inner.num_slots
@@ -94,23 +94,23 @@ class SlowExecutor:
         self.inner.close()
 
 
-def slow_executor(factory: Callable[[], Executor], delay_s: float) -> SlowExecutor:
-    """`functools.partial(slow_executor, factory, delay_s)`: a picklable factory of a SlowExecutor."""
-    return SlowExecutor(factory(), delay_s)
+def slow_backend(factory: Callable[[], Backend], delay_s: float) -> SlowBackend:
+    """`functools.partial(slow_backend, factory, delay_s)`: a picklable factory of a SlowBackend."""
+    return SlowBackend(factory(), delay_s)
 
 
-def built_late(factory: Callable[[], Executor], delay_s: float) -> Executor:
+def built_late(factory: Callable[[], Backend], delay_s: float) -> Backend:
     """`functools.partial(built_late, factory, delay_s)`: a picklable factory whose build (the model's
     upload) takes `delay_s`."""
     time.sleep(delay_s)
     return factory()
 
 
-class HangingExecutor(SlowExecutor):
-    """A real executor whose next step, once `hang_next()` is called, blocks until `release()`: a
+class HangingBackend(SlowBackend):
+    """A real backend whose next step, once `hang_next()` is called, blocks until `release()`: a
     backend step that never returns (as a wafer that stops answering would)."""
 
-    def __init__(self, inner: Executor):
+    def __init__(self, inner: Backend):
         super().__init__(inner, 0.0)
         self._armed = threading.Event()
         self._released = threading.Event()
@@ -132,7 +132,7 @@ class HangingExecutor(SlowExecutor):
 
 @contextmanager
 def running_server(
-    settings: ServerSettings, factory: Callable[[], Executor], wait_ready: bool = True
+    settings: ServerSettings, factory: Callable[[], Backend], wait_ready: bool = True
 ) -> Iterator[RunningServer]:
     fatal: list[str] = []
     app = create_app(settings, factory, model_summary={"name": "test"}, on_fatal=fatal.append)
@@ -167,11 +167,11 @@ def sse_events(response: httpx.Response) -> Iterator[dict | str]:
 
 def reference_greedy(params, prompt: list[int], n_new: int) -> tuple[list[int], list[float], list[float]]:
     """Greedy tokens, their logprobs and the prompt logprobs, straight from the reference forward pass."""
-    executor = ReferenceExecutor(params, slots=1, context=len(prompt) + n_new, top_k=64)
+    backend = ReferenceBackend(params, slots=1, context=len(prompt) + n_new, top_k=64)
     items = [
         StepItem(0, p, t, target=prompt[p + 1] if p + 1 < len(prompt) else None) for p, t in enumerate(prompt)
     ]
-    scores = executor.step(items)
+    scores = backend.step(items)
     prompt_logprobs = [s.logprob(s.target_logit) for s in scores[:-1]]
     tokens, logprobs, last = [], [], scores[-1]
     for i in range(n_new):
@@ -179,7 +179,7 @@ def reference_greedy(params, prompt: list[int], n_new: int) -> tuple[list[int], 
         tokens.append(token)
         logprobs.append(last.logprob(last.topk_logits[0]))
         if i < n_new - 1:
-            (last,) = executor.step([StepItem(0, len(prompt) + i, token)])
+            (last,) = backend.step([StepItem(0, len(prompt) + i, token)])
     return tokens, logprobs, prompt_logprobs
 
 

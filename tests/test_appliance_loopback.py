@@ -1,5 +1,5 @@
 """The SDK appliance protocol end to end on 127.0.0.1: the real `cerebras.sdk.client` against
-`wafer.appliance_server`, which executes on the embedded simulator.
+`tools.appliance_server`, which executes on the embedded simulator.
 
 Both sides run in .venv-appliance (`make appliance-venv`: Python 3.11, cerebras-sdk and
 cerebras-appliance 2.10.0, numpy 1.25) with the repository on PYTHONPATH; this test drives them as
@@ -36,7 +36,7 @@ def worker(tmp_path_factory):
     """The loopback worker on a free port; stopped (by its own process) after the module."""
     root = tmp_path_factory.mktemp("worker")
     process = subprocess.Popen(
-        [str(VENV_PYTHON), "-m", "wafer.appliance_server", "--port", "0", "--root", str(root)],
+        [str(VENV_PYTHON), "-m", "tools.appliance_server", "--port", "0", "--root", str(root)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=appliance_env(), cwd=REPO,
     )  # fmt: skip
     deadline = time.monotonic() + 60
@@ -63,7 +63,8 @@ def run_client(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 def test_the_sdk_client_runs_the_host_flow_on_the_loopback_worker(worker, tmp_path):
     result = run_client(
-        ["-m", "wafer.sdk_appliance", "check", "--address", worker, "--work", str(tmp_path)], tmp_path
+        ["-m", "wafer_gpt2.backends.sdk_appliance", "check", "--address", worker, "--work", str(tmp_path)],
+        tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -79,11 +80,11 @@ def test_the_sdk_client_runs_the_host_flow_on_the_loopback_worker(worker, tmp_pa
 CLIENT_ERRORS = r"""
 import json, shutil, sys
 from pathlib import Path
-from wafer.compile import prepare_sources
-from wafer.sdk_appliance import appliance_compile
-from wafer.plan import build_plan
-from wafer.sdk_appliance import ApplianceRuntime
-from weights.config import GPT2Config
+from wafer_gpt2.host.compile import prepare_sources
+from wafer_gpt2.backends.sdk_appliance import appliance_compile
+from wafer_gpt2.plan import build_plan
+from wafer_gpt2.backends.sdk_appliance import ApplianceRuntime
+from wafer_gpt2.model.config import GPT2Config
 
 address, work = sys.argv[1], Path(sys.argv[2])
 plan = build_plan(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16, name="t"), slots=2, context=16, top_k=8)
@@ -115,5 +116,5 @@ def test_worker_errors_reach_the_client_with_their_reason(worker, tmp_path):
     out = json.loads(result.stdout.strip().splitlines()[-1])
     # The client logs the compiler's output and raises a generic error, as it does with cslc's.
     assert "compile() failed" in out["tampered_tables"]
-    assert "layout.csl is not what kernels/program/ writes" in result.stderr
+    assert "layout.csl is not what wafer_gpt2/codegen/ writes" in result.stderr
     assert "no symbol named 'no_such_symbol'" in out["unknown_symbol"]

@@ -1,4 +1,4 @@
-"""bench/core_instructions.py: its workload and its reading of valgrind's output (valgrind itself is
+"""tools/bench/core_instructions.py: its workload and its reading of valgrind's output (valgrind itself is
 too slow for the suite: about 15 s per counted process)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "core_instructions.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "bench" / "core_instructions.py"
 
 
 def load():

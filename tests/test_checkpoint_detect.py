@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from weights import checkpoint
-from weights.checkpoint import CheckpointError, detect_format, load_checkpoint, resolve_weights
-from weights.config import GPT2Config
-from weights.params import GPT2Params
+from wafer_gpt2.model import checkpoint
+from wafer_gpt2.model.checkpoint import CheckpointError, detect_format, load_checkpoint, resolve_weights
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.model.params import GPT2Params
 
 TINY = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=50, n_positions=16, name="tiny")
 
@@ -63,6 +63,6 @@ def test_resolve_weights_defaults_to_the_demo_model(tmp_path, monkeypatch):
 
 def test_the_embedded_demo_model_loads_when_present():
     if not (checkpoint.DEMO_MODEL_DIR / "config.json").is_file():
-        pytest.skip("the demo model has not been trained into weights/data/demo-gpt2 yet")
+        pytest.skip("the demo model has not been trained into wafer_gpt2/model/data/demo-gpt2 yet")
     params = load_checkpoint(resolve_weights(None), progress=False)
     assert params.config.vocab_size == 50257

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from weights.checkpoint import CheckpointError, bf16_round, load_checkpoint
-from weights.config import GPT2Config
-from weights.llmc_format import HEADER_BYTES, save_llmc
-from weights.params import GPT2Params
+from wafer_gpt2.model.checkpoint import CheckpointError, bf16_round, load_checkpoint
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.model.llmc_format import HEADER_BYTES, save_llmc
+from wafer_gpt2.model.params import GPT2Params
 
 TINY = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny")
 

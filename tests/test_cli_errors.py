@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from service import cli
-from service.commands import plan as plan_command
-from service.errors import ServiceError
-from wafer.errors import InvalidInput, WaferGPT2Error
-from wafer.executor import ExecutorError
-from wafer.plan.model import PlanError
+from wafer_gpt2.cli import main as cli
+from wafer_gpt2.cli import plan_command
+from wafer_gpt2.core.steps import BackendError
+from wafer_gpt2.engine.failures import ServiceError
+from wafer_gpt2.errors import InvalidInput, WaferGPT2Error
+from wafer_gpt2.plan.structure import PlanError
 
 
 def run_raising(monkeypatch, error: BaseException) -> int:
@@ -38,6 +38,6 @@ def test_a_bug_is_not_swallowed(monkeypatch):
 
 
 def test_the_error_bases_share_one_root():
-    for base in (cli.UserError, ServiceError, ExecutorError, PlanError, InvalidInput):
+    for base in (cli.UserError, ServiceError, BackendError, PlanError, InvalidInput):
         assert issubclass(base, WaferGPT2Error)
-    assert issubclass(ExecutorError, RuntimeError) and issubclass(PlanError, ValueError)  # old catches hold
+    assert issubclass(BackendError, RuntimeError) and issubclass(PlanError, ValueError)  # old catches hold

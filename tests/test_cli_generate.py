@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.cli import main
-from weights import tokenizer
-from weights.reference import KVCache, forward
+from wafer_gpt2.cli.main import main
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.model.reference import KVCache, forward
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def small_checkpoint(small_params, tmp_path_factory) -> Path:
-    from weights.hf_format import save_hf
+    from wafer_gpt2.model.hf_format import save_hf
 
     return save_hf(small_params, tmp_path_factory.mktemp("ckpt") / "small", dtype="float32")
 
@@ -118,7 +118,7 @@ def test_bad_weights_and_long_prompts_give_one_line(small_checkpoint, tmp_path, 
 def test_console_script_streams_in_a_real_process(small_params, small_checkpoint):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "generate", "Hello", "--weights", str(small_checkpoint)]
+        [sys.executable, "-m", "wafer_gpt2.cli.main", "generate", "Hello", "--weights", str(small_checkpoint)]
         + ["--backend", "reference", "--greedy", "--max-new-tokens", "6"],
         capture_output=True,
         text=True,

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from weights.config import PRESETS, ConfigError, GPT2Config, resolve_config
+from wafer_gpt2.model.config import PRESETS, ConfigError, GPT2Config, resolve_config
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from wafer import calibration, cost
-from wafer.arch import ARCHS
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
+from wafer_gpt2.core import calibration, cost
+from wafer_gpt2.core.arch import ARCHS
+from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 
 H, R, S, T = cost.HOP_CYCLES, cost.ROUTER_TO_PE_CYCLES, cost.DSD_OP_START_CYCLES, cost.TASK_ACTIVATION_CYCLES
 M = cost.MAP_STEP_CYCLES  # one step of a GEMV's @map, beyond its FMACs
@@ -17,7 +17,7 @@ STEP = H + R + 1  # one chain step: a hop, into the PE, one fp32 add
 def test_constants_are_the_published_or_calibrated_ones() -> None:
     assert cost.CLOCK_HZ == 1.1e9 and cost.SDK_CLOCK_HZ == 0.85e9
     assert (cost.WAVELETS_PER_LINK_PER_CYCLE, cost.ROUTER_TO_PE_CYCLES) == (1, 7)
-    # the two fitted on WaferLLM's MeshGEMV measured on a CS-3 (wafer.calibration)
+    # the two fitted on WaferLLM's MeshGEMV measured on a CS-3 (wafer_gpt2.core.calibration)
     hop, op_start, map_step = calibration.fit()
     assert (H, S, cost.MAP_STEP_CYCLES) == (round(hop), round(op_start), round(map_step)) == (2, 15, 2)
     assert ARCHS["wse2"].macs_per_cycle("fp16") == 4 and ARCHS["wse3"].macs_per_cycle("fp16") == 8
@@ -74,7 +74,7 @@ def test_gemv_cost_by_hand() -> None:
 
 
 def test_a_shared_epilogue_by_hand() -> None:
-    """fc's GELU shared by the last PEs of a K-line (wafer.cost.epilogue_cycles): 16 outputs on 2 PEs.
+    """fc's GELU shared by the last PEs of a K-line (wafer_gpt2.core.cost.epilogue_cycles): 16 outputs on 2 PEs.
     The root biases all 16 (16) and starts the stream of slice 0 back (S), which reaches the other PE
     one link later with its 8 words (STEP + 8); a task activation there, 8 GELUs (the root's own 8
     are done long before). The gather line: the far PE's header (S + 5), a task and a DSD operation,
@@ -99,7 +99,7 @@ def test_a_shared_epilogue_by_hand() -> None:
 
 
 def test_a_shared_sum_of_exps_by_hand() -> None:
-    """The head's sum of exps shared by the last PEs of a K-line (wafer.cost.shared_exp_wait): 8 logits
+    """The head's sum of exps shared by the last PEs of a K-line (wafer_gpt2.core.cost.shared_exp_wait): 8 logits
     on 2 PEs. The root starts the stream of the other's 4 logits (S), one link on (STEP + 4); a task,
     their max and exps (4 x (scan + exp)); the pair goes back (S, a link, its second word); the root,
     idle here, reads it (a task) and adds it (LSE_PAIR_CYCLES)."""

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from service_harness import executor_factory, reference_greedy, running_server
+from service_harness import backend_factory, reference_greedy, running_server
 
-from service.cli import main
-from service.settings import ServerSettings
-from weights import tokenizer
-from weights.config import GPT2Config
-from weights.params import GPT2Params
+from tools.bench.bench_sim import main as bench_main
+from wafer_gpt2.cli.main import main
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.model.params import GPT2Params
+from wafer_gpt2.settings import ServerSettings
 
 CONFIG = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=64, name="tiny-csl")
 PROMPT = "The"
@@ -46,7 +47,7 @@ def test_generate_on_the_executor_equals_the_reference(params, write_checkpoint,
 def test_serve_on_the_executor(params):
     assert tokenizer.encode(PROMPT) == [464]
     settings = ServerSettings(backend="csl", model_id="tiny-csl", dtype="fp32", max_concurrent_requests=2)
-    factory = executor_factory("csl", params, slots=2, context=64, top_k=16)
+    factory = backend_factory("csl", params, slots=2, context=64, top_k=16)
     with running_server(settings, factory, wait_ready=False) as running:
         assert running.engine.wait_ready(120), running.engine.error
         with running.client(timeout=120) as client:
@@ -62,9 +63,9 @@ def test_bench_on_the_executor(tmp_path, capsys):
     config.write_text(
         json.dumps({"n_layer": 1, "n_head": 2, "n_embd": 32, "vocab_size": 256, "n_positions": 16})
     )
-    argv = ["bench", "sim", "--model", str(config), "--backend", "csl", "--batch", "2", "--new-tokens", "2",
+    argv = ["sim", "--model", str(config), "--backend", "csl", "--batch", "2", "--new-tokens", "2",
             "--prompt-tokens", "3", "--reps", "1", "--dtype", "fp32"]  # fmt: skip
-    assert main(argv) == 0
+    assert bench_main(argv) == 0
     out = capsys.readouterr().out
     assert "CSL executor   batch  2" in out
     assert "greedy tokens of CSL executor and transformers: identical" in out

@@ -10,12 +10,12 @@ import shlex
 
 import pytest
 
-from kernels.program import LAYOUT_HEADER, build_program
-from service.cli import main
-from wafer.compile import CompileError, compile_program, prepare_sources
-from wafer.plan import build_plan
-from wafer.plan.model import PlanError
-from weights.config import GPT2Config
+from wafer_gpt2.cli.main import main
+from wafer_gpt2.codegen import LAYOUT_HEADER, build_program
+from wafer_gpt2.host.compile import CompileError, compile_program, prepare_sources
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.plan import build_plan
+from wafer_gpt2.plan.structure import PlanError
 
 TINY = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny")
 
@@ -141,8 +141,8 @@ def test_a_plan_whose_layers_normalise_in_their_strips_is_refused(tiny_plan):
 
 
 def test_sdk_backends_explain_a_missing_sdk():
-    from wafer.sdk_appliance import ApplianceUnavailableError, import_client
-    from wafer.sdk_container import SdkUnavailableError, import_sdk
+    from wafer_gpt2.backends.sdk_appliance import ApplianceUnavailableError, import_client
+    from wafer_gpt2.backends.sdk_container import SdkUnavailableError, import_sdk
 
     with pytest.raises(SdkUnavailableError, match="sdk-container needs the Cerebras SDK"):
         import_sdk()

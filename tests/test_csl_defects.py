@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from wafer.csl.errors import CslCompileError
-from wafer.csl.layout import Options, compile_layout
+from csl_executor.errors import CslCompileError
+from csl_executor.layout import Options, compile_layout
 
 PROGRAM = Path(__file__).resolve().parent / "data" / "csl_defects" / "layout.csl"
 
@@ -58,9 +58,9 @@ def test_the_gpt2_layout_computes_roles_from_coordinates():
     124M on WSE-2 (each its own statement). The PE programs now compute their indices from their coordinates (lib/frame.csl),
     so the PEs of a region share a few param sets (chain roles, link colors), which layout.csl sets
     in strided loops (figures in docs/kernels.md)."""
-    from kernels.program import build_program, layout_csl
-    from wafer.plan import build_plan
-    from weights.config import PRESETS
+    from wafer_gpt2.codegen import build_program, layout_csl
+    from wafer_gpt2.model.config import PRESETS
+    from wafer_gpt2.plan import build_plan
 
     program = build_program(build_plan(PRESETS["gpt2"], arch="wse3"))
     text = layout_csl(program, {})

@@ -1,7 +1,7 @@
 """The GPT-2 CSL program on the CSL executor, end to end.
 
-`kernels.program` writes layout.csl for a plan, the executor (wafer/csl) compiles it with the PE
-programs of kernels/pe and runs it, and the host program that drives the simulator (wafer/host.py)
+`wafer_gpt2.codegen` writes layout.csl for a plan, the executor (csl_executor) compiles it with the PE
+programs of wafer_gpt2/kernels/pe and runs it, and the host program that drives the simulator (wafer_gpt2/host/program.py)
 drives it through the executor's SdkRuntime: weights go up with memcpy copy mode, tokens in and
 scores out through the memcpy streams. On WSE-2 and WSE-3, for a tiny GPT-2 (2 layers, n_embd 64,
 2 heads, 64 positions, 2 slots; a 512-token vocabulary here, the real one in the `executor_full`
@@ -15,11 +15,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wafer.backends import ExecutorOptions, build_executor
-from wafer.csl.errors import CslDeadlock
-from wafer.executor import StepItem
-from weights.config import GPT2Config
-from weights.params import GPT2Params
+from csl_executor.errors import CslDeadlock
+from wafer_gpt2.backends.registry import BackendOptions, build_backend
+from wafer_gpt2.core.steps import StepItem
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.model.params import GPT2Params
 
 TINY = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=64, name="tiny-csl")
 FP32_TOLERANCE = 1e-5  # |logit|, |log-sum-exp| and |target logit| differences from the simulator
@@ -32,9 +32,9 @@ def tiny_params() -> GPT2Params:
     return GPT2Params.random(TINY, seed=3)
 
 
-def executors(params: GPT2Params, arch: str, dtype: str):
-    options = ExecutorOptions(arch=arch, dtype=dtype, **OPTIONS)
-    return build_executor("csl", params, options), build_executor("sim", params, options)
+def backends(params: GPT2Params, arch: str, dtype: str):
+    options = BackendOptions(arch=arch, dtype=dtype, **OPTIONS)
+    return build_backend("csl", params, options), build_backend("sim", params, options)
 
 
 def scripted_steps(vocab: int, seed: int = 0) -> list[list[StepItem]]:
@@ -79,13 +79,13 @@ def worst_difference(ours, theirs, same_ids: bool) -> float:
     return worst
 
 
-def greedy(executor, prompt: list[int], new_tokens: int, slot: int = 0) -> list[int]:
-    scores = executor.step(
+def greedy(backend, prompt: list[int], new_tokens: int, slot: int = 0) -> list[int]:
+    scores = backend.step(
         [StepItem(slot, p, t, want_scores=p == len(prompt) - 1) for p, t in enumerate(prompt)]
     )
     out = [int(scores[-1].topk_ids[0])]
     for n in range(new_tokens - 1):
-        (scores,) = executor.step([StepItem(slot, len(prompt) + n, out[-1])])
+        (scores,) = backend.step([StepItem(slot, len(prompt) + n, out[-1])])
         out.append(int(scores.topk_ids[0]))
     return out
 
@@ -93,7 +93,7 @@ def greedy(executor, prompt: list[int], new_tokens: int, slot: int = 0) -> list[
 @pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 @pytest.mark.parametrize("arch", ["wse2", "wse3"])
 def test_fp32_scores_equal_the_simulator(tiny_params, arch):
-    csl, sim = executors(tiny_params, arch, "fp32")
+    csl, sim = backends(tiny_params, arch, "fp32")
     try:
         for items in scripted_steps(TINY.vocab_size):
             assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
@@ -112,15 +112,15 @@ def test_fp32_scores_equal_the_simulator(tiny_params, arch):
 def test_fp32_greedy_equals_the_reference_and_hugging_face(tiny_params, arch, write_checkpoint):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from wafer.reference_executor import ReferenceExecutor
+    from wafer_gpt2.backends.reference import ReferenceBackend
 
     prompt, new = [5, 300, 42, 17], 6
-    csl = build_executor("csl", tiny_params, ExecutorOptions(arch=arch, dtype="fp32", **OPTIONS))
+    csl = build_backend("csl", tiny_params, BackendOptions(arch=arch, dtype="fp32", **OPTIONS))
     try:
         ours = greedy(csl, prompt, new)
     finally:
         csl.close()
-    reference = ReferenceExecutor(tiny_params, slots=1, context=64, top_k=16)
+    reference = ReferenceBackend(tiny_params, slots=1, context=64, top_k=16)
     assert greedy(reference, prompt, new) == ours
     model = transformers.GPT2LMHeadModel.from_pretrained(
         write_checkpoint(tiny_params), dtype=torch.float32, attn_implementation="eager"
@@ -134,7 +134,7 @@ def test_fp32_greedy_equals_the_reference_and_hugging_face(tiny_params, arch, wr
 def test_fp16_stays_within_the_simulators_bound(tiny_params):
     # WSE-2 only (CI time): the kernels' fp16 code is the same on both; what differs by architecture
     # (queues, colors) runs in fp32 on both above.
-    csl, sim = executors(tiny_params, "wse2", "fp16")
+    csl, sim = backends(tiny_params, "wse2", "fp16")
     try:
         for items in scripted_steps(TINY.vocab_size, seed=1):
             assert worst_difference(csl.step(items), sim.step(items), same_ids=False) < FP16_BOUND
@@ -154,7 +154,7 @@ def test_a_message_with_more_records_than_the_wafer_buffers_needs_the_host_bound
     the D2H behind it never starts. The runtime says how many records may be in flight; the host
     splits messages to match."""
     items = [StepItem(0, p, 3 * p + 1, want_scores=True) for p in range(24)]
-    csl = build_executor("csl", tiny_params, ExecutorOptions(arch="wse2", dtype="fp32", **OPTIONS))
+    csl = build_backend("csl", tiny_params, BackendOptions(arch="wse2", dtype="fp32", **OPTIONS))
     try:
         assert csl.runtime.records_in_flight == 1
         bounded = csl.step(items)
@@ -178,8 +178,8 @@ def test_full_vocabulary_fp32_scores_equal_the_simulator(arch):
         n_layer=2, n_head=2, n_embd=64, vocab_size=50257, n_positions=64, name="tiny-csl-full"
     )
     params = GPT2Params.random(config, seed=3)
-    options = ExecutorOptions(arch=arch, dtype="fp32", slots=2, context=64, top_k=64, objective="compact")
-    csl, sim = build_executor("csl", params, options), build_executor("sim", params, options)
+    options = BackendOptions(arch=arch, dtype="fp32", slots=2, context=64, top_k=64, objective="compact")
+    csl, sim = build_backend("csl", params, options), build_backend("sim", params, options)
     try:
         for items in scripted_steps(config.vocab_size)[:2]:
             assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
@@ -194,7 +194,7 @@ def test_two_level_reductions_equal_the_simulator():
     merges meet in the middle of two levels (two_sided; the latency objective picks them for this
     config), with 8-PE strips, a folded attention snake and gathers between regions: the generator's
     general case, on WSE-3 (whose queue rules are the tighter ones)."""
-    from wafer.plan import build_plan
+    from wafer_gpt2.plan import build_plan
 
     config = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=200, n_positions=32, name="tiny-two-level")
     plan = build_plan(config, arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
@@ -203,8 +203,8 @@ def test_two_level_reductions_equal_the_simulator():
     assert kinds.pop("AttentionTiling") == "two_sided"
     assert set(kinds.values()) == {"two_level"} and len(kinds) == 3, kinds
     params = GPT2Params.random(config, seed=5)
-    options = ExecutorOptions(arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
-    csl, sim = build_executor("csl", params, options), build_executor("sim", params, options)
+    options = BackendOptions(arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
+    csl, sim = build_backend("csl", params, options), build_backend("sim", params, options)
     try:
         items = [
             StepItem(0, p, 3 * p + 1, want_scores=p >= 4, target=9 if p == 5 else None) for p in range(6)
@@ -224,10 +224,10 @@ def test_two_sided_attention_merge_equals_the_simulator():
     WSE-2 only: the two-level test above runs a two-sided merge on WSE-3 (CI time)."""
     from dataclasses import replace
 
-    from wafer.csl_backend import CslExecutorRuntime, compile_plan
-    from wafer.host import start_model
-    from wafer.plan import build_plan
-    from wafer.sim import SimRuntime
+    from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan
+    from wafer_gpt2.host.program import start_model
+    from wafer_gpt2.plan import build_plan
+    from wafer_gpt2.sim import SimRuntime
 
     config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-two-sided")
     plan = build_plan(config, arch="wse2", dtype="fp32", slots=1, context=16, top_k=8, objective="latency")
@@ -255,13 +255,13 @@ def test_a_shared_gelu_and_sum_of_exps_equal_the_simulator(arch, vocab, gelu_pes
     sum of exps shared by the last `exp_pes` (pe/head.csl): the root sends the others their slices of
     its logits, each sums its slice's exps against its own max, and the (max, sum) pairs chain back
     over the GEMV reduction's links; the simulator combines in that order
-    (wafer.sim.kernels._shared_exp_sum). 86 tokens on 6 columns of 15 leave the last column's last
+    (wafer_gpt2.sim.kernels._shared_exp_sum). 86 tokens on 6 columns of 15 leave the last column's last
     slices short or empty (11 logits in slices of 3).
     (The latency plans of the tests above share the exps by themselves, not the GELU.)"""
     from dataclasses import replace
 
-    from kernels.program.build import build_program
-    from wafer.plan import build_plan
+    from wafer_gpt2.codegen.build import build_program
+    from wafer_gpt2.plan import build_plan
 
     config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=vocab, n_positions=32, name="tiny-shared")
     plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
@@ -283,13 +283,13 @@ def test_a_shared_gelu_and_sum_of_exps_equal_the_simulator(arch, vocab, gelu_pes
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["wse2", "wse3"])
 def test_a_two_level_head_gemv_equals_the_simulator(arch):
-    """The head's GEMV reduced in two levels (wafer.cost.best_head offers it where the exps are not
+    """The head's GEMV reduced in two levels (wafer_gpt2.core.cost.best_head offers it where the exps are not
     shared), runs of 2 over 8 K-lines: the runs' ends past the first fill and drain a FIFO at once
     (comm/reduce.csl), so the drain must leave on another queue than the fill's (its microthread):
     the executor refuses two concurrent operations on one microthread."""
     from dataclasses import replace
 
-    from wafer.plan import build_plan
+    from wafer_gpt2.plan import build_plan
 
     config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-head-two")
     plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
@@ -303,9 +303,9 @@ def test_a_two_level_head_gemv_equals_the_simulator(arch):
 def two_steps_equal_the_simulator(plan, params: GPT2Params) -> None:
     """Eight prompt items (two scored, one with a target), then a decode item, whose scores on the
     executor equal the simulator's: the second step finds every PE waiting for its next item again."""
-    from wafer.csl_backend import CslExecutorRuntime, compile_plan
-    from wafer.host import start_model
-    from wafer.sim import SimRuntime
+    from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan
+    from wafer_gpt2.host.program import start_model
+    from wafer_gpt2.sim import SimRuntime
 
     vocab = plan.config.vocab_size
     csl = start_model(plan, CslExecutorRuntime(compile_plan(plan)), params)

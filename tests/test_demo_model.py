@@ -1,4 +1,4 @@
-"""The embedded default model (`weights/data/demo-gpt2`) and the script that trains it.
+"""The embedded default model (`wafer_gpt2/model/data/demo-gpt2`) and the script that trains it.
 
 The shipped checkpoint is checked with the peer (Hugging Face `GPT2LMHeadModel`): it is a real GPT-2
 directory within the size limit, it loads through the project's own loader, and it has learned
@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from weights import train_demo
-from weights.checkpoint import DEMO_MODEL_DIR, load_checkpoint, resolve_weights
-from weights.config import resolve_config
-from weights.params import expected_shapes
-from weights.tokenizer import EOT_ID, EOT_TEXT, VOCAB_SIZE, decode, encode
+from tools import train_demo
+from wafer_gpt2.model.checkpoint import DEMO_MODEL_DIR, load_checkpoint, resolve_weights
+from wafer_gpt2.model.config import resolve_config
+from wafer_gpt2.model.params import expected_shapes
+from wafer_gpt2.model.tokenizer import EOT_ID, EOT_TEXT, VOCAB_SIZE, decode, encode
 
 transformers = pytest.importorskip("transformers")
 

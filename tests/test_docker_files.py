@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from service_harness import executor_factory, running_server
+from service_harness import backend_factory, running_server
 
-from service.cli import build_parser
-from service.settings import FD_RESERVE, ServerSettings
+from wafer_gpt2.cli.main import build_parser
+from wafer_gpt2.settings import FD_RESERVE, ServerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -103,7 +103,7 @@ def test_healthcheck_passes_on_a_ready_server_and_fails_without_one(small_params
     command = healthcheck_command()
     assert command[0] == "python"
     settings = ServerSettings(backend="reference", max_concurrent_requests=2)
-    with running_server(settings, executor_factory("reference", small_params, slots=2)) as server:
+    with running_server(settings, backend_factory("reference", small_params, slots=2)) as server:
         script = command[2].replace("http://127.0.0.1:8000", server.url)
         ok = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=30)
         assert ok.returncode == 0, ok.stderr
@@ -166,7 +166,7 @@ def test_readme_documents_the_commands():
 
 def serve_refusal(host: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("WAFER_GPT2_")}
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", host, "--port", "1"]
+    command = [sys.executable, "-m", "wafer_gpt2.cli.main", "serve", "--host", host, "--port", "1"]
     return subprocess.run(
         command,
         cwd=REPO,
@@ -200,6 +200,6 @@ def test_serve_beyond_loopback_needs_a_key_or_an_explicit_opt_out(host):
     ],
 )
 def test_which_binds_need_a_key(host, api_key, allow, refused):
-    from service.commands.serve import exposure_problem
+    from wafer_gpt2.cli.serve_command import exposure_problem
 
     assert (exposure_problem(host, api_key, allow) is not None) == refused

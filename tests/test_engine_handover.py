@@ -1,8 +1,8 @@
 """Issue 18: how requests and events cross into and out of the engine process without costing the
-engine its batch. The hot messages' compact form (`service/engine_wire.py`) gives back what was sent;
+engine its batch. The hot messages' compact form (`wafer_gpt2/engine/messages.py`) gives back what was sent;
 `Engine.submit_nowait` files a request at the worker's next step boundary, or refuses it as `submit`
 would, and never leaves one unanswered; a cancellation that arrives before its request is filed is
-applied when it is (`service.engine_process._Book`)."""
+applied when it is (`wafer_gpt2.engine.process._Book`)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from decimal import Decimal
 
 import pytest
 
-from service.engine import Engine, EngineState
-from service.engine_core import gpt2_tokenizer_hooks
-from service.engine_process import _Book
-from service.engine_wire import MARSHALLED, PICKLED, UnreadableRequest, decode, encode
-from service.errors import Overloaded, RequestFailed, ServiceError, Unavailable
-from service.metrics import ServiceMetrics
-from service.request import (
+from wafer_gpt2.backends.stand_ins import NullBackend
+from wafer_gpt2.engine.core import gpt2_tokenizer_hooks
+from wafer_gpt2.engine.failures import Overloaded, RequestFailed, ServiceError, Unavailable
+from wafer_gpt2.engine.messages import MARSHALLED, PICKLED, UnreadableRequest, decode, encode
+from wafer_gpt2.engine.metrics import ServiceMetrics
+from wafer_gpt2.engine.process import _Book
+from wafer_gpt2.engine.request import (
     Alternative,
     ErrorEvent,
     FinishEvent,
@@ -30,8 +30,8 @@ from service.request import (
     RequestState,
     TokenEvent,
 )
-from service.sampling import SamplingParams
-from wafer.stand_in import NullExecutor
+from wafer_gpt2.engine.sampling import SamplingParams
+from wafer_gpt2.engine.worker import Engine, EngineState
 
 # ----- the wire -------------------------------------------------------------------------------------
 
@@ -168,7 +168,7 @@ class Filed:
 
 def engine(slots: int = 2, max_queue: int = 4) -> Engine:
     built = Engine(
-        lambda: NullExecutor(50257, slots=slots, context=64, top_k=8),
+        lambda: NullBackend(50257, slots=slots, context=64, top_k=8),
         gpt2_tokenizer_hooks(),
         ServiceMetrics("test"),
         max_queue=max_queue,
@@ -295,8 +295,8 @@ def test_a_request_is_forgotten_when_it_ends_or_is_cancelled():
         served.shutdown(5)
 
 
-class WaitingExecutor(NullExecutor):
-    """Answers like the null executor after a wait that leaves the GIL free (as a wafer's step does)."""
+class WaitingBackend(NullBackend):
+    """Answers like the null backend after a wait that leaves the GIL free (as a wafer's step does)."""
 
     def step(self, items):
         time.sleep(0.002)
@@ -304,7 +304,7 @@ class WaitingExecutor(NullExecutor):
 
 
 def test_the_helper_finishes_tokens_beside_steps_that_wait_and_not_beside_steps_that_compute():
-    for factory, overlaps in ((NullExecutor, False), (WaitingExecutor, True)):
+    for factory, overlaps in ((NullBackend, False), (WaitingBackend, True)):
         served = Engine(
             lambda factory=factory: factory(50257, slots=2, context=64, top_k=8),
             gpt2_tokenizer_hooks(),

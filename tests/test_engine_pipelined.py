@@ -1,10 +1,10 @@
-"""Issue 18: steps in flight on a pipelined executor. The modeled wafer takes a step while another
+"""Issue 18: steps in flight on a pipelined backend. The modeled wafer takes a step while another
 computes (each replica's pipeline takes items a slowest stage apart); the engine submits the next step
 from what became ready while one is in flight, and every request gets what it gets one step at a time;
 a request never has items in two steps in flight, and the slot of one that ended while its step was in
 flight is not given away before that step is back; a failed step fails the requests in flight and the
 engine reloads; a hung submit is caught by the watchdog, and its abandoned worker leaves quietly; a step
-the executor refused leaves its requests ready to step again."""
+the backend refused leaves its requests ready to step again."""
 
 from __future__ import annotations
 
@@ -13,14 +13,20 @@ import threading
 import numpy as np
 import pytest
 
-from service.commands.bench_host import twin_factory
-from service.detokenizer import IncrementalDetokenizer
-from service.engine import Engine
-from service.engine_core import EngineCore, gpt2_tokenizer_hooks
-from service.errors import GenerationFailed, StepTimedOut
-from service.kv_slots import KVSlotManager
-from service.metrics import ServiceMetrics
-from service.request import (
+from tools.bench.bench_host import twin_factory
+from wafer_gpt2.backends.stand_ins import (
+    ModeledWaferBackend,
+    NullBackend,
+    modeled_step_seconds,
+    pipelined_span,
+)
+from wafer_gpt2.core.steps import BackendError, StepItem, steps_in_flight
+from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
+from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
+from wafer_gpt2.engine.failures import GenerationFailed, StepTimedOut
+from wafer_gpt2.engine.kv_slots import KVSlotManager
+from wafer_gpt2.engine.metrics import ServiceMetrics
+from wafer_gpt2.engine.request import (
     ErrorEvent,
     FinishEvent,
     GenerationRequest,
@@ -28,13 +34,12 @@ from service.request import (
     RequestStatus,
     TokenEvent,
 )
-from service.sampling import Sampler, SamplingParams
-from service.scheduler import Scheduler
-from wafer.errors import InvalidInput
-from wafer.executor import ExecutorError, StepItem, steps_in_flight
-from wafer.plan import build_plan
-from wafer.stand_in import ModeledWaferExecutor, NullExecutor, modeled_step_seconds, pipelined_span
-from weights import tokenizer
+from wafer_gpt2.engine.sampling import Sampler, SamplingParams
+from wafer_gpt2.engine.scheduler import Scheduler
+from wafer_gpt2.engine.worker import Engine
+from wafer_gpt2.errors import InvalidInput
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.plan import build_plan
 
 
 @pytest.fixture(scope="module")
@@ -60,34 +65,34 @@ def test_a_step_submitted_behind_another_enters_each_pipeline_after_it():
 
 
 def test_the_modeled_wafer_takes_steps_in_flight_oldest_first_and_checks_the_contract(plan):
-    executor = ModeledWaferExecutor(plan, timer_late_s=0.0, steps_in_flight=2)
-    assert steps_in_flight(executor) == 2 and steps_in_flight(NullExecutor(50257)) == 1
-    assert executor.describe()["plan"]["steps_in_flight"] == 2
-    assert twin_factory(executor)().steps_in_flight == 2  # what `bench host`'s engine process builds
+    backend = ModeledWaferBackend(plan, timer_late_s=0.0, steps_in_flight=2)
+    assert steps_in_flight(backend) == 2 and steps_in_flight(NullBackend(50257)) == 1
+    assert backend.describe()["plan"]["steps_in_flight"] == 2
+    assert twin_factory(backend)().steps_in_flight == 2  # what `bench host`'s engine process builds
     first = [StepItem(0, 0, 100), StepItem(1, 0, 101)]
     second = [StepItem(2, 0, 102)]
-    executor.submit(first)
-    with pytest.raises(ExecutorError, match=r"slots \[1\] have items in a step still in flight"):
-        executor.submit([StepItem(1, 1, 5)])
-    executor.submit(second)
-    with pytest.raises(ExecutorError, match="slot 1 has items in a step still in flight"):
-        executor.free_slot(1)
-    with pytest.raises(ExecutorError, match="2 steps are in flight already"):
-        executor.submit([StepItem(3, 0, 5)])
-    with pytest.raises(ExecutorError, match="collect them first"):
-        executor.step([StepItem(3, 0, 5)])
-    null = NullExecutor(plan.config.vocab_size, slots=4, context=32, top_k=plan.top_k)
-    for items in (first, second):  # oldest first, the null executor's answers
-        got, expected = executor.collect(), null.step(items)
+    backend.submit(first)
+    with pytest.raises(BackendError, match=r"slots \[1\] have items in a step still in flight"):
+        backend.submit([StepItem(1, 1, 5)])
+    backend.submit(second)
+    with pytest.raises(BackendError, match="slot 1 has items in a step still in flight"):
+        backend.free_slot(1)
+    with pytest.raises(BackendError, match="2 steps are in flight already"):
+        backend.submit([StepItem(3, 0, 5)])
+    with pytest.raises(BackendError, match="collect them first"):
+        backend.step([StepItem(3, 0, 5)])
+    null = NullBackend(plan.config.vocab_size, slots=4, context=32, top_k=plan.top_k)
+    for items in (first, second):  # oldest first, the null backend's answers
+        got, expected = backend.collect(), null.step(items)
         assert [s.topk_ids.tolist() for s in got] == [s.topk_ids.tolist() for s in expected]
-    with pytest.raises(ExecutorError, match="no step is in flight"):
-        executor.collect()
+    with pytest.raises(BackendError, match="no step is in flight"):
+        backend.collect()
     # Side by side on two replicas: busy for the first step's span at least, not for both spans summed
     # unless the second came that late (the union of the spans is what counts).
     alone = modeled_step_seconds(plan, [0, 1])
-    assert executor.modeled_busy_s >= alone - 1e-9
+    assert backend.modeled_busy_s >= alone - 1e-9
     with pytest.raises(InvalidInput, match="steps_in_flight must be at least 1"):
-        ModeledWaferExecutor(plan, timer_late_s=0.0, steps_in_flight=0)
+        ModeledWaferBackend(plan, timer_late_s=0.0, steps_in_flight=0)
 
 
 # ----- the scheduler ----------------------------------------------------------------------------------
@@ -109,7 +114,7 @@ def test_a_request_in_flight_is_not_stepped_again_and_keeps_its_slot_until_its_s
     scheduler.admit()
     step = scheduler.build_step()
     assert step.owners == [first] * 3 and first.in_flight
-    assert not scheduler.build_step().items  # its prompt is on the executor: nothing to add
+    assert not scheduler.build_step().items  # its prompt is on the backend: nothing to add
     # It ends (cancelled, failed) while its step computes: the wafer still writes its slot.
     assert scheduler.remove(first) is None and first.status is RequestStatus.FINISHED
     assert scheduler.admit() == []  # the slot is not given to the next request yet
@@ -144,7 +149,7 @@ class Loop:
 def _engine(
     plan, in_flight: int, submits: list[int], hang: threading.Event | None = None, **limits
 ) -> Engine:
-    class Counting(ModeledWaferExecutor):  # records how many steps were in flight at each submit
+    class Counting(ModeledWaferBackend):  # records how many steps were in flight at each submit
         def submit(self, items):
             submits.append(len(self._in_flight))
             if hang is not None and len(submits) == 1:
@@ -231,7 +236,7 @@ def test_a_hung_submit_is_caught_by_the_watchdog_and_its_worker_leaves_quietly(p
         final = loop.events[hung.id][-1]
         assert isinstance(final, ErrorEvent) and isinstance(final.error, StepTimedOut)
         assert engine.wait_ready(30) and engine.restarts == 1
-        hang.set()  # the abandoned worker's submit returns (on its closed executor)
+        hang.set()  # the abandoned worker's submit returns (on its closed backend)
         after = engine.submit(GenerationRequest((464,), 6, ignore_eos=True), loop=loop)
         loop.wait(1)
         assert isinstance(loop.events[after.id][-1], FinishEvent)
@@ -241,19 +246,19 @@ def test_a_hung_submit_is_caught_by_the_watchdog_and_its_worker_leaves_quietly(p
         engine.shutdown(5)
 
 
-def test_a_step_the_executor_refused_leaves_its_requests_ready_to_step_again():
-    class FailsOnce(NullExecutor):
+def test_a_step_the_backend_refused_leaves_its_requests_ready_to_step_again():
+    class FailsOnce(NullBackend):
         failed = False
 
         def step(self, items):
             if not self.failed:
                 self.failed = True
-                raise ExecutorError("the wafer refused the step")
+                raise BackendError("the wafer refused the step")
             return super().step(items)
 
     core = EngineCore(FailsOnce(50257, slots=2, context=32), gpt2_tokenizer_hooks(), 4, 64)
     state = core.add(GenerationRequest((464, 2068), 3, ignore_eos=True))
-    with pytest.raises(ExecutorError, match="refused"):
+    with pytest.raises(BackendError, match="refused"):
         core.step()
     assert not state.in_flight
     events = []

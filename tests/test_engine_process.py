@@ -1,4 +1,4 @@
-"""The engine in a process of its own (`serve --engine-process`, `service/engine_process.py`).
+"""The engine in a process of its own (`serve --engine-process`, `wafer_gpt2/engine/process.py`).
 
 Every route runs against it in tests/test_service_api.py (the `engine-process` cases). Here: what
 crossing a process boundary adds. The HTTP process refuses at once when the engine is not ready
@@ -20,16 +20,16 @@ import threading
 import httpx
 import pytest
 from service_harness import (
+    backend_factory,
     built_late,
-    executor_factory,
     running_server,
-    slow_executor,
+    slow_backend,
     sse_events,
 )
 
-from service.engine_process import EngineOptions, EngineProcess, FrameReader
-from service.metrics import ServiceMetrics
-from service.settings import ServerSettings
+from wafer_gpt2.engine.metrics import ServiceMetrics
+from wafer_gpt2.engine.process import EngineOptions, EngineProcess, FrameReader
+from wafer_gpt2.settings import ServerSettings
 
 PROMPT = "The engine runs in a process of its own"
 LONG = 100  # tokens: far more than a test lets run before it acts (the context is 128)
@@ -40,7 +40,7 @@ def settings(**overrides) -> ServerSettings:
 
 
 def slow(small_params, slots: int, delay_s: float = 0.02):
-    return functools.partial(slow_executor, executor_factory("reference", small_params, slots=slots), delay_s)
+    return functools.partial(slow_backend, backend_factory("reference", small_params, slots=slots), delay_s)
 
 
 def long_stream(url: str, first_token: threading.Event) -> dict:
@@ -70,7 +70,7 @@ def test_the_engine_runs_in_another_process_and_answers_like_the_in_process_one(
     answers = []
     for engine_process in (False, True):
         config = ServerSettings(backend="reference", model_id="tiny-gpt2", engine_process=engine_process)
-        with running_server(config, executor_factory("reference", small_params, slots=2)) as running:
+        with running_server(config, backend_factory("reference", small_params, slots=2)) as running:
             assert isinstance(running.engine, EngineProcess) is engine_process
             if engine_process:
                 assert running.engine.pid not in (None, os.getpid())
@@ -122,8 +122,8 @@ def test_a_graceful_shutdown_drains_then_stops_the_engine_process(small_params):
         assert process.exitcode == 0 and running.fatal == []
 
 
-def test_the_engine_process_reports_loading_until_its_executor_is_built(small_params):
-    factory = functools.partial(built_late, executor_factory("reference", small_params, slots=1), 1.5)
+def test_the_engine_process_reports_loading_until_its_backend_is_built(small_params):
+    factory = functools.partial(built_late, backend_factory("reference", small_params, slots=1), 1.5)
     with running_server(settings(max_concurrent_requests=1), factory, wait_ready=False) as running:
         with running.client() as c:
             early = c.get("/health")
@@ -140,7 +140,7 @@ def test_settling_the_heap_freezes_what_lives_and_frees_what_a_reload_dropped():
     import gc
     import weakref
 
-    from service import heap
+    from wafer_gpt2.engine import heap
 
     class Node:
         pass
@@ -165,7 +165,7 @@ def test_a_server_that_freezes_its_heap_has_frozen_it_once_started(small_params)
 
     try:
         config = ServerSettings(backend="reference", model_id="tiny-gpt2", freeze_heap=True)
-        with running_server(config, executor_factory("reference", small_params, slots=1)) as running:
+        with running_server(config, backend_factory("reference", small_params, slots=1)) as running:
             assert gc.get_freeze_count() > 0
             with running.client() as c:
                 assert (
@@ -211,7 +211,7 @@ def test_asking_the_engine_process_on_the_loop_that_reads_its_answers_is_refused
     """The server's event loop reads the engine's pipe, so a round trip asked on that loop could never
     get its answer: it is refused at once instead of stalling the loop for the answer's timeout. Off the
     loop (as /info and /metrics ask) the answer comes."""
-    options = EngineOptions.of(settings(), executor_factory("reference", small_params, slots=1))
+    options = EngineOptions.of(settings(), backend_factory("reference", small_params, slots=1))
     engine = EngineProcess(options, ServiceMetrics("tiny-gpt2"))
 
     async def ask_both_ways():

@@ -23,9 +23,9 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
-from service_harness import executor_factory, running_server
+from service_harness import backend_factory, running_server
 
-from service.settings import ServerSettings
+from wafer_gpt2.settings import ServerSettings
 
 SLOTS = 4
 CONTEXT = 32  # prompt + new tokens: valid requests stay cheap
@@ -48,7 +48,7 @@ def server(small_params):
     settings_ = ServerSettings(
         backend="sim", model_id="fuzz", dtype="fp32", max_concurrent_requests=SLOTS, context_length=CONTEXT
     )
-    factory = executor_factory("sim", small_params, slots=SLOTS, context=CONTEXT)
+    factory = backend_factory("sim", small_params, slots=SLOTS, context=CONTEXT)
     with running_server(settings_, factory) as running:
         yield running
 

@@ -8,18 +8,19 @@ import json
 import numpy as np
 import pytest
 
-from service.cli import main
-from wafer.backends import ExecutorOptions, build_executor
-from wafer.executor import StepItem
-from wafer.plan.model import PlanError
-from wafer.runtime import MemcpyDataType, from_wire, to_wire
-from wafer.tiling import ceil_div
-from wafer.wire import WireError, decode_scores, encode_items, encode_scores, step_message
+from tools.bench.bench_sim import main as bench_main
+from wafer_gpt2.backends.registry import BackendOptions, build_backend
+from wafer_gpt2.cli.main import main
+from wafer_gpt2.core.runtime import MemcpyDataType, from_wire, to_wire
+from wafer_gpt2.core.steps import StepItem
+from wafer_gpt2.core.tiling import ceil_div
+from wafer_gpt2.core.wire import WireError, decode_scores, encode_items, encode_scores, step_message
+from wafer_gpt2.plan.structure import PlanError
 
 
 @pytest.fixture(scope="module")
 def sim16(small_params):
-    sim = build_executor("sim", small_params, ExecutorOptions(slots=2, dtype="fp16", context=32))
+    sim = build_backend("sim", small_params, BackendOptions(slots=2, dtype="fp16", context=32))
     yield sim
     sim.close()
 
@@ -136,7 +137,7 @@ def test_a_step_message_is_the_items_encoded():
 def test_upload_refuses_a_plan_that_normalises_in_a_layers_strip(small_params):
     """The host folds every layer's LayerNorm into its GEMV, as the program does: a plan whose layer
     strip normalises has no home for that strip's gain and bias, and is refused before any copy."""
-    sim = build_executor("sim", small_params, ExecutorOptions(slots=1, dtype="fp32", context=16))
+    sim = build_backend("sim", small_params, BackendOptions(slots=1, dtype="fp32", context=16))
     try:
         strip = sim.plan.region("L0.ln_1")
         strip.tiling = dataclasses.replace(strip.tiling, normalise=True)
@@ -149,8 +150,8 @@ def test_upload_refuses_a_plan_that_normalises_in_a_layers_strip(small_params):
 def test_attention_reads_the_kv_cache_the_pe_memory_holds(small_params):
     """K/V the host writes into the attention PEs' memory are what the next step attends to (the
     simulator's float32 copy of the cache is rebuilt from the memory after a host write)."""
-    options = ExecutorOptions(slots=2, dtype="fp16", context=32)
-    first, second = (build_executor("sim", small_params, options) for _ in range(2))
+    options = BackendOptions(slots=2, dtype="fp16", context=32)
+    first, second = (build_backend("sim", small_params, options) for _ in range(2))
     prompt, other_prompt = [5, 6, 7, 8, 9], [40, 41, 42, 43, 44]
     try:
         first.step([StepItem(0, pos, token) for pos, token in enumerate(prompt)])
@@ -183,7 +184,7 @@ def test_attention_reads_the_kv_cache_the_pe_memory_holds(small_params):
 
 
 def test_generate_on_the_simulator_matches_the_reference(small_params, tmp_path, capsys):
-    from weights.hf_format import save_hf
+    from wafer_gpt2.model.hf_format import save_hf
 
     checkpoint = save_hf(small_params, tmp_path / "small", dtype="float32")
     outputs = {}
@@ -215,9 +216,9 @@ def test_bench_command_reports_both_rates(tmp_path, capsys):
     config.write_text(
         json.dumps({"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512, "n_positions": 32})
     )
-    argv = ["bench", "sim", "--model", str(config), "--batch", "1,2", "--new-tokens", "2",
+    argv = ["sim", "--model", str(config), "--batch", "1,2", "--new-tokens", "2",
             "--prompt-tokens", "2", "--reps", "1", "--dtype", "fp32"]  # fmt: skip
-    code = main(argv)
+    code = bench_main(argv)
     out = capsys.readouterr().out
     assert code == 0
     assert "transformers   batch  1:" in out and "simulator      batch  2:" in out

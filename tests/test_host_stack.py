@@ -1,5 +1,5 @@
-"""Issue 18, the host stack: the stand-in executors (null, modeled), the whole-step greedy choice, the
-hand-built stream frames, and `wafer-gpt2 bench host` end to end (a real server on loopback and its
+"""Issue 18, the host stack: the stand-in backends (null, modeled), the whole-step greedy choice, the
+hand-built stream frames, and `python -m tools.bench host` end to end (a real server on loopback and its
 load generator in a process of its own)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from service.commands import bench_host
-from service.delivery import sse
-from service.engine_core import EngineCore, TokenizerHooks
-from service.openai_chat import chat_chunk_head, chat_content_frame
-from service.openai_completions import Choice, completion_choice, completion_response, plain_chunk, usage_of
-from service.request import (
+from tools.bench import bench_host
+from wafer_gpt2.backends.registry import BackendOptions, build_backend
+from wafer_gpt2.backends.stand_ins import ModeledWaferBackend, NullBackend, modeled_step_seconds
+from wafer_gpt2.core.steps import BackendError, StepItem, TokenScores
+from wafer_gpt2.engine.core import EngineCore, TokenizerHooks
+from wafer_gpt2.engine.request import (
     Alternative,
     FinishEvent,
     FinishReason,
@@ -24,8 +24,19 @@ from service.request import (
     PromptToken,
     TokenEvent,
 )
-from service.sampling import Sampler, SamplingParams, greedy_batch
-from service.schemas import (
+from wafer_gpt2.engine.sampling import Sampler, SamplingParams, greedy_batch
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.plan import build_plan
+from wafer_gpt2.service.delivery import sse
+from wafer_gpt2.service.openai_chat import chat_chunk_head, chat_content_frame
+from wafer_gpt2.service.openai_completions import (
+    Choice,
+    completion_choice,
+    completion_response,
+    plain_chunk,
+    usage_of,
+)
+from wafer_gpt2.service.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
@@ -37,20 +48,15 @@ from service.schemas import (
     TGIStreamEvent,
     TGIToken,
 )
-from service.tgi import tgi_final_event, tgi_token_event
-from wafer.backends import ExecutorOptions, build_executor
-from wafer.executor import ExecutorError, StepItem, TokenScores
-from wafer.plan import build_plan
-from wafer.stand_in import ModeledWaferExecutor, NullExecutor, modeled_step_seconds
-from weights import tokenizer
+from wafer_gpt2.service.tgi import tgi_final_event, tgi_token_event
 
-# ----- the stand-in executors ---------------------------------------------------------------------
+# ----- the stand-in backends ---------------------------------------------------------------------
 
 
-def test_null_executor_answers_every_wanted_item_at_once_and_validates():
-    executor = NullExecutor(vocab_size=50257, slots=2, context=8, top_k=5)
+def test_null_backend_answers_every_wanted_item_at_once_and_validates():
+    backend = NullBackend(vocab_size=50257, slots=2, context=8, top_k=5)
     items = [StepItem(0, 0, 11, want_scores=False), StepItem(0, 1, 12), StepItem(1, 0, 13, target=7)]
-    out = executor.step(items)
+    out = backend.step(items)
     assert out[0] is None
     first, scored = out[1], out[2]
     assert first is not None and scored is not None
@@ -59,15 +65,15 @@ def test_null_executor_answers_every_wanted_item_at_once_and_validates():
     assert first.topk_ids[0] != 50256  # never end-of-text first: benchmark streams run their length
     assert scored.target_logit is not None and scored.target_logit < scored.topk_logits[-1]
     # Deterministic in (token, position): the same item gets the same answer.
-    again = executor.step([StepItem(0, 1, 12)])[0]
+    again = backend.step([StepItem(0, 1, 12)])[0]
     assert again is not None and again.topk_ids.tolist() == first.topk_ids.tolist()
-    with pytest.raises(ExecutorError, match="slot 2 outside"):
-        executor.step([StepItem(2, 0, 1)])
-    with pytest.raises(ExecutorError, match="position 8 outside"):
-        executor.step([StepItem(0, 8, 1)])
-    executor.close()
-    with pytest.raises(ExecutorError, match="closed"):
-        executor.step([StepItem(0, 0, 1)])
+    with pytest.raises(BackendError, match="slot 2 outside"):
+        backend.step([StepItem(2, 0, 1)])
+    with pytest.raises(BackendError, match="position 8 outside"):
+        backend.step([StepItem(0, 8, 1)])
+    backend.close()
+    with pytest.raises(BackendError, match="closed"):
+        backend.step([StepItem(0, 0, 1)])
 
 
 @pytest.fixture(scope="module")
@@ -88,20 +94,20 @@ def test_modeled_step_time_streams_items_through_each_replica(two_replica_plan):
     assert modeled_step_seconds(plan, [0, 2]) == pytest.approx(first)
 
 
-def test_modeled_executor_takes_the_modeled_time_and_says_modeled(two_replica_plan):
+def test_modeled_backend_takes_the_modeled_time_and_says_modeled(two_replica_plan):
     plan = two_replica_plan
-    assert ModeledWaferExecutor(plan).timer_late_s >= 0  # measured at construction
-    executor = ModeledWaferExecutor(plan, timer_late_s=0.0)  # sleeps the whole modeled time
+    assert ModeledWaferBackend(plan).timer_late_s >= 0  # measured at construction
+    backend = ModeledWaferBackend(plan, timer_late_s=0.0)  # sleeps the whole modeled time
     items = [StepItem(slot, 0, 100 + slot) for slot in range(4)]
     modeled = modeled_step_seconds(plan, [item.slot for item in items])
     start = time.perf_counter()
-    out = executor.step(items)
+    out = backend.step(items)
     took = time.perf_counter() - start
     assert all(scores is not None for scores in out)
     assert took >= modeled
-    assert executor.modeled_busy_s == pytest.approx(modeled)
-    assert executor.overshoot_s == pytest.approx(took - modeled, abs=0.05)
-    described = executor.describe()
+    assert backend.modeled_busy_s == pytest.approx(modeled)
+    assert backend.overshoot_s == pytest.approx(took - modeled, abs=0.05)
+    described = backend.describe()
     assert described["backend"] == "modeled" and "modeled" in described["device_type"]
     assert described["plan"]["decode_cycles"] == plan.decode_cycles
     assert set(described) == {
@@ -116,15 +122,15 @@ def test_modeled_executor_takes_the_modeled_time_and_says_modeled(two_replica_pl
     }
 
 
-def test_modeled_executor_decodes_the_records_the_null_executor_answers_with(two_replica_plan):
+def test_modeled_backend_decodes_the_records_the_null_backend_answers_with(two_replica_plan):
     """The modeled stand-in goes through the host program's wire (each replica's message encoded, the
-    scored items' records decoded): what comes back equals the null executor's answers (lse and target
+    scored items' records decoded): what comes back equals the null backend's answers (lse and target
     logit in float32, as the records carry them), the target logit only where asked, nothing for an item
     that wants no scores, on both replicas and in step order. It refuses and counts steps as the null
-    executor does."""
+    backend does."""
     plan = two_replica_plan
-    modeled = ModeledWaferExecutor(plan, timer_late_s=0.0)
-    null = NullExecutor(plan.config.vocab_size, slots=4, context=32, top_k=plan.top_k)
+    modeled = ModeledWaferBackend(plan, timer_late_s=0.0)
+    null = NullBackend(plan.config.vocab_size, slots=4, context=32, top_k=plan.top_k)
     items = [
         StepItem(2, 0, 464, want_scores=False),
         StepItem(0, 0, 11, target=7),
@@ -143,18 +149,18 @@ def test_modeled_executor_decodes_the_records_the_null_executor_answers_with(two
         if ours.target_logit is not None:
             assert ours.target_logit == float(np.float32(theirs.target_logit))
     assert (modeled.steps, modeled.items) == (null.steps, null.items) == (1, 5)
-    with pytest.raises(ExecutorError, match="item 0: slot 4 outside 0..3"):
+    with pytest.raises(BackendError, match="item 0: slot 4 outside 0..3"):
         modeled.step([StepItem(4, 0, 1)])
     modeled.close()
-    with pytest.raises(ExecutorError, match="closed"):
+    with pytest.raises(BackendError, match="closed"):
         modeled.step([StepItem(0, 1, 1)])
 
 
 @pytest.mark.slow
 def test_backends_build_the_stand_ins_by_name(small_params):
-    null = build_executor("null", small_params, ExecutorOptions(slots=3, context=16, top_k=8))
+    null = build_backend("null", small_params, BackendOptions(slots=3, context=16, top_k=8))
     assert null.describe()["backend"] == "null" and null.num_slots == 3 and null.top_k == 8
-    modeled = build_executor("modeled", small_params, ExecutorOptions(slots=2, context=16, top_k=8))
+    modeled = build_backend("modeled", small_params, BackendOptions(slots=2, context=16, top_k=8))
     assert modeled.describe()["backend"] == "modeled" and modeled.num_slots == 2
 
 
@@ -188,7 +194,7 @@ def test_engine_gives_the_same_tokens_with_and_without_the_batched_choice():
     hooks = TokenizerHooks(tokenizer.token_bytes, 50256, {50256: "<|endoftext|>"}, 50257)
 
     def run(requests: list[GenerationRequest]) -> list[list[int]]:
-        core = EngineCore(NullExecutor(50257, slots=4, context=64), hooks, max_queue=8, step_token_budget=64)
+        core = EngineCore(NullBackend(50257, slots=4, context=64), hooks, max_queue=8, step_token_budget=64)
         states = [core.add(request) for request in requests]
         while core.has_work():
             core.step()
@@ -325,7 +331,7 @@ def test_non_streaming_requests_get_only_their_final_event(small_params):
     import asyncio
 
     hooks = TokenizerHooks(tokenizer.token_bytes, 50256, {50256: "<|endoftext|>"}, 50257)
-    core = EngineCore(NullExecutor(50257, slots=2, context=32), hooks, max_queue=4, step_token_budget=32)
+    core = EngineCore(NullBackend(50257, slots=2, context=32), hooks, max_queue=4, step_token_budget=32)
 
     async def main() -> tuple[list, list]:
         loop = asyncio.get_running_loop()
@@ -369,7 +375,7 @@ def test_bench_host_runs_end_to_end_at_a_tiny_size():
         assert cell.errors == 0 and cell.tokens_per_s > 0, cell
         assert cell.ceiling is not None and cell.ceiling.tokens_per_s > 0
         assert cell.server_us_per_token > 0
-        if cell.executor == "modeled":
+        if cell.backend == "modeled":
             assert cell.utilisation is not None and 0 < cell.utilisation <= 1.05
         else:
             assert cell.utilisation is None
@@ -400,7 +406,7 @@ def test_bench_host_measures_the_engine_in_a_process_of_its_own():
 
 
 def test_the_report_keeps_the_host_section_when_it_is_regenerated():
-    from wafer.report import KEPT_BEGIN, KEPT_END, keep_sections
+    from tools.report import KEPT_BEGIN, KEPT_END, keep_sections
 
     old = f"# Report\n\nold figures\n\n{KEPT_BEGIN}\n## Host\n\nmeasured by hand\n{KEPT_END}\n\n## Reproduce\n\nold\n"
     new = "# Report\n\nnew figures\n\n## Reproduce\n\nnew\n"
@@ -423,11 +429,11 @@ def _without_ids(data):
 
 
 def test_the_lean_path_answers_as_fastapi_does():
-    """The generation routes with `application/json` take the lean path (service/hot_routes.py); with a
+    """The generation routes with `application/json` take the lean path (wafer_gpt2/service/hot_routes.py); with a
     content type FastAPI parses the same but the lean path leaves to it, FastAPI's path. Both give the
     same status, headers and body, for answers, stream events and errors alike."""
-    from service.settings import ServerSettings
     from tests.service_harness import running_server
+    from wafer_gpt2.settings import ServerSettings
 
     settings = ServerSettings(backend="null", model_id="gpt2", max_concurrent_requests=2, max_queue=4)
     cases = [
@@ -447,7 +453,7 @@ def test_the_lean_path_answers_as_fastapi_does():
             {"prompt": "Hello", "unknown_field": 1, "max_tokens": 2, "seed": 5},
         ),  # ignored, said so
     ]
-    with running_server(settings, lambda: NullExecutor(50257, slots=2, context=64)) as running:
+    with running_server(settings, lambda: NullBackend(50257, slots=2, context=64)) as running:
         with running.client() as client:
             for path, body in cases:
                 answers = []
@@ -481,9 +487,9 @@ def test_the_lean_path_refuses_and_fails_as_fastapi_does(monkeypatch, caplog):
     """The guards' refusals (a missing or wrong key, a body over the limit, declared or chunked) and a
     bug in a route: the same status, schema and headers on the lean path as on FastAPI's; the bug is
     logged under a reference the client is given, on both."""
-    from service import api
-    from service.settings import ServerSettings
     from tests.service_harness import running_server
+    from wafer_gpt2.service import api
+    from wafer_gpt2.settings import ServerSettings
 
     settings = ServerSettings(
         backend="null", model_id="gpt2", max_concurrent_requests=2, api_key="k3y", max_body_bytes=200
@@ -507,7 +513,7 @@ def test_the_lean_path_refuses_and_fails_as_fastapi_does(monkeypatch, caplog):
         raise RuntimeError("a bug in the route")
 
     monkeypatch.setattr(api, "tgi_generation_request", bug)
-    with running_server(settings, lambda: NullExecutor(50257, slots=2, context=64)) as running:
+    with running_server(settings, lambda: NullBackend(50257, slots=2, context=64)) as running:
         for path, body, headers in cases:
             answers = []
             for content_type in ("application/json", "application/json;charset=utf-8"):
@@ -534,7 +540,7 @@ def test_the_lean_path_refuses_and_fails_as_fastapi_does(monkeypatch, caplog):
 def test_observe_all_is_observe_one_by_one():
     from prometheus_client import CollectorRegistry, Histogram
 
-    from service.metrics import DURATION_BUCKETS, observe_all
+    from wafer_gpt2.engine.metrics import DURATION_BUCKETS, observe_all
 
     values = [0.0005, 0.001, 0.0011, 0.3, 7.0, 500.0, 0.001]
     one, bulk = (Histogram(n, "h", buckets=DURATION_BUCKETS, registry=CollectorRegistry()) for n in "ab")
@@ -550,7 +556,7 @@ def test_observe_all_is_observe_one_by_one():
 
 
 def test_compact_json_is_json_dumps():
-    from service.delivery import compact_json
+    from wafer_gpt2.service.delivery import compact_json
 
     for data in [
         {"a": [1, 2.5, None, True, "é\u2028\ud800"], "b": {"c": float("nan")}},
@@ -564,9 +570,9 @@ def test_compact_json_is_json_dumps():
 def test_hand_formatted_frames_are_the_encoded_dicts():
     """The token frames formatted directly (tgi_token_frame, plain_chunk_frame) are byte for byte the
     dicts' SSE frames, whatever the text, logprob and flags."""
-    from service.delivery import sse
-    from service.openai_completions import chunk_head, plain_chunk, plain_chunk_frame
-    from service.tgi import tgi_token_frame
+    from wafer_gpt2.service.delivery import sse
+    from wafer_gpt2.service.openai_completions import chunk_head, plain_chunk, plain_chunk_frame
+    from wafer_gpt2.service.tgi import tgi_token_frame
 
     texts = ["", " hello", 'é\u2028"\\\n\t\x00', "\ud800", "<|endoftext|>"]
     for text in texts:

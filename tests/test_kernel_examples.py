@@ -1,4 +1,4 @@
-"""Every kernel alone, laid out like a csl-examples folder (kernels/examples/<kernel>/: layout.csl,
+"""Every kernel alone, laid out like a csl-examples folder (wafer_gpt2/kernels/examples/<kernel>/: layout.csl,
 run.py, commands_wse2.sh, commands_wse3.sh), run by its own commands script with `cslc` and
 `cs_python` resolving to the project's CSL executor. Each run.py checks its kernel's numbers and
 prints SUCCESS!, as Cerebras' examples do; with the real SDK on PATH the same scripts would run
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from wafer.csl.cli import write_wrappers
+from csl_executor.cli import write_wrappers
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "wafer_gpt2" / "kernels"
 EXAMPLES = KERNELS / "examples"
 FOLDERS = sorted(p.parent.name for p in EXAMPLES.glob("*/commands_wse2.sh"))
 

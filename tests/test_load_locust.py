@@ -1,4 +1,4 @@
-"""The load test, short: `loadtest/run.py` (what `make loadtest` runs) for 20 s with 16 users.
+"""The load test, short: `tools/loadtest/run.py` (what `make loadtest` runs) for 20 s with 16 users.
 
 What it guarantees: the driver starts a real `wafer-gpt2 serve` on the simulator (a small model, so it
 keeps up on a shared 2-core machine), locust's users send the realistic mix of the locustfile to
@@ -28,7 +28,7 @@ def test_locust_run_against_the_simulator_has_no_failed_request(small_params, wr
     out = tmp_path / "loadtest"
     command = [
         sys.executable,
-        str(REPO / "loadtest" / "run.py"),
+        str(REPO / "tools" / "loadtest" / "run.py"),
         "--duration",
         DURATION,
         "--users",

@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from wafer import cost
-from wafer.arch import ARCHS
-from wafer.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
-from wafer.plan.search import forget_kept_plans
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
-from weights.config import PRESETS, GPT2Config
+from wafer_gpt2.core import cost
+from wafer_gpt2.core.arch import ARCHS
+from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
+from wafer_gpt2.model.config import PRESETS, GPT2Config
+from wafer_gpt2.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
+from wafer_gpt2.plan.search import forget_kept_plans
 
 _plans: dict[tuple, Plan] = {}
 
@@ -157,7 +157,7 @@ def test_gpt2_small_latency_target_on_wse2() -> None:
 
 
 def test_the_embedding_is_priced_as_the_reduction_the_csl_runs() -> None:
-    """kernels/pe/head.csl reduces a K-line's wte chunks through every head row and then every wpe
+    """wafer_gpt2/kernels/pe/head.csl reduces a K-line's wte chunks through every head row and then every wpe
     row (comm/reduce.csl), each PE adding in its CE: a hop, the ramp and an add per link, not a route
     (which had priced the 393-row chain of gpt2 at a fifth of that). WSE-3 leaves head.csl no input
     queue for a second level, so there it is a chain; on WSE-2 runs and their ends, as priced."""

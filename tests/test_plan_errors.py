@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from wafer.arch import ARCHS
-from wafer.plan import PlanError, build_plan, largest_slots
-from weights.config import PRESETS, GPT2Config
+from wafer_gpt2.core.arch import ARCHS
+from wafer_gpt2.model.config import PRESETS, GPT2Config
+from wafer_gpt2.plan import PlanError, build_plan, largest_slots
 
 TINY = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16, name="tiny")
 

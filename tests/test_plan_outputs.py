@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from service.cli import main
-from wafer import cost
-from wafer.plan import build_plan
-from wafer.wafer_map import draw_wafer_map
-from weights.config import GPT2Config
+from wafer_gpt2.cli.main import main
+from wafer_gpt2.core import cost
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.plan import build_plan
+from wafer_gpt2.plan.drawing import draw_wafer_map
 
 SMALL = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=128, name="small")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from weights.checkpoint import bf16_round, load_checkpoint
-from weights.params import GPT2Params
-from weights.reference import KVCache, forward
+from wafer_gpt2.model.checkpoint import bf16_round, load_checkpoint
+from wafer_gpt2.model.params import GPT2Params
+from wafer_gpt2.model.reference import KVCache, forward
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""`wafer-gpt2 bench service`: a real server on 127.0.0.1, streaming clients, the same requests run
+"""`python -m tools.bench service`: a real server on 127.0.0.1, streaming clients, the same requests run
 directly, and one summary line (a tiny random GPT-2 keeps it to seconds)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from service.cli import main
-from service.commands.bench_service import MODES, measure, print_result
-from weights.config import GPT2Config
-from weights.params import GPT2Params
+from tools.bench.bench_service import MODES, measure, print_result
+from tools.bench.bench_sim import main
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.model.params import GPT2Params
 
 STREAMS, NEW_TOKENS = 4, 5
 
@@ -56,9 +56,9 @@ def test_figures_and_summary_line(result, capsys):
 
 
 def test_bad_arguments_get_one_line(capsys, tmp_path):
-    assert main(["bench", "service", "--new-tokens", "2"]) == 2
+    assert main(["service", "--new-tokens", "2"]) == 2
     assert "--new-tokens must be at least 3" in capsys.readouterr().err
-    assert main(["bench", "service", "--streams", "0"]) == 2
+    assert main(["service", "--streams", "0"]) == 2
     assert "--streams must be at least 1" in capsys.readouterr().err
-    assert main(["bench", "service", "--weights", str(tmp_path / "missing")]) == 2
+    assert main(["service", "--weights", str(tmp_path / "missing")]) == 2
     assert "no such file or directory" in capsys.readouterr().err

@@ -6,8 +6,7 @@ import re
 
 import pytest
 
-from wafer.cost import CLOCK_HZ
-from wafer.report.data import (
+from tools.report.data import (
     PHASE_CLASSES,
     OperatingPoint,
     ReportSettings,
@@ -26,8 +25,9 @@ from wafer.report.data import (
     time_by_layer,
     time_by_part,
 )
-from wafer.report.peers import GPUS, PUBLISHED, bandwidth_floor, decode_bytes_per_token
-from weights.config import PRESETS
+from tools.report.peers import GPUS, PUBLISHED, bandwidth_floor, decode_bytes_per_token
+from wafer_gpt2.core.cost import CLOCK_HZ
+from wafer_gpt2.model.config import PRESETS
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_published_figures_name_their_source_and_follow_from_it():
 
 
 def test_sim_bench_returns_data_its_summary_line_is_printed_from():
-    from service.commands.bench import SimBatchRate, SimBenchResult
+    from tools.bench.bench_sim import SimBatchRate, SimBenchResult
 
     result = SimBenchResult(
         "simulator", "fp16", 1.4, 1.0, (SimBatchRate(1, 2.38, 2.0), SimBatchRate(16, 7.5, 6.0)), True
@@ -162,11 +162,12 @@ def test_sim_bench_returns_data_its_summary_line_is_printed_from():
 
 
 def test_report_rows_come_from_the_benchmarks_data(monkeypatch):
-    from service.commands import bench, report
-    from service.commands.bench import SimBatchRate, SimBenchResult
+    from tools.bench import bench_sim
+    from tools.bench.bench_sim import SimBatchRate, SimBenchResult
+    from tools.report import command as report
 
     result = SimBenchResult("simulator", "fp16", 2.0, 1.0, (SimBatchRate(1, 3.0, 2.0),), True)
-    monkeypatch.setattr(bench, "measure_sim", lambda *args, **kwargs: result)
+    monkeypatch.setattr(bench_sim, "measure_sim", lambda *args, **kwargs: result)
     rows, text = report.measure_sim_rows(lambda message: None)
     assert [(r.label, r.tokens_per_s, r.peer_tokens_per_s, r.ratio) for r in rows] == [
         ("simulator, batch 1", 3.0, 2.0, 1.5)
@@ -175,7 +176,7 @@ def test_report_rows_come_from_the_benchmarks_data(monkeypatch):
 
 
 def test_machine_description_names_what_timings_depend_on():
-    from wafer.report.measured import describe_machine
+    from tools.report.measured import describe_machine
 
     text = describe_machine()
     assert "logical CPUs" in text and "NumPy" in text and "no GPU" in text

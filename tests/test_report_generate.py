@@ -1,4 +1,4 @@
-"""`wafer-gpt2 report`, fast path: the files, the labels, and numbers that agree with `build_plan`."""
+"""`python -m tools.report`, fast path: the files, the labels, and numbers that agree with `build_plan`."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from service.cli import main
-from wafer.plan import build_plan
-from wafer.report import generate_report
-from wafer.report.data import ReportSettings
-from weights.config import PRESETS
+from tools.report import generate_report
+from tools.report.command import main
+from tools.report.data import ReportSettings
+from wafer_gpt2.model.config import PRESETS
+from wafer_gpt2.plan import build_plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -22,7 +22,7 @@ def report(tmp_path_factory):
     # Two sizes and two replica counts keep the test short; the full report plans four of each.
     settings = ReportSettings(sizes=("gpt2", "gpt2-medium"), replica_counts=(1, 2))
     start = time.perf_counter()
-    result = generate_report(out, settings, command="wafer-gpt2 report --out test")
+    result = generate_report(out, settings, command="python -m tools.report --out test")
     return result, result.markdown_path.read_text(), time.perf_counter() - start
 
 
@@ -55,7 +55,7 @@ def test_every_figure_says_modeled_or_measured_and_how_to_reproduce(report):
     assert len(captions) == markdown.count("![")
     for caption in captions:
         assert "modeled" in caption or "measured" in caption, caption
-        assert "Reproduce: `wafer-gpt2 report --out test`" in caption
+        assert "Reproduce: `python -m tools.report --out test`" in caption
     # The fast path measured nothing, and says so; no GPU was used, and that is said too.
     assert "(measured here" not in markdown
     assert "Not part of this run" in markdown
@@ -89,8 +89,8 @@ def test_fast_path_is_quick(report):
 
 
 def test_bad_arguments_get_one_line(tmp_path, capsys):
-    assert main(["report", "--out", str(tmp_path), "--slots", "0"]) == 2
+    assert main(["--out", str(tmp_path), "--slots", "0"]) == 2
     assert "--slots must be at least 1" in capsys.readouterr().err
-    assert main(["report", "--out", str(tmp_path), "--model", "gpt5"]) == 2
+    assert main(["--out", str(tmp_path), "--model", "gpt5"]) == 2
     assert "unknown model 'gpt5'" in capsys.readouterr().err
     assert not (tmp_path / "performance.md").exists()

@@ -145,7 +145,7 @@ def shift_offsets(header: dict, by: int) -> dict:
 
 
 def start_serve(checkpoint: Path, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "service.cli", "serve", "--weights", str(checkpoint)]
+    command = [sys.executable, "-m", "wafer_gpt2.cli.main", "serve", "--weights", str(checkpoint)]
     # The engine on a thread of the HTTP process (`serve`'s default runs it in a process of its own:
     # test_service_lifecycle).
     command += ["--port", str(port), "--log-level", "warning", "--no-engine-process"]

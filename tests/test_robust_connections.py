@@ -37,7 +37,16 @@ MAX_CONNECTIONS = 16
 def start_server(flags: list[str], preexec_fn=None) -> tuple[int, subprocess.Popen]:
     """`wafer-gpt2 serve` (reference backend, demo model) on a free loopback port, once healthy."""
     port = free_port()
-    command = [sys.executable, "-m", "service.cli", "serve", "--backend", "reference", "--port", str(port)]
+    command = [
+        sys.executable,
+        "-m",
+        "wafer_gpt2.cli.main",
+        "serve",
+        "--backend",
+        "reference",
+        "--port",
+        str(port),
+    ]
     command += ["--log-level", "info", *flags]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
@@ -365,7 +374,7 @@ def test_repeated_log_lines_are_rate_limited(server):
 def test_the_repeat_filter_counts_what_it_suppressed():
     import logging
 
-    from service.log_limits import RepeatFilter
+    from wafer_gpt2.log_limits import RepeatFilter
 
     now = [0.0]
     records: list[str] = []

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from service_harness import executor_factory, running_server
+from service_harness import backend_factory, running_server
 
-from service.settings import ServerSettings
+from wafer_gpt2.settings import ServerSettings
 
 SLOTS = 8
 CONCURRENT_CLIENTS = 24  # open at a time: three times the slots, so many drops happen in the queue
@@ -46,7 +46,7 @@ def server(small_params):
     settings = ServerSettings(
         backend="sim", model_id="storm", dtype="fp32", max_concurrent_requests=SLOTS, max_queue=64
     )
-    with running_server(settings, executor_factory("sim", small_params, slots=SLOTS)) as running:
+    with running_server(settings, backend_factory("sim", small_params, slots=SLOTS)) as running:
         yield running
 
 

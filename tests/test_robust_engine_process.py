@@ -32,16 +32,16 @@ from contextlib import contextmanager
 
 import httpx
 from service_harness import (
+    backend_factory,
     built_late,
-    executor_factory,
     running_server,
-    slow_executor,
+    slow_backend,
     sse_events,
     wait_until,
 )
 
-from service.engine import EngineState
-from service.settings import ServerSettings
+from wafer_gpt2.engine.worker import EngineState
+from wafer_gpt2.settings import ServerSettings
 
 PROMPT = "The engine process stopped answering while"
 LONG = 100  # tokens: far more than a test lets run before it acts (the context is 128)
@@ -56,7 +56,7 @@ def settings(**overrides) -> ServerSettings:
 
 
 def slow(small_params, slots: int, delay_s: float = STEP_S):
-    return functools.partial(slow_executor, executor_factory("reference", small_params, slots=slots), delay_s)
+    return functools.partial(slow_backend, backend_factory("reference", small_params, slots=slots), delay_s)
 
 
 @contextmanager
@@ -182,7 +182,7 @@ def test_an_engine_process_that_does_not_read_never_blocks_the_event_loop(small_
         engine_outbox_limit=OUTBOX,
         engine_heartbeat_timeout_s=60.0,  # not silent long enough to be refused for that
     )
-    factory = executor_factory("reference", small_params, slots=4)
+    factory = backend_factory("reference", small_params, slots=4)
     with running_server(config, factory) as running, running.client(timeout=5) as client:
         answers: list[tuple[int, dict]] = []
 
@@ -222,7 +222,7 @@ def test_an_engine_process_that_does_not_read_never_blocks_the_event_loop(small_
 
 def test_metrics_leave_out_the_engine_series_when_the_engine_process_does_not_answer(small_params):
     config = settings(max_concurrent_requests=1, engine_heartbeat_timeout_s=60.0, engine_answer_timeout_s=0.5)
-    with running_server(config, executor_factory("reference", small_params, slots=1)) as running:
+    with running_server(config, backend_factory("reference", small_params, slots=1)) as running:
         with running.client(timeout=10) as client:
             assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
             before = client.get("/metrics").text
@@ -280,7 +280,7 @@ def test_an_engine_process_that_dies_is_started_again(small_params):
 
 def test_an_engine_process_that_keeps_dying_stops_the_server(small_params):
     config = settings(max_concurrent_requests=1, engine_restart_limit=1, engine_restart_window_s=600.0)
-    with running_server(config, executor_factory("reference", small_params, slots=1)) as running:
+    with running_server(config, backend_factory("reference", small_params, slots=1)) as running:
         os.kill(running.engine.pid, signal.SIGKILL)
         wait_until(lambda: running.engine.state is not EngineState.READY, timeout=10)
         assert running.engine.wait_ready(60), (running.engine.state, running.engine.error)

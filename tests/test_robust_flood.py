@@ -14,9 +14,9 @@ import time
 
 import httpx
 import pytest
-from service_harness import SlowExecutor, executor_factory, running_server
+from service_harness import SlowBackend, backend_factory, running_server
 
-from service.settings import ServerSettings
+from wafer_gpt2.settings import ServerSettings
 
 SLOTS, QUEUE = 4, 4
 CLIENTS = 96  # 24 x the slots, 12 x what the server holds
@@ -34,7 +34,7 @@ def server(small_params):
     )
 
     def factory():
-        return SlowExecutor(executor_factory("sim", small_params, slots=SLOTS)(), STEP_DELAY_S)
+        return SlowBackend(backend_factory("sim", small_params, slots=SLOTS)(), STEP_DELAY_S)
 
     with running_server(settings, factory) as running:
         yield running

@@ -37,7 +37,7 @@ import httpx
 import pytest
 from service_harness import free_port, run_concurrently, sse_events
 
-from service.settings import FD_RESERVE
+from wafer_gpt2.settings import FD_RESERVE
 
 REPO = Path(__file__).resolve().parents[1]
 HAPROXY_DIR = REPO / "deploy" / "haproxy"
@@ -51,7 +51,16 @@ SHORT = {"inputs": "Spread the load", "parameters": {"max_new_tokens": 8}}
 
 
 def start_server(port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--backend", "reference"]
+    command = [
+        sys.executable,
+        "-m",
+        "wafer_gpt2.cli.main",
+        "serve",
+        "--port",
+        str(port),
+        "--backend",
+        "reference",
+    ]
     command += ["--log-level", "warning"]
     command += ["--max-concurrent", "4", "--shutdown-timeout", "5"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1"}
@@ -411,7 +420,7 @@ def yaml_documents(path: Path) -> list[dict]:
 
 
 def test_kubernetes_manifests_probe_health_and_terminate_after_the_drain():
-    from service.cli import build_parser
+    from wafer_gpt2.cli.main import build_parser
 
     deployment, headless = yaml_documents(REPO / "deploy" / "kubernetes" / "wafer-gpt2.yaml")
     assert deployment["kind"] == "Deployment" and headless["spec"]["clusterIP"] == "None"
@@ -439,7 +448,7 @@ def test_kubernetes_manifests_probe_health_and_terminate_after_the_drain():
 
 
 def test_compose_runs_replicas_behind_the_balancer():
-    from service.cli import build_parser
+    from wafer_gpt2.cli.main import build_parser
 
     (compose,) = yaml_documents(REPO / "deploy" / "compose.yaml")
     server, balancer = compose["services"]["server"], compose["services"]["balancer"]

@@ -26,13 +26,13 @@ import time
 
 import httpx
 import pytest
-from service_harness import executor_factory, run_concurrently, running_server, sse_events
+from service_harness import backend_factory, run_concurrently, running_server, sse_events
 
-from service.detokenizer import IncrementalDetokenizer
-from service.settings import ServerSettings
-from weights import tokenizer
-from weights.config import GPT2Config
-from weights.params import GPT2Params
+from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.model.params import GPT2Params
+from wafer_gpt2.settings import ServerSettings
 
 SLOTS = 4
 PROMPT = "One request must not take the others down"
@@ -44,7 +44,7 @@ def server(small_params):
     settings = ServerSettings(
         backend="sim", model_id="robust", dtype="fp32", max_concurrent_requests=SLOTS, max_queue=8
     )
-    with running_server(settings, executor_factory("sim", small_params, slots=SLOTS)) as running:
+    with running_server(settings, backend_factory("sim", small_params, slots=SLOTS)) as running:
         yield running
 
 
@@ -157,7 +157,7 @@ def test_a_vocabulary_padded_beyond_the_tokenizer_never_emits_unknown_ids():
     params.wte[50257:] *= 3.0
     settings = ServerSettings(backend="sim", model_id="padded", dtype="fp32", max_concurrent_requests=2)
     with (
-        running_server(settings, executor_factory("sim", params, slots=2, top_k=16)) as running,
+        running_server(settings, backend_factory("sim", params, slots=2, top_k=16)) as running,
         running.client() as client,
     ):
         for body in (
@@ -185,7 +185,7 @@ def test_a_vocabulary_padded_beyond_the_tokenizer_never_emits_unknown_ids():
 def test_429_and_503_say_when_to_retry(small_params):
     # One slot, no queue: a second request while one runs is refused with 429.
     settings = ServerSettings(backend="sim", dtype="fp32", max_concurrent_requests=1, max_queue=0)
-    with running_server(settings, executor_factory("sim", small_params, slots=1)) as server:
+    with running_server(settings, backend_factory("sim", small_params, slots=1)) as server:
         beside = Stream(server.url, max_tokens=60)
         beside.start()
         assert beside.started.wait(30)
@@ -249,7 +249,7 @@ def test_tokenizing_runs_off_the_event_loop(small_params):
     settings = ServerSettings(
         backend="sim", dtype="fp32", max_concurrent_requests=2, max_input_chars=2_000_000
     )
-    with running_server(settings, executor_factory("sim", small_params, slots=2)) as running:
+    with running_server(settings, backend_factory("sim", small_params, slots=2)) as running:
         watch = HealthLatency(running.url)
         watch.start()
         try:
@@ -332,12 +332,12 @@ def test_bodies_json_cannot_take_get_a_4xx_and_the_connection_stays_open(server,
 
 
 def test_an_unexpected_error_answers_without_its_internal_text(server, monkeypatch, caplog):
-    import service.api
+    import wafer_gpt2.service.api
 
     def broken(*args, **kwargs):
         raise RuntimeError("secret internal state 0xfeedface")
 
-    monkeypatch.setattr(service.api, "tgi_response", broken)
+    monkeypatch.setattr(wafer_gpt2.service.api, "tgi_response", broken)
     with server.client() as client:
         response = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
     assert response.status_code == 500, response.text
@@ -358,7 +358,7 @@ def test_a_key_outside_latin1_works_and_refusals_are_counted(small_params):
         backend="sim", dtype="fp32", max_concurrent_requests=1, api_key=key, max_body_bytes=1000
     )
     with (
-        running_server(settings, executor_factory("sim", small_params, slots=1)) as running,
+        running_server(settings, backend_factory("sim", small_params, slots=1)) as running,
         running.client() as client,
     ):
         body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}

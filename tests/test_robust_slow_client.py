@@ -21,9 +21,9 @@ import time
 
 import httpx
 import pytest
-from service_harness import executor_factory, run_concurrently, running_server, wait_until
+from service_harness import backend_factory, run_concurrently, running_server, wait_until
 
-from service.settings import ServerSettings
+from wafer_gpt2.settings import ServerSettings
 
 SLOTS = 13
 PROMPT = "A reader who never reads"
@@ -50,7 +50,7 @@ def server(small_params):
     settings = ServerSettings(
         backend="sim", model_id="slow", dtype="fp32", max_concurrent_requests=SLOTS, max_top_n_tokens=TOP_N
     )
-    with running_server(settings, executor_factory("sim", small_params, slots=SLOTS)) as running:
+    with running_server(settings, backend_factory("sim", small_params, slots=SLOTS)) as running:
         # Accepted connections inherit the listening socket's buffer size (and skip its autotuning).
         listener = running.server.servers[0].sockets[0]
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SERVER_SEND_BUFFER)

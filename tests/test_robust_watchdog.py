@@ -3,7 +3,7 @@
 What it guarantees: when a step runs past its deadline (`--step-timeout` plus `--step-timeout-per-item`
 times the step's items), every request in flight ends at once with a 5xx `generation` error (504, or an
 error event once its stream has started) that says the watchdog fired; /health answers 503 `reloading`
-and names the fault while the worker restarts the backend on a fresh executor; the queued requests are
+and names the fault while the worker restarts the backend on a fresh backend; the queued requests are
 then served, and so are new ones. When the hung step finally returns, the abandoned worker goes away
 without touching anything. A shutdown with a step hung drains for its timeout and then ends what is left
 with 503: it never overruns by more than a few seconds.
@@ -16,11 +16,11 @@ import time
 
 import httpx
 import pytest
-from service_harness import HangingExecutor, executor_factory, running_server, sse_events, wait_until
+from service_harness import HangingBackend, backend_factory, running_server, sse_events, wait_until
 from test_robust_worker_fault import HealthWatch, in_thread, post, restarts
 
-from service.engine import EngineState
-from service.settings import ServerSettings
+from wafer_gpt2.engine.worker import EngineState
+from wafer_gpt2.settings import ServerSettings
 
 SLOTS = 2
 PROMPT = "The wafer stopped answering in the middle of"
@@ -28,12 +28,12 @@ STEP_TIMEOUT_S = 1.0  # a step of this small model takes ~10-50 ms here
 HANG_LIMIT_S = 20.0
 
 
-def hanging_factory(small_params, executors: list[HangingExecutor]):
-    build = executor_factory("sim", small_params, slots=SLOTS)
+def hanging_factory(small_params, backends: list[HangingBackend]):
+    build = backend_factory("sim", small_params, slots=SLOTS)
 
-    def factory() -> HangingExecutor:
-        executors.append(HangingExecutor(build()))
-        return executors[-1]
+    def factory() -> HangingBackend:
+        backends.append(HangingBackend(build()))
+        return backends[-1]
 
     return factory
 
@@ -50,7 +50,7 @@ def stream(url: str, started: threading.Event) -> dict:
 
 
 def test_a_hung_step_fails_the_requests_in_flight_and_the_backend_restarts(small_params):
-    executors: list[HangingExecutor] = []
+    backends: list[HangingBackend] = []
     settings = ServerSettings(
         backend="sim",
         dtype="fp32",
@@ -58,7 +58,7 @@ def test_a_hung_step_fails_the_requests_in_flight_and_the_backend_restarts(small
         step_timeout_s=STEP_TIMEOUT_S,
         step_timeout_per_item_s=0.01,
     )
-    with running_server(settings, hanging_factory(small_params, executors)) as server:
+    with running_server(settings, hanging_factory(small_params, backends)) as server:
         url = server.url
         before = restarts(server)
         streaming = threading.Event()
@@ -78,8 +78,8 @@ def test_a_hung_step_fails_the_requests_in_flight_and_the_backend_restarts(small
 
         with HealthWatch(url) as health:
             hung_at = time.monotonic()
-            executors[0].hang_next()
-            assert executors[0].hanging.wait(5)
+            backends[0].hang_next()
+            assert backends[0].hanging.wait(5)
             for thread, _ in running:
                 thread.join(HANG_LIMIT_S)
                 assert not thread.is_alive(), "a request hung behind the hung step"
@@ -98,10 +98,10 @@ def test_a_hung_step_fails_the_requests_in_flight_and_the_backend_restarts(small
         assert "watchdog" in openai["body"]["error"]["message"], openai
         assert (503, "reloading") in health.seen, health.seen
         assert queued[1]["status"] == 200 and queued[1]["body"]["generated_text"], queued[1]
-        assert restarts(server) == before + 1 and len(executors) == 2
+        assert restarts(server) == before + 1 and len(backends) == 2
 
         # The hung step returns at last: the abandoned worker leaves without a trace.
-        executors[0].release()
+        backends[0].release()
         time.sleep(0.5)
         later = post(url, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
         assert later["status"] == 200, later
@@ -113,12 +113,12 @@ def test_a_hung_step_fails_the_requests_in_flight_and_the_backend_restarts(small
 
 
 def test_health_names_the_fault_while_the_backend_restarts(small_params):
-    executors: list[HangingExecutor] = []
-    build = hanging_factory(small_params, executors)
+    backends: list[HangingBackend] = []
+    build = hanging_factory(small_params, backends)
     release_second_load = threading.Event()
 
-    def slow_second_load() -> HangingExecutor:
-        if executors:
+    def slow_second_load() -> HangingBackend:
+        if backends:
             release_second_load.wait(HANG_LIMIT_S)
         return build()
 
@@ -130,7 +130,7 @@ def test_health_names_the_fault_while_the_backend_restarts(small_params):
         step_timeout_per_item_s=0.01,
     )
     with running_server(settings, slow_second_load) as server, server.client() as client:
-        executors[0].hang_next()
+        backends[0].hang_next()
         response = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
         assert response.status_code == 504, response.text
         health = client.get("/health")
@@ -140,13 +140,13 @@ def test_health_names_the_fault_while_the_backend_restarts(small_params):
         assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.headers
         release_second_load.set()
         assert server.engine.wait_ready(30)
-        executors[0].release()
+        backends[0].release()
 
 
 @pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 @pytest.mark.parametrize("shutdown_timeout", [1.0])
 def test_shutdown_with_a_hung_step_does_not_overrun(small_params, shutdown_timeout):
-    executors: list[HangingExecutor] = []
+    backends: list[HangingBackend] = []
     settings = ServerSettings(
         backend="sim",
         dtype="fp32",
@@ -154,12 +154,12 @@ def test_shutdown_with_a_hung_step_does_not_overrun(small_params, shutdown_timeo
         step_timeout_s=60.0,  # the watchdog would fire far later than the shutdown's deadline
         shutdown_timeout_s=shutdown_timeout,
     )
-    with running_server(settings, hanging_factory(small_params, executors)) as server:
+    with running_server(settings, hanging_factory(small_params, backends)) as server:
         streaming = threading.Event()
         thread, result = in_thread(lambda: stream(server.url, streaming))
         assert streaming.wait(20)
-        executors[0].hang_next()
-        assert executors[0].hanging.wait(5)
+        backends[0].hang_next()
+        assert backends[0].hanging.wait(5)
         started = time.monotonic()
         server.server.begin_graceful_shutdown().join(30)
         took = time.monotonic() - started
@@ -168,4 +168,4 @@ def test_shutdown_with_a_hung_step_does_not_overrun(small_params, shutdown_timeo
         assert took < shutdown_timeout + 6.0, took
         last = result["events"][-1]
         assert last["error_type"] == "unavailable" and "shut down" in last["error"], last
-        executors[0].release()
+        backends[0].release()

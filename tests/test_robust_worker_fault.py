@@ -2,7 +2,7 @@
 
 What it guarantees, for each way of failing: every request in flight (streaming or not, TGI or OpenAI)
 ends promptly with a `generation` error (424, or an error event once its stream has started) and never
-hangs; /health answers 503 (`reloading`) while the worker rebuilds the executor and re-uploads the
+hangs; /health answers 503 (`reloading`) while the worker rebuilds the backend and re-uploads the
 model; requests that were waiting in the queue are then served, and so are new ones; no KV slot is left
 held.
 
@@ -26,11 +26,11 @@ import time
 
 import httpx
 import pytest
-from service_harness import executor_factory, running_server, sse_events, wait_until
+from service_harness import backend_factory, running_server, sse_events, wait_until
 
-from service.engine import EngineState
-from service.settings import ServerSettings
-from wafer.wire import H2D_COLOR, encode_items
+from wafer_gpt2.core.wire import H2D_COLOR, encode_items
+from wafer_gpt2.engine.worker import EngineState
+from wafer_gpt2.settings import ServerSettings
 
 SLOTS = 2
 PROMPT = "The worker was in the middle of a step when"
@@ -44,14 +44,12 @@ def server(small_params):
     settings = ServerSettings(
         backend="sim", model_id="faulty", dtype="fp32", max_concurrent_requests=SLOTS, max_queue=8
     )
-    with running_server(
-        settings, GatedReloads(executor_factory("sim", small_params, slots=SLOTS))
-    ) as running:
+    with running_server(settings, GatedReloads(backend_factory("sim", small_params, slots=SLOTS))) as running:
         yield running
 
 
 class GatedReloads:
-    """The server's executor factory; every build after the first (a reload) waits for `RELOAD_GATE`,
+    """The server's backend factory; every build after the first (a reload) waits for `RELOAD_GATE`,
     which the test's HealthWatch opens once /health has said 503 "reloading": a reload that takes
     milliseconds (the plan kept from the first build) is still seen."""
 
@@ -217,11 +215,11 @@ def test_a_fault_inside_the_simulated_wafer_fails_the_step(server, caplog):
     def corrupt_the_input_stream() -> None:
         # A message whose slot lies outside the program: the PE program's guard raises (KernelFault) in
         # the runtime's command thread, mid-way between the engine's own messages.
-        executor = server.engine.executor
-        plan = executor.plan
+        backend = server.engine.backend
+        plan = backend.plan
         words = encode_items([plan.slots], [0], [0], [True], [None])
         port_in, _ = plan.io_ports(0)
-        executor.runtime.memcpy_h2d(
+        backend.runtime.memcpy_h2d(
             H2D_COLOR, words, port_in.x, port_in.y, 1, 1, words.size, streaming=True, nonblock=True
         )
 
@@ -231,7 +229,7 @@ def test_a_fault_inside_the_simulated_wafer_fails_the_step(server, caplog):
 def test_the_simulated_wafer_going_away_fails_the_step(server, caplog):
     # The step in flight meets the stopped runtime's own refusal (never the thread pool's error).
     stopped = r"the runtime was stopped; no command is accepted after stop\(\)"
-    run_fault_drill(server, lambda: server.engine.executor.runtime.stop(), stopped, caplog)
+    run_fault_drill(server, lambda: server.engine.backend.runtime.stop(), stopped, caplog)
 
 
 def test_a_step_raising_system_exit_is_a_fault_the_worker_recovers_from(server, caplog):
@@ -256,7 +254,7 @@ def test_a_worker_that_cannot_go_on_ends_every_request_and_the_server(
 ):
     settings = ServerSettings(backend="reference", max_concurrent_requests=1)
     with (
-        running_server(settings, executor_factory("reference", small_params, slots=1)) as running,
+        running_server(settings, backend_factory("reference", small_params, slots=1)) as running,
         running.client() as c,
     ):
         # A SystemExit step is recovered from, but then the reload raises SystemExit too: the worker

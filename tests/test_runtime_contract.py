@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from service_harness import wait_until
 
-from wafer.plan import build_plan
-from wafer.runtime import (
+from wafer_gpt2.core.runtime import (
     MemcpyDataType,
     MemcpyOrder,
     WaferRuntimeError,
@@ -18,8 +17,9 @@ from wafer.runtime import (
     hwl_to_flat,
     to_wire,
 )
-from wafer.sim import SimRuntime
-from wafer.wire import D2H_COLOR, H2D_COLOR, encode_items, record_words
+from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, encode_items, record_words
+from wafer_gpt2.plan import build_plan
+from wafer_gpt2.sim import SimRuntime
 
 F16, F32 = MemcpyDataType.MEMCPY_16BIT, MemcpyDataType.MEMCPY_32BIT
 
@@ -198,19 +198,19 @@ def test_reading_more_than_the_program_sent_is_refused(plan):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The Protocol: the simulator, the CSL executor and both SDK adapters satisfy `wafer.runtime.Runtime`.
+# The Protocol: the simulator, the CSL executor and both SDK adapters satisfy `wafer_gpt2.core.runtime.Runtime`.
 
 
 def _runtime_classes():
-    from wafer.csl_backend import CslExecutorRuntime
-    from wafer.sdk_appliance import ApplianceRuntime
-    from wafer.sdk_container import SdkContainerRuntime
+    from wafer_gpt2.backends.csl import CslExecutorRuntime
+    from wafer_gpt2.backends.sdk_appliance import ApplianceRuntime
+    from wafer_gpt2.backends.sdk_container import SdkContainerRuntime
 
     return [SimRuntime, CslExecutorRuntime, SdkContainerRuntime, ApplianceRuntime]
 
 
 def _protocol_members() -> list[str]:
-    from wafer.runtime import Runtime
+    from wafer_gpt2.core.runtime import Runtime
 
     return sorted(name for name in vars(Runtime) if not name.startswith("_"))
 
@@ -222,7 +222,7 @@ def test_every_runtime_satisfies_the_protocol(cls):
     Protocol's (mypy checks the types: see `make typecheck`)."""
     import inspect
 
-    from wafer.runtime import CheckedRuntime, Runtime
+    from wafer_gpt2.core.runtime import CheckedRuntime, Runtime
 
     instance = cls.__new__(cls)
     if isinstance(instance, CheckedRuntime):
@@ -240,12 +240,12 @@ def test_every_runtime_satisfies_the_protocol(cls):
 
 
 def test_the_simulator_runtime_is_a_runtime(runtime):
-    from wafer.runtime import Runtime
+    from wafer_gpt2.core.runtime import Runtime
 
     assert isinstance(runtime, Runtime) and runtime.running
 
 
 def test_something_else_is_not_a_runtime():
-    from wafer.runtime import Runtime
+    from wafer_gpt2.core.runtime import Runtime
 
     assert not isinstance(object(), Runtime)

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from service.sampling import Sampler, SamplingParams
-from wafer.executor import TokenScores
+from wafer_gpt2.core.steps import TokenScores
+from wafer_gpt2.engine.sampling import Sampler, SamplingParams
 
 # A head answer whose top-4 probabilities (over the whole vocabulary) are 0.5, 0.3, 0.15, 0.05:
 # logsumexp 0, logits = log(p), ids in best-first order.

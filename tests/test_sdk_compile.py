@@ -12,9 +12,9 @@ import shutil
 import numpy as np
 import pytest
 
-from wafer.compile import compile_program, prepare_sources
-from wafer.plan import build_plan
-from weights.config import GPT2Config
+from wafer_gpt2.host.compile import compile_program, prepare_sources
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.plan import build_plan
 
 HAVE_CSLC = shutil.which("cslc") is not None
 HAVE_RUNTIME = importlib.util.find_spec("cerebras") is not None and (
@@ -42,14 +42,14 @@ def test_tiny_program_compiles(tmp_path, dtype):
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_RUNTIME, reason="cerebras.sdk.runtime is not importable (run under cs_python)")
 def test_tiny_gpt2_on_simfabric_matches_the_reference():
-    from wafer.backends import ExecutorOptions, build_executor
-    from wafer.executor import StepItem
-    from weights.params import GPT2Params
+    from wafer_gpt2.backends.registry import BackendOptions, build_backend
+    from wafer_gpt2.core.steps import StepItem
+    from wafer_gpt2.model.params import GPT2Params
 
     params = GPT2Params.random(TINY, seed=0)
-    options = ExecutorOptions(slots=2, context=8, dtype="fp32", top_k=4)
-    wafer = build_executor("sdk-container", params, options)
-    reference = build_executor("reference", params, options)
+    options = BackendOptions(slots=2, context=8, dtype="fp32", top_k=4)
+    wafer = build_backend("sdk-container", params, options)
+    reference = build_backend("reference", params, options)
     items = [StepItem(0, pos, tok) for pos, tok in enumerate([46, 32, 28, 12])]
     try:
         got, want = wafer.step(items), reference.step(items)

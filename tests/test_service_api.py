@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 from service_harness import (
     always_end_of_text,
-    executor_factory,
+    backend_factory,
     reference_greedy,
     run_concurrently,
     running_server,
-    slow_executor,
+    slow_backend,
     sse_events,
     wait_until,
 )
 
-from service.settings import ServerSettings
-from weights import tokenizer
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.settings import ServerSettings
 
 SLOTS = 4
 PROMPT = "The wafer holds every layer"
@@ -43,7 +43,7 @@ def server(small_params, request):
         step_token_budget=16,
         engine_process=request.param,
     )
-    with running_server(settings, executor_factory("reference", small_params, slots=SLOTS)) as running:
+    with running_server(settings, backend_factory("reference", small_params, slots=SLOTS)) as running:
         yield running
 
 
@@ -505,7 +505,7 @@ def test_full_queue_answers_429_at_once(small_params, engine_process):
     settings = ServerSettings(
         backend="reference", max_concurrent_requests=1, max_queue=1, engine_process=engine_process
     )
-    slow = functools.partial(slow_executor, executor_factory("reference", small_params, slots=1), 0.02)
+    slow = functools.partial(slow_backend, backend_factory("reference", small_params, slots=1), 0.02)
     with running_server(settings, slow) as running, running.client() as c:
         body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 100}}
         with (
@@ -533,7 +533,7 @@ def test_full_queue_answers_429_at_once(small_params, engine_process):
 def test_api_key_guards_generation_routes(small_params):
     settings = ServerSettings(backend="reference", max_concurrent_requests=1, api_key="s3cret")
     with (
-        running_server(settings, executor_factory("reference", small_params, slots=1)) as running,
+        running_server(settings, backend_factory("reference", small_params, slots=1)) as running,
         running.client() as c,
     ):
         body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}
@@ -611,7 +611,7 @@ def test_end_of_text_and_stop_tokens(small_params):
     rigged = always_end_of_text(small_params)
     settings = ServerSettings(backend="reference", max_concurrent_requests=1, model_id="rigged")
     with (
-        running_server(settings, executor_factory("reference", rigged, slots=1)) as running,
+        running_server(settings, backend_factory("reference", rigged, slots=1)) as running,
         running.client() as c,
     ):
         data = c.post(

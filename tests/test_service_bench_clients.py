@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from service_harness import executor_factory, running_server
+from service_harness import backend_factory, running_server
 
-from service.settings import ServerSettings
-from weights import tokenizer
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.settings import ServerSettings
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ metric_list:
 @pytest.fixture(scope="module")
 def server(small_params):
     settings = ServerSettings(backend="reference", model_id="tiny-gpt2", max_concurrent_requests=4)
-    with running_server(settings, executor_factory("reference", small_params, slots=4)) as running:
+    with running_server(settings, backend_factory("reference", small_params, slots=4)) as running:
         yield running
 
 

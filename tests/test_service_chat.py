@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from service_harness import executor_factory, running_server, sse_events
+from service_harness import backend_factory, running_server, sse_events
 
-from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplateError, load_chat_template
-from service.settings import ServerSettings
-from weights import tokenizer
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplateError, load_chat_template
+from wafer_gpt2.settings import ServerSettings
 
 MESSAGES = [
     {"role": "system", "content": "You answer briefly."},
@@ -32,7 +32,7 @@ def settings() -> ServerSettings:
 
 @pytest.fixture(scope="module")
 def server(small_params, settings):
-    with running_server(settings, executor_factory("reference", small_params, slots=4)) as running:
+    with running_server(settings, backend_factory("reference", small_params, slots=4)) as running:
         yield running
 
 
@@ -183,9 +183,9 @@ def test_unknown_keys_in_messages_are_named_like_unknown_fields(client):
 
 
 def test_the_template_sees_the_known_message_fields_only():
-    from service.chat_template import ChatTemplate
-    from service.openai_chat import render_chat
-    from service.schemas import ChatCompletionRequest
+    from wafer_gpt2.service.chat_template import ChatTemplate
+    from wafer_gpt2.service.openai_chat import render_chat
+    from wafer_gpt2.service.schemas import ChatCompletionRequest
 
     shown = ChatTemplate("{% for m in messages %}{{ m | tojson }}\n{% endfor %}")
     body = ChatCompletionRequest.model_validate(
@@ -241,7 +241,7 @@ def test_custom_template_from_the_command_line(small_params, settings, tmp_path)
 
     custom = dataclasses.replace(settings, chat_template=template.source)
     with (
-        running_server(custom, executor_factory("reference", small_params, slots=1)) as running,
+        running_server(custom, backend_factory("reference", small_params, slots=1)) as running,
         running.client() as c,
     ):
         body = {"messages": MESSAGES, "max_tokens": 5, "temperature": 0}
@@ -269,7 +269,7 @@ def test_custom_template_from_the_command_line(small_params, settings, tmp_path)
 
 
 def test_serve_refuses_a_bad_template_before_listening(tmp_path, capsys):
-    from service.cli import main
+    from wafer_gpt2.cli.main import main
 
     path = tmp_path / "broken.jinja"
     path.write_text("{% if %}")

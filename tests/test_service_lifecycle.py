@@ -14,18 +14,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from service_harness import SlowExecutor, executor_factory, running_server, sse_events, wait_until
+from service_harness import SlowBackend, backend_factory, running_server, sse_events, wait_until
 
-from service.cli import main
-from service.engine import EngineState
-from service.settings import ServerSettings
+from wafer_gpt2.cli.main import main
+from wafer_gpt2.engine.worker import EngineState
+from wafer_gpt2.settings import ServerSettings
 
 PROMPT = "Once upon a time"
 REPO = Path(__file__).resolve().parents[1]
 
 
 def slow_factory(params, delay_s: float, slots: int = 2, build_delays=(), first_build_gate=None):
-    """Executors whose steps take `delay_s`; the i-th build first sleeps build_delays[i] (if given); the
+    """Backends whose steps take `delay_s`; the i-th build first sleeps build_delays[i] (if given); the
     first waits for `first_build_gate` (a threading.Event) when one is given."""
     builds = []
 
@@ -35,7 +35,7 @@ def slow_factory(params, delay_s: float, slots: int = 2, build_delays=(), first_
         if len(builds) < len(build_delays):
             time.sleep(build_delays[len(builds)])
         builds.append(1)
-        return SlowExecutor(executor_factory("reference", params, slots=slots)(), delay_s)
+        return SlowBackend(backend_factory("reference", params, slots=slots)(), delay_s)
 
     build.builds = builds
     return build
@@ -105,7 +105,7 @@ def test_a_failed_step_fails_the_requests_in_flight_then_the_worker_recovers(sma
 def test_an_engine_that_cannot_reload_reports_itself_dead(small_params):
     settings = ServerSettings(backend="reference", max_concurrent_requests=1)
     with (
-        running_server(settings, executor_factory("reference", small_params, slots=1)) as running,
+        running_server(settings, backend_factory("reference", small_params, slots=1)) as running,
         running.client() as c,
     ):
         running.engine.inject_fault("wafer lost", steps=1, reloads=3)
@@ -238,7 +238,7 @@ def test_serve_command_serves_and_exits_cleanly_on_sigterm(small_params, write_c
     command = [
         sys.executable,
         "-m",
-        "service.cli",
+        "wafer_gpt2.cli.main",
         "serve",
         "--weights",
         str(checkpoint),
@@ -275,7 +275,9 @@ def test_serve_command_serves_and_exits_cleanly_on_sigterm(small_params, write_c
             process.kill()
             process.wait()
     entries = [json.loads(line) for line in err.splitlines() if line.strip()]  # every line is JSON
-    ready = [e for e in entries if e["logger"] == "service.engine" and "model ready" in e["message"]]
+    ready = [
+        e for e in entries if e["logger"] == "wafer_gpt2.engine.worker" and "model ready" in e["message"]
+    ]
     assert len(ready) == 1, err  # logged by the engine process, in the HTTP process's format
 
 

@@ -9,8 +9,8 @@ import sys
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service.logs import JsonFormatter, RequestIdFilter, RequestIdMiddleware, configure
-from service.request import GenerationRequest, RequestState
+from wafer_gpt2.engine.request import GenerationRequest, RequestState
+from wafer_gpt2.logs import JsonFormatter, RequestIdFilter, RequestIdMiddleware, configure
 
 log = logging.getLogger("test.service_logs")
 

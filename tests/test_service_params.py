@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from service_harness import always_end_of_text, executor_factory, running_server, sse_events
+from service_harness import always_end_of_text, backend_factory, running_server, sse_events
 
-from service.settings import ServerSettings
-from weights import tokenizer
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.settings import ServerSettings
 
 PROMPT = "The wafer holds every layer"
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -19,7 +19,7 @@ def server(small_params):
     settings = ServerSettings(
         backend="reference", model_id="tiny-gpt2", max_concurrent_requests=4, max_queue=8
     )
-    with running_server(settings, executor_factory("reference", small_params, slots=4)) as running:
+    with running_server(settings, backend_factory("reference", small_params, slots=4)) as running:
         yield running
 
 
@@ -27,7 +27,7 @@ def server(small_params):
 def eos_server(small_params):
     """A model that always predicts <|endoftext|>."""
     settings = ServerSettings(backend="reference", model_id="rigged", max_concurrent_requests=2)
-    factory = executor_factory("reference", always_end_of_text(small_params), slots=2)
+    factory = backend_factory("reference", always_end_of_text(small_params), slots=2)
     with running_server(settings, factory) as running:
         yield running
 

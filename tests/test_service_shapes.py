@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from service_harness import executor_factory, running_server, sse_events
+from service_harness import backend_factory, running_server, sse_events
 
-from service.settings import ServerSettings
-from weights import tokenizer
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.settings import ServerSettings
 
 PROMPT = "The wafer holds every layer"
 
@@ -16,7 +16,7 @@ def server(small_params):
     settings = ServerSettings(
         backend="reference", model_id="tiny-gpt2", max_concurrent_requests=4, api_key="key"
     )
-    with running_server(settings, executor_factory("reference", small_params, slots=4)) as running:
+    with running_server(settings, backend_factory("reference", small_params, slots=4)) as running:
         yield running
 
 

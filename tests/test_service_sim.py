@@ -5,10 +5,10 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
-from service_harness import executor_factory, reference_greedy, run_concurrently, running_server, sse_events
+from service_harness import backend_factory, reference_greedy, run_concurrently, running_server, sse_events
 
-from service.settings import ServerSettings
-from weights import tokenizer
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.settings import ServerSettings
 
 PROMPT = "Weights stay resident in SRAM"
 SLOTS = 4
@@ -17,7 +17,7 @@ SLOTS = 4
 @pytest.fixture(scope="module")
 def server(small_params):
     settings = ServerSettings(backend="sim", model_id="tiny-sim", dtype="fp32", max_concurrent_requests=SLOTS)
-    with running_server(settings, executor_factory("sim", small_params, slots=SLOTS)) as running:
+    with running_server(settings, backend_factory("sim", small_params, slots=SLOTS)) as running:
         yield running
 
 
@@ -129,7 +129,7 @@ def test_well_known_clients(server):
 
 def test_fp16_wafer_serves(small_params):
     settings = ServerSettings(backend="sim", dtype="fp16", max_concurrent_requests=2)
-    factory = executor_factory("sim", small_params, slots=2, dtype="fp16")
+    factory = backend_factory("sim", small_params, slots=2, dtype="fp16")
     with running_server(settings, factory) as running, running.client() as c:
         assert c.get("/info").json()["plan"]["dtype"] == "fp16"
         data = c.post(

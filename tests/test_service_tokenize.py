@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import pytest
-from service_harness import executor_factory, running_server
+from service_harness import backend_factory, running_server
 
-from service.chat_template import DEFAULT_CHAT_TEMPLATE
-from service.settings import ServerSettings
-from weights import tokenizer
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.service.chat_template import DEFAULT_CHAT_TEMPLATE
+from wafer_gpt2.settings import ServerSettings
 
 TEXT = "Héllo 🙂 world<|endoftext|>again"
 IDS = tokenizer.encode(TEXT, allow_special=True)
@@ -17,7 +17,7 @@ IDS = tokenizer.encode(TEXT, allow_special=True)
 @pytest.fixture(scope="module")
 def server(small_params):
     settings = ServerSettings(backend="reference", model_id="tiny-gpt2", max_concurrent_requests=2)
-    with running_server(settings, executor_factory("reference", small_params, slots=2)) as running:
+    with running_server(settings, backend_factory("reference", small_params, slots=2)) as running:
         yield running
 
 

@@ -8,15 +8,15 @@ import re
 
 import pytest
 
-from service.detokenizer import IncrementalDetokenizer
-from service.errors import Overloaded, RequestValidationFailed
-from service.kv_slots import KVSlotManager, SlotError
-from service.metrics import ServiceMetrics
-from service.request import GenerationRequest, RequestState
-from service.sampling import Sampler, SamplingParams
-from service.scheduler import Scheduler
-from service.validation import CHAT_FIELDS, OPENAI_FIELDS, TGI_FIELDS, Limits, check_request
-from weights import tokenizer
+from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
+from wafer_gpt2.engine.failures import Overloaded, RequestValidationFailed
+from wafer_gpt2.engine.kv_slots import KVSlotManager, SlotError
+from wafer_gpt2.engine.metrics import ServiceMetrics
+from wafer_gpt2.engine.request import GenerationRequest, RequestState
+from wafer_gpt2.engine.sampling import Sampler, SamplingParams
+from wafer_gpt2.engine.scheduler import Scheduler
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.service.validation import CHAT_FIELDS, OPENAI_FIELDS, TGI_FIELDS, Limits, check_request
 
 # ----- detokenizer ---------------------------------------------------------------------------------
 
@@ -261,8 +261,9 @@ def test_logprobs_are_bounded_by_the_wafers_candidates(names, changes, field):
 
 
 def test_serve_takes_max_logprobs():
-    from service.cli import UserError, build_parser
-    from service.commands.serve import settings_from_args
+    from wafer_gpt2.cli.main import build_parser
+    from wafer_gpt2.cli.serve_command import settings_from_args
+    from wafer_gpt2.errors import UserError
 
     parser = build_parser()
     assert settings_from_args(parser.parse_args(["serve"]), "m").max_logprobs == 20  # vLLM's default
@@ -301,7 +302,7 @@ def test_openai_routes_refuse_requests_over_the_context_in_vllms_words():
 def test_figures_folded_in_bulk_render_as_one_by_one():
     """Arrivals, successes and steps reach prometheus-client in bulk (at FOLD_EVERY and at every
     render): what renders equals recording each figure alone, also while a fold is pending."""
-    from service.metrics import FOLD_EVERY
+    from wafer_gpt2.engine.metrics import FOLD_EVERY
 
     def record_alone(metrics: ServiceMetrics, i: int) -> None:
         metrics.tgi_request_count.inc()

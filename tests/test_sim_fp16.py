@@ -1,6 +1,6 @@
 """fp16 mode against fp32 mode on the embedded demo model: the error stays inside a measured bound.
 
-Measured with bench/fp16_error.py over 20 prompts (372 positions): max |logit diff| 0.0029, max
+Measured with tools/bench/fp16_error.py over 20 prompts (372 positions): max |logit diff| 0.0029, max
 |log-sum-exp diff| 0.0013, top-1 agreement 100%, 20/20 identical 16-token greedy continuations.
 The bound here is 0.01, about 3.5x the worst measured difference.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wafer.backends import ExecutorOptions, build_executor
-from wafer.executor import StepItem
-from weights import tokenizer
-from weights.checkpoint import DEMO_MODEL_DIR, load_checkpoint
+from wafer_gpt2.backends.registry import BackendOptions, build_backend
+from wafer_gpt2.core.steps import StepItem
+from wafer_gpt2.model import tokenizer
+from wafer_gpt2.model.checkpoint import DEMO_MODEL_DIR, load_checkpoint
 
 BOUND = 0.01
 PROMPTS = ["The meaning of life is", "Never trust a man who", "Programming is", "Once upon a time"]
@@ -29,7 +29,7 @@ def demo_params():
 def test_fp16_stays_within_the_bound_of_fp32(demo_params):
     context = 48
     runs = {
-        dtype: build_executor("sim", demo_params, ExecutorOptions(slots=1, context=context, dtype=dtype))
+        dtype: build_backend("sim", demo_params, BackendOptions(slots=1, context=context, dtype=dtype))
         for dtype in ("fp32", "fp16")
     }
     try:
@@ -38,9 +38,9 @@ def test_fp16_stays_within_the_bound_of_fp32(demo_params):
             tokens = tokenizer.encode(prompt)
             tokens = (tokens * 8)[:24]  # a longer sequence, to exercise the KV cache in fp16
             scores = {}
-            for dtype, executor in runs.items():
-                executor.reset()
-                scores[dtype] = executor.step([StepItem(0, i, t) for i, t in enumerate(tokens)])
+            for dtype, backend in runs.items():
+                backend.reset()
+                scores[dtype] = backend.step([StepItem(0, i, t) for i, t in enumerate(tokens)])
             for a, b in zip(scores["fp32"], scores["fp16"], strict=True):
                 _, ia, ib = np.intersect1d(a.topk_ids, b.topk_ids, return_indices=True)
                 worst = max(worst, float(np.abs(a.topk_logits[ia] - b.topk_logits[ib]).max()))
@@ -49,5 +49,5 @@ def test_fp16_stays_within_the_bound_of_fp32(demo_params):
                     assert a.topk_ids[0] == b.topk_ids[0]
         assert 0 < worst < BOUND  # fp16 is not fp32 (the rounding is really there), but it is close
     finally:
-        for executor in runs.values():
-            executor.close()
+        for backend in runs.values():
+            backend.close()

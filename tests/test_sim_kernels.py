@@ -7,11 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from wafer import memory_layout
-from wafer.plan import Symbol, build_plan
-from wafer.sim import SimRuntime, kernels
-from wafer.sim.memory import PlanMemoryError
-from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling
+from wafer_gpt2.core import memory_layout
+from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling
+from wafer_gpt2.plan import Symbol, build_plan
+from wafer_gpt2.sim import SimRuntime, kernels
+from wafer_gpt2.sim.memory import PlanMemoryError
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8, 13, 48])
@@ -164,10 +164,10 @@ def test_the_cycle_counter_counts_against_the_pe_budget(small_config):
 
 
 def test_clear_slot_zeroes_only_that_slot(small_params):
-    from wafer.backends import ExecutorOptions, build_executor
-    from wafer.executor import StepItem
+    from wafer_gpt2.backends.registry import BackendOptions, build_backend
+    from wafer_gpt2.core.steps import StepItem
 
-    sim = build_executor("sim", small_params, ExecutorOptions(slots=2, dtype="fp32", context=16))
+    sim = build_backend("sim", small_params, BackendOptions(slots=2, dtype="fp32", context=16))
     try:
         sim.step([StepItem(0, i, 10 + i) for i in range(3)] + [StepItem(1, i, 20 + i) for i in range(3)])
         attn = next(m for m in sim.runtime.memory.regions if m.region.name == "L0.attn")
@@ -197,7 +197,7 @@ def test_column_blocks_cover_every_column_once_in_even_shares(n, widest, threads
 
 
 def test_slot_parts_keep_slots_whole_ordered_and_balanced():
-    from wafer.sim.program import slot_parts
+    from wafer_gpt2.sim.wafer_program import slot_parts
 
     # slot 3 has 16 items (a prefill run), slots 0, 1, 2, 5 one each, slot 4 has 8
     slots = np.array([0] + [3] * 16 + [1, 2] + [4] * 8 + [5])
@@ -233,7 +233,7 @@ def test_kv_logical_reads_back_what_write_kv_stored(small_config, symbol):
     untouched = np.ones(logical.shape[:3], dtype=bool)
     untouched[slots, :, positions] = False
     assert not logical[untouched].any()
-    # the PE's own order (kernels/pe/attention.csl): K^T per head, V row by row
+    # the PE's own order (wafer_gpt2/kernels/pe/attention.csl): K^T per head, V row by row
     hpp, ppp, dim = t.heads_per_pe, t.positions_per_pe, t.head_dim
     owner, j = divmod(int(positions[0]), ppp)
     held = memory[pe_y[0, owner], pe_x[0, owner]].astype(np.float32)

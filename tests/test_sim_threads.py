@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from wafer.backends import ExecutorOptions, build_executor
-from wafer.executor import StepItem
-from wafer.sim import kernels, parallel, program
+from wafer_gpt2.backends.registry import BackendOptions, build_backend
+from wafer_gpt2.core.steps import StepItem
+from wafer_gpt2.sim import kernels, parallel, wafer_program
 
 
 def run_steps(params, steps: list[list[StepItem]]) -> list:
-    sim = build_executor("sim", params, ExecutorOptions(slots=8, dtype="fp16", context=64))
+    sim = build_backend("sim", params, BackendOptions(slots=8, dtype="fp16", context=64))
     try:
         return [sim.step(items) for items in steps]
     finally:
@@ -37,7 +37,7 @@ def test_the_pool_changes_no_result(small_params, monkeypatch):
     serial = run_steps(small_params, steps)
 
     monkeypatch.setattr(parallel, "SIM_THREADS", 2)
-    monkeypatch.setattr(program, "LAYER_SPLIT_ITEMS", 40)  # the prefill splits by slot
+    monkeypatch.setattr(wafer_program, "LAYER_SPLIT_ITEMS", 40)  # the prefill splits by slot
     monkeypatch.setattr(kernels, "GEMV_PARALLEL_MACS", 0)  # every other GEMV splits by columns
     pooled = run_steps(small_params, steps)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wafer.backends import ExecutorOptions, build_executor
-from wafer.executor import StepItem, TokenScores
-from wafer.reference_executor import ReferenceExecutor
+from wafer_gpt2.backends.reference import ReferenceBackend
+from wafer_gpt2.backends.registry import BackendOptions, build_backend
+from wafer_gpt2.core.steps import StepItem, TokenScores
 
 TOL = 1e-4
 
@@ -48,27 +48,27 @@ def check_prefill_then_decode(
         token = int(want.topk_ids[0])
 
 
-def greedy(executor, prompt: list[int], new_tokens: int, slot: int = 0) -> list[int]:
+def greedy(backend, prompt: list[int], new_tokens: int, slot: int = 0) -> list[int]:
     items = [StepItem(slot, i, t, want_scores=i == len(prompt) - 1) for i, t in enumerate(prompt)]
-    scores = executor.step(items)[-1]
+    scores = backend.step(items)[-1]
     out = []
     for step in range(new_tokens):
         out.append(int(scores.topk_ids[0]))
         if step + 1 < new_tokens:
-            (scores,) = executor.step([StepItem(slot, len(prompt) + step, out[-1])])
+            (scores,) = backend.step([StepItem(slot, len(prompt) + step, out[-1])])
     return out
 
 
 @pytest.fixture(scope="module")
 def small_sim(small_params):
-    sim = build_executor("sim", small_params, ExecutorOptions(slots=8, dtype="fp32"))
+    sim = build_backend("sim", small_params, BackendOptions(slots=8, dtype="fp32"))
     yield sim
     sim.close()
 
 
 def test_small_fp32_prefill_then_decode(small_sim, small_params):
     small_sim.reset()
-    ref = ReferenceExecutor(small_params, slots=8)
+    ref = ReferenceBackend(small_params, slots=8)
     prompt = [464, 3290, 318, 257, 1332, 13, 198]
     prefill = [StepItem(0, i, t, target=(t * 7) % 50257) for i, t in enumerate(prompt)]
     check_prefill_then_decode(small_sim, ref, prefill, first_token=11, decode_steps=10, target=50256)
@@ -78,7 +78,7 @@ def test_small_fp32_greedy_64_tokens(small_sim, small_params):
     small_sim.reset()
     prompt = [50256, 40, 1101, 257]
     assert greedy(small_sim, prompt, 64, slot=3) == greedy(
-        ReferenceExecutor(small_params, slots=8), prompt, 64
+        ReferenceBackend(small_params, slots=8), prompt, 64
     )
 
 
@@ -91,7 +91,7 @@ def test_mixed_batches_keep_slots_apart(small_sim, small_params):
         slot: rng.integers(0, 50257, int(length)).tolist()
         for slot, length in enumerate(rng.integers(1, 12, 8))
     }
-    solo = {slot: ReferenceExecutor(small_params, slots=1) for slot in prompts}
+    solo = {slot: ReferenceBackend(small_params, slots=1) for slot in prompts}
     fed = dict.fromkeys(prompts, 0)  # positions each slot has been given
     next_token: dict[int, int] = {}
 
@@ -128,7 +128,7 @@ def test_mixed_batches_keep_slots_apart(small_sim, small_params):
         if round_index in (2, 4):  # free two slots and give them new prompts
             for slot in (1, 5):
                 small_sim.free_slot(slot)
-                solo[slot] = ReferenceExecutor(small_params, slots=1)
+                solo[slot] = ReferenceBackend(small_params, slots=1)
                 prompts[slot] = rng.integers(0, 50257, int(rng.integers(1, 9))).tolist()
                 fed[slot] = 0
 
@@ -137,19 +137,19 @@ def test_items_without_scores_and_gaps(small_sim):
     small_sim.reset()
     out = small_sim.step([StepItem(2, 0, 5, want_scores=False), StepItem(2, 1, 6)])
     assert out[0] is None and out[1] is not None and out[1].topk_ids.shape == (64,)
-    from wafer.executor import ExecutorError
+    from wafer_gpt2.core.steps import BackendError
 
-    with pytest.raises(ExecutorError, match="leaves a gap"):
+    with pytest.raises(BackendError, match="leaves a gap"):
         small_sim.step([StepItem(2, 5, 1)])
-    with pytest.raises(ExecutorError, match="slot 8 outside"):
+    with pytest.raises(BackendError, match="slot 8 outside"):
         small_sim.step([StepItem(8, 0, 1)])
 
 
 def test_replicas_serve_their_own_slots(small_params):
-    sim = build_executor("sim", small_params, ExecutorOptions(slots=4, dtype="fp32", replicas=2, context=32))
+    sim = build_backend("sim", small_params, BackendOptions(slots=4, dtype="fp32", replicas=2, context=32))
     try:
         assert sim.plan.replicas == 2 and sim.num_slots == 4
-        ref = ReferenceExecutor(small_params, slots=4, context=32)
+        ref = ReferenceBackend(small_params, slots=4, context=32)
         items = [StepItem(slot, i, 100 + 17 * slot + i) for slot in (0, 3, 2) for i in range(3)]
         for got, want in run_both(sim, ref, items):
             assert_scores_match(got, want)
@@ -162,8 +162,8 @@ def test_replicas_serve_their_own_slots(small_params):
 def test_fp16_error_is_bounded(small_params):
     """fp16 weights, fp16 GEMV inputs and an fp16 KV cache, fp32 accumulation: logits stay within a few
     1e-3 of fp32 on this model (docs/simulator.md has the measured figures for the demo model)."""
-    fp16 = build_executor("sim", small_params, ExecutorOptions(slots=1, dtype="fp16", context=48))
-    ref = ReferenceExecutor(small_params, slots=1, context=48)
+    fp16 = build_backend("sim", small_params, BackendOptions(slots=1, dtype="fp16", context=48))
+    ref = ReferenceBackend(small_params, slots=1, context=48)
     try:
         prompt = [464, 3290, 318, 257, 1332, 13, 198, 40]
         got, want = (
@@ -180,14 +180,14 @@ def test_fp16_error_is_bounded(small_params):
 
 @pytest.fixture(scope="module")
 def gpt2_sim(gpt2_params):
-    sim = build_executor("sim", gpt2_params, ExecutorOptions(slots=2, dtype="fp32", context=128))
+    sim = build_backend("sim", gpt2_params, BackendOptions(slots=2, dtype="fp32", context=128))
     yield sim
     sim.close()
 
 
 def test_gpt2_124m_fp32_prefill_then_decode(gpt2_sim, gpt2_params):
     gpt2_sim.reset()
-    ref = ReferenceExecutor(gpt2_params, slots=2, context=128)
+    ref = ReferenceBackend(gpt2_params, slots=2, context=128)
     prompt = [464, 3290, 318, 257, 1332, 286, 262, 7209, 13]
     prefill = [StepItem(1, i, t) for i, t in enumerate(prompt)]
     check_prefill_then_decode(gpt2_sim, ref, prefill, first_token=262, decode_steps=4, target=13)
@@ -197,5 +197,5 @@ def test_gpt2_124m_fp32_greedy_64_tokens(gpt2_sim, gpt2_params):
     gpt2_sim.reset()
     prompt = [50256, 464, 3290]
     assert greedy(gpt2_sim, prompt, 64) == greedy(
-        ReferenceExecutor(gpt2_params, slots=1, context=128), prompt, 64
+        ReferenceBackend(gpt2_params, slots=1, context=128), prompt, 64
     )

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from weights import tokenizer
+from wafer_gpt2.model import tokenizer
 
 
 def test_known_ids():

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from weights import hf_tokenizer, tokenizer
-from weights.checkpoint import DEMO_MODEL_DIR
-from weights.hf_format import save_hf
+from wafer_gpt2.model import hf_tokenizer, tokenizer
+from wafer_gpt2.model.checkpoint import DEMO_MODEL_DIR
+from wafer_gpt2.model.hf_format import save_hf
 
 TEXTS = [
     "Hello world",

@@ -1,8 +1,8 @@
-"""kernels/lib/topk.csl and lib/topk_merge.csl on the CSL executor (tests/data/topk/: three PEs in a
+"""wafer_gpt2/kernels/lib/topk.csl and lib/topk_merge.csl on the CSL executor (tests/data/topk/: three PEs in a
 row): each column's record by the histogram and its counting sort, or by the heap where a logit is
 infinite, and the streamed merge along the three (the second PE merging the first's record with its own
 on the way to the third, which merges that with its own into memory), against
-NumPy's exact top-k (wafer.sim.kernels.top_k: best first, ties to the lower id). The cases are the ones
+NumPy's exact top-k (wafer_gpt2.sim.kernels.top_k: best first, ties to the lower id). The cases are the ones
 a histogram or a merge can get wrong: every logit in one bin, ties across the cut and between columns,
 fewer logits than k, a range too narrow to divide, sorted input. Running on the executor is not
 compiling with Cerebras cslc."""
@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wafer.csl.layout import Options, compile_layout
-from wafer.csl.sdk import MemcpyDataType, MemcpyOrder, SdkRuntime
-from wafer.sim.kernels import top_k
+from csl_executor.layout import Options, compile_layout
+from csl_executor.sdk import MemcpyDataType, MemcpyOrder, SdkRuntime
+from wafer_gpt2.sim.kernels import top_k
 
 LAYOUT = Path(__file__).resolve().parent / "data" / "topk" / "layout.csl"
 N, K = 40, 8  # logits per column, entries per record

@@ -1,0 +1,34 @@
+"""The executor's cycle model: every cycle count it reports is built from these constants.
+
+They are the same public figures the planner's cost model (`wafer_gpt2.core.cost`) starts from
+(the Cerebras SDK documentation and Cerebras' published hardware figures), so that executor cycles and modeled cycles can be compared
+region by region; where no public figure exists the value is an assumption, said so.
+Queue depths are the SDK's (`csl_executor.arch`). The executor models the timing of a program's
+structure (hops, queues, back-pressure, task order), not the micro-architecture: see
+csl_executor/README.md, "What it does not model".
+"""
+
+from __future__ import annotations
+
+HOP = 1  # router to router, per wavelet (csl-notes: "router to router 1 cycle")
+ROUTER_TO_CE = 7  # a wavelet stopping at a PE (csl-notes: "router to processor about 7 cycles")
+CE_TO_ROUTER = 1  # output queue to router (assumption: one cycle, symmetric to a hop)
+TASK_START = 20  # picking a task and entering it (assumption, as wafer_gpt2.core.cost.TASK_ACTIVATION_CYCLES)
+STATEMENT = 1  # one scalar statement of a task (assumption: the executor counts statements, not instructions)
+DSD_SETUP = 2  # starting a DSD operation (assumption)
+ELEMENTS_PER_CYCLE = {  # steps of a DSD operation per cycle, memory operands only (csl-semantics §3)
+    ("wse2", 32): 1,
+    ("wse2", 16): 4,
+    ("wse3", 32): 1,
+    ("wse3", 16): 8,
+}
+FABRIC_ELEMENTS_PER_CYCLE = 1  # an operation with a fabric operand moves one wavelet per cycle
+ROUTER_DEPTH = 2  # wavelets a router buffers per color (assumption: router buffering is undocumented)
+MEMCPY_PATH_DEPTH = 2  # wavelets buffered between memcpy and a PE, each way (assumption, see the doc:
+# pipeline-01 notes that a pass-through stalls past 14 wavelets; 2 + 4 + 6 + 2 = 14 on WSE-2)
+DEFAULT_CE_INPUT_DEPTH = 4  # a color reaching a CE with no queue named for it (assumption)
+# A memcpy command reaching the PEs (assumption: the SDK hides memcpy's timing). It must exceed what a
+# program does between a streaming H2D taking its last wavelet and a copy-mode D2H that reads the
+# result: topic-14 streams 5 wavelets through 4 PEs and then copies their sums out.
+COMMAND_LATENCY = 1000
+COPY_WORDS_PER_CYCLE = 1  # copy-mode memcpy, per PE (assumption)

@@ -1,0 +1,129 @@
+"""The engine core's instructions per generated token, counted by valgrind (issue 18).
+
+This machine's speed swings about 2x within a minute, so CPU times of alternated runs cannot resolve a
+change of a few percent in the host's per-token work. Instruction counts can: the same run gives the
+same count within about half a percent. `EngineCore` is stepped over the null backend (no model),
+`--requests` requests of a 10-token prompt and `--new-tokens` tokens each per round, and valgrind's
+cachegrind (no cache simulation) counts the instructions of `--rounds` + 1 rounds less those of one
+round, so imports and the tokenizer's load cancel out. Counts are fixed by a hash seed, address-space
+randomisation off (`setarch -R`) and numpy's thread pools at one thread (their idle threads moved the
+count by 3-5%).
+
+    python tools/bench/core_instructions.py [--tree PATH ...] [--requests 64] [--new-tokens 32] [--stream]
+
+`--tree` (repeatable) counts another checkout of the repository too (e.g. a `git worktree` of the
+commit before a change), alternately with this one. Needs valgrind and setarch (Debian: valgrind,
+util-linux). The figures are this machine's instruction counts, measured, not time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = tuple(range(100, 110))
+FIXED_ENV = {
+    "PYTHONHASHSEED": "0",
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+def workload(rounds: int, requests: int, new_tokens: int, stream: bool) -> int:
+    """Step the engine core over the null backend; the tokens it generated."""
+    from wafer_gpt2.backends.stand_ins import NullBackend
+    from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
+    from wafer_gpt2.engine.request import GenerationRequest
+
+    backend = NullBackend(50257, slots=requests, context=len(PROMPT) + new_tokens, top_k=64)
+    core = EngineCore(backend, gpt2_tokenizer_hooks(), max_queue=requests, step_token_budget=512)
+    loop = asyncio.new_event_loop()  # events go to its queue, as under the server; never run
+    generated = 0
+    try:
+        for _ in range(rounds):
+            states = [
+                core.add(core.new_request(GenerationRequest(PROMPT, new_tokens), loop=loop, stream=stream))
+                for _ in range(requests)
+            ]
+            while core.has_work():
+                core.step()
+            generated += sum(len(state.tokens) for state in states)
+            loop._ready.clear()  # type: ignore[attr-defined]  # the undelivered event hand-overs
+    finally:
+        loop.close()
+    return generated
+
+
+def parse_instructions(valgrind_output: str) -> int:
+    """The `I refs` total of a cachegrind run."""
+    match = re.search(r"I\s+refs:\s+([\d,]+)", valgrind_output)
+    if match is None:
+        raise RuntimeError(f"no instruction count in valgrind's output:\n{valgrind_output[-2000:]}")
+    return int(match[1].replace(",", ""))
+
+
+def count(tree: Path, rounds: int, args: argparse.Namespace) -> int:
+    """Instructions of one process running `rounds` rounds of the workload from `tree`."""
+    command = [
+        "setarch", "-R", "valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+        sys.executable, str(Path(__file__).resolve()), "--run", str(rounds),
+        "--requests", str(args.requests), "--new-tokens", str(args.new_tokens),
+    ]  # fmt: skip
+    if args.stream:
+        command.append("--stream")
+    env = {**os.environ, **FIXED_ENV, "PYTHONPATH": str(tree)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"valgrind run failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return parse_instructions(done.stderr)
+
+
+def per_token(tree: Path, args: argparse.Namespace) -> float:
+    tokens = args.rounds * args.requests * args.new_tokens
+    return (count(tree, args.rounds + 1, args) - count(tree, 1, args)) / tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tree", action="append", default=[], help="another checkout to count too")
+    parser.add_argument("--requests", type=int, default=64, help="requests per round (one step each)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds counted (beyond the first)")
+    parser.add_argument("--repeats", type=int, default=1, help="counts per tree, alternated")
+    parser.add_argument("--stream", action="store_true", help="streamed requests (token events)")
+    parser.add_argument("--run", type=int, default=0, help=argparse.SUPPRESS)  # the counted process
+    args = parser.parse_args(argv)
+    if min(args.requests, args.new_tokens, args.rounds, args.repeats) < 1:
+        parser.error("--requests, --new-tokens, --rounds and --repeats must be at least 1")
+    if args.run:
+        sys.path.insert(0, os.environ.get("PYTHONPATH", str(ROOT)).split(os.pathsep)[0])
+        workload(args.run, args.requests, args.new_tokens, args.stream)
+        return 0
+    missing = [tool for tool in ("valgrind", "setarch") if shutil.which(tool) is None]
+    if missing:
+        print(
+            f"core_instructions: {' and '.join(missing)} not found (Debian: valgrind, util-linux)",
+            file=sys.stderr,
+        )
+        return 2
+    trees = [ROOT, *(Path(tree).resolve() for tree in args.tree)]
+    kind = "streamed" if args.stream else "non-streamed"
+    print(
+        f"engine core over the null backend: {args.requests} {kind} requests x {args.new_tokens} new tokens per round"
+    )
+    for _ in range(args.repeats):
+        for tree in trees:
+            print(f"  {tree}: {per_token(tree, args):,.0f} instructions per generated token (valgrind)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The GPT-2 CSL program's cycles per region on the CSL executor, beside the cost model's prediction for
+the same plan (docs/kernels.md, "Cycles: executor vs cost model").
+
+Both figures are modeled: the executor's come from its per-event costs (csl_executor/timing.py) running
+the real CSL, the cost model's from wafer_gpt2/core/cost.py's formulas. Per region the executor figure is the
+longest busy span of any of its PEs for one decode item: from the moment its input is in memory
+(residual adds: the GEMV output's arrival) to the moment its output has left (wafer_gpt2/kernels/lib/timing.csl);
+the model's is the stage without its input phase, which the executor span leaves out.
+
+    python tools/bench/csl_cycles.py [--arch wse2] [--vocab 50257] [--objective compact] [--position 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan  # noqa: E402
+from wafer_gpt2.core.cost import attention_cost  # noqa: E402
+from wafer_gpt2.core.runtime import from_wire  # noqa: E402
+from wafer_gpt2.core.steps import StepItem  # noqa: E402
+from wafer_gpt2.host.program import CYCLES_SYMBOL, WaferGPT2  # noqa: E402
+from wafer_gpt2.model.config import GPT2Config  # noqa: E402
+from wafer_gpt2.model.params import GPT2Params  # noqa: E402
+from wafer_gpt2.plan import build_plan  # noqa: E402
+
+INPUT_PHASES = ("input", "input multicast", "q multicast", "hand-off")
+
+
+def region_spans(model: WaferGPT2, replica: int = 0) -> dict[str, int]:
+    """Per region, the largest `cycles[0]` (the last item's busy span) over its PEs."""
+    runtime = model.runtime
+    symbol = runtime.get_id(CYCLES_SYMBOL)
+    spans = {}
+    for region in model.plan.regions:
+        if region.replica != replica:
+            continue
+        words = np.zeros(region.w * region.h * 4, dtype=np.uint32)
+        runtime.memcpy_d2h(words, symbol, region.x, region.y, region.w, region.h, 4, streaming=False)
+        spans[region.name] = int(from_wire(words, np.uint32).reshape(-1, 4)[:, 0].max())
+    return spans
+
+
+def modeled(plan, position: int) -> dict[str, int]:
+    out = {}
+    for stage in plan.stage_costs:
+        phases = dict(stage.phases)
+        region = next((r for r in plan.regions if r.name == stage.name), None)
+        if region is not None and region.kind == "attention":
+            phases = dict(attention_cost(region.tiling, plan.arch, plan.dtype, position + 1).phases)
+        out[stage.name] = sum(v for k, v in phases.items() if k not in INPUT_PHASES)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="wse2", choices=["wse2", "wse3"])
+    p.add_argument("--dtype", default="fp32", choices=["fp16", "fp32"])
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--objective", default="compact")
+    p.add_argument("--position", type=int, default=32, help="the decode item's position (its context)")
+    p.add_argument("--json", help="write the table here")
+    args = p.parse_args()
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=args.vocab, n_positions=64, name="tiny")
+    plan = build_plan(config, arch=args.arch, dtype=args.dtype, slots=2, context=64, objective=args.objective)
+    params = GPT2Params.random(config, seed=3)
+    model = WaferGPT2(plan, CslExecutorRuntime(compile_plan(plan)), params)
+    try:
+        rng = np.random.default_rng(0)
+        prompt = [StepItem(0, i, int(rng.integers(args.vocab))) for i in range(args.position)]
+        if prompt:
+            model.step(prompt)
+        model.step([StepItem(0, args.position, 1, want_scores=True)])
+        spans = region_spans(model)
+    finally:
+        model.close()
+    model_cycles = modeled(plan, args.position)
+    rows = []
+    print(
+        f"{plan.config.name}: {args.arch} {args.dtype} {args.objective}, vocab {args.vocab}, decode at position "
+        f"{args.position} (modeled cycles, both columns)"
+    )
+    print(f"{'region':<14}{'executor':>10}{'cost model':>12}{'ratio':>8}")
+    for name, span in spans.items():
+        if name not in model_cycles:
+            continue
+        ratio = span / model_cycles[name] if model_cycles[name] else float("inf")
+        rows.append(
+            {"region": name, "executor": span, "cost_model": model_cycles[name], "ratio": round(ratio, 2)}
+        )
+        print(f"{name:<14}{span:>10,}{model_cycles[name]:>12,}{ratio:>8.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,0 @@
-"""The executor's stand-ins for the Cerebras SDK's host modules (see wafer/csl/sdk.py).
-
-`wafer-gpt2 cs_python` puts the folder above this package first on `sys.path`, so that a csl-examples
-`run.py` imports them under the SDK's own names. Nothing else imports them."""

@@ -1,5 +1,0 @@
-"""`cerebras.sdk.debug.debug_util` on the project's CSL executor: traces recorded by `<debug>`."""
-
-from wafer.csl.hostutil import debug_util
-
-__all__ = ["debug_util"]

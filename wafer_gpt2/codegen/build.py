@@ -1,0 +1,692 @@
+"""A plan -> the CSL program: which PE program every PE runs, with which params, and every flow.
+
+One replica, in the order a token meets it (wafer_gpt2/sim/wafer_program.py walks the same way):
+
+    io.in --request--> embed + head        the token's wte row chained down each head K-line
+    head columns --emb chain--> embed      and through the embed rows, which add wpe
+    embed --> L0.qkv (and L0.ln_1) --per head group--> L0.attn --> L0.attn_proj --> L0.res_1
+              L0.ln_1 --x (residual)------------------------------------------------> L0.res_1
+    L0.res_1 --> L0.fc --> L0.proj --> L0.res_2;  L0.res_1 --x--> L0.res_2
+    L(n-1).res_2 --> ln_f --> head K-lines; head roots --merge chain--> io.out
+
+qkv and fc have their LayerNorms folded in (wafer_gpt2/core/tiling.py GemvTiling.norm_fold): the stream
+enters their K-lines through the routers of the ln_1 and ln_2 strips. ln_1's PEs take their chunks
+from the same multicast, only to forward x to res_1; ln_2's PEs idle. Only ln_f normalises (a plan
+whose layers normalise in their strips is refused, `check_layer_norms_folded`: the simulator and the
+host fold them too).
+
+Every hand-off between two regions is `connect`ed: as lanes (source PE i feeds destination line i,
+when the slices match and the lanes' routes do not cross), else as a gather line over the sources
+whose stream is multicast to every destination PE, each keeping its window. Inside a region, partial
+sums travel along chains (comm/chain.csl). Flows are colored afterwards (routes.assign_colors) and
+each region's task IDs are picked clear of the colors that reach its PEs (WSE-2 shares one ID space).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import compress
+from typing import TYPE_CHECKING, Any
+
+from wafer_gpt2.codegen.frames import Frame, frame_of
+from wafer_gpt2.codegen.routes import Flow, Pos, assign_colors, make_flow
+from wafer_gpt2.core.cost import MERGE_BLOCK, TOPK_BINS, embed_reduction
+from wafer_gpt2.core.tiling import ceil_div, meeting_index, reduction_runs
+from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, record_words
+from wafer_gpt2.errors import ProgramError
+from wafer_gpt2.plan.checks import check_layer_norms_folded
+
+if TYPE_CHECKING:
+    from wafer_gpt2.plan.structure import Plan
+
+# comm/chain.csl and comm/gather.csl roles
+FIRST, MIDDLE, LAST, ALONE, NONE = 0, 1, 2, 3, 4
+# comm/allreduce.csl join roles
+JOIN_NONE, JOIN_SEND, JOIN_ROOT = 0, 1, 2
+
+# Routable colors (0-23 less the three memcpy keeps, 21-23) less the two memcpy streaming colors.
+MEMCPY_COLORS = (H2D_COLOR, D2H_COLOR)
+PALETTE = [c for c in range(21) if c not in MEMCPY_COLORS]
+# Local task IDs a PE program may bind: WSE-2 shares 0-30 with the colors and memcpy keeps 27-31;
+# WSE-3 has local IDs 8-30 (0-7 are its input queues' data tasks), memcpy keeps 27-31 there too.
+TASK_POOL = {"wse2": list(range(26, -1, -1)), "wse3": list(range(26, 7, -1))}
+
+PE_FILES = {
+    "io.in": "pe/io_in.csl",
+    "io.out": "pe/io_out.csl",
+    "embed": "pe/embed.csl",
+    "embed_head": "pe/head.csl",
+    "layernorm": "pe/layernorm.csl",
+    "residual": "pe/residual.csl",
+    "gemv": "pe/gemv.csl",
+    "attention": "pe/attention.csl",
+    "idle": "pe/idle.csl",
+}
+TASKS = {
+    "pe/io_in.csl": 4,
+    "pe/io_out.csl": 2,
+    "pe/embed.csl": 6,
+    "pe/head.csl": 11,
+    "pe/layernorm.csl": 10,
+    "pe/residual.csl": 10,
+    "pe/gemv.csl": 8,
+    "pe/attention.csl": 5,
+    "pe/idle.csl": 0,
+}
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A param written as this CSL expression (e.g. a layout param's color)."""
+
+    csl: str
+
+
+H2D = Raw("@get_color(MEMCPYH2D_DATA_1_ID)")
+D2H = Raw("@get_color(MEMCPYD2H_DATA_1_ID)")
+
+
+@dataclass
+class Tile:
+    """One PE's program: its file and params. A param that is a Flow means that flow's color; the
+    `tasks` param is filled in per region once the colors are known."""
+
+    file: str
+    region: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Program:
+    plan: Plan
+    width: int
+    height: int
+    tiles: dict[Pos, Tile]
+    flows: list[Flow]
+    frames: dict[str, Frame]
+
+    def color_configs(self) -> dict[Pos, list[tuple[int, str, frozenset[str]]]]:
+        out: dict[Pos, list[tuple[int, str, frozenset[str]]]] = {}
+        for flow in self.flows:
+            for pos, (rx, tx) in flow.routes.items():
+                out.setdefault(pos, []).append((flow.color, rx, tx))
+        return out
+
+
+@dataclass
+class _Connection:
+    """Params for both ends of a hand-off."""
+
+    out: dict[Pos, dict[str, Any]]
+    into: dict[Pos, dict[str, Any]]
+
+
+class _Builder:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.flows: list[Flow] = []
+        self.params: dict[Pos, dict[str, Any]] = {}
+        self.frames: dict[str, Frame] = {}
+        self.fp16 = plan.dtype == "fp16"
+
+    # -- flows ---------------------------------------------------------------------------------------
+    def flow(self, name: str, src: Pos, dsts: list[Pos]) -> Flow:
+        f = make_flow(name, src, dsts)
+        self.flows.append(f)
+        return f
+
+    def chain(self, name: str, members: list[Pos], prefix: str) -> None:
+        """A chain along `members` in order (comm/chain.csl): role, rx and tx params per member."""
+        links = [self.flow(f"{name}.{i}", members[i], [members[i + 1]]) for i in range(len(members) - 1)]
+        role_key, rx_key, tx_key = f"{prefix}_role", f"{prefix}_rx", f"{prefix}_tx"
+        for i, pos in enumerate(members):
+            if len(members) == 1:
+                role = ALONE
+            else:
+                role = FIRST if i == 0 else LAST if i == len(members) - 1 else MIDDLE
+            p = self.params.get(pos)
+            if p is None:
+                p = self.params[pos] = {}
+            p[role_key] = role
+            p[rx_key] = links[i - 1] if i > 0 else None
+            p[tx_key] = links[i] if i < len(links) else None
+
+    def reduction(self, name: str, members: list[Pos], prefix: str, kind: str, group: int) -> Pos:
+        """A reduction along `members` in the tiling's order (comm/reduce.csl): the runs chain
+        ({prefix}_role/_rx/_tx), then the runs' last PEs ({prefix}_end_role/_end_rx/_end_tx; ROLE_NONE
+        elsewhere, and everywhere for a single run). two_sided (pe/attention.csl only): each chain
+        meets in its middle (`meet`). Returns the PE that ends with the result."""
+        runs = reduction_runs(len(members), kind, group)
+        two_sided = kind == "two_sided"
+        for pos in members:
+            self.params.setdefault(pos, {}).update(
+                {f"{prefix}_end_role": NONE, f"{prefix}_end_rx": None, f"{prefix}_end_tx": None}
+            )
+        roots = [self.meet(f"{name}.run{j}", [members[i] for i in run], prefix, two_sided)
+                 for j, run in enumerate(runs)]  # fmt: skip
+        if len(runs) == 1:
+            return roots[0]
+        return self.meet(f"{name}.ends", roots, f"{prefix}_end", two_sided)
+
+    def meet(self, name: str, members: list[Pos], prefix: str, two_sided: bool) -> Pos:
+        """One level: a chain along `members`, or (two_sided) the chain from the first member to the
+        meeting index and the one from the last member back to it, whose final link comes in on the
+        meeting PE's {prefix}_side_rx ({prefix}_side_on; OPTIONAL_OUTPUTS has them off elsewhere).
+        Returns the PE that ends with the level's result."""
+        if not two_sided:
+            self.chain(name, members, prefix)
+            return members[-1]
+        r = meeting_index(len(members))
+        self.chain(f"{name}.near", members[: r + 1], prefix)
+        far = members[r + 1 :][::-1]
+        if far:
+            # the links nearest the meeting PE first, so that greedy coloring alternates two colors
+            links = [self.flow(f"{name}.far{i}", far[i], [members[r] if i == len(far) - 1 else far[i + 1]])
+                     for i in reversed(range(len(far)))][::-1]  # fmt: skip
+            for i, pos in enumerate(far):
+                p = self.params[pos]
+                p[f"{prefix}_role"] = FIRST if i == 0 else MIDDLE
+                p[f"{prefix}_rx"] = links[i - 1] if i > 0 else None
+                p[f"{prefix}_tx"] = links[i]
+            self.params[members[r]].update({f"{prefix}_side_on": True, f"{prefix}_side_rx": links[-1]})
+        return members[r]
+
+    def connect(
+        self,
+        name: str,
+        sources: list[Pos],
+        chunk: int,
+        lines: list[list[Pos]],
+        line_chunk: int,
+        out: str,
+        into: str,
+    ) -> None:
+        """Hand off a vector held in `chunk`-sized slices by `sources` (in order) to `lines`, line d
+        wanting [d*line_chunk, +line_chunk). Source params: {out}_role/_rx/_tx/_line; destination
+        params: {into}_color/_payload/_per_stream (and the per-row window is computed on the PE)."""
+        if len(sources) == len(lines) and chunk == line_chunk:
+            lanes = [
+                self.flow(f"{name}.lane{i}", src, line)
+                for i, (src, line) in enumerate(zip(sources, lines, strict=True))
+            ]
+            seen: set[Pos] = set()
+            disjoint = True
+            for lane in lanes:
+                if seen & lane.routes.keys():
+                    disjoint = False
+                seen |= lane.routes.keys()
+            if disjoint:
+                for src, lane, line in zip(sources, lanes, lines, strict=True):
+                    self._out(src, out, ALONE, None, lane, 1)
+                    for pos in line:
+                        self._into(pos, into, lane, chunk, 1)
+                return
+            del self.flows[-len(lanes) :]
+        everyone = [pos for line in lines for pos in line]
+        links = [
+            self.flow(f"{name}.gather{i}", sources[i], [sources[i + 1]]) for i in range(len(sources) - 1)
+        ]
+        multicast = self.flow(f"{name}.multicast", sources[-1], everyone)
+        for i, src in enumerate(sources):
+            role = ALONE if len(sources) == 1 else FIRST if i == 0 else MIDDLE
+            tx = links[i] if i < len(links) else multicast
+            self._out(src, out, role, links[i - 1] if i > 0 else None, tx, len(sources))
+        for line in lines:
+            for pos in line:
+                self._into(pos, into, multicast, len(sources) * chunk, len(lines))
+
+    def _out(self, pos: Pos, prefix: str, role: int, rx: Flow | None, tx: Flow, line: int) -> None:
+        p = self.params.setdefault(pos, {})
+        if f"{prefix}_role" in p:
+            raise ProgramError(f"PE {pos}: output {prefix!r} is connected twice")
+        p.update({f"{prefix}_role": role, f"{prefix}_rx": rx, f"{prefix}_tx": tx, f"{prefix}_line": line})
+        p[f"{prefix}_rev"] = False
+
+    def _into(self, pos: Pos, prefix: str, flow: Flow, payload: int, per_stream: int) -> None:
+        p = self.params.setdefault(pos, {})
+        if f"{prefix}_color" in p:
+            raise ProgramError(f"PE {pos}: input {prefix!r} is connected twice")
+        p.update({f"{prefix}_color": flow, f"{prefix}_payload": payload, f"{prefix}_per_stream": per_stream})
+
+    # -- regions ---------------------------------------------------------------------------------------
+    def frame(self, region: Any) -> Frame:
+        f = frame_of(region)
+        self.frames[region.name if region.replica == 0 else f"{region.name}@{region.replica}"] = f
+        return f
+
+    def replica(self, replica: int) -> None:
+        plan, cfg = self.plan, self.plan.config
+
+        def region(name: str) -> Any:
+            return plan.region(name, replica)
+
+        io_in, io_out, embed, head, ln_f = (region(n) for n in ("io.in", "io.out", "embed", "head", "ln_f"))
+        head_t = head.tiling.gemv
+        hf, ef = self.frame(head), self.frame(embed)
+        if ef.a_len != head_t.rows:
+            raise ProgramError(
+                f"embed has {ef.a_len} K chunks, the head {head_t.rows} K-lines: they must match"
+            )
+        embed_tile_k = ceil_div(cfg.n_embd, ef.a_len)
+        if embed_tile_k != head_t.tile_k:
+            raise ProgramError(f"embed chunks of {embed_tile_k} values, head K-lines of {head_t.tile_k}")
+
+        # io.in -> every embed and head PE: the request stream.
+        head_pes = [hf.pe(r, c) for r in range(head_t.rows) for c in range(head_t.cols)]
+        embed_pes = [ef.pe(i, j) for i in range(ef.a_len) for j in range(ef.b_len)]
+        request = self.flow(f"r{replica}.request", (io_in.x, io_in.y), embed_pes + head_pes)
+        self.params.setdefault((io_in.x, io_in.y), {})["req_color"] = request
+        for pos in head_pes + embed_pes:
+            self.params.setdefault(pos, {})["req_color"] = request
+
+        # The embedding lines: every head column of K-line r, the farthest from the embed region first,
+        # then embed column r from the head side, reduced as a chain or in two levels
+        # (wafer_gpt2.core.cost.embed_reduction).
+        cols_order = list(range(head_t.cols))
+        if _distance(hf.pe(0, 0), ef.pe(0, 0)) < _distance(hf.pe(0, head_t.cols - 1), ef.pe(0, 0)):
+            cols_order.reverse()
+        rows_order = list(range(ef.b_len))
+        near = hf.pe(0, cols_order[-1])
+        if _distance(ef.pe(0, ef.b_len - 1), near) < _distance(ef.pe(0, 0), near):
+            rows_order.reverse()
+        kind, group = embed_reduction(plan.arch, head_t.cols + ef.b_len, embed_tile_k)
+        for r in range(head_t.rows):
+            members = [hf.pe(r, c) for c in cols_order] + [ef.pe(r, j) for j in rows_order]
+            self.reduction(f"r{replica}.emb{r}", members, "emb", kind, group)
+        last_embed_row = [ef.pe(i, rows_order[-1]) for i in range(ef.a_len)]
+        for i in range(ef.a_len):
+            for j in rows_order[:-1]:
+                self._out(ef.pe(i, j), "out", NONE, None, None, 1)  # type: ignore[arg-type]
+
+        stream = last_embed_row
+        stream_chunk = embed_tile_k
+        for layer in range(cfg.n_layer):
+            stream, stream_chunk = self.layer(replica, layer, stream, stream_chunk)
+
+        # ln_f -> head K-lines; head roots merge along c -> io.out.
+        ln_lines = self.layernorm(ln_f, stream, stream_chunk, f"r{replica}.final", "next")
+        k_lines = [[hf.pe(r, c) for c in range(head_t.cols)] for r in range(head_t.rows)]
+        self.connect(f"r{replica}.ln_f.y", ln_lines, ln_f.tiling.chunk, k_lines, head_t.tile_k, "y", "in")
+        for c in range(head_t.cols):
+            members = [hf.pe(r, c) for r in range(head_t.rows)]
+            self.reduction(f"r{replica}.head.red{c}", members, "red", head_t.reduction, head_t.group)
+        self.share_exps(head, hf)
+        roots = [hf.pe(head_t.rows - 1, c) for c in range(head_t.cols)]
+        last = self.reduction(f"r{replica}.merge", roots, "merge", head.tiling.merge, head.tiling.merge_group)
+        to_io = self.flow(f"r{replica}.scores", last, [(io_out.x, io_out.y)])
+        two_level = self.params[last]["merge_end_role"] != NONE
+        self.params[last]["merge_end_tx" if two_level else "merge_tx"] = to_io
+        self.params.setdefault((io_out.x, io_out.y), {})["in_color"] = to_io
+
+    def layernorm(self, region: Any, sources: list[Pos], chunk: int, name: str, source_out: str) -> list[Pos]:
+        """Connect `sources` (their output `source_out`) into a LayerNorm strip and lay out its
+        all-reduce; returns the strip's PEs."""
+        t = region.tiling
+        f = self.frame(region)
+        pes = [f.pe(i) for i in range(t.pes)]
+        self.connect(name, sources, chunk, [[pos] for pos in pes], t.chunk, source_out, "in")
+        # comm/allreduce.csl: both halves reduce towards the root (the halves share no router, so
+        # the colors of one are free for the other), root + 1 joins its half's sums into the root's
+        tag = f"{region.name}@{region.replica}"
+        left, right = ([pes[i] for i in half] for half in t.halves())
+        root = self.reduction(f"{tag}.red", left, "red", t.reduction, t.group)
+        join = bcast = None
+        if right:
+            joining = self.reduction(f"{tag}.red_right", right, "red", t.reduction, t.group)
+            join = self.flow(f"{tag}.join", joining, [root])
+            bcast = self.flow(f"{tag}.bcast", root, [pos for pos in pes if pos != root])
+        for pos in pes:
+            role = JOIN_NONE
+            if join is not None:
+                role = JOIN_ROOT if pos == root else JOIN_SEND if pos == join.source else JOIN_NONE
+            self.params[pos].update(
+                red_join_role=role, red_join=join if role != JOIN_NONE else None, red_bcast=bcast
+            )
+        return pes
+
+    def layernorm_off(self, pes: list[Pos]) -> None:
+        """A LayerNorm strip that only passes x on (pe/layernorm.csl `normalise` off): its all-reduce
+        is a line of one PE, never started."""
+        for pos in pes:
+            self.params.setdefault(pos, {}).update(
+                red_role=ALONE, red_rx=None, red_tx=None, red_end_role=NONE, red_end_rx=None,
+                red_end_tx=None, red_join_role=JOIN_NONE, red_join=None, red_bcast=None,
+            )  # fmt: skip
+
+    def gemv_lines(self, region: Any) -> tuple[Frame, list[list[Pos]], list[Pos]]:
+        t = region.tiling
+        f = self.frame(region)
+        lines = [[f.pe(r, c) for c in range(t.cols)] for r in range(t.rows)]
+        for c in range(t.cols):
+            members = [f.pe(r, c) for r in range(t.rows)]
+            self.reduction(f"{region.name}@{region.replica}.red{c}", members, "chain", t.reduction, t.group)
+        return f, lines, [f.pe(t.rows - 1, c) for c in range(t.cols)]
+
+    def layer(self, replica: int, layer: int, stream: list[Pos], chunk: int) -> tuple[list[Pos], int]:
+        plan = self.plan
+
+        def region(op: str) -> Any:
+            return plan.region(f"L{layer}.{op}", replica)
+
+        ln_1, qkv, attn, attn_proj, res_1, ln_2, fc, proj, res_2 = (
+            region(op) for op in ("ln_1", "qkv", "attn", "attn_proj", "res_1", "ln_2", "fc", "proj", "res_2")
+        )
+        tag = f"r{replica}.L{layer}"
+        source = "out" if layer == 0 else "next"  # the producer's output that feeds the layer (embed: "out")
+        _, qkv_lines, qkv_roots = self.gemv_lines(qkv)
+        # qkv has the LayerNorm folded in: the stream goes straight into its K-lines, through ln_1's
+        # routers, and ln_1's PEs take their chunks from it to forward x to res_1
+        ln1_pes = self.strip(ln_1)
+        self.layernorm_off(ln1_pes)
+        lines = [[pos, *line] for pos, line in zip(ln1_pes, qkv_lines, strict=True)]
+        self.connect(f"{tag}.into_qkv", stream, chunk, lines, qkv.tiling.tile_k, source, "in")
+        res1_pes = self.strip(res_1)
+        self.connect(f"{tag}.ln_1.x", ln1_pes, ln_1.tiling.chunk, [[p] for p in res1_pes], self.chunk(res_1),
+                     "resid", "resid")  # fmt: skip
+
+        self.attention(attn, qkv, qkv_roots, attn_proj, tag)
+        _, ap_lines, ap_roots = self.gemv_lines(attn_proj)
+        self.connect(f"{tag}.attn_proj.out", ap_roots, attn_proj.tiling.tile_n, [[p] for p in res1_pes],
+                     self.chunk(res_1), "out", "in")  # fmt: skip
+
+        res2_pes = self.strip(res_2)
+        self.connect(f"{tag}.res_1.x", res1_pes, self.chunk(res_1), [[p] for p in res2_pes], self.chunk(res_2),
+                     "fwd", "resid")  # fmt: skip
+        fc_frame, fc_lines, fc_roots = self.gemv_lines(fc)
+        # fc has the LayerNorm folded in: res_1 feeds it through ln_2's routers (its PEs idle)
+        self.connect(f"{tag}.into_fc", res1_pes, self.chunk(res_1), fc_lines, fc.tiling.tile_k, "next", "in")
+        _, proj_lines, proj_roots = self.gemv_lines(proj)
+        self.connect(f"{tag}.fc.out", fc_roots, fc.tiling.tile_n, proj_lines, proj.tiling.tile_k, "out", "in")
+        self.share_epilogue(fc, fc_frame)
+        self.connect(f"{tag}.proj.out", proj_roots, proj.tiling.tile_n, [[p] for p in res2_pes],
+                     self.chunk(res_2), "out", "in")  # fmt: skip
+        return res2_pes, self.chunk(res_2)
+
+    def share_epilogue(self, region: Any, f: Frame) -> None:
+        """The last `epilogue_pes` PEs of every K-line share the GEMV's epilogue (pe/gemv.csl): the
+        root sends the others their slices back along the line (comm/scatter.csl: a chain of links
+        from the root to the farthest), and a gather line from the farthest through the root carries
+        [header | slices] into the lane `connect` gave the root."""
+        t = region.tiling
+        pes = t.epilogue_pes
+        if pes <= 1:
+            return
+        name = f"{region.name}@{region.replica}"
+        for c in range(t.cols):
+            members = [f.pe(r, c) for r in range(t.rows - pes, t.rows)]  # the farthest first, the root last
+            root = self.params[members[-1]]
+            if root.get("out_role") != ALONE:
+                raise ProgramError(
+                    f"{region.name}: {pes} PEs share its epilogue, which needs one lane per output column "
+                    f"into the next region, but its output column {c} feeds a gather line"
+                )
+            lane = root.pop("out_tx")
+            del root["out_role"]
+            self.scatter_line(f"{name}.scatter{c}", members, "epi_slot")
+            gather = [
+                self.flow(f"{name}.epilogue{c}.{i}", members[i], [members[i + 1]]) for i in range(pes - 1)
+            ]
+            for i, pos in enumerate(members):
+                tx = gather[i] if i < pes - 1 else lane
+                self._out(pos, "out", FIRST if i == 0 else MIDDLE, gather[i - 1] if i > 0 else None, tx, pes)
+
+    def scatter_line(self, name: str, members: list[Pos], slot: str) -> None:
+        """A scatter line (comm/scatter.csl) from the last of `members` (the root) back to the first:
+        scatter_role/_rx/_tx per member, and `slot` = its index in `members` (its slice)."""
+        back = members[::-1]
+        links = [self.flow(f"{name}.{i}", back[i], [back[i + 1]]) for i in range(len(back) - 1)]
+        for i, pos in enumerate(back):
+            self.params[pos].update(
+                {
+                    "scatter_role": FIRST if i == 0 else LAST if i == len(back) - 1 else MIDDLE,
+                    "scatter_rx": links[i - 1] if i > 0 else None,
+                    "scatter_tx": links[i] if i < len(links) else None,
+                    slot: len(back) - 1 - i,
+                }
+            )
+
+    def share_exps(self, head: Any, f: Frame) -> None:
+        """The last `exp_pes` PEs of every head K-line share the column's sum of exps (pe/head.csl):
+        the root sends the others their slices back along the line; their (max, sum) pairs come back
+        on the GEMV reduction's chain links, which must run through them in K order."""
+        t = head.tiling
+        pes = t.exp_pes
+        if pes <= 1:
+            return
+        if t.gemv.reduction != "chain":
+            raise ProgramError(
+                f"{head.name}: {pes} PEs share its sums of exps, which needs a chain reduction along its "
+                f"K-lines (the pairs travel on its links), not {t.gemv.reduction}"
+            )
+        for c in range(t.gemv.cols):
+            members = [f.pe(r, c) for r in range(t.gemv.rows - pes, t.gemv.rows)]
+            self.scatter_line(f"{head.name}@{head.replica}.exps{c}", members, "exp_slot")
+
+    def strip(self, region: Any) -> list[Pos]:
+        f = self.frame(region)
+        return [f.pe(i) for i in range(f.a_len)]
+
+    def chunk(self, region: Any) -> int:
+        return ceil_div(self.plan.config.n_embd, self.frame(region).a_len)
+
+    def attention(self, attn: Any, qkv: Any, qkv_roots: list[Pos], attn_proj: Any, tag: str) -> None:
+        t, q = attn.tiling, qkv.tiling
+        f = self.frame(attn)
+        width = t.heads_per_pe * t.head_dim
+        if q.n_split != 3 or width % q.segment_tile or q.cols * q.segment_tile != t.head_groups * width:
+            raise ProgramError(
+                f"{attn.name}: a head group's {width} values must be whole qkv columns of {q.segment_tile}"
+            )
+        cols_per_group = width // q.segment_tile
+        ap = attn_proj.tiling
+        if width % ap.tile_k or ap.rows != t.head_groups * (width // ap.tile_k):
+            raise ProgramError(
+                f"{attn_proj.name}: its K-lines of {ap.tile_k} must split head groups of {width}"
+            )
+        rows_per_group = width // ap.tile_k
+        ap_frame = frame_of(attn_proj)
+        for g in range(t.head_groups):
+            snake = []
+            for p in range(t.chain):
+                along, row = t.snake(p)
+                snake.append(f.pe(along, g * t.fold + row))
+            self.connect(f"{tag}.qkv.g{g}", qkv_roots[g * cols_per_group : (g + 1) * cols_per_group], q.tile_n,
+                         [snake], 3 * cols_per_group * q.segment_tile, "out", "in")  # fmt: skip
+            root = self.reduction(f"{tag}.attn.g{g}", snake, "merge", t.reduction, t.group)
+            rows = [ap_frame.pe(r, c) for r in range(g * rows_per_group, (g + 1) * rows_per_group)
+                    for c in range(ap.cols)]  # fmt: skip
+            out = self.flow(f"{tag}.attn.out{g}", root, rows)
+            for pos in snake:
+                self._out(pos, "out", ALONE if pos == root else NONE, None, out if pos == root else None, 1)
+            for pos in rows:
+                self._into(pos, "in", out, width, rows_per_group)
+
+
+def _distance(a: Pos, b: Pos) -> int:
+    return abs(a[0] - b[0]) + abs(a[1] - b[1])
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector off for a while: the generator makes millions of small objects
+    (params, routes) and no cycles, and the collections they set off would scan the lot again and
+    again (about a third of build_program's time for gpt2)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def build_program(plan: Plan) -> Program:
+    """Lay out `plan` as a CSL program (raises ProgramError where the plan's geometry does not fit)."""
+    with paused_gc():
+        return _build_program(plan)
+
+
+def _build_program(plan: Plan) -> Program:
+    check_layer_norms_folded(plan)
+    b = _Builder(plan)
+    for replica in range(plan.replicas):
+        b.replica(replica)
+    assign_colors(b.flows, PALETTE)
+    width = max(r.x + r.w for r in plan.regions)
+    height = max(r.y + r.h for r in plan.regions)
+    tiles = _tiles(b, plan)
+    for y in range(height):
+        for x in range(width):
+            if (x, y) not in tiles:
+                tiles[(x, y)] = Tile(PE_FILES["idle"], "-")
+    _assign_tasks(tiles, b.flows, plan.arch.name)
+    return Program(plan, width, height, tiles, b.flows, b.frames)
+
+
+# Outputs a PE program declares that a plan may leave unconnected: they default to ROLE_NONE.
+_GATHER_NONE = {"role": NONE, "rx": None, "tx": None, "line": 1, "rev": False}
+_CHAIN_NONE = {"role": NONE, "rx": None, "tx": None}
+OPTIONAL_OUTPUTS = {
+    "pe/gemv.csl": {"out": _GATHER_NONE, "scatter": _CHAIN_NONE},
+    "pe/layernorm.csl": {"y": _GATHER_NONE, "resid": _GATHER_NONE},
+    "pe/residual.csl": {"next": _GATHER_NONE, "fwd": _GATHER_NONE},
+    "pe/embed.csl": {"out": _GATHER_NONE},
+    "pe/attention.csl": {
+        "out": _CHAIN_NONE,
+        "merge_side": {"on": False, "rx": None},
+        "merge_end_side": {"on": False, "rx": None},
+    },
+    "pe/head.csl": {"merge": _CHAIN_NONE, "merge_end": _CHAIN_NONE, "scatter": _CHAIN_NONE},
+}
+# Params a connection sets that a PE program names differently, or does not take.
+RENAMES = {
+    "pe/gemv.csl": {"in_per_stream": "in_rows_per_stream"},
+    "pe/head.csl": {"in_per_stream": "in_rows_per_stream"},
+    "pe/attention.csl": {"in_payload": None, "in_per_stream": None, "out_line": None, "out_rev": None},
+}
+
+
+def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
+    """Every region's PEs with their full params (the connections' plus each kind's own)."""
+    from wafer_gpt2.core.memory_layout import embed_geometry
+
+    tiles: dict[Pos, Tile] = {}
+    cfg, fp16 = plan.config, plan.dtype == "fp16"
+    for region in plan.regions:
+        kind = region.kind
+        file = PE_FILES[region.name] if kind == "io" else PE_FILES[kind]
+        key = region.name if region.replica == 0 else f"{region.name}@{region.replica}"
+        frame = b.frames.get(key)
+        t = region.tiling
+        own: dict[str, Any] = {"frame": frame.params()} if frame is not None else {}
+        if region.name == "io.in":
+            own.update(from_host=H2D)
+        elif region.name == "io.out":
+            own.update(to_host=D2H, record_words=record_words(plan.top_k))
+        elif kind == "gemv":
+            own.update(tile_k=t.tile_k, tile_n=t.tile_n, use_fp16=fp16, gelu_out=region.name.endswith(".fc"),
+                       epi_pes=t.epilogue_pes, epi_slot=t.epilogue_pes, norm_dim=t.k if t.norm_fold else 0,
+                       norm_eps=float(cfg.layer_norm_epsilon))  # fmt: skip
+        elif kind == "embed_head":
+            own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,
+                       topk_bins=TOPK_BINS, topk_block=MERGE_BLOCK,
+                       use_fp16=fp16, exp_pes=t.exp_pes, exp_slot=t.exp_pes)  # fmt: skip
+        elif kind == "embed":
+            ppp, tile_k = embed_geometry(region, cfg.n_embd)
+            own.update(tile_k=tile_k, ppp=ppp, use_fp16=fp16)
+        elif kind == "layernorm":
+            own.update(
+                dim=t.dim,
+                chunk=t.chunk,
+                eps=float(cfg.layer_norm_epsilon),
+                scored_only=region.layer is None,
+                normalise=t.normalise,
+            )
+        elif kind == "residual":
+            own.update(chunk=b.chunk(region))
+        elif kind == "attention":
+            q = plan.region(region.name.replace(".attn", ".qkv"), region.replica).tiling
+            own.update(replica=region.replica, hpp=t.heads_per_pe, head_dim=t.head_dim, ppp=t.positions_per_pe,
+                       slots=t.slots, row_len=ceil_div(t.chain, t.fold), fold=t.fold, use_fp16=fp16,
+                       in_cols=t.heads_per_pe * t.head_dim // q.segment_tile, in_seg=q.segment_tile,
+                       in_rev=False)  # fmt: skip
+        # What every PE of the region starts from (its own params, then its optional outputs' defaults),
+        # worked out once: per PE only its connections' params are merged in.
+        renames = RENAMES.get(file, {})
+        dropped = {name for name, to in renames.items() if to is None}
+        renamed: dict[tuple[str, ...], tuple[list[str], list[bool]]] = {}  # names -> kept names, mask
+        base = {**own}
+        for name, defaults in OPTIONAL_OUTPUTS.get(file, {}).items():
+            base.update({f"{name}_{k}": value for k, value in defaults.items()})
+        base = {name: value for name, value in base.items() if name not in dropped}
+        for y in range(region.y, region.y + region.h):
+            for x in range(region.x, region.x + region.w):
+                p = b.params.get((x, y))
+                if p is None:
+                    continue  # a PE of the rectangle the tiling leaves out (e.g. a partial snake row)
+                if renames:
+                    # the region's PEs have a few distinct sets of param names: rename each set once
+                    names = tuple(p)
+                    kept = renamed.get(names)
+                    if kept is None:
+                        to = [renames.get(n, n) for n in names]
+                        mask = [r is not None and r not in dropped for r in to]
+                        kept = renamed[names] = ([r for r in to if r is not None and r not in dropped], mask)
+                    p = dict(zip(kept[0], compress(p.values(), kept[1]), strict=True))
+                params = {**base, **p}
+                if file == PE_FILES["embed_head"]:
+                    _share_end_queue(params)
+                tiles[(x, y)] = Tile(file, key, params)
+    return tiles
+
+
+def _share_end_queue(params: dict[str, Any]) -> None:
+    """head.csl's two second-level chains (the GEMV reduction's, the merge's) share input queue 7 and
+    output queue 5: at most one is in use (wafer_gpt2.core.cost.best_head), and the other names its colors, so
+    that every queue names one color. Likewise a root's merge input and the other PEs' slices of the
+    shared sum of exps share input queue 6."""
+    for side in ("rx", "tx"):
+        red, merge = f"red_end_{side}", f"merge_end_{side}"
+        if params.get(red) is not None and params.get(merge) is not None:
+            raise ProgramError(
+                "the head's GEMV reduction and its merge are both two-level: WSE-3 has no queue left"
+            )
+        params[red] = params[merge] = params.get(red) or params.get(merge)
+    # Input queue 6: the merge's record on a root, a slice of the shared sum of exps elsewhere.
+    if params.get("merge_rx") is not None and params.get("scatter_rx") is not None:
+        raise ProgramError("a head root would receive both a record and a slice of exps on input queue 6")
+    params["merge_rx"] = params["scatter_rx"] = params.get("merge_rx") or params.get("scatter_rx")
+
+
+def _assign_tasks(tiles: dict[Pos, Tile], flows: list[Flow], arch: str) -> None:
+    """Per region, local task IDs that no color reaching any of its PEs equals (nor memcpy's)."""
+    # The colors that reach a PE's CE are those of the flows it is a destination of: only there does
+    # a route have a RAMP tx.
+    reaching: dict[str, set[int | None]] = {}
+    for flow in flows:
+        for pos in flow.destinations:
+            tile = tiles.get(pos)
+            if tile is not None:
+                reaching.setdefault(tile.region, set()).add(flow.color)
+    # Regions in the order of their first PE; one list per region: the writer groups the PEs sharing it.
+    region_tasks: dict[str, list[int] | None] = {}
+    for tile in tiles.values():
+        region = tile.region
+        if region not in region_tasks:
+            need = TASKS[tile.file]
+            if not need:
+                region_tasks[region] = None
+                continue
+            used = reaching.get(region, set()) | set(MEMCPY_COLORS)
+            pool = [t for t in TASK_POOL[arch] if t not in used]
+            if len(pool) < need:
+                raise ProgramError(
+                    f"region {region}: {need} task IDs needed, {len(pool)} left clear of its colors"
+                )
+            region_tasks[region] = pool[:need]
+        tasks = region_tasks[region]
+        if tasks is not None:
+            tile.params["tasks"] = tasks

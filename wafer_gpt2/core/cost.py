@@ -1,0 +1,671 @@
+"""Cycle model of the wafer program: every figure it produces is *modeled*, never measured.
+
+A stage's cost is the cycles from the first wavelet of its input reaching the stage to the last
+wavelet of its output leaving it, for one token item, built from named constants with public sources
+(the Cerebras SDK documentation and architecture talks), two of them calibrated on published hardware
+measurements (`wafer_gpt2.core.calibration`, docs/calibration.md). Where no public figure exists the constant
+says "assumption" and why that value.
+
+Conventions: one wavelet carries one 32-bit word (an fp16 value travels alone in the low half, as
+memcpy does); a stream of n wavelets over a path of h hops delivers its last wavelet at
+h * HOP_CYCLES + ROUTER_TO_PE_CYCLES + n cycles after the first left (one wavelet per link per cycle,
+pipelined through the routers). Reductions built from asynchronous DSD operations (fabric in ->
+add -> fabric out) need no task per element; steps that need scalar control (log-sum-exp rescale,
+top-k merge) pay a task activation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import pairwise
+
+from wafer_gpt2.core.arch import Arch, resolve_arch
+from wafer_gpt2.core.tiling import (
+    AttentionTiling,
+    GemvTiling,
+    HeadTiling,
+    NormTiling,
+    Reduction,
+    allreduce_root,
+    ceil_div,
+    meeting_index,
+)
+
+# --- Named constants --------------------------------------------------------------------------------
+# Clock: 1.1 GHz is the figure of the architecture talks (Hot Chips 34) and WaferLLM's conversion; the
+# SDK examples convert cycles at 0.85 GHz.
+CLOCK_HZ = 1.1e9
+SDK_CLOCK_HZ = 0.85e9
+# "32-bit messages, called wavelets, can be sent to or received by neighboring PEs in a single clock
+# cycle" (Cerebras SDK documentation, "A Conceptual View"): the bandwidth of a link.
+WAVELETS_PER_LINK_PER_CYCLE = 1
+# Latency of a router hop. Calibrated (wafer_gpt2.core.calibration, docs/calibration.md): WaferLLM's MeshGEMV
+# on a CS-3 fits 2.03 cycles per hop; the public notes' "one cycle per router hop" is the bandwidth.
+HOP_CYCLES = 2
+# "Router to processor about 7 cycles" (Cerebras SDK notes): paid once by every wavelet that stops at
+# a PE. Kept at its public value; the calibration's stops fit it.
+ROUTER_TO_PE_CYCLES = 7
+# Starting a DSD operation one after another, with the scalar control between them. Calibrated
+# (wafer_gpt2.core.calibration): the MeshGEMV loop starts about ten in series per iteration, 15.4 cycles each.
+DSD_OP_START_CYCLES = 15
+# One step of a @map over DSD registers loaded once (WaferLLM's GEMV loop), beyond the step's own
+# compute. Calibrated with the two above: 2.0 cycles.
+MAP_STEP_CYCLES = 2
+# Task activation: no public figure. Assumption: 20 cycles from a wavelet or @activate to the first
+# instruction of the task (hardware task pick plus a short prologue). Paid where a step needs control.
+TASK_ACTIVATION_CYCLES = 20
+# fp32 add / multiply / FMAC: one element per cycle (Cerebras SDK notes: "fp32 FMAC about one element per cycle").
+FP32_OPS_PER_CYCLE = 1
+# exp in software (the CSL math library has exp, no tanh). Assumption: 20 cycles per fp32 element (a
+# range reduction and a short polynomial, each step one fp32 op per cycle).
+EXP_CYCLES = 20
+# GELU tanh form = exp + reciprocal + 8 fp32 mul/add (kernels/gelu.csl). Assumption: 20 + 10 + 8.
+GELU_CYCLES = EXP_CYCLES + 18
+# reciprocal square root / division in software. Assumption: 10 cycles (Newton steps on fp32).
+RSQRT_CYCLES = 10
+# The head's top-k (wafer_gpt2/kernels/lib/topk.csl) is scalar code; no public figure prices a CE's scalar
+# instructions, so these count the statements of the CSL as written at one cycle each (assumption,
+# the CSL executor's own rule: csl_executor/README.md).
+# A column's k best: a scan for its max and min (load, two compares); in the exp-sum pass and again
+# in the placement pass a logit's bin (subtract, multiply, clamp, convert) and its count or slot;
+# per kept logit its store and the insertion sort's step; per inversion (logits out of order inside a
+# bin) one move; per entry of the record its copy (id and value, or the empty pair).
+TOPK_SCAN_CYCLES = 4
+TOPK_BIN_CYCLES = 6
+TOPK_KEEP_CYCLES = 10
+TOPK_INVERSION_CYCLES = 4
+TOPK_COPY_CYCLES = 5
+# The histogram a column's top-k is selected with: bins over [min, max] of its logits. More bins leave
+# fewer logits to sort by hand but cost a few statements each in every pass over them.
+TOPK_BINS = 64
+# The streamed merge of the head's records (wafer_gpt2/kernels/lib/topk_merge.csl). A root reads its input
+# MERGE_BLOCK entries at a time (one DSD operation: fewer starts per entry, against a longer wait for
+# the block at every root; 2 is the fastest on GPT-2's chains) and emits runs of entries up to a block
+# as one DSD operation each; per entry it compares (the loads, the compare with the id tie-break) and
+# keeps the loop's count. An entry taken from the input costs its share of a read and of an emit, the
+# two words each, the comparison and the loop (STREAM_ENTRY_CYCLES); a root's first block leaves after
+# the rest of the block has arrived, its read, comparisons and emit (BLOCK_LAG_CYCLES). Then the
+# input's unread entries and tail are read in one DSD operation and combined (one exp: the side with
+# the greater max keeps its sum), and the root's own tail leaves as one more.
+MERGE_BLOCK = 2
+MERGE_COMPARE_CYCLES = 6
+MERGE_LOOP_CYCLES = 4
+STREAM_ENTRY_CYCLES = (
+    2 * (ceil_div(DSD_OP_START_CYCLES, MERGE_BLOCK) + 2) + MERGE_COMPARE_CYCLES + MERGE_LOOP_CYCLES
+)
+BLOCK_LAG_CYCLES = (
+    (MERGE_BLOCK - 1) * STREAM_ENTRY_CYCLES
+    + 2 * (DSD_OP_START_CYCLES + 2 * MERGE_BLOCK)
+    + MERGE_BLOCK * MERGE_COMPARE_CYCLES
+    + MERGE_LOOP_CYCLES
+)
+TAIL_COMBINE_CYCLES = DSD_OP_START_CYCLES + 3 + EXP_CYCLES + 2 * MERGE_COMPARE_CYCLES
+TAIL_EMIT_CYCLES = DSD_OP_START_CYCLES + 3
+
+
+# Words of the header every item carries ahead of its payload on the streams between regions
+# (wafer_gpt2/kernels/comm/recv.csl HDR).
+ITEM_HEADER_WORDS = 5
+
+
+def cycles_to_us(cycles: float, clock_hz: float = CLOCK_HZ) -> float:
+    return cycles / clock_hz * 1e6
+
+
+def stream_cycles(wavelets: int, hops: int) -> int:
+    """Last wavelet of a stream of `wavelets` words arriving at a PE `hops` routers away."""
+    return hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES + ceil_div(wavelets, WAVELETS_PER_LINK_PER_CYCLE)
+
+
+def chain_reduce_cycles(steps: int, words: int) -> int:
+    """A pipelined add chain over `steps` + 1 PEs of `words`-long fp32 vectors: every step adds one
+    hop, one router-to-PE crossing and one fp32 add of latency; the vector streams through once."""
+    if steps <= 0:
+        return 0
+    return steps * (HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE) + ceil_div(
+        words, FP32_OPS_PER_CYCLE
+    )
+
+
+def two_level_reduce_cycles(n: int, words: int, group: int) -> int:
+    """Runs of `group` PEs chain at the same time, and the runs' last PEs, `group` PEs apart, chain
+    their sums as those stream out (wafer_gpt2/kernels/comm/reduce.csl: a run's end adds its run's stream and the
+    ends' stream at once, through a FIFO): every link adds its latency, the vector streams through
+    once."""
+    if n <= 1:
+        return 0
+    group = max(1, min(group, n))
+    runs = ceil_div(n, group)
+    cross = (runs - 1) * (group * HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE)
+    return chain_reduce_cycles(group - 1, words) + cross
+
+
+def reduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
+    if kind == "chain":
+        return chain_reduce_cycles(n - 1, words)
+    if kind == "two_level":
+        return two_level_reduce_cycles(n, words, group)
+    raise ValueError(f"unknown reduction {kind!r}")
+
+
+def allreduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
+    """Every one of n PEs ends with the sum (wafer_gpt2/kernels/comm/allreduce.csl): the two halves of the line
+    reduce towards the middle at the same time (`wafer_gpt2.core.tiling.allreduce_halves`, each a chain or
+    two-level), the right half's end hands its sum to the root (one more chain step, after the root's
+    own half is done, and a task activation to start the broadcast once the join is in), and the root
+    multicasts the result both ways (one route, so every PE holds the same bits): about n/2 hops each
+    way instead of n."""
+    if n <= 1:
+        return 0
+    root = allreduce_root(n)
+    left, right = root + 1, n - 1 - root  # the lengths of `wafer_gpt2.core.tiling.allreduce_halves(n)`
+    join_ready = reduce_cycles(kind, right, words, group) + HOP_CYCLES + ROUTER_TO_PE_CYCLES
+    reduced = max(reduce_cycles(kind, left, words, group), join_ready) + FP32_OPS_PER_CYCLE + words
+    reduced += TASK_ACTIVATION_CYCLES
+    farthest = max(root, right)
+    return reduced + farthest * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
+
+
+def reduction_options(n: int) -> list[tuple[Reduction, int]]:
+    """(kind, group) of every reduction the program implements over n PEs: the chain, and the
+    two-level reduction with each run length that leaves at least two runs."""
+    chain: list[tuple[Reduction, int]] = [("chain", 0)]
+    return chain + [("two_level", g) for g in range(2, n) if n > 2]
+
+
+def best_reduction(n: int, words: int) -> tuple[str, int]:
+    """The (kind, group) the model finds fastest for n PEs and `words` per partial."""
+    return min(reduction_options(n), key=lambda kg: reduce_cycles(kg[0], n, words, kg[1]))
+
+
+def embed_reduction(arch: Arch | str, members: int, words: int) -> tuple[str, int]:
+    """How a K-line's wte chunks reach the embed region along its line of `members` PEs (every head
+    column, then every embed row: wafer_gpt2/kernels/pe/head.csl, pe/embed.csl): the fastest reduction where a
+    head PE has an input queue for a chain of run ends (WSE-2's queue 1), a chain on WSE-3 (whose
+    memcpy keeps queues 0 and 1, and head.csl uses the other six)."""
+    if resolve_arch(arch).name != "wse2":
+        return "chain", 0
+    return best_reduction(members, words)
+
+
+@dataclass
+class StageCost:
+    """Modeled cycles of one stage, phase by phase (phases run one after the other)."""
+
+    name: str
+    phases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def cycles(self) -> int:
+        return sum(self.phases.values())
+
+    def add(self, phase: str, cycles: int) -> StageCost:
+        self.phases[phase] = self.phases.get(phase, 0) + int(cycles)
+        return self
+
+
+# --- GEMV ------------------------------------------------------------------------------------------
+
+# LayerNorm's statistics travel as one vector: (sum of x, sum of x^2), all-reduced together by a
+# LayerNorm strip, or reduced with the partial sums of a GEMV that has the LayerNorm folded in.
+NORM_STAT_WORDS = 2
+
+
+def map_fmac_cycles(steps: int, width: int, macs_per_cycle: int) -> int:
+    """wafer_gpt2/kernels/lib/fmac.csl `accumulate`: one @map of `steps` steps with the accumulator and the matrix
+    row in DSD registers, each step `width` FMACs at the SIMD width (fp32 accumulate) plus the step's
+    overhead (calibrated, MAP_STEP_CYCLES); one DSD operation start for the whole @map."""
+    return DSD_OP_START_CYCLES + steps * (MAP_STEP_CYCLES + ceil_div(width, macs_per_cycle))
+
+
+def gemv_compute_cycles(tiling: GemvTiling, arch: Arch, dtype: str) -> int:
+    """One PE's tile as wafer_gpt2/kernels/pe/gemv.csl computes it: one @map over its tile_k inputs, each step a
+    row of tile_n FMACs (`map_fmac_cycles`)."""
+    return map_fmac_cycles(tiling.tile_k, tiling.tile_n, arch.macs_per_cycle(dtype))
+
+
+def gemv_cost(
+    tiling: GemvTiling,
+    arch: Arch | str,
+    dtype: str,
+    epilogue_cycles_per_output: int = 0,
+    name: str = "gemv",
+    input_phase: tuple[str, int] | None = None,
+    epilogue: bool = True,
+) -> StageCost:
+    """y = x @ W on the tiling's grid, from the input chunks at the region's edge to the output
+    chunks leaving the far edge.
+
+    1. multicast: chunk r (tile_k words) streams along the `cols` PEs of reduction index r; each PE
+       starts its FMACs on the first word and, since every word needs ceil(tile_n / SIMD) >= 1 cycles,
+       finishes tile_k * ceil(tile_n / SIMD) cycles later (the farthest PE starts cols - 1 hops late).
+    2. reduction of the fp32 partials (tile_n words) over the `rows` PEs: chain or two_level.
+    3. bias (+ epilogue, e.g. GELU) on the last PE of each output column, one output after another.
+    With the LayerNorm folded in (`norm_fold`), every PE also sums its chunk's x and x^2 (as
+    `norm_cost` prices it), the reduction carries the two sums as two more words, and the last PE
+    turns them into mean and rstd and applies them with the bias (two FMACs per output).
+    `input_phase` (name, cycles) replaces the multicast where the input's latency is priced otherwise
+    (the LM head); `epilogue` False: the outputs go on without a bias or an epilogue (the LM head).
+    """
+    arch = resolve_arch(arch)
+    cost = StageCost(name)
+    if input_phase is None:
+        input_phase = ("input multicast", (tiling.cols - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES)
+    cost.add(*input_phase)
+    cost.add("tile FMAC", max(tiling.tile_k, gemv_compute_cycles(tiling, arch, dtype)))
+    stats = NORM_STAT_WORDS if tiling.norm_fold else 0
+    if tiling.norm_fold:
+        cost.add("LayerNorm sums (x, x^2)", 3 * tiling.tile_k)
+    label = f"{tiling.reduction} reduction" + (
+        f" (runs of {tiling.group})" if tiling.reduction == "two_level" else ""
+    )
+    cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group))
+    if tiling.norm_fold:  # the bias rides the multiply by rstd (an FMAC): not a pass of its own
+        cost.add("LayerNorm (mean, rstd) + bias", RSQRT_CYCLES + 2 * tiling.tile_n)
+    if not epilogue:
+        return cost
+    cycles = epilogue_cycles(
+        tiling.tile_n, tiling.epilogue_pes, epilogue_cycles_per_output, not tiling.norm_fold
+    )
+    if cycles or not tiling.norm_fold:
+        shared = f" (shared by {tiling.epilogue_pes} PEs)" if tiling.epilogue_pes > 1 else ""
+        cost.add(("epilogue" if tiling.norm_fold else "bias + epilogue") + shared, cycles)
+    return cost
+
+
+@lru_cache(maxsize=4096)  # pure, and priced for every candidate of the search
+def epilogue_cycles(tile_n: int, pes: int, per_output: int, bias: bool = True) -> int:
+    """The bias (unless it was added already: `bias` False) and the epilogue of one output column,
+    from its sum being complete on the K-line's last PE to the output's lane starting (its header and
+    tile_n words then stream as before).
+
+    One PE: the bias and the epilogue, output after output. Shared by the last `pes` PEs of the line
+    (wafer_gpt2/kernels/pe/gemv.csl, comm/scatter.csl, comm/gather.csl), priced step by step as the CSL takes
+    them:
+    - the last PE adds the bias to all outputs, starts one stream of slices 0 .. pes-2 back along the
+      line and applies the epilogue to its own slice (pes - 1) meanwhile;
+    - PE j (0 the farthest) has set up its receive long before: it passes on the j slices for the PEs
+      beyond it as they come, then (a task and a DSD operation later) reads its own; its epilogue starts
+      a task activation after the slice is in;
+    - a gather line from PE 0 carries [header | slice 0 | ... | slice pes-1] out through the last PE:
+      every PE passes the header on, then the words before its slice, then appends its own, with a task
+      activation and a DSD operation between the three (comm/gather.csl's steps).
+    Priced as the time the gathered stream has left, less what the unshared lane takes for the same
+    stream (its header, one task and two DSD operations, tile_n words), which the model leaves to the
+    hand-off."""
+    added = tile_n * FP32_OPS_PER_CYCLE if bias else 0
+    if pes <= 1:
+        return added + tile_n * per_output
+    if tile_n % pes:
+        raise ValueError(f"{pes} epilogue PEs do not split {tile_n} outputs evenly")
+    part = tile_n // pes
+    work = part * per_output
+    sent = added + DSD_OP_START_CYCLES  # the slices' stream leaves the last PE
+    # ready[j]: PE j's slice done (the last PE's own meanwhile)
+    ready = [kept + TASK_ACTIVATION_CYCLES + work for kept in _scattered(pes, part, sent)]
+    ready.append(sent + work)
+    header = ready[0] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS  # the header's last word leaves PE 0
+    end = header + _TASK_STEP + part
+    for j in range(1, pes):
+        header = max(ready[j] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS, header + _RELAY)
+        passed = max(header + _TASK_STEP + j * part, end + _RELAY)
+        end = passed + _TASK_STEP + part
+    lane = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + _TASK_STEP + tile_n
+    return end - lane
+
+
+# A word passed on through a PE (a hop, the ramp, the CE's move), and the next DSD operation of a PE
+# started by a task: the steps of comm/scatter.csl and comm/gather.csl.
+_RELAY = HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE
+_TASK_STEP = TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES
+
+
+def _scattered(pes: int, part: int, sent: int) -> list[int]:
+    """When PE j (0 the farthest of the pes - 1 others) of a scatter line (comm/scatter.csl) has its
+    slice of `part` words in memory, the last PE having started the stream at `sent`: its slice's last
+    word is at its queue after the links and the slices before it; a PE that passed words on reads its
+    own a task and a DSD operation later."""
+    return [
+        sent + (pes - 1 - j) * _RELAY + (j + 1) * part + (_TASK_STEP if j > 0 else 0) for j in range(pes - 1)
+    ]
+
+
+def _sharing_options(tile_n: int, rows: int) -> list[int]:
+    """The PEs at the end of a K-line that can share a column's work: every divisor of tile_n up to
+    the line's length (every PE gets at least one value, all the same number)."""
+    return [p for p in range(1, min(tile_n, rows) + 1) if tile_n % p == 0]
+
+
+def epilogue_options(tiling: GemvTiling, per_output: int) -> list[int]:
+    """The epilogue_pes the program implements for a tiling: 1, and where there is per-output work,
+    every divisor of tile_n up to the K-line's length that leaves every PE at least one output."""
+    if per_output <= 0:
+        return [1]
+    return _sharing_options(tiling.tile_n, tiling.rows)
+
+
+@lru_cache(maxsize=8192)
+def best_gemv_reduction(
+    tiling: GemvTiling, arch: Arch | str, dtype: str, epilogue_cycles_per_output: int = 0
+) -> GemvTiling:
+    """The tiling with the reduction (chain, or two_level with its best run length) and the epilogue
+    sharing (`epilogue_options`) the model finds fastest. Only what wafer_gpt2/kernels/comm implements is offered:
+    a faster plan the CSL cannot run is worth nothing."""
+    options = [
+        GemvTiling(**{**vars(tiling), "reduction": kind, "group": group, "epilogue_pes": pes})
+        for kind, group in reduction_options(tiling.rows)
+        for pes in epilogue_options(tiling, epilogue_cycles_per_output)
+    ]
+    return min(options, key=lambda t: gemv_cost(t, arch, dtype, epilogue_cycles_per_output).cycles)
+
+
+# --- LayerNorm -------------------------------------------------------------------------------------
+
+
+def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
+    """One-pass LayerNorm over a strip (wafer_gpt2/kernels/pe/layernorm.csl): every PE sums its chunk's x (one
+    fp32 add per value) and x^2 (a multiply and an add), the two words are all-reduced over the strip
+    at once (`allreduce_cycles`: they stream back to back through every DSD step, towards the middle
+    of the strip and back); then mean and
+    variance = E[x^2] - mean^2, rstd, and every PE writes ((x - mean) * rstd) * g + b (4 fp32 ops per
+    value).
+
+    The exact alternative, a pairwise (count, mean, M2) merge, needs scalar control at every step (a
+    task activation and the merge arithmetic on 3 words): priced with these constants at 504 cycles
+    for GPT-2's 32-PE strip (rooted at the strip's end) against 217 for the 2-word DSD all-reduce
+    rooted there (and 428 for the two 1-word all-reduces of a two-pass LayerNorm), so the CSL does not
+    implement it."""
+    cost = StageCost(name)
+    if not tiling.normalise:
+        # The GEMV after it has the LayerNorm folded in and takes the stream through the strip's
+        # routers (wafer_gpt2/codegen/build.py): one hop, which the hand-off counts.
+        return cost.add("through its routers", 0)
+    cost.add("input", ROUTER_TO_PE_CYCLES + tiling.chunk)
+    cost.add("local sums (x, x^2)", 3 * tiling.chunk)
+    cost.add(
+        f"{tiling.reduction} all-reduce",
+        allreduce_cycles(tiling.reduction, tiling.pes, NORM_STAT_WORDS, tiling.group),
+    )
+    cost.add("rsqrt", RSQRT_CYCLES)
+    cost.add("normalise", 4 * tiling.chunk)
+    return cost
+
+
+def residual_cost(chunk: int, name: str = "residual") -> StageCost:
+    """Add the residual stream chunk to the arriving chunk and pass it on (fp32, streamed)."""
+    return StageCost(name).add("add + forward", HOP_CYCLES + ROUTER_TO_PE_CYCLES + chunk)
+
+
+# --- Attention -------------------------------------------------------------------------------------
+
+
+def attention_cost(
+    tiling: AttentionTiling,
+    arch: Arch | str,
+    dtype: str,
+    positions: int | None = None,
+    name: str = "attention",
+) -> StageCost:
+    """One decode item attending to `positions` cached positions (default: the whole context).
+
+    1. q of a head group enters the group's rows and is multicast over its block (every PE needs all
+       of q); k and v follow on the same lanes and are kept by the PE that owns the new position, which
+       meanwhile works on its older positions (only the excess over that work delays it).
+    2. each PE, per head (wafer_gpt2/kernels/pe/attention.csl `local_partials`): the scores of all its positions
+       as one @map over the head dimension (K stored transposed: step d adds q_d * K^T[d, :], ppp
+       FMACs), exp per visible position, then the exp-weighted V as one @map over the visible
+       positions (step j adds e_j * V[j, :], head_dim FMACs): both `map_fmac_cycles`.
+    3. log-sum-exp merge of (max, sum, acc[hpp * head_dim]) along the whole chain (wafer_gpt2/kernels/pe/
+       attention.csl merges every PE, an empty one as (-inf, 0, 0)) with synchronous DSD operations:
+       a step is the read of the predecessor's (m, l), started before they arrive, one exp per head
+       (the side with the greater max keeps a factor of 1) and the start of the merged (m, l)'s
+       send; then the incoming acc streams in and on, folded with one FMAC per word. two_level: the
+       runs merge at the same time, then the runs' ends merge theirs, a second pass of the record,
+       each link as many hops as the direct route between them (`_run_end_links`). two_sided: every
+       chain of the two levels meets in its middle (`merge_level_cycles`).
+    4. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV, the output
+       multiplied by it as it leaves (wafer_gpt2/kernels/comm/gather.csl send_scaled).
+    """
+    arch = resolve_arch(arch)
+    positions = tiling.context if positions is None else max(1, min(positions, tiling.context))
+    macs = arch.macs_per_cycle(dtype)
+    width, _ = tiling.grid_wh
+    hpp, dim = tiling.heads_per_pe, tiling.head_dim
+    local = min(tiling.positions_per_pe, positions)
+    per_position = hpp * (2 * ceil_div(dim, macs) + EXP_CYCLES)
+    cost = StageCost(name)
+    cost.add("q multicast", stream_cycles(hpp * dim, (width - 1) + (tiling.fold - 1)))
+    cost.add("k/v to the owner (not hidden)", max(0, 2 * hpp * dim - (local - 1) * per_position))
+    # The scores' @map runs over all positions_per_pe (its K^T register steps a whole row per step);
+    # the later steps see only the visible ones.
+    cost.add("scores q.k", hpp * map_fmac_cycles(dim, tiling.positions_per_pe, macs) + TASK_ACTIVATION_CYCLES)
+    cost.add("exp", local * hpp * EXP_CYCLES)
+    cost.add("weighted V", hpp * map_fmac_cycles(local, dim, macs))
+    step = hpp * EXP_CYCLES + DSD_OP_START_CYCLES
+    record = hpp * (dim + 2)
+    kind, runs = tiling.reduction, tiling.runs()
+    link = HOP_CYCLES + ROUTER_TO_PE_CYCLES + step
+    merge = merge_level_cycles(kind, [link] * (len(runs[0]) - 1), step, record)
+    if len(runs) > 1:
+        ends = [hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step for hops in _run_end_links(tiling)]
+        merge += merge_level_cycles(kind, ends, step, record)
+    cost.add(f"LSE {tiling.reduction} merge", merge)
+    # 1/l per head; acc * (1/l) is made as the output leaves (one @fmuls into the fabric per head, each
+    # after the previous one's task).
+    cost.add("1 / sum", hpp * RSQRT_CYCLES + (hpp - 1) * (TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES))
+    # The PE that ends the merge sends the group's output to its O rows (a multicast over them).
+    cost.add("to the O rows", stream_cycles(hpp * dim, width - 1 + tiling.fold - 1))
+    return cost
+
+
+def merge_level_cycles(kind: str, links: list[int], step: int, record: int) -> int:
+    """One level of attention's log-sum-exp merge over len(links) + 1 PEs (wafer_gpt2/kernels/pe/attention.csl):
+    links[i] (hops, ramp and the receiver's step) between member i and i + 1, then one pass of the
+    `record`. chain and two_level: one chain. two_sided: the chains from both ends meet at index
+    members // 2 (wafer_gpt2.core.tiling.meeting_index); the meeting PE takes the far side's chain first, then
+    the near side's (whose step waits for the far record if that is still streaming), one record each."""
+    if not links:
+        return 0
+    if kind != "two_sided":
+        return sum(links) + record
+    near = meeting_index(len(links) + 1)
+    if near == len(links):
+        return sum(links) + record
+    return max(sum(links[:near]), sum(links[near:]) + record + step) + record
+
+
+def _run_end_links(tiling: AttentionTiling) -> list[int]:
+    """Hops between consecutive runs' ends (two_sided: their meeting PEs) of an attention chain, which
+    wafer_gpt2/codegen/build.py links by direct routes: the snake runs along rows of ceil(chain / fold)
+    PEs, every other row backwards, so ends a row apart can sit one hop apart."""
+    ends = [
+        run[meeting_index(len(run))] if tiling.reduction == "two_sided" else run[-1] for run in tiling.runs()
+    ]
+    spots = [tiling.snake(p) for p in ends]
+    return [abs(a[0] - b[0]) + abs(a[1] - b[1]) for a, b in pairwise(spots)]
+
+
+@lru_cache(maxsize=4096)
+def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> AttentionTiling:
+    """The attention tiling the model finds fastest: chain, two_level or two_sided (attention.csl's
+    merge implements all three), each with its best run length."""
+    options = [
+        AttentionTiling(**{**vars(tiling), "reduction": kind, "group": group})
+        for kind, group in reduction_options(tiling.chain)
+    ]
+    options += [
+        AttentionTiling(**{**vars(tiling), "reduction": "two_sided", "group": group})
+        for kind, group in [("chain", 0), *reduction_options(tiling.chain)[1:]]
+    ]
+    return min(options, key=lambda t: attention_cost(t, arch, dtype).cycles)
+
+
+# --- Head: final LayerNorm is priced by norm_cost; here the LM head GEMV, top-k and log-sum-exp -----
+
+
+def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "head") -> StageCost:
+    """logits = h @ wte^T, then on the last PE of every output column: (max, sum of exp) over its
+    tile_n logits and its local top-k; the (top-k ids, top-k logits, max, sum, target) records are
+    merged across the columns (chain, or two_level), in the direction ln_f's output travels, and the
+    result leaves for the output port."""
+    arch = resolve_arch(arch)
+    # ln_f's output reaches the columns one after another along the strip, and the merge runs the same
+    # way (wafer_gpt2/plan/geometry.py strip_rects): a column's input arrives HOP_CYCLES after its
+    # neighbour's, and the merge reaches it at least a link and a root's lag later, so only the first
+    # column's input is on the path.
+    first_column = ("input to the merge's first column", HOP_CYCLES + ROUTER_TO_PE_CYCLES)
+    cost = gemv_cost(tiling.gemv, arch, dtype, name=name, input_phase=first_column, epilogue=False)
+    g, k = tiling.gemv, tiling.top_k
+    cost.add("local max + min", g.tile_n * TOPK_SCAN_CYCLES)
+    top = local_topk_cycles(g.tile_n, k)
+    if tiling.exp_pes <= 1:
+        cost.add("exp-sum + histogram", g.tile_n * (EXP_CYCLES + TOPK_BIN_CYCLES))
+        cost.add("local top-k", top)
+    else:
+        own = DSD_OP_START_CYCLES + g.tile_n * TOPK_BIN_CYCLES + tiling.exp_slice * EXP_CYCLES
+        cost.add(f"histogram + exp-sum of 1/{tiling.exp_pes}", own)
+        cost.add("local top-k", top)
+        wait = shared_exp_wait(g.tile_n, tiling.exp_pes, own + top)
+        cost.add(f"exp-sums of {tiling.exp_pes - 1} PEs in", wait)
+    cost.add(f"top-k/LSE {tiling.merge} merge", head_merge_cycles(tiling))
+    return cost
+
+
+def head_merge_cycles(tiling: HeadTiling) -> int:
+    """The records' merge across the head's columns: a chain, or the runs at the same time and then
+    the chain of their ends once every run's record is complete."""
+    cols, k = tiling.gemv.cols, tiling.top_k
+    if tiling.merge == "chain" or not 1 < tiling.merge_group < cols:
+        return stream_merge_cycles(k, cols - 1, 1)
+    run = tiling.merge_group
+    return stream_merge_cycles(k, run - 1, 1) + stream_merge_cycles(k, ceil_div(cols, run) - 1, run)
+
+
+# Combining two (max, sum of exps) pairs (wafer_gpt2/kernels/lib/topk.csl `add_pair`): one exp, and a compare,
+# a multiply, an add and the choice of the greater max.
+LSE_PAIR_CYCLES = EXP_CYCLES + 4
+
+
+@lru_cache(maxsize=4096)  # pure, and priced for every candidate of the search
+def shared_exp_wait(tile_n: int, pes: int, root_busy: int) -> int:
+    """A head root whose column's sum of exps is shared by the last `pes` PEs of its K-line
+    (wafer_gpt2/kernels/pe/head.csl): from the stream of the others' slices starting (the root meanwhile works
+    for `root_busy` cycles: its histogram, its own slice's exps, its top-k) to their sums being in its
+    record. PE j of the others (0 the farthest) gets its slice as in `epilogue_cycles` (a PE that
+    passes words on reads its own a task and a DSD operation later), then a task, the slice's max and
+    exps; PE 0 sends (max, sum) on the GEMV reduction's link, every later PE reads the incoming pair
+    (a task), combines it with its own and sends the result on; the root reads the last pair and adds
+    it, rescaled to its column max."""
+    part = tile_n // pes
+    incoming = 0
+    for j, kept in enumerate(_scattered(pes, part, DSD_OP_START_CYCLES)):
+        own = kept + TASK_ACTIVATION_CYCLES + part * (TOPK_SCAN_CYCLES + EXP_CYCLES)
+        sent = own if j == 0 else max(own, incoming) + TASK_ACTIVATION_CYCLES + LSE_PAIR_CYCLES
+        incoming = sent + DSD_OP_START_CYCLES + _RELAY + 1  # the pair's two words, a link on
+    return max(0, incoming - root_busy) + TASK_ACTIVATION_CYCLES + LSE_PAIR_CYCLES
+
+
+def exp_options(gemv: GemvTiling) -> list[int]:
+    """The exp_pes the head program implements: 1, and over a chain reduction (whose links carry the
+    (max, sum) pairs back) every divisor of tile_n up to the K-line's length."""
+    if gemv.reduction != "chain":
+        return [1]
+    return _sharing_options(gemv.tile_n, gemv.rows)
+
+
+def stream_merge_cycles(k: int, steps: int, hops: int) -> int:
+    """A chain of `steps` merging roots `hops` apart (wafer_gpt2/kernels/lib/topk_merge.csl), from the first
+    root's record leaving to the last root holding the merged one. The first root emits its record as
+    one block; every later root emits its first block BLOCK_LAG_CYCLES after its input's first entry
+    arrives (`first`), its last at most STREAM_ENTRY_CYCLES per further entry after that and never
+    before its input's last has arrived (`last`: the worst case, every entry taken from the input),
+    and its tail once its entries are out and its input's tail has arrived (`tail`)."""
+    hop = hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES
+    first = DSD_OP_START_CYCLES + 2
+    last = DSD_OP_START_CYCLES + 2 * k
+    tail = last + TAIL_EMIT_CYCLES
+    if steps <= 0:
+        return tail
+    # The recurrence in closed form (the planner prices thousands of chains): per root `first` and
+    # `last` grow by hop + BLOCK_LAG_CYCLES, and a tail by at least hop + its own work, whose longest
+    # path leaves the entries' line at the last root (or the first, were a tail slower than a block).
+    tail_work = TAIL_COMBINE_CYCLES + TAIL_EMIT_CYCLES
+    entries = max(first + max(k - MERGE_BLOCK, 0) * STREAM_ENTRY_CYCLES, last)  # `last` minus the lags
+    leave = steps if BLOCK_LAG_CYCLES >= tail_work else 1
+    return max(
+        tail + steps * (hop + tail_work),
+        entries + tail_work + steps * (hop + tail_work) + leave * (BLOCK_LAG_CYCLES - tail_work),
+    )
+
+
+def kept_logits(n: int, k: int) -> float:
+    """Logits a column keeps after its histogram (wafer_gpt2/kernels/lib/topk.csl): the bins up to the one that
+    reaches k, so k and about half a bin more (logits spread evenly over the bins: a data assumption)."""
+    return float(n) if n <= k else min(float(n), k + n / TOPK_BINS / 2)
+
+
+@lru_cache(maxsize=4096)  # pure, and priced for every candidate of the search
+def local_topk_cycles(n: int, k: int) -> int:
+    """A column's k best of its n logits, best first, as wafer_gpt2/kernels/lib/topk.csl selects them after the
+    exp-sum pass has counted the histogram: the bins' first slots, the placement pass, the insertion
+    sort (inversions only between logits of one bin: n / BINS per bin in random order), the copy into
+    the record. The heap it falls back to (a column with an infinite logit) is not priced."""
+    kept = kept_logits(n, k)
+    per_bin = n / TOPK_BINS
+    inversions = kept * max(0.0, per_bin - 1) / 4
+    return int(
+        3 * TOPK_BINS
+        + n * TOPK_BIN_CYCLES
+        + kept * TOPK_KEEP_CYCLES
+        + inversions * TOPK_INVERSION_CYCLES
+        + k * TOPK_COPY_CYCLES
+    )
+
+
+@lru_cache(maxsize=4096)
+def best_head(tiling: HeadTiling, arch: Arch | str, dtype: str) -> HeadTiling:
+    """The head tiling (its GEMV's reduction, the merge across columns) the model finds fastest. At most
+    one of the two is two-level: a root PE also takes requests, embedding chunks and its lane, and
+    WSE-3 leaves a program six input queues (wafer_gpt2/kernels/pe/head.csl)."""
+    best = best_gemv_reduction(tiling.gemv, arch, dtype)
+    chain = GemvTiling(**{**vars(tiling.gemv), "reduction": "chain", "group": 0})
+    options = [HeadTiling(**{**vars(tiling), "gemv": best, "merge": "chain", "merge_group": 0})]
+    options += [
+        HeadTiling(**{**vars(tiling), "gemv": chain, "merge": kind, "merge_group": group})
+        for kind, group in reduction_options(tiling.gemv.cols)
+        if kind == "two_level"
+    ]
+    # The columns' own work and their merge add up: the columns' part (with the sharing of the exps)
+    # is priced once per GEMV, the merge per option.
+    columns: dict[GemvTiling, tuple[int, int]] = {}  # exp_pes, cycles before the merge
+    for t in options:
+        if t.gemv not in columns:
+            shared = HeadTiling(**{**vars(t), "exp_pes": _best_exp_pes(t, arch, dtype)})
+            columns[t.gemv] = (
+                shared.exp_pes,
+                head_cost(shared, arch, dtype).cycles - head_merge_cycles(shared),
+            )
+    best_option = min(options, key=lambda t: columns[t.gemv][1] + head_merge_cycles(t))
+    return HeadTiling(**{**vars(best_option), "exp_pes": columns[best_option.gemv][0]})
+
+
+def _best_exp_pes(tiling: HeadTiling, arch: Arch | str, dtype: str) -> int:
+    options = [HeadTiling(**{**vars(tiling), "exp_pes": pes}) for pes in exp_options(tiling.gemv)]
+    return min(options, key=lambda t: head_cost(t, arch, dtype).cycles).exp_pes
+
+
+def route_cost(words: int, hops: int, name: str) -> StageCost:
+    """A hand-off of `words` words over `hops` routers (a bus on one color)."""
+    return StageCost(name).add("route", stream_cycles(words, hops))
+
+
+def standalone_gemv_cost(arch: Arch | str, rows: int, cols: int, k: int, n: int, dtype: str) -> StageCost:
+    """The `cost gemv` command: one GEMV on a rows x cols grid (rows PEs along K), the input chunks
+    injected at the grid's edge, the outputs leaving the far edge; the reduction (chain, or two_level
+    with its best run length) is the one the model finds fastest. The stage name says which."""
+    tiling = best_gemv_reduction(GemvTiling(k, n, rows, cols), resolve_arch(arch), dtype)
+    how = tiling.reduction + (f", runs of {tiling.group}" if tiling.reduction == "two_level" else "")
+    cost = gemv_cost(tiling, arch, dtype, name=f"{how} reduction")
+    cost.phases = {"input injection": ROUTER_TO_PE_CYCLES + tiling.tile_k, **cost.phases}
+    return cost

@@ -1,0 +1,238 @@
+"""How one operation is cut into per-PE pieces: the shared vocabulary of plan, cost, sim and CSL.
+
+A tiling says what each PE of a region holds and in what order partial results are combined.
+The planner chooses tilings (`wafer_gpt2.plan`), the cost model prices them (`wafer_gpt2.core.cost`), the
+simulator executes them (`wafer_gpt2.sim`) and the CSL programs (`wafer_gpt2/kernels/`) receive them as params.
+
+Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
+- GEMV `y[N] = x[K] @ W[K, N]`: the region has `rows` PEs along the reduction (K) axis and `cols`
+  along the output (N) axis. PE (r, c) holds W[r*tile_k:(r+1)*tile_k, c*tile_n:(c+1)*tile_n]
+  (zero-padded at the ragged edge). With `n_split` = s > 1 (c_attn: s = 3 for q | k | v) N is s equal
+  segments and output column c holds the c-th slice of every segment, so one column carries q, k and v
+  of the same heads: `column_order()` lists the N index of every tiled output (-1 for padding).
+  The input chunk x[r*tile_k:...] is multicast to every PE of reduction index r; partial sums are
+  combined over r in one of two orders (`reduction`, `group`; see "Reductions" below).
+  `orientation` says which fabric axis is the K axis: "k_along_y" puts r on y (rows of PEs) and c
+  on x, "k_along_x" the transpose. Consecutive GEMVs
+  alternate orientation, so the output of one leaves along the axis the next one takes as input.
+- Attention for one layer: `head_groups` PEs across heads, `chain` PEs along positions. PE (g, p)
+  holds K and V of heads [g*heads_per_pe, ...) for positions [p*positions_per_pe, ...) of every slot.
+  Per-PE partial (max, sum, weighted V) are merged with log-sum-exp over p, in the order of
+  `reduction` and `group`. On the fabric a head group's chain is folded
+  into `fold` rows of `chain // fold` PEs (row-major, snake order), so the region is
+  (chain // fold) x (head_groups * fold) PEs.
+- LayerNorm over C values: `pes` PEs each hold `chunk` values. One pass: every PE's sums of x and
+  x^2 are combined over the PEs (`reduction`, `group`) into mean and variance, then every PE
+  normalises its chunk. `axis` is the fabric axis the strip lies along. A strip that does not
+  `normalise` only passes x on: the GEMV it feeds has the LayerNorm folded in (`GemvTiling.norm_fold`).
+- A GEMV with `norm_fold` computes LayerNorm(x) @ W + b from the raw x: its weights are diag(g) @ W
+  (the LayerNorm's gain folded in), each PE adds its chunk's sums of x and x^2 to its partial sums as
+  two more words of the reduction, and the PE that ends a column's reduction finishes
+  y = (s - mean * colsum(diag(g) @ W)) * rstd + (b + beta @ W).
+- Head: the LM head is a GEMV with K = C, N = vocab on `wte` transposed; each output column of PEs
+  also keeps its local top-k and (max, sum-exp) which are merged across the columns (`merge`,
+  `merge_group`).
+
+Reductions: n partials, indices 0 .. n-1, are combined in one of these orders, each needing two
+colors per level, so every input queue serves one color (wafer_gpt2/kernels/comm):
+- "chain": ((p0 + p1) + p2) + ... : index i adds what index i-1 sends and passes the sum on.
+- "two_level" with `group` = g: the indices split into runs of g (the last may be shorter), each run
+  chains to its last index at the same time as the others, then those ends chain in run order:
+  S_j = chain of run j, total = ((S_0 + S_1) + S_2) + ... . About g + n/g steps instead of n.
+- "two_sided" with `group` = g (attention's merge only, wafer_gpt2/kernels/pe/attention.csl): the runs of
+  "two_level" (one run when g is 0 or >= n), but every chain meets in its middle: index r = len // 2
+  of a run (`meeting_index`) ends the chain of indices 0 .. r and receives the chain r+1 .. from the
+  far end, total = chain(0 .. r) + chain(len-1 down to r+1); the runs' results meet the same way at
+  run len(runs) // 2. Half the steps of "two_level", plus one step and one pass of the record at each
+  meeting PE. The result ends on the meeting PE of the middle run, not on index n-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Orientation = Literal["k_along_y", "k_along_x"]
+Reduction = Literal["chain", "two_level", "two_sided"]
+REDUCTIONS = ("chain", "two_level", "two_sided")
+Axis = Literal["x", "y"]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def reduction_runs(n: int, reduction: str, group: int) -> list[range]:
+    """The runs of indices that are combined first (one run for a chain); their results then combine
+    in run order (two_level) or meeting in the middle (two_sided)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}")
+    if reduction == "chain" or group <= 0 or group >= n:
+        return [range(n)]
+    return [range(start, min(start + group, n)) for start in range(0, n, group)]
+
+
+def meeting_index(length: int) -> int:
+    """two_sided: the index of a run of `length` (or of the list of runs) where its two chains meet:
+    the chain from the near end is never the shorter one."""
+    return length // 2
+
+
+def allreduce_root(n: int) -> int:
+    """The index of a line of n PEs that ends an all-reduce (comm/allreduce.csl): the PEs 0 .. root
+    reduce towards it and the PEs n-1 down to root + 1 towards root + 1 at the same time, which hands
+    its sum on to the root; the root's sum is broadcast both ways. In the middle, so both halves and
+    both broadcast legs are about n/2 PEs long."""
+    return max(n - 1, 0) // 2
+
+
+def allreduce_halves(n: int) -> tuple[list[int], list[int]]:
+    """The two lines of an all-reduce over n PEs, each in its reduction order: 0 .. root, and
+    n-1 down to root + 1 (empty for one PE)."""
+    root = allreduce_root(n)
+    return list(range(root + 1)), list(range(n - 1, root, -1))
+
+
+@dataclass(frozen=True)
+class GemvTiling:
+    k: int
+    n: int
+    rows: int  # PEs along K (the reduction axis)
+    cols: int  # PEs along N
+    orientation: Orientation = "k_along_y"
+    reduction: Reduction = "chain"
+    n_split: int = 1  # N = n_split equal segments; column c holds slice c of each (q | k | v)
+    group: int = 0  # two_level only: reduction indices per first-level run
+    # PEs at the end of every K-line that share the epilogue (fc's GELU): the last one scatters
+    # slices back along the line, each applies the epilogue to its slice, a gather line sends them out
+    # (epilogue_pes divides tile_n)
+    epilogue_pes: int = 1
+    norm_fold: bool = False  # the LayerNorm before this GEMV is folded in (module docstring)
+
+    @property
+    def tile_k(self) -> int:
+        return ceil_div(self.k, self.rows)
+
+    @property
+    def segment_tile(self) -> int:
+        """Outputs of one segment held by one column (tile_n when n_split == 1)."""
+        return ceil_div(self.n // self.n_split, self.cols)
+
+    @property
+    def tile_n(self) -> int:
+        if self.n_split == 1:
+            return ceil_div(self.n, self.cols)
+        return self.n_split * self.segment_tile
+
+    def column_order(self) -> list[int]:
+        """The N index of output j of column c at position c * tile_n + j; -1 where zero-padded."""
+        if self.n_split == 1:
+            return [i if i < self.n else -1 for i in range(self.cols * self.tile_n)]
+        seg, st = self.n // self.n_split, self.segment_tile
+        order: list[int] = []
+        for c in range(self.cols):
+            for s in range(self.n_split):
+                order.extend(s * seg + i if i < seg else -1 for i in range(c * st, (c + 1) * st))
+        return order
+
+    @property
+    def pes(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def grid_wh(self) -> tuple[int, int]:
+        """(w, h) of the rectangle on the fabric."""
+        return (self.cols, self.rows) if self.orientation == "k_along_y" else (self.rows, self.cols)
+
+    def runs(self) -> list[range]:
+        return reduction_runs(self.rows, self.reduction, self.group)
+
+
+@dataclass(frozen=True)
+class AttentionTiling:
+    n_head: int
+    head_dim: int
+    slots: int
+    context: int
+    head_groups: int
+    chain: int
+    fold: int = 1  # fabric rows per head group (the chain folded in a snake)
+    reduction: Reduction = "chain"  # how the per-PE (max, sum, acc) partials are merged along p
+    group: int = 0  # two_level only
+
+    @property
+    def heads_per_pe(self) -> int:
+        return ceil_div(self.n_head, self.head_groups)
+
+    @property
+    def positions_per_pe(self) -> int:
+        return ceil_div(self.context, self.chain)
+
+    @property
+    def pes(self) -> int:
+        return self.head_groups * self.chain
+
+    @property
+    def grid_wh(self) -> tuple[int, int]:
+        return (ceil_div(self.chain, self.fold), self.head_groups * self.fold)
+
+    def runs(self) -> list[range]:
+        return reduction_runs(self.chain, self.reduction, self.group)
+
+    def snake(self, p: Any) -> tuple[Any, Any]:
+        """(along, row) of chain index p (an int or an integer array) in its head group's rows: the
+        chain runs along rows of ceil(chain / fold) PEs, every other row backwards."""
+        row_len = ceil_div(self.chain, self.fold)
+        row, step = p // row_len, p % row_len
+        return step + (row % 2) * (row_len - 1 - 2 * step), row
+
+
+@dataclass(frozen=True)
+class NormTiling:
+    dim: int
+    pes: int
+    reduction: Reduction = "chain"  # how the per-PE sums (of x and of x^2, one pass) are combined
+    axis: Axis = "x"  # the fabric axis the strip of PEs lies along
+    group: int = 0  # two_level only
+    normalise: bool = True  # False: the strip passes x on to a GEMV with the LayerNorm folded in
+
+    @property
+    def chunk(self) -> int:
+        return ceil_div(self.dim, self.pes)
+
+    @property
+    def grid_wh(self) -> tuple[int, int]:
+        return (self.pes, 1) if self.axis == "x" else (1, self.pes)
+
+    def runs(self) -> list[range]:
+        return reduction_runs(self.pes, self.reduction, self.group)
+
+    def halves(self) -> tuple[list[int], list[int]]:
+        """The all-reduce's two lines of strip indices (`allreduce_halves`)."""
+        return allreduce_halves(self.pes)
+
+
+@dataclass(frozen=True)
+class HeadTiling:
+    vocab: int
+    dim: int
+    gemv: GemvTiling  # K = dim, N = vocab
+    top_k: int = 64
+    merge: Reduction = "chain"  # how the per-column (top-k, max, sum-exp) are merged across columns
+    merge_group: int = 0  # two_level only: columns per first-level run
+    # PEs at the end of every K-line that share a column's sum of exps: the root sends the others
+    # their slices of the logits, each sums its slice's exps against its own max, and the (max, sum)
+    # pairs chain back to the root over the GEMV reduction's links (a chain reduction only)
+    exp_pes: int = 1
+
+    @property
+    def exp_slice(self) -> int:
+        """Logits of a column each of the exp_pes PEs sums (exp_pes divides tile_n)."""
+        return self.gemv.tile_n // self.exp_pes
+
+    @property
+    def pes(self) -> int:
+        return self.gemv.pes
+
+    def merge_runs(self) -> list[range]:
+        return reduction_runs(self.gemv.cols, self.merge, self.merge_group)

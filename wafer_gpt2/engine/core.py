@@ -1,0 +1,574 @@
+"""The engine core: synchronous continuous batching over one backend (vLLM's `LLMEngine`).
+
+`add` queues a request, `step` runs one step (drop cancelled and timed-out requests, admit waiting ones
+into free KV slots, run the decode items of running requests and the prompt chunks of new ones
+together, sample, detokenize, check stops) and returns the events it produced, `abort` ends a request at
+the next step boundary. A request created with an event loop (the server's) gets its events on that
+loop's queue instead. Every decode loop in the tree drives it: the server's worker thread
+(`wafer_gpt2/engine/worker.py`, which adds the thread, reload, drain, watchdog and fault hooks), `wafer-gpt2
+generate` and the benchmarks.
+
+Not thread-safe: the worker calls it under its own lock, and runs the backend's step (`execute`)
+outside it so that requests can arrive and the watchdog can act while the wafer computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from wafer_gpt2.core.steps import Backend, BackendError, StepItem, TokenScores
+from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
+from wafer_gpt2.engine.failures import RequestFailed, RequestTimedOut, RequestValidationFailed, ServiceError
+from wafer_gpt2.engine.kv_slots import KVSlotManager
+from wafer_gpt2.engine.metrics import ServiceMetrics
+from wafer_gpt2.engine.request import (
+    Alternative,
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    PromptToken,
+    RequestState,
+    RequestStatus,
+    TokenEvent,
+    deliver,
+    generated_token_of,
+    token_event_of,
+)
+from wafer_gpt2.engine.sampling import Sampler, greedy_batch
+from wafer_gpt2.engine.scheduler import Scheduler, StepBatch
+
+log = logging.getLogger(__name__)
+
+REQUEST_FAILED_MESSAGE = (
+    "the server could not choose or decode the next token of this request, which was ended; "
+    "other requests are not affected (the server log has the details)"
+)
+
+Output = tuple[RequestState, Event]  # an event and the request it belongs to
+
+
+@dataclass(frozen=True)
+class TokenizerHooks:
+    """What the engine needs from the tokenizer: bytes per token, and which ids are special."""
+
+    token_bytes: Callable[[int], bytes]
+    eos_token_id: int
+    special_names: dict[int, str]
+    vocab_size: int | None = None  # ids at or above it are unknown to the tokenizer: never emitted
+    # A token's text when its bytes are whole UTF-8 characters, else None: the detokenizer's fast path.
+    token_text: Callable[[int], str | None] | None = None
+
+
+def gpt2_tokenizer_hooks() -> TokenizerHooks:
+    """The hooks of GPT-2's tokenizer (`wafer_gpt2.model.tokenizer`), as the server's engine uses them."""
+    from wafer_gpt2.model import tokenizer
+
+    return TokenizerHooks(
+        token_bytes=tokenizer.token_bytes,
+        eos_token_id=tokenizer.EOT_ID,
+        special_names={tokenizer.EOT_ID: tokenizer.EOT_TEXT},
+        vocab_size=tokenizer.VOCAB_SIZE,
+        token_text=tokenizer.whole_token_texts().__getitem__,
+    )
+
+
+def _wanted(scores: TokenScores | None) -> TokenScores:
+    """An item's scores where the item wanted them (a decode item, a prompt's last or scored token)."""
+    if scores is None:
+        raise BackendError("the backend returned no scores for an item that wanted them")
+    return scores
+
+
+def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> tuple[Alternative, ...]:
+    """The n best candidates the wafer returned that the tokenizer knows, with the model's logprobs."""
+    if n <= 0:
+        return ()
+    known = (
+        Alternative(int(token), scores.logprob(logit))
+        for token, logit in zip(scores.topk_ids, scores.topk_logits, strict=True)
+        if vocab_size is None or token < vocab_size
+    )
+    return tuple(itertools.islice(known, n))
+
+
+class EngineCore:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: TokenizerHooks,
+        max_queue: int,
+        step_token_budget: int,
+        metrics: ServiceMetrics | None = None,
+    ):
+        self._tokenizer = tokenizer
+        self._max_queue = max_queue
+        self._step_token_budget = step_token_budget
+        self.metrics = metrics if metrics is not None else ServiceMetrics("wafer-gpt2")
+        self.steps = 0
+        self._outputs: list[Output] = []
+        # Events for requests served on an event loop, handed over once per step (one thread-safe call
+        # per loop per step instead of one per token): what `_flush` sends.
+        self._pending: dict[asyncio.AbstractEventLoop, list[Output]] = {}
+        # Overlap (issue 18): with `finish(defer=True)` a chosen token whose request cannot end on its
+        # text (no stop sequences) is only recorded; the rest (detokenizing, the event, the metrics, the
+        # end) is `complete_deferred`'s, which the worker runs while the backend computes the next step.
+        self._deferring = False
+        self._deferred: list[tuple[RequestState, TokenScores, int, float, float]] = []
+        self._backend_busy = False  # a step is running: slots freed now reach the backend after it
+        self._free_later: list[int] = []
+        self._tokens_uncounted = 0  # generated tokens not yet added to the metrics' counter (`_flush`)
+        # Token latencies (first token, later ones) not yet in the histograms: observed at `_flush`, in bulk.
+        self._latencies: tuple[list[float], list[float]] = ([], [])
+        self._gauged: tuple | None = None  # what the gauges were last set from (`record_gauges`)
+        self.backend: Backend | None = backend
+        self.scheduler: Scheduler = self._new_scheduler(backend)
+        self.record_gauges()
+
+    # ----- the backend ----------------------------------------------------------------------------
+
+    def attach(self, backend: Backend) -> None:
+        """Serve on `backend` (a fresh one after a reload): fresh KV slots, the queue kept."""
+        scheduler = self._new_scheduler(backend)
+        scheduler.waiting.extend(self.scheduler.waiting)
+        self.backend, self.scheduler = backend, scheduler
+        self._free_later = []  # slots of the old backend
+        self.record_gauges()
+
+    def _new_scheduler(self, backend: Backend) -> Scheduler:
+        slots = KVSlotManager(backend.num_slots, backend.context_length)
+        return Scheduler(slots, self._max_queue, max(self._step_token_budget, slots.num_slots))
+
+    def detach(self) -> Backend | None:
+        """Stop using the backend (it failed or hangs): requests that end now free no wafer slot."""
+        backend, self.backend = self.backend, None
+        return backend
+
+    # ----- requests --------------------------------------------------------------------------------
+
+    def new_request(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None, stream: bool = True
+    ) -> RequestState:
+        """A request's engine state (not yet queued); `loop`: the event loop its events go to; `stream`
+        False: its handler waits for the final event only, so no token events are sent to the loop."""
+        return RequestState(
+            stream=stream,
+            request=request,
+            detokenizer=IncrementalDetokenizer(
+                self._tokenizer.token_bytes,
+                request.stop_sequences,
+                request.include_stop_str_in_output,
+                self._tokenizer.token_text,
+            ),
+            sampler=Sampler(request.sampling, vocab_size=self._tokenizer.vocab_size),
+            loop=loop,
+        )
+
+    def add(self, request: GenerationRequest | RequestState) -> RequestState:
+        """Queue a request (Overloaded when the queue is full)."""
+        state = request if isinstance(request, RequestState) else self.new_request(request)
+        needed = state.request.tokens_needed
+        if not self.scheduler.slots.fits(needed):  # the API checked; never trust twice
+            raise RequestValidationFailed(
+                f"the request needs {needed} KV positions; a slot holds {self.scheduler.slots.context_length}"
+            )
+        self.scheduler.add(state)
+        self.metrics.record_arrival(len(state.request.prompt_ids))
+        self.record_gauges()
+        return state
+
+    def abort(self, state: RequestState) -> None:
+        """The client went away: the request leaves at the next step boundary (its slot with it)."""
+        if state.status is RequestStatus.FINISHED:
+            return
+        state.cancelled = True
+        state.cancelled_at_step = self.steps
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ----- one step --------------------------------------------------------------------------------
+
+    def step(self) -> list[Output]:
+        """Schedule, run and apply one step; the events it produced (none when there is no work)."""
+        batch = self.schedule()
+        if not batch.items:
+            return self.take_outputs()
+        try:
+            results = self.execute(batch)
+        except BaseException:
+            self._step_returned(batch)  # not run: its requests may be stepped again (a caller may retry)
+            raise
+        return self.finish(batch, results)
+
+    def schedule(self) -> StepBatch:
+        """At a step boundary: drop cancelled and timed-out requests, admit waiting ones, batch (the
+        requests with no item in a step still in flight: a `PipelinedBackend` may run several)."""
+        self.release_slots()  # no step runs now: slots of requests that ended during one go free
+        self._reap()
+        self.scheduler.admit()
+        batch = self.scheduler.build_step()
+        self.record_gauges()
+        self._flush()
+        if not batch.items:  # idle: the figures queued for the metrics go in now, not at the next render
+            self.metrics.fold()
+        return batch
+
+    def execute(self, batch: StepBatch, backend: Backend | None = None) -> list[TokenScores | None]:
+        """Run the batch on the backend. The worker calls this outside its lock, naming the backend it
+        took under the lock (the watchdog may detach it meanwhile)."""
+        runner = backend or self.backend
+        if runner is None:  # detached (failed or hung) and the caller named none
+            raise BackendError("no backend is attached to run the step")
+        started = time.monotonic()
+        results = runner.step(batch.items)
+        self.metrics.record_step(time.monotonic() - started, len(batch))
+        return results
+
+    def finish(
+        self, batch: StepBatch, results: list[TokenScores | None], defer: bool = False
+    ) -> list[Output]:
+        """Apply a step's results: sample, detokenize, check stops; the events produced since the last
+        call (including those of requests that ended at the boundary). `defer`: leave what the next step
+        does not need to `complete_deferred` (the worker runs it while the backend computes)."""
+        self.steps += 1
+        self._deferring = defer
+        try:
+            self._apply(batch, results)
+        finally:
+            self._deferring = False
+        self.record_gauges()
+        self._flush()
+        return self.take_outputs()
+
+    def complete_deferred(self, backend_busy: bool = False) -> bool:
+        """Finish the tokens `finish(defer=True)` only chose: detokenize, emit, end the requests whose
+        token ended them. `backend_busy`: a step may run meanwhile, so freed slots reach the backend only
+        at the next `schedule` (backends are not thread-safe). False when there was nothing to do."""
+        if not self._deferred:
+            return False
+        deferred, self._deferred = self._deferred, []
+        self._backend_busy = backend_busy
+        try:
+            for state, scores, token, logprob, chosen_at in deferred:
+                if state.status is not RequestStatus.RUNNING:
+                    continue  # ended meanwhile (cancelled, timed out, failed): its token is dropped
+                try:
+                    self._complete(state, scores, token, logprob, chosen_at)
+                except Exception:
+                    self._request_failed(state)
+        finally:
+            self._backend_busy = False
+        self.record_gauges()
+        self._flush()
+        return True
+
+    @property
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
+
+    def release_slots(self) -> None:
+        """After a step: free on the backend the slots of requests that ended while it ran."""
+        slots, self._free_later = self._free_later, []
+        for slot in slots:
+            self._free_on_backend(slot, None)
+
+    def take_outputs(self) -> list[Output]:
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def end_all(self, error: ServiceError, states: Iterable[RequestState] | None = None) -> None:
+        """End requests with `error` (default: every queued and running one)."""
+        if states is None:
+            states = [*self.scheduler.running, *self.scheduler.waiting]
+        for state in list(states):
+            self._end(state, error=error)
+        self._flush()
+
+    def record_gauges(self) -> None:
+        """Set the queue and KV gauges, when they changed: this runs several times a step, and setting
+        eight gauges (a lock each) cost more than the step's bookkeeping for a few tokens (issue 18)."""
+        scheduler = self.scheduler
+        slots = scheduler.slots
+        state = (len(scheduler.waiting), len(scheduler.running), slots, *slots.counts())
+        if state == self._gauged:
+            return
+        self._gauged = state
+        self.metrics.record_scheduler_state(state[0], state[1], slots.usage())
+
+    # ----- inside a step boundary ------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for state in [*self.scheduler.running, *self.scheduler.waiting]:
+            if state.in_flight:
+                continue  # its step is still on the backend: it ends once that step is back
+            if state.cancelled:
+                self._end(state, error=None)
+                self.metrics.record_failure("cancelled")
+                self.metrics.wafer_cancel_latency_steps.observe(self.steps - state.cancelled_at_step)
+                continue
+            limit = state.request.timeout_s
+            if limit is not None and now > state.arrived_at + limit:  # `deadline`, once per request a step
+                self._end(state, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
+
+    def _apply(self, batch: StepBatch, results: list[TokenScores | None]) -> None:
+        self._step_returned(batch)
+        if len(results) != len(batch.items):
+            raise BackendError(f"the backend returned {len(results)} results for {len(batch.items)} items")
+        to_sample: list[tuple[RequestState, TokenScores]] = []  # at most one entry per request
+        running = RequestStatus.RUNNING
+        for item, scores, state in zip(batch.items, results, batch.owners, strict=True):
+            if state.status is not running:
+                continue  # it finished on an earlier item of this step
+            if scores is not None and item.position >= len(state.request.prompt_ids):
+                # A decode item (most of a step): `_apply_item`'s decode branch, without the call.
+                state.computed = item.position + 1
+                state.pending_token = None
+                to_sample.append((state, scores))
+                continue
+            try:
+                wanted = self._apply_item(item, scores, state)
+                if wanted is not None:
+                    to_sample.append((state, wanted))
+            except Exception:
+                self._request_failed(state)
+        # Plain-greedy requests choose together, in a few array operations for the whole step.
+        fast = [
+            state.sampler.plain_greedy and len(state.tokens) >= state.request.min_tokens
+            for state, _ in to_sample
+        ]
+        rows = [scores for (_, scores), greedy in zip(to_sample, fast, strict=True) if greedy]
+        try:
+            picks = iter(greedy_batch(rows, self._tokenizer.vocab_size))
+        except Exception:  # a malformed row: every request chooses alone (and fails alone)
+            picks = iter([None] * len(rows))
+        for (state, scores), greedy in zip(to_sample, fast, strict=True):
+            pick = next(picks) if greedy else None
+            try:
+                self._sample(state, scores, pick)
+            except Exception:
+                self._request_failed(state)
+
+    def _step_returned(self, batch: StepBatch) -> None:
+        """`batch` is off the backend: its requests may be stepped again, and the slots of those that
+        ended while it ran are free now, on the backend too."""
+        for slot in self.scheduler.step_returned(batch.owners):
+            self._free_on_backend(slot, None)
+
+    def _request_failed(self, state: RequestState) -> None:
+        # Choosing or detokenizing this request's token failed: a fault of this request (its
+        # parameters, its text), not of the wafer. It ends alone; the others and the model go on.
+        log.exception(
+            "request %s failed while its token was chosen or detokenized",
+            state.id,
+            extra={"request_id": state.id},
+        )
+        if state.status is not RequestStatus.FINISHED:
+            self._end(state, error=RequestFailed(REQUEST_FAILED_MESSAGE))
+
+    def _apply_item(
+        self, item: StepItem, scores: TokenScores | None, state: RequestState
+    ) -> TokenScores | None:
+        """One item's result: prompt logprobs while prefilling; the scores to choose the next token
+        from when the item was the prompt's last or a decode item (None otherwise)."""
+        state.computed = item.position + 1
+        prompt = state.prompt
+        if item.position < len(prompt):
+            request = state.request
+            if request.prompt_logprobs:
+                if item.position == 0:
+                    state.prefill.append(PromptToken(prompt[0], None))
+                if item.target is not None:
+                    scores = _wanted(scores)
+                    if scores.target_logit is None:
+                        raise BackendError("the backend returned no logit for a prompt token's target")
+                    logprob = scores.logprob(scores.target_logit)
+                    n = request.top_n_tokens if request.prompt_top_n is None else request.prompt_top_n
+                    ranks = np.flatnonzero(scores.topk_ids == item.target)
+                    rank = int(ranks[0]) + 1 if len(ranks) else None
+                    top = alternatives(scores, n, self._tokenizer.vocab_size)
+                    state.prefill.append(PromptToken(item.target, logprob, top, rank))
+            if item.position < len(prompt) - 1:
+                return None
+            if request.max_new_tokens == 0:
+                # Scoring (OpenAI echo with max_tokens 0): done with the prefill, no decode step.
+                self._end(state, finish=FinishReason.LENGTH)
+                return None
+        else:
+            state.pending_token = None
+        return _wanted(scores)
+
+    def _sample(
+        self, state: RequestState, scores: TokenScores, pick: tuple[int, float] | None = None
+    ) -> None:
+        """Choose the next token (`pick`: already chosen by `greedy_batch`), detokenize, check stops."""
+        token, logprob = pick if pick is not None else self._choose(state, scores)
+        chosen_at = time.monotonic()
+        request = state.request
+        if self._deferring and not request.stop_sequences:
+            # Only the id decides whether this request goes on (end-of-text, a stop token, the length):
+            # the next step gets its item now, the rest waits for complete_deferred.
+            ends = (
+                (token == self._tokenizer.eos_token_id and not request.ignore_eos)
+                or token in request.stop_token_ids
+                or len(state.tokens) + 1 >= request.max_new_tokens
+                or state.computed >= self.scheduler.slots.context_length
+            )
+            state.pending_token = None if ends else token
+            self._deferred.append((state, scores, token, logprob, chosen_at))
+            return
+        self._complete(state, scores, token, logprob, chosen_at)
+
+    def _choose(self, state: RequestState, scores: TokenScores) -> tuple[int, float]:
+        """The sampler's choice for a request `greedy_batch` left alone."""
+        request = state.request
+        early = len(state.tokens) < request.min_tokens  # min_tokens: no end yet
+        ends = request.stop_token_ids | (
+            frozenset() if request.ignore_eos else {self._tokenizer.eos_token_id}
+        )
+        banned = ends if early else ()
+        p = state.sampler.params
+        # The penalties read the history only when they are on: building it is O(length) per token.
+        history = state.history() if p.repetition_penalty != 1.0 else ()
+        output = [t.id for t in state.tokens] if p.presence_penalty or p.frequency_penalty else ()
+        return state.sampler.choose(scores, history, output, banned)
+
+    def _complete(
+        self, state: RequestState, scores: TokenScores, token: int, logprob: float, now: float
+    ) -> None:
+        """A chosen token's text, event and end (`now`: when it was chosen)."""
+        request, tokenizer, tokens = state.request, self._tokenizer, state.tokens
+        generated = len(tokens)
+        early = generated < request.min_tokens  # min_tokens: no end yet
+        self._latencies[1 if generated else 0].append(now - (state.last_token_at or state.arrived_at))
+        self._tokens_uncounted += 1
+        state.last_token_at = now
+
+        eos = token == tokenizer.eos_token_id and not request.ignore_eos
+        stop_token = token in request.stop_token_ids
+        special = token in tokenizer.special_names
+        shown = not special or not request.skip_special_tokens
+        if eos or stop_token:
+            shown = shown and request.include_stop_str_in_output  # an ending token's text is cut (vLLM)
+        if shown:
+            text, released, stop = state.detokenizer.add(token, check_stops=not early)
+        else:
+            text, released, stop = "", "", None  # special and ending tokens add nothing to the text
+        top = alternatives(scores, request.top_n_tokens, tokenizer.vocab_size) if request.top_n_tokens else ()
+        tokens.append(generated_token_of((token, text, released, logprob, special, top)))
+
+        if eos or stop_token:
+            self._end(state, finish=FinishReason.EOS)
+        elif stop is not None:
+            self._end(state, finish=FinishReason.STOP)
+        elif generated + 1 >= request.max_new_tokens or state.computed >= self.scheduler.slots.context_length:
+            self._end(state, finish=FinishReason.LENGTH)
+        else:
+            state.pending_token = token
+            if state.stream or state.loop is None:  # a non-streamed request hears only its end (`_emit`)
+                prefill = tuple(state.prefill) if not generated else ()
+                self._emit(state, token_event_of((generated + 1, tokens[-1], prefill)))
+
+    def _end(
+        self, state: RequestState, finish: FinishReason | None = None, error: ServiceError | None = None
+    ) -> None:
+        """The one way out of the engine: release the slot (scheduler and wafer), report, notify."""
+        slot = self.scheduler.remove(state)
+        if slot is not None:
+            if self._backend_busy:
+                self._free_later.append(slot)
+            else:
+                self._free_on_backend(slot, state)
+        now = time.monotonic()
+        if finish is not None:
+            tail = state.detokenizer.flush() if finish is not FinishReason.STOP else ""
+            admitted = state.admitted_at or now
+            self.metrics.record_success(
+                "stop" if finish is not FinishReason.LENGTH else "length",
+                queue_s=admitted - state.arrived_at,
+                inference_s=now - admitted,
+                generated_tokens=len(state.tokens),
+            )
+            self._emit(
+                state,
+                FinishEvent(
+                    finish_reason=finish,
+                    text=state.detokenizer.text,
+                    tail=tail,
+                    tokens=tuple(state.tokens),
+                    prefill=tuple(state.prefill),
+                    seed=state.sampler.seed,
+                    input_length=len(state.prompt),
+                    stop_sequence=state.detokenizer.stop_sequence,
+                ),
+            )
+        elif error is not None:
+            self.metrics.record_failure(error.metric_reason)
+            error.counted = True  # the API's error handler must not count it again
+            self._emit(state, ErrorEvent(error))
+
+    def _free_on_backend(self, slot: int, state: RequestState | None) -> None:
+        if self.backend is None:
+            return
+        try:
+            self.backend.free_slot(slot)
+        except Exception:
+            log.exception("freeing slot %d failed", slot, extra={"request_id": state.id if state else "-"})
+
+    def _emit(self, state: RequestState, event: Event) -> None:
+        """To the request's event loop when it has one (the server; sent at the step's end by `_flush`),
+        else to `step()`'s result."""
+        loop = state.loop
+        if loop is None:
+            self._outputs.append((state, event))
+        elif state.stream or not isinstance(event, TokenEvent):
+            self._pending.setdefault(loop, []).append((state, event))
+
+    def _flush(self) -> None:
+        """Hand the events of this step to their event loops: one thread-safe call per loop; count the
+        step's tokens in the metrics."""
+        if self._tokens_uncounted:
+            self.metrics.record_tokens(self._tokens_uncounted)
+            self._tokens_uncounted = 0
+            first, later = self._latencies
+            self._latencies = ([], [])
+            self.metrics.record_token_latencies(first, later)
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        for loop, events in pending.items():
+            try:
+                loop.call_soon_threadsafe(deliver, events)
+            except RuntimeError:
+                pass  # the event loop is gone (server stopped): nobody is listening any more
+
+
+def bare_greedy(backend: Backend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The bare-backend baseline the benchmarks time the core against (`bench`, `bench service`'s
+    direct mode): equal-length prompts in slots 0.., all in one step, then one step per new token,
+    each slot taking the wafer's top-1 id. No scheduler, sampler, detokenizer or stop check: it is what
+    a step costs with nothing of the engine around it, so it must not run through the core."""
+    n = len(prompts[0])
+    items = [
+        StepItem(slot, pos, tok, want_scores=pos == n - 1)
+        for slot, prompt in enumerate(prompts)
+        for pos, tok in enumerate(prompt)
+    ]
+    scores = [s for s in backend.step(items) if s is not None]
+    generated: list[list[int]] = [[] for _ in prompts]
+    for step in range(new_tokens):
+        for slot, s in enumerate(scores):
+            generated[slot].append(int(s.topk_ids[0]))
+        if step + 1 < new_tokens:
+            step_items = [StepItem(slot, n + step, ids[-1]) for slot, ids in enumerate(generated)]
+            scores = [_wanted(s) for s in backend.step(step_items)]
+    return generated

@@ -1,0 +1,123 @@
+"""Incremental detokenization: token ids in, text that is safe to send out.
+
+Two things make streaming text harder than `decode(all_ids)` at the end:
+- GPT-2's byte-level BPE may end a token inside a multi-byte UTF-8 character. An incremental UTF-8
+  decoder keeps those bytes until the character is complete, so no text ever ends in a broken
+  character (U+FFFD); bytes that can never become valid do decode to U+FFFD, as they would at the end.
+- Stop sequences are matched on text, and one may end inside a token or span several tokens. While
+  streaming we hold back the longest tail of the text that is the beginning of some stop sequence
+  (never more than len(longest stop) - 1 characters), so text that turns out to be a stop sequence is
+  never sent. On a match the text is cut where the stop sequence begins: the stop text and whatever
+  followed it in the same token are dropped (with `include_stop`, vLLM's include_stop_str_in_output,
+  it is cut where the stop sequence ends).
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import NamedTuple
+
+
+# One per generated token: a named tuple builds in a quarter of a frozen dataclass's time (issue 18).
+class TokenText(NamedTuple):
+    text: str  # the characters this token completed (may be "" when it ends inside a character)
+    released: str  # text that may be sent to the client now (after UTF-8 and stop-sequence hold-back)
+    stop_sequence: str | None  # the stop sequence this token completed, if any
+
+
+# A TokenText from its fields as one tuple, by `tuple.__new__` alone (the named tuple's own `__new__` is a
+# Python function): built per generated token.
+_token_text_of = partial(tuple.__new__, TokenText)
+
+
+def _no_text(token: int) -> str | None:
+    return None
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        token_bytes: Callable[[int], bytes],
+        stop_sequences: Sequence[str] = (),
+        include_stop: bool = False,
+        token_text: Callable[[int], str | None] | None = None,
+    ):
+        """`token_text`: a token's text when its bytes are whole characters, else None (a table lookup,
+        `wafer_gpt2.model.tokenizer.whole_token_texts`): such a token skips the UTF-8 decoder while it holds no bytes."""
+        self._token_bytes = token_bytes
+        self._token_text = token_text or _no_text
+        self._include_stop = include_stop
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._utf8_holds = False  # the decoder holds the first bytes of an unfinished character
+        self._stops = [stop for stop in stop_sequences if stop]
+        self._longest_stop = max((len(stop) for stop in self._stops), default=0)
+        self._text = ""  # every complete character so far (cut at a matched stop sequence)
+        self._released = 0  # how many characters of _text the caller has been given
+        self.stop_sequence: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The generated text so far, stop sequence excluded (includes text still held back)."""
+        return self._text
+
+    def add(self, token: int, check_stops: bool = True) -> TokenText:
+        """`check_stops=False` (vLLM's min_tokens not reached yet): no stop sequence ends the text here."""
+        if self.stop_sequence is not None:
+            raise RuntimeError("detokenizer already stopped at a stop sequence")
+        piece = None if self._utf8_holds else self._token_text(token)
+        if piece is None:  # bytes of an unfinished character on either side: the decoder joins them
+            utf8 = self._utf8
+            piece = utf8.decode(self._token_bytes(token))
+            self._utf8_holds = bool(utf8.getstate()[0])
+        previous_length = len(self._text)
+        self._text += piece
+        if not check_stops or not self._stops:  # nothing can stop here, nothing is held back
+            if self._released == previous_length:  # nothing was held back before either
+                self._released = len(self._text)
+                return _token_text_of((piece, piece, None))
+            return TokenText(text=piece, released=self._release(len(self._text)), stop_sequence=None)
+
+        # Never match inside text already sent (it was sent because it could not begin a stop then).
+        match = self._find_stop(search_from=max(0, previous_length - self._longest_stop + 1, self._released))
+        if match is not None:
+            start, stop = match
+            self._text = self._text[: start + len(stop) if self._include_stop else start]
+            self.stop_sequence = stop
+            return TokenText(text=piece, released=self._release(len(self._text)), stop_sequence=stop)
+        return TokenText(
+            text=piece, released=self._release(len(self._text) - self._held_for_stops()), stop_sequence=None
+        )
+
+    def flush(self) -> str:
+        """At the end of a generation that did not stop on a stop sequence: release what was held back.
+
+        Bytes of an unfinished character are dropped (a generation cut inside a character ends before it)."""
+        return self._release(len(self._text))
+
+    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            index = self._text.find(stop, search_from)
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best
+
+    def _held_for_stops(self) -> int:
+        """Length of the longest unreleased tail of the text that begins some stop sequence."""
+        unreleased = len(self._text) - self._released
+        longest = 0
+        for stop in self._stops:
+            for length in range(min(len(stop) - 1, unreleased), longest, -1):
+                if self._text.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
+
+    def _release(self, upto: int) -> str:
+        if upto <= self._released:
+            return ""
+        chunk = self._text[self._released : upto]
+        self._released = upto
+        return chunk

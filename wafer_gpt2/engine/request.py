@@ -1,0 +1,181 @@
+"""One request's life inside the engine: what it asked for, how far it got, what it produced.
+
+`GenerationRequest` is what the API hands the engine after validation and tokenization. `RequestState` is
+the engine core's per-request state (slot, positions fed to the wafer, generated tokens, detokenizer,
+sampler). Its events (`TokenEvent` per token, then one `FinishEvent` or `ErrorEvent`) are returned by
+`EngineCore.step`; under the server they also travel from the worker thread to the request's asyncio
+queue on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple, Protocol
+
+from wafer_gpt2 import logs
+from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
+from wafer_gpt2.engine.failures import ServiceError
+from wafer_gpt2.engine.sampling import Sampler, SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int  # 0: only the prefill runs (scoring the prompt); the request ends after it
+    sampling: SamplingParams = SamplingParams()
+    stop_sequences: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    prompt_logprobs: bool = False  # TGI `decoder_input_details`, OpenAI `echo` + `logprobs`
+    top_n_tokens: int = 0  # alternatives reported per generated token
+    timeout_s: float | None = None  # queue + generation
+    # vLLM's extras: end-of-text, stop tokens and stop strings count only after `min_tokens` tokens;
+    # a matched stop string (or stop token's text) stays in the output; special tokens show as text.
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_top_n: int | None = None  # alternatives per prompt token (None: top_n_tokens)
+
+    @property
+    def tokens_needed(self) -> int:
+        """The KV positions the request is refused without: prompt plus every token it may generate
+        (TGI's max_total_tokens rule; the last generated token is never written, which leaves no gap)."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+
+# The records built per token (an alternative, a generated or prompt token) are named tuples: one is
+# built per token on the engine's worker and again where the engine process's messages arrive, and a
+# named tuple builds in a quarter of a frozen dataclass's time (issue 18).
+
+
+class Alternative(NamedTuple):
+    id: int
+    logprob: float
+
+
+class GeneratedToken(NamedTuple):
+    id: int
+    text: str  # what this token added to the text (complete characters only; "" for special/stop tokens)
+    released: str  # text sent to streaming clients with this token (after stop-sequence hold-back)
+    logprob: float
+    special: bool
+    top: tuple[Alternative, ...] = ()
+
+
+class PromptToken(NamedTuple):
+    id: int
+    logprob: float | None  # None for the first prompt token (nothing predicts it)
+    top: tuple[Alternative, ...] = ()  # the model's best candidates at this position
+    rank: int | None = None  # 1 = the model's favourite; None: not among the wafer's top-k candidates
+
+
+class FinishReason(enum.StrEnum):
+    LENGTH = "length"
+    EOS = "eos_token"
+    STOP = "stop_sequence"
+
+
+class TokenEvent(NamedTuple):  # built per streamed token, twice with the engine process: a record
+    number: int  # 1-based, among the generated tokens (TGI's `index`; a tuple's `index` is a method)
+    token: GeneratedToken
+    prefill: tuple[PromptToken, ...] = ()  # on the first event only: the prompt logprobs, when asked
+
+
+# A TokenEvent (a GeneratedToken) from all its fields as one tuple, by `tuple.__new__` alone: the named
+# tuple's own `__new__` is a Python function that builds the tuple twice (per token, issue 18).
+token_event_of = partial(tuple.__new__, TokenEvent)
+generated_token_of = partial(tuple.__new__, GeneratedToken)
+
+
+@dataclass(slots=True)  # built per request, twice with the engine process: not frozen (a frozen
+class FinishEvent:  # dataclass sets each field through object.__setattr__, 4x the time); never modified
+    finish_reason: FinishReason
+    text: str  # the whole generated text, stop sequence stripped
+    tail: str  # text released only now (held back until the end)
+    tokens: tuple[GeneratedToken, ...]
+    prefill: tuple[PromptToken, ...]
+    seed: int | None
+    input_length: int
+    stop_sequence: str | None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    error: ServiceError
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_request_numbers = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """Named after the HTTP request it serves (when there is one), so its log lines can be found."""
+    http = logs.request_id.get()
+    return f"req-{next(_request_numbers)}" if http == logs.NO_REQUEST else f"{http}.{next(_request_numbers)}"
+
+
+@dataclass(eq=False)
+class RequestState:
+    request: GenerationRequest
+    detokenizer: IncrementalDetokenizer
+    sampler: Sampler
+    loop: asyncio.AbstractEventLoop | None = None  # None: a synchronous caller reads `step()`'s events
+    stream: bool = True  # False: the handler waits for the final event only (no token events are sent)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    id: str = field(default_factory=new_request_id)
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    computed: int = 0  # positions whose K/V are in the slot
+    pending_token: int | None = None  # sampled but not yet fed to the wafer
+    in_flight: bool = False  # it has items in a step the backend has not returned yet
+    tokens: list[GeneratedToken] = field(default_factory=list)
+    prefill: list[PromptToken] = field(default_factory=list)
+    cancelled: bool = False
+    cancelled_at_step: int = 0  # the engine's step count when the cancellation arrived
+    arrived_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    @property
+    def deadline(self) -> float | None:
+        timeout = self.request.timeout_s
+        return None if timeout is None else self.arrived_at + timeout
+
+    def history(self) -> list[int]:
+        """Prompt and generated ids: what the repetition penalty looks at."""
+        return [*self.prompt, *(token.id for token in self.tokens)]
+
+
+class Submitted(Protocol):
+    """A request as the API holds it once an engine took it (`RequestState`, or the HTTP side of one
+    in an engine process): its events arrive on `events` (`TokenEvent`s, then one final event)."""
+
+    @property
+    def events(self) -> asyncio.Queue: ...
+
+
+def deliver(events: list[tuple[RequestState, Event]]) -> None:
+    """On the event loop: put a step's events into their requests' queues (the core's one call per step)."""
+    for state, event in events:
+        state.events.put_nowait(event)

@@ -1,0 +1,163 @@
+"""Continuous batching: which requests run, and what each engine step carries.
+
+Requests wait in a bounded FIFO queue until a KV slot is free; admission happens at step boundaries,
+so a new request joins the running batch without waiting for the batch to finish. Each step carries:
+1. one decode item per running request that has finished its prompt (its last sampled token), then
+2. prompt tokens of requests still prefilling, in admission order, chunked to what is left of the
+   per-step token budget, so a long prompt never stalls the decodes of the others.
+
+Not thread-safe: the engine calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from wafer_gpt2.core.steps import StepItem, step_item_of
+from wafer_gpt2.engine.failures import Overloaded
+from wafer_gpt2.engine.kv_slots import KVSlotManager
+from wafer_gpt2.engine.request import RequestState, RequestStatus
+from wafer_gpt2.errors import InvalidInput
+
+
+def _slot(sequence: RequestState) -> int:
+    """A running request's KV slot (admission gave it one)."""
+    if sequence.slot is None:
+        raise RuntimeError(f"running request {sequence.id} holds no KV slot")
+    return sequence.slot
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    items: list[StepItem]
+    owners: list[RequestState]  # owners[i] is the request of items[i]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class Scheduler:
+    def __init__(self, slots: KVSlotManager, max_queue: int, step_token_budget: int):
+        if step_token_budget < slots.num_slots:
+            raise InvalidInput(
+                f"step_token_budget ({step_token_budget}) must be at least the number of KV slots "
+                f"({slots.num_slots}): every running request decodes one token per step"
+            )
+        self.slots = slots
+        self.max_queue = max_queue
+        self.step_token_budget = step_token_budget
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self._held: dict[RequestState, int] = {}  # slots of ended requests whose step is in flight
+
+    @property
+    def capacity(self) -> int:
+        """Requests the engine holds at most: one per slot running, `max_queue` more waiting."""
+        return self.slots.num_slots + self.max_queue
+
+    def add(self, sequence: RequestState) -> None:
+        if len(self.waiting) + len(self.running) >= self.capacity:
+            raise Overloaded(
+                f"the server is at capacity ({len(self.running)} requests running, {len(self.waiting)} "
+                f"queued, queue limit {self.max_queue}); retry later"
+            )
+        self.waiting.append(sequence)
+
+    def remove(self, sequence: RequestState) -> int | None:
+        """Take a request out, whatever its state; returns the KV slot it held (already released). A
+        request with items in a step still in flight keeps its slot until that step is back
+        (`step_returned`): a new request must not get the slot while the wafer still writes it."""
+        slot = sequence.slot
+        if sequence.status is RequestStatus.WAITING:
+            self.waiting.remove(sequence)
+        elif sequence.status is RequestStatus.RUNNING:
+            self.running.remove(sequence)
+            if slot is not None and sequence.in_flight:
+                self._held[sequence] = slot
+                slot = None
+            elif slot is not None:
+                self.slots.free(slot)
+        sequence.status = RequestStatus.FINISHED
+        sequence.slot = None
+        return slot
+
+    def step_returned(self, owners: list[RequestState]) -> list[int]:
+        """A step is back: its requests may be scheduled again; the slots of those that ended while it
+        ran are released now (returned, to be freed on the backend too)."""
+        if not self._held:  # the usual case: nobody ended while the step ran
+            for sequence in owners:
+                sequence.in_flight = False
+            return []
+        released = []
+        for sequence in owners:
+            sequence.in_flight = False
+            slot = self._held.pop(sequence, None)
+            if slot is not None:
+                self.slots.free(slot)
+                released.append(slot)
+        return released
+
+    def admit(self) -> list[RequestState]:
+        """Give free slots to waiting requests, oldest first."""
+        admitted = []
+        while self.waiting:
+            sequence = self.waiting[0]
+            slot = self.slots.allocate(sequence.id, sequence.request.tokens_needed)
+            if slot is None:
+                break
+            self.waiting.popleft()
+            sequence.slot = slot
+            sequence.status = RequestStatus.RUNNING
+            sequence.admitted_at = time.monotonic()
+            self.running.append(sequence)
+            admitted.append(sequence)
+        return admitted
+
+    def build_step(self) -> StepBatch:
+        """The next step's items, from the requests with none in a step still in flight (a
+        `PipelinedBackend` runs several: one takes what became ready while another computes)."""
+        items: list[StepItem] = []
+        owners: list[RequestState] = []
+        prefilling: list[RequestState] = []  # in admission order, as `running`
+        for sequence in self.running:
+            if sequence.in_flight:
+                continue
+            if sequence.computed < len(sequence.request.prompt_ids):  # `prefilling`, without the call
+                prefilling.append(sequence)
+            elif sequence.pending_token is not None:
+                items.append(
+                    step_item_of((_slot(sequence), sequence.computed, sequence.pending_token, True, None))
+                )
+                owners.append(sequence)
+                sequence.in_flight = True
+
+        budget = self.step_token_budget - len(items)
+        for sequence in prefilling:
+            if budget <= 0:
+                break
+            sequence.in_flight = True
+            prompt = sequence.prompt
+            slot, logprobs, final = _slot(sequence), sequence.request.prompt_logprobs, len(prompt) - 1
+            start = sequence.computed
+            stop = min(len(prompt), start + budget)
+            for position in range(start, stop):
+                last = position == final
+                wants_logprob = logprobs and not last
+                items.append(
+                    StepItem(
+                        slot=slot,
+                        position=position,
+                        token=prompt[position],
+                        want_scores=last or wants_logprob,
+                        # The wafer returns the exact logit of the next prompt token: its logprob.
+                        target=prompt[position + 1] if wants_logprob else None,
+                    )
+                )
+            owners += [sequence] * (stop - start)
+            budget -= stop - start
+        return StepBatch(items, owners)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

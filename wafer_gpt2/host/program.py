@@ -1,0 +1,346 @@
+"""The host program: drives any runtime (simulator or SDK) through memcpy only.
+
+    runtime = SimRuntime(plan)                     # or an SDK runtime with the same contract
+    model = WaferGPT2(plan, runtime)                # load() + run()
+    model.upload(params)                            # every region's symbols, memcpy_h2d copy mode
+    scores = model.step([StepItem(slot, position, token), ...])
+
+Each step sends one message per pipeline replica onto its input stream and reads back one record per
+item that asked for scores (`wafer_gpt2.core.wire`). Slots are numbered across replicas: replica r owns slots
+r * plan.slots .. (r + 1) * plan.slots - 1. The host never looks inside the runtime: everything it
+knows about the wafer comes from the plan and from what memcpy returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from tqdm import tqdm
+
+from wafer_gpt2.core import memory_layout
+from wafer_gpt2.core.abi import CYCLES_SYMBOL, WEIGHT_SYMBOLS
+from wafer_gpt2.core.runtime import (
+    MemcpyDataType,
+    MemcpyOrder,
+    Runtime,
+    Task,
+    from_wire,
+    hwl_to_flat,
+    to_wire,
+)
+from wafer_gpt2.core.steps import Backend, BackendError, StepItem, TokenScores, validate_items
+from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, decode_scores, record_words, step_message
+from wafer_gpt2.errors import InvalidInput
+from wafer_gpt2.model.params import GPT2Params
+from wafer_gpt2.plan.checks import check_layer_norms_folded
+
+if TYPE_CHECKING:
+    from wafer_gpt2.plan.structure import Plan
+
+# What `describe` shows of the plan (its regions and routes are for `wafer-gpt2 plan`, not for /info).
+PLAN_SUMMARY_KEYS = (
+    "version",
+    "arch",
+    "dtype",
+    "objective",
+    "slots",
+    "context",
+    "top_k",
+    "fabric",
+    "kernel",
+    "summary",
+)
+
+
+class WaferGPT2:
+    """GPT-2 on a wafer: implements `wafer_gpt2.core.steps.Backend`."""
+
+    def __init__(
+        self, plan: Plan, runtime: Runtime, params: GPT2Params | None = None, progress: bool = False
+    ) -> None:
+        """Start the program (load + run, unless the runtime already runs) and, given `params`, upload them."""
+        self.plan = plan
+        self.runtime = runtime
+        self.num_slots = plan.slots * plan.replicas
+        self.context_length = plan.context
+        self.vocab_size = plan.config.vocab_size
+        self.top_k = plan.top_k
+        self._lengths = [0] * self.num_slots  # positions held per slot (the next position to write)
+        if not getattr(runtime, "running", False):
+            runtime.load()
+            runtime.run()
+        if params is not None:
+            self.upload(params, progress=progress)
+
+    def describe(self) -> dict:
+        # Each runtime names its backend; the host program is the same on all of them.
+        backend = getattr(self.runtime, "backend", type(self.runtime).__name__)
+        plan = self.plan.to_json() if hasattr(self.plan, "to_json") else {}
+        return {
+            "backend": backend,
+            "device_type": "wafer" if backend.startswith("sdk") else backend,
+            "dtype": self.plan.dtype,
+            "num_slots": self.num_slots,
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "top_k": self.top_k,
+            "plan": {key: plan[key] for key in PLAN_SUMMARY_KEYS if key in plan},
+        }
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    def upload(self, params: GPT2Params, progress: bool = False) -> None:
+        """Copy every region's weights into its PEs, region by region (memcpy_h2d, copy mode).
+
+        Transfers are non-blocking: the next region is packed while the previous one is copied."""
+        have, want = params.config, self.plan.config
+        shape = ("n_layer", "n_head", "n_embd", "vocab_size")
+        if any(getattr(have, f) != getattr(want, f) for f in shape):
+            raise InvalidInput(
+                "the checkpoint's config ("
+                + ", ".join(f"{f}={getattr(have, f)}" for f in shape)
+                + ") does not match the plan's ("
+                + ", ".join(f"{f}={getattr(want, f)}" for f in shape)
+                + ")"
+            )
+        check_layer_norms_folded(self.plan)  # a layer strip's gain and bias have no home on its PEs
+        weights = [r for r in self.plan.regions if r.kind in WEIGHT_SYMBOLS]
+        total = sum(
+            r.symbols[s].nbytes * r.w * r.h for r in weights for s in WEIGHT_SYMBOLS[r.kind] if s in r.symbols
+        )
+        tasks: list[Task] = []
+        with tqdm(total=total, unit="B", unit_scale=True, desc="upload", disable=not progress) as bar:
+            for region in weights:
+                for symbol, tiles in _region_tensors(region, params):
+                    tasks.append(self._copy_in(region, symbol, tiles))
+                    bar.update(region.symbols[symbol].nbytes * region.w * region.h)
+            for task in tasks:
+                self.runtime.task_wait(task)
+
+    def _copy_in(self, region: Any, symbol: str, tiles: np.ndarray) -> Task:
+        """Tiling-indexed values -> the region's memory image -> 32-bit wire words -> memcpy_h2d."""
+        spec = region.symbols[symbol]
+        dtype = memory_layout.symbol_dtype(spec.dtype)
+        values = tiles.astype(dtype)
+        if not np.isfinite(values).all() and np.isfinite(tiles).all():
+            raise InvalidInput(
+                f"region {region.name!r} symbol {symbol!r}: a weight overflows {dtype} (|w| > 65504)"
+            )
+        flat = values.reshape(*values.shape[:-1], -1)
+        padded = np.zeros((*flat.shape[:-1], spec.elems), dtype=dtype)
+        padded[..., : flat.shape[-1]] = flat
+        image = memory_layout.scatter(padded, memory_layout.pe_coords(region), region.h, region.w)
+        words = hwl_to_flat(to_wire(image), MemcpyOrder.ROW_MAJOR)
+        return self.runtime.memcpy_h2d(
+            self.runtime.get_id(symbol),
+            words,
+            region.x,
+            region.y,
+            region.w,
+            region.h,
+            spec.elems,
+            streaming=False,
+            data_type=MemcpyDataType.MEMCPY_16BIT if dtype.itemsize == 2 else MemcpyDataType.MEMCPY_32BIT,
+            order=MemcpyOrder.ROW_MAJOR,
+            nonblock=True,
+        )
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
+        validate_items(items, self.num_slots, self.context_length, self.vocab_size)
+        first_position: dict[int, tuple[int, int]] = {}
+        for index, item in enumerate(items):
+            first_position.setdefault(item.slot, (index, item.position))
+        for slot, (index, position) in first_position.items():
+            if position > self._lengths[slot]:
+                raise BackendError(
+                    f"item {index}: slot {slot} position {position} leaves a gap (the slot holds "
+                    f"{self._lengths[slot]} positions)"
+                )
+        if not items:
+            return []
+
+        per_replica: list[list[int]] = [[] for _ in range(self.plan.replicas)]
+        for index, item in enumerate(items):
+            per_replica[item.slot // self.plan.slots].append(index)
+        results: list[TokenScores | None] = [None] * len(items)
+        bound = getattr(self.runtime, "records_in_flight", None)
+        if bound is None:
+            # Stream every replica's message in, then read every replica's records back.
+            messages = [(replica, indices) for replica, indices in enumerate(per_replica) if indices]
+            for replica, indices in messages:
+                self._send(replica, [items[i] for i in indices])
+            for replica, indices in messages:
+                self._collect(replica, indices, items, results)
+        else:
+            # memcpy runs one command at a time: a message whose records do not fit what the wafer
+            # program buffers before io.out would stall the H2D before the first D2H starts. Each
+            # message carries at most `bound` scored items, and its records are read before the next.
+            for replica, indices in enumerate(per_replica):
+                for part in _parts(indices, [items[i].want_scores for i in indices], bound):
+                    self._send(replica, [items[i] for i in part])
+                    self._collect(replica, part, items, results)
+        for item in items:
+            self._lengths[item.slot] = item.position + 1
+        return results
+
+    def _collect(
+        self, replica: int, indices: list[int], items: Sequence[StepItem], results: list[TokenScores | None]
+    ) -> None:
+        """Read the records of one message's scored items into `results`."""
+        scored = [n for n, i in enumerate(indices) if items[i].want_scores]
+        if not scored:
+            return
+        records = self._receive(replica, len(scored))
+        asked = [items[indices[n]].target is not None for n in scored]
+        for n, scores in zip(scored, decode_scores(records, self.top_k, scored, asked), strict=True):
+            results[indices[n]] = scores
+
+    def _send(self, replica: int, items: list[StepItem]) -> None:
+        port_in, _ = self.plan.io_ports(replica)
+        words = step_message(items, self.plan.slots)
+        self.runtime.memcpy_h2d(
+            H2D_COLOR, words, port_in.x, port_in.y, 1, 1, words.size, streaming=True, nonblock=True
+        )
+
+    def _receive(self, replica: int, count: int) -> np.ndarray:
+        _, port_out = self.plan.io_ports(replica)
+        words = np.zeros(count * record_words(self.top_k), dtype=np.uint32)
+        self.runtime.memcpy_d2h(words, D2H_COLOR, port_out.x, port_out.y, 1, 1, words.size, streaming=True)
+        return words
+
+    # -- slots ---------------------------------------------------------------------------------------
+
+    def free_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise BackendError(f"slot {slot} outside 0..{self.num_slots - 1}")
+        replica, local = divmod(slot, self.plan.slots)
+        self.runtime.launch("clear_slot", np.uint16(replica), np.uint16(local))
+        self._lengths[slot] = 0
+
+    def reset(self) -> None:
+        for slot in range(self.num_slots):
+            if self._lengths[slot]:
+                self.free_slot(slot)
+
+    def close(self) -> None:
+        self.runtime.stop()
+
+    # -- modeled cycles ------------------------------------------------------------------------------
+
+    def last_step_cycles(self, replica: int = 0) -> dict[str, int]:
+        """Every region's modeled busy cycles in the last step, read back from its `cycles` counter
+        (the simulator fills it from the cost model; on hardware the PE programs' timestamps)."""
+        out: dict[str, int] = {}
+        symbol = self.runtime.get_id(CYCLES_SYMBOL)
+        for region in self.plan.regions:
+            if region.replica != replica:
+                continue
+            words = np.zeros(2, dtype=np.uint32)
+            self.runtime.memcpy_d2h(words, symbol, region.x, region.y, 1, 1, 2, streaming=False)
+            value = from_wire(words, np.uint32).astype(np.uint64)
+            out[region.name] = int(value[0] | (value[1] << np.uint64(32)))
+        return out
+
+
+def _parts(indices: list[int], scored: list[bool], bound: int) -> list[list[int]]:
+    """Split a message's items (in order) into messages of at most `bound` scored items each."""
+    parts: list[list[int]] = [[]]
+    count = 0
+    for index, wants in zip(indices, scored, strict=True):
+        if wants and count == bound:
+            parts.append([])
+            count = 0
+        parts[-1].append(index)
+        count += wants
+    return [part for part in parts if part]
+
+
+def _region_tensors(region: Any, params: GPT2Params) -> list[tuple[str, np.ndarray]]:
+    """The tiling-indexed values of every weight symbol of one region (none for activations)."""
+    tiling = region.tiling
+    op = region.name.rsplit(".", 1)[-1]
+    if region.kind == "gemv":
+        layer = params.layers[region.layer]
+        weight, bias = {
+            "qkv": (layer.attn_w, layer.attn_b),
+            "attn_proj": (layer.attn_proj_w, layer.attn_proj_b),
+            "fc": (layer.fc_w, layer.fc_b),
+            "proj": (layer.proj_w, layer.proj_b),
+        }[op]
+        if not tiling.norm_fold:
+            return [
+                ("w", memory_layout.gemv_weight_tiles(weight, tiling)),
+                ("b", memory_layout.gemv_bias_tiles(bias, tiling)),
+            ]
+        # the LayerNorm before it folded in
+        gain, beta = {"qkv": (layer.ln_1_g, layer.ln_1_b), "fc": (layer.ln_2_g, layer.ln_2_b)}[op]
+        stored = memory_layout.symbol_dtype(region.symbols["w"].dtype)
+        weight, bias, colsum = memory_layout.fold_layernorm(weight, bias, gain, beta, stored)
+        return [
+            ("w", memory_layout.gemv_weight_tiles(weight, tiling)),
+            ("norm_b", memory_layout.gemv_bias_tiles(bias, tiling)),
+            ("norm_g", memory_layout.gemv_bias_tiles(colsum, tiling)),
+        ]
+    if region.kind == "layernorm":
+        if not tiling.normalise:
+            return []  # it passes x on to a GEMV that has the LayerNorm folded in
+        return [  # ln_f: `upload` refused a plan that normalises in a layer's strip
+            ("gain", memory_layout.norm_tiles(params.ln_f_g, tiling)),
+            ("bias", memory_layout.norm_tiles(params.ln_f_b, tiling)),
+        ]
+    if region.kind == "embed":
+        return [("wpe", memory_layout.wpe_tiles(params.wpe, region))]
+    if region.kind == "embed_head":
+        return [("w", memory_layout.gemv_weight_tiles(params.wte.T, tiling.gemv))]
+    return []
+
+
+# ----------------------------------------------------------------------------------------------------
+# Starting the host program on a runtime: what every wafer backend (sim, csl, SDK) shares.
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    slots: int = 16
+    context: int | None = None  # None: the model's n_positions
+    dtype: str = "fp16"  # fp16 (hardware default) or fp32; the reference is always fp32
+    top_k: int = 64
+    arch: str = "wse2"
+    replicas: int = 1  # pipeline replicas on the wafer (sim / SDK); slots are divided among them
+    objective: str | None = None  # the plan's objective; None: latency, compact for the csl backend
+
+
+def plan_for(params: GPT2Params, options: BackendOptions) -> Plan:
+    """The plan every wafer backend (sim and SDK) runs for these options: slots split among the replicas."""
+    from wafer_gpt2.plan import build_plan
+
+    if options.replicas < 1 or options.slots % options.replicas:
+        raise InvalidInput(
+            f"slots ({options.slots}) must be a positive multiple of replicas ({options.replicas}): "
+            "every replica holds the same number of slots"
+        )
+    return build_plan(
+        params.config,
+        arch=options.arch,
+        dtype=options.dtype,
+        slots=options.slots // options.replicas,
+        context=options.context,
+        replicas=options.replicas,
+        top_k=options.top_k,
+        objective=options.objective or "latency",
+    )
+
+
+def start_model(plan: Plan, runtime: Runtime, params: GPT2Params, progress: bool = False) -> Backend:
+    """The host program on a runtime: load and run the wafer program, upload the weights; if any of
+    that fails the runtime is stopped (no half-started wafer is left behind)."""
+    try:
+        return WaferGPT2(plan, runtime, params, progress=progress)
+    except BaseException:
+        runtime.stop()
+        raise

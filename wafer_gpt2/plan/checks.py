@@ -1,0 +1,186 @@
+"""The checks a plan must pass: the request's arguments, the total SRAM, each candidate's per-PE
+memory, and a placed plan's memory, kernel area, overlaps and routing colors. A failure names the
+limit and by how much it is exceeded."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from wafer_gpt2.core.arch import Arch
+from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.plan.structure import DTYPES, OBJECTIVES, Plan, PlanError, Region, Route
+from wafer_gpt2.plan.symbols import attention_symbols, gemv_symbols, head_symbols, norm_symbols, pe_bytes
+from wafer_gpt2.plan.tilings import LayerTilings
+
+# Each layer LayerNorm strip and the GEMV its LayerNorm is folded into (`GemvTiling.norm_fold`).
+FOLDED_INTO = {"ln_1": "qkv", "ln_2": "fc"}
+
+
+def check_layer_norms_folded(plan: Plan) -> None:
+    """Every layer's LayerNorm is folded into the GEMV after it, its strip only passing x on: the
+    generated program, the simulator and the host fold them all, so a plan that normalises in a layer's
+    strip (a hand-edited one: the planner never makes it) is refused, naming the strip."""
+    for region in plan.regions:
+        if region.kind != "layernorm" or region.layer is None:
+            continue
+        gemv = plan.region(f"L{region.layer}.{FOLDED_INTO[region.name.rsplit('.', 1)[-1]]}", region.replica)
+        strip, fold = region.tiling, gemv.tiling
+        if not isinstance(strip, NormTiling) or not isinstance(fold, GemvTiling):
+            raise PlanError(f"{region.name} and {gemv.name}: expected a LayerNorm strip and a GEMV")
+        if strip.normalise or not fold.norm_fold:
+            raise PlanError(
+                f"{region.name}: a layer's LayerNorm is folded into {gemv.name} (GemvTiling.norm_fold, its "
+                "strip passing x on) by the program, the simulator and the host; this plan normalises in the strip"
+            )
+
+
+def check_request(
+    config: GPT2Config, dtype: str, slots: int, context: int | None, top_k: int, objective: str = "latency"
+) -> int:
+    """The request's context (the model's n_positions when None); PlanError naming a bad argument."""
+    if dtype not in DTYPES:
+        raise PlanError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    context = config.n_positions if context is None else context
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise PlanError(f"slots must be a positive integer, got {slots!r}")
+    if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= config.n_positions:
+        raise PlanError(f"context must be 1..{config.n_positions} (the model's n_positions), got {context!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= config.vocab_size:
+        raise PlanError(f"top_k must be 1..{config.vocab_size}, got {top_k!r}")
+    return context
+
+
+def check_total_capacity(config: GPT2Config, arch: Arch, dtype: str, slots: int, context: int, replicas: int):
+    """A quick bound before the search: weights + KV cache of every replica against all usable SRAM."""
+    wb = 2 if dtype == "fp16" else 4
+    weights = config.n_params * wb
+    kv = 2 * config.n_layer * config.n_embd * slots * context * wb
+    need = replicas * (weights + kv)
+    have = arch.kernel_pes * arch.data_bytes_per_pe
+    if need > have:
+        raise PlanError(
+            f"{config.name} with {slots} slots x {context} tokens x {replicas} replica(s) does not fit {arch.name}: "
+            f"weights {weights / 2**30:.2f} GiB + KV cache {kv / 2**30:.2f} GiB per replica = {need / 2**30:.2f} GiB "
+            f"> {have / 2**30:.2f} GiB of usable PE memory ({arch.kernel_pes:,} PEs x {arch.data_bytes_per_pe:,} B), "
+            f"over by {(need - have) / 2**30:.2f} GiB"
+        )
+
+
+def memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> tuple[float, str] | None:
+    """(ratio, message) when some region's per-PE data exceeds the usable bytes."""
+    budget = arch.data_bytes_per_pe
+    checks = {
+        "qkv": lt.qkv,
+        "attn": lt.attn,
+        "attn_proj": lt.attn_proj,
+        "fc": lt.fc,
+        "proj": lt.proj,
+        "head": head,
+        "ln_f": lt.ln_f,  # the layers' strips only pass x on
+    }
+    worst_name, worst = max(((n, _tiling_pe_bytes(t, dtype)) for n, t in checks.items()), key=lambda p: p[1])
+    if worst > budget:
+        return (
+            worst / budget,
+            f"per-PE memory: the {worst_name} region needs {worst:,} B on one PE, "
+            f"{worst - budget:,} B over the {budget:,} B usable (48 KB minus the "
+            f"{arch.sram_reserve_bytes // 1024} KB reserve)",
+        )
+    return None
+
+
+@lru_cache(maxsize=8192)  # the search meets the same tilings in thousands of candidates
+def _tiling_pe_bytes(tiling: GemvTiling | AttentionTiling | HeadTiling | NormTiling, dtype: str) -> int:
+    """Bytes one PE of a region with this tiling declares (`pe_bytes` of its symbols)."""
+    if isinstance(tiling, GemvTiling):
+        return pe_bytes(gemv_symbols(tiling, dtype))
+    if isinstance(tiling, AttentionTiling):
+        return pe_bytes(attention_symbols(tiling, dtype))
+    if isinstance(tiling, HeadTiling):
+        return pe_bytes(head_symbols(tiling, dtype))
+    return pe_bytes(norm_symbols(tiling))
+
+
+def check_colors(regions: list[Region], arch: Arch) -> str | None:
+    worst = max(regions, key=lambda r: r.colors)
+    if worst.colors > arch.usable_colors:
+        return (
+            f"colors: region {worst.name} needs {worst.colors} colors on one PE, "
+            f"{worst.colors - arch.usable_colors} over the {arch.usable_colors} usable "
+            f"({arch.routable_colors} routable minus memcpy's {len(arch.memcpy_reserved_colors)})"
+        )
+    return None
+
+
+def check_memory(regions: list[Region], arch: Arch) -> str | None:
+    worst = max(regions, key=lambda r: r.max_pe_bytes)
+    if worst.max_pe_bytes > arch.data_bytes_per_pe:
+        return (
+            f"per-PE memory: region {worst.name} needs {worst.max_pe_bytes:,} B on one PE, "
+            f"{worst.max_pe_bytes - arch.data_bytes_per_pe:,} B over the {arch.data_bytes_per_pe:,} B usable "
+            f"(48 KB minus the {arch.sram_reserve_bytes // 1024} KB reserve)"
+        )
+    return None
+
+
+def reduction_colors(kind: str, n: int) -> int:
+    """Colors a reduction over n PEs needs: a chain alternates two (a PE never receives and sends on
+    the same color); a two-level reduction has a chain on each level; two_sided (two chains per level
+    meeting on one PE, the generator's greedy coloring alternating them too) is counted like it."""
+    if n <= 1:
+        return 0
+    return 2 if kind == "chain" else 4
+
+
+def assign_colors(regions: list[Region], routes: list[Route]) -> None:
+    for reg in regions:
+        t = reg.tiling
+        if isinstance(t, HeadTiling):
+            own = (
+                2
+                + reduction_colors(t.gemv.reduction, t.gemv.rows)
+                + reduction_colors(t.merge, t.gemv.cols)
+                + 2
+            )
+        elif isinstance(t, GemvTiling):
+            own = 2 + reduction_colors(t.reduction, t.rows)  # in/multicast + reduction + out
+        elif isinstance(t, AttentionTiling):
+            own = 1 + t.fold + reduction_colors(t.reduction, t.chain) + 1  # in, gather rows, merge, out
+        elif isinstance(t, NormTiling):
+            own = (
+                1 + reduction_colors(t.reduction, t.pes) + 1 + 1 + 1
+            )  # in, reduce, broadcast, out, resid tap
+        elif reg.kind == "residual":
+            own = 3  # gemv result in, residual bus in, out
+        elif reg.kind == "embed":
+            own = 3  # token in, wte chunk in, out
+        else:
+            own = 2
+        reg.colors = own
+    for rt in routes:
+        for reg in regions:
+            if reg.replica == rt.replica and reg.name not in (rt.src, rt.dst):
+                if any(reg.touches(*leg) for leg in rt.legs):
+                    reg.colors += 1
+
+
+def check_geometry(regions: list[Region], arch: Arch) -> None:
+    """Every region inside the kernel rectangle, none overlapping (raises: a planner bug, not user input)."""
+    for reg in regions:
+        if reg.x < 0 or reg.y < 0 or reg.x + reg.w > arch.kernel_w or reg.y + reg.h > arch.kernel_h:
+            raise PlanError(
+                f"region {reg.name} at ({reg.x},{reg.y}) {reg.w}x{reg.h} leaves the "
+                f"{arch.kernel_w}x{arch.kernel_h} kernel area"
+            )
+    ordered = sorted(regions, key=lambda r: r.x)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            if b.x >= a.x + a.w:
+                break
+            if a.overlaps(b):
+                raise PlanError(
+                    f"regions {a.name} (replica {a.replica}) and {b.name} (replica {b.replica}) overlap"
+                )

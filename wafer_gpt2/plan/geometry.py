@@ -1,0 +1,266 @@
+"""Where one replica's regions and routes go, as arithmetic cheap enough for every candidate.
+
+Layout of one layer (flow east; odd bands are mirrored and flow west), R = PEs of the residual
+stream, T = head_groups * fold, Lc = attention columns, F = FC output columns:
+
+    x:   0 ...... R ....... R+Lc ..... 2R+Lc ...... 3R+Lc
+    0    [ qkv   ][ attn    ][ attn_proj ]             QKV: K along x (R), reduce east, out rows
+         [ R x T ][ Lc x T  ][  R x T    ]             ATTN: head group g = rows g*fold..; LSE merge
+    T    [ ln_1  ]           [ res_1     ]             O:   K along y (T), reduce south, out columns
+    T+1                      [ ln_2      ][ res_2    ]  FC:  K along x (R), reduce east, GELU, out rows
+    T+2                      [ fc  R x F ][ proj R x F]  PROJ: K along y (F), reduce north, out columns
+
+The next layer starts at x = 2R + Lc: its ln_1 sits right above this layer's res_2, its qkv above this
+layer's proj. Every GEMV hands its output to the next one along the axis that one multicasts on, so
+orientations alternate (k_along_x, k_along_y, ...) and nothing is transposed. West of the layers a
+strip of R columns holds the I/O ports, the position embedding, the LM head (wte once, tied; its rows
+also serve the token embedding), the final LayerNorm and the top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from wafer_gpt2.core.abi import LAYER_OPS
+from wafer_gpt2.core.arch import Arch
+from wafer_gpt2.core.tiling import HeadTiling, ceil_div
+from wafer_gpt2.core.wire import record_words
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.plan.structure import SYMBOL_BYTES, Knobs
+from wafer_gpt2.plan.symbols import embed_symbols, pe_bytes, weight_symbol_dtype
+from wafer_gpt2.plan.tilings import LayerTilings
+
+
+def _mirror(axis: str) -> str:
+    return {"+x": "-x", "-x": "+x"}.get(axis, axis)
+
+
+def exit_dirs(reduction: str, toward: str) -> str:
+    """Which way a GEMV's reduction index must grow so the reduction ends at the `toward` edge: every
+    reduction the program implements (chain, two_level) ends at index rows - 1."""
+    del reduction  # both end on the last index
+    return {"east": "+x", "west": "-x", "south": "+y", "north": "-y"}[toward]
+
+
+@dataclass(frozen=True)
+class Dirs:
+    """How the indices of the stream and of each tiling run in a layer flowing east (see docs/plan.md):
+    every producer's output order equals its consumer's input order, so hand-offs need no reordering."""
+
+    stream_1: str  # ln_1 chunks = qkv K (exit east) = the previous layer's proj N / res_2
+    rows: str  # qkv N = attention head groups = attn_proj K (exit south)
+    stream_2: str  # attn_proj N = res_1 = ln_2 = fc K (exit east)
+    hidden: str  # fc N = proj K (exit north)
+    head_k: str  # the head's K (exit east, to the merge column); the strip is never mirrored
+    attn_position: str = "-x"  # the attention chain's snake (see `_layer_rects`)
+
+    @staticmethod
+    def of(lt: LayerTilings, head: HeadTiling) -> Dirs:
+        chain_odd = lt.attn.fold % 2 == 1  # the merge ends on the chain's last PE
+        return Dirs(
+            exit_dirs(lt.qkv.reduction, "east"),
+            exit_dirs(lt.attn_proj.reduction, "south"),
+            exit_dirs(lt.fc.reduction, "east"),
+            exit_dirs(lt.proj.reduction, "north"),
+            exit_dirs(head.gemv.reduction, "east"),
+            "+x" if chain_odd else "-x",
+        )
+
+
+# Sub-regions of one layer in its own coordinates (flow east): name -> (kind, x, y, w, h, axes), with
+# R = stream PEs, T = attention rows, Lc = attention columns, F = FC columns; `out` is the order of
+# proj's output (the next ln_1's order, or the order a band turn or the head strip needs).
+@lru_cache(maxsize=4096)  # asked for every region and route of every candidate; callers copy `axes`
+def _layer_rects(r: int, t: int, lc: int, f: int, d: Dirs, out: str) -> dict[str, tuple]:
+    return {
+        "qkv": ("gemv", 0, 0, r, t, {"k": d.stream_1, "n": d.rows}),
+        # the merge ends next to attn_proj, on the chain's last index, which ends the snake's last
+        # row: that row runs forwards (east) when the fold is odd
+        "attn": ("attention", r, 0, lc, t, {"position": d.attn_position, "head_group": d.rows}),
+        "attn_proj": ("gemv", r + lc, 0, r, t, {"k": d.rows, "n": d.stream_2}),
+        "ln_1": ("layernorm", 0, t, r, 1, {"i": d.stream_1}),
+        "res_1": ("residual", r + lc, t, r, 1, {"i": d.stream_2}),
+        "ln_2": ("layernorm", r + lc, t + 1, r, 1, {"i": d.stream_2}),
+        "fc": ("gemv", r + lc, t + 2, r, f, {"k": d.stream_2, "n": d.hidden}),
+        "proj": ("gemv", 2 * r + lc, t + 2, r, f, {"k": d.hidden, "n": out}),
+        "res_2": ("residual", 2 * r + lc, t + 1, r, 1, {"i": out}),
+    }
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where everything of one replica goes, as arithmetic (no Region objects): cheap enough to
+    evaluate for every candidate. Coordinates are relative to the replica's top-left corner."""
+
+    r: int  # stream PEs (width of the head strip and of every strip)
+    t_rows: int
+    lc: int
+    f: int
+    n_layer: int
+    per_band: int
+    bands: int
+    embed_rows: int
+    positions_per_pe: int
+    head_cols: int
+    dirs: Dirs
+
+    @property
+    def pitch(self) -> int:
+        return 2 * self.r + self.lc
+
+    @property
+    def band_h(self) -> int:
+        return self.t_rows + 2 + self.f
+
+    @property
+    def band_w(self) -> int:
+        return self.per_band * self.pitch + self.r
+
+    @property
+    def width(self) -> int:
+        return self.r + self.band_w
+
+    @property
+    def layer_pes(self) -> int:
+        return sum(self.layer_rect(0, op)[3] * self.layer_rect(0, op)[4] for op in LAYER_OPS)
+
+    @property
+    def strip_h(self) -> int:
+        return 3 + self.embed_rows + self.head_cols
+
+    @property
+    def height(self) -> int:
+        return max(self.strip_h, self.bands * self.band_h)
+
+    def strip_rects(self) -> dict[str, tuple[int, int, int, int]]:
+        """The strip west of the layers, top down: io.out, the position embedding, the LM head, the
+        final LayerNorm (fed by the last layer) and io.in. Each of the strip's two lines runs the way
+        its input travels, so that a column's input arrives as the line reaches it:
+        - the token's request enters at the bottom and runs up, as the embedding's line does (every
+          head column, then the wpe rows, then layer 0 at the top);
+        - ln_f's output runs up the head, as the head's merge does, which ends next to io.out
+          (`wafer_gpt2.core.cost.head_cost`)."""
+        e, v, r = self.embed_rows, self.head_cols, self.r
+        return {
+            "io.out": (0, 0, 1, 1),
+            "embed": (0, 1, r, e),
+            "head": (0, 1 + e, r, v),
+            "ln_f": (0, 1 + e + v, r, 1),
+            "io.in": (0, 2 + e + v, 1, 1),
+        }
+
+    def layer_rect(self, layer: int, name: str) -> tuple[str, int, int, int, int, dict[str, str]]:
+        band, j = divmod(layer, self.per_band)
+        mirrored = band % 2 == 1  # odd bands flow west: mirrored inside the band
+        out = self.dirs.stream_1
+        if layer == self.n_layer - 1:  # ln_f and the head take the stream in the strip's order
+            out = _mirror(self.dirs.head_k) if mirrored else self.dirs.head_k
+        elif (layer + 1) % self.per_band == 0:  # the next band is mirrored: hand it the mirrored order
+            out = _mirror(self.dirs.stream_1)
+        kind, x, y, w, h, axes = _layer_rects(self.r, self.t_rows, self.lc, self.f, self.dirs, out)[name]
+        lx = j * self.pitch + x
+        if mirrored:  # indices that grew east grow west
+            lx = self.band_w - lx - w
+            axes = {k: _mirror(v) for k, v in axes.items()}
+        else:
+            axes = dict(axes)  # the cached table's stays as it is
+        return kind, self.r + lx, band * self.band_h + y, w, h, axes
+
+    def rect(self, name: str) -> tuple[int, int, int, int]:
+        if name.startswith("L"):
+            layer, op = name[1:].split(".", 1)
+            return self.layer_rect(int(layer), op)[1:5]
+        return self.strip_rects()[name]
+
+    def routes(self) -> list[tuple[str, str, str]]:
+        """(route name, src, dst) of the hand-offs that are not between touching regions."""
+        out = [("embed.out", "embed", "L0.ln_1")]
+        for layer in range(self.n_layer):
+            out.append((f"L{layer}.resid_1", f"L{layer}.ln_1", f"L{layer}.res_1"))
+            out.append((f"L{layer}.resid_2", f"L{layer}.res_1", f"L{layer}.res_2"))
+            if layer + 1 < self.n_layer and (layer + 1) % self.per_band == 0:
+                out.append((f"turn.{layer}", f"L{layer}.res_2", f"L{layer + 1}.ln_1"))
+        out.append(("final", f"L{self.n_layer - 1}.res_2", "ln_f"))
+        out.append(("scores", "head.root", "io.out"))
+        return out
+
+    def route_legs(self, src: str, dst: str) -> tuple[int, tuple[tuple[int, int, int, int], ...]]:
+        """(hops, legs) of a bundle of lanes from src to dst: along x at src's rows, then along y at
+        dst's columns. "head.root" is the PE where the top-k merge ends (the head's north-east PE)."""
+        if src == "head.root":
+            hx, hy, hw, _ = self.rect("head")
+            sx, sy, sw, sh = hx + hw - 1, hy, 1, 1
+        else:
+            sx, sy, sw, sh = self.rect(src)
+        dx, dy, dw, dh = self.rect(dst)
+        x0, x1 = min(sx, dx), max(sx + sw, dx + dw)
+        y0, y1 = min(sy, dy), max(sy + sh, dy + dh)
+        hops = abs(dx - sx) + abs(dy - sy) + 1
+        return hops, ((x0, sy, x1 - x0, sh), (dx, y0, dw, y1 - y0))
+
+
+def replica_geometry(
+    config: GPT2Config, knobs: Knobs, arch: Arch, dtype: str, dirs: Dirs
+) -> Geometry | tuple[float, str]:
+    """The replica's geometry, or (how far over, which limit of the kernel area it exceeds)."""
+    r = knobs.stream_pes
+    t_rows = config.n_head * knobs.fold
+    lc = ceil_div(knobs.attn_chain, knobs.fold)
+    tile_k = ceil_div(config.n_embd, r)
+    # wpe: each PE of the embed strip holds a block of positions of its dim chunk (+ its fixed buffers).
+    fixed = pe_bytes(embed_symbols(0, tile_k, dtype))
+    per_position = tile_k * SYMBOL_BYTES[weight_symbol_dtype(dtype)]
+    positions_per_pe = max(1, (arch.data_bytes_per_pe - fixed) // per_position)
+    embed_rows = ceil_div(config.n_positions, positions_per_pe)
+    positions_per_pe = ceil_div(config.n_positions, embed_rows)  # spread evenly over the rows
+    pitch = 2 * r + lc
+    per_band = (arch.kernel_w - 2 * r) // pitch
+    if per_band < 1:
+        need = pitch + 2 * r
+        return need / arch.kernel_w, (
+            f"one layer and the head strip are {need} PEs wide, "
+            f"{need - arch.kernel_w} over the kernel width {arch.kernel_w}"
+        )
+    bands = ceil_div(config.n_layer, per_band)
+    if knobs.even_bands and bands % 2 and bands < config.n_layer:
+        bands += 1
+    per_band = ceil_div(config.n_layer, bands)  # spread the layers evenly over the bands
+    bands = ceil_div(config.n_layer, per_band)
+    g = Geometry(
+        r,
+        t_rows,
+        lc,
+        knobs.fc_cols,
+        config.n_layer,
+        per_band,
+        bands,
+        embed_rows,
+        positions_per_pe,
+        knobs.head_cols,
+        dirs,
+    )
+    if g.strip_h > arch.kernel_h:
+        return g.strip_h / arch.kernel_h, (
+            f"the head strip is {g.strip_h} rows, {g.strip_h - arch.kernel_h} "
+            f"over the kernel height {arch.kernel_h}"
+        )
+    if g.bands * g.band_h > arch.kernel_h:
+        need = g.bands * g.band_h
+        return need / arch.kernel_h, (
+            f"{g.bands} bands of layers x {g.band_h} rows = {need} rows, "
+            f"{need - arch.kernel_h} over the kernel height {arch.kernel_h}"
+        )
+    return g
+
+
+def route_words(name: str, config: GPT2Config, geo: Geometry, head: HeadTiling) -> int:
+    if name == "scores":
+        return record_words(head.top_k)
+    if name.endswith(("resid_1", "resid_2")):
+        return (
+            config.n_embd
+        )  # the residual bus carries the whole vector past the strip (off the critical path)
+    if name == "embed.out" and geo.dirs.head_k != geo.dirs.stream_1:
+        return config.n_embd  # wte's chunk order differs from layer 0's: one serial lane, picked by count
+    return ceil_div(config.n_embd, geo.r)  # one stream chunk per lane

@@ -1,0 +1,91 @@
+"""The Region and Route objects of one replica, placed at its corner of the kernel: the geometry's
+rectangles filled with each region's tiling, per-PE arrays and axes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wafer_gpt2.core.tiling import HeadTiling, NormTiling, ceil_div
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.plan.geometry import Geometry, exit_dirs, route_words
+from wafer_gpt2.plan.structure import Region, Route, Symbol
+from wafer_gpt2.plan.symbols import (
+    attention_symbols,
+    embed_symbols,
+    gemv_symbols,
+    head_symbols,
+    io_symbols,
+    norm_symbols,
+    residual_symbols,
+    with_cycles,
+)
+from wafer_gpt2.plan.tilings import LayerTilings
+
+
+def place_replica(
+    config: GPT2Config,
+    geo: Geometry,
+    lt: LayerTilings,
+    head: HeadTiling,
+    ln_f: NormTiling,
+    dtype: str,
+    replica: int,
+    ox: int,
+    oy: int,
+) -> tuple[list[Region], list[Route]]:
+    """Regions and routes of one replica with its top-left corner at (ox, oy)."""
+    regions: list[Region] = []
+    strip = geo.strip_rects()
+    tile_k = ceil_div(config.n_embd, geo.r)
+    strip_content = {
+        "io.in": ("io", io_symbols(head.top_k, True), None, {}),
+        "embed": (
+            "embed",
+            embed_symbols(geo.positions_per_pe, tile_k, dtype),
+            None,
+            {"k": geo.dirs.head_k, "position": "+y"},
+        ),
+        # the merge of the columns ends on the last column, at the top: it runs away from ln_f
+        # (geometry.strip_rects)
+        "head": (
+            "embed_head",
+            head_symbols(head, dtype),
+            head,
+            {"k": geo.dirs.head_k, "n": exit_dirs(head.merge, "north")},
+        ),
+        "ln_f": ("layernorm", norm_symbols(ln_f), ln_f, {"i": geo.dirs.head_k}),
+        "io.out": ("io", io_symbols(head.top_k, False), None, {}),
+    }
+    for name, (kind, symbols, tiling, axes) in strip_content.items():
+        x, y, w, h = strip[name]
+        regions.append(
+            Region(name, kind, None, replica, ox + x, oy + y, w, h, with_cycles(symbols), tiling, 0, axes)
+        )
+    content: dict[str, tuple[dict[str, Symbol], Any]] = {
+        "qkv": (gemv_symbols(lt.qkv, dtype), lt.qkv),
+        "attn": (attention_symbols(lt.attn, dtype), lt.attn),
+        "attn_proj": (gemv_symbols(lt.attn_proj, dtype), lt.attn_proj),
+        "ln_1": (norm_symbols(lt.ln), lt.ln),
+        "res_1": (residual_symbols(lt.ln.chunk), None),
+        # ln_2's LayerNorm is folded into fc (check_layer_norms_folded): the stream crosses the strip's
+        # routers into fc and its PEs run pe/idle.csl (wafer_gpt2/codegen/build.py), holding nothing.
+        "ln_2": ({}, lt.ln),
+        "fc": (gemv_symbols(lt.fc, dtype), lt.fc),
+        "proj": (gemv_symbols(lt.proj, dtype), lt.proj),
+        "res_2": (residual_symbols(lt.ln.chunk), None),
+    }
+    for layer in range(config.n_layer):
+        for op, (symbols, tiling) in content.items():
+            kind, x, y, w, h, axes = geo.layer_rect(layer, op)
+            symbols = with_cycles(symbols)
+            regions.append(
+                Region(f"L{layer}.{op}", kind, layer, replica, ox + x, oy + y, w, h, symbols, tiling, 0, axes)
+            )
+    routes = []
+    for name, src, dst in geo.routes():
+        hops, legs = geo.route_legs(src, dst)
+        legs = tuple((x + ox, y + oy, w, h) for x, y, w, h in legs)
+        routes.append(
+            Route(name, src.split(".root")[0], dst, route_words(name, config, geo, head), hops, legs, replica)
+        )
+    return regions, routes

@@ -1,0 +1,370 @@
+"""The search: every candidate size, priced by the cycle model (`price_candidates`); the best that
+places and passes every check (`build_plan`); the most KV slots a plan fits (`largest_slots`)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from functools import lru_cache
+
+from wafer_gpt2.core.arch import Arch, resolve_arch
+from wafer_gpt2.core.cost import CLOCK_HZ, StageCost
+from wafer_gpt2.core.tiling import AttentionTiling, HeadTiling, ceil_div
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.plan.checks import (
+    assign_colors,
+    check_colors,
+    check_geometry,
+    check_memory,
+    check_request,
+    check_total_capacity,
+    memory_over,
+)
+from wafer_gpt2.plan.geometry import Dirs, Geometry, replica_geometry
+from wafer_gpt2.plan.placement import place_replica
+from wafer_gpt2.plan.stages import layer_stage_costs, outer_stage_costs, token_critical_path
+from wafer_gpt2.plan.structure import Knobs, LayerPlan, Plan, PlanError, Region, Route
+from wafer_gpt2.plan.symbols import attention_symbols, pe_bytes
+from wafer_gpt2.plan.tilings import LayerTilings, head_tiling, layer_tilings
+
+
+def _positions_per_pe_max(config: GPT2Config, arch: Arch, dtype: str, slots: int, context: int) -> int:
+    """How many positions (of every slot, one head) an attention PE can hold; raises when not even one."""
+    probe = [
+        AttentionTiling(config.n_head, config.head_dim, slots, context, config.n_head, ceil_div(context, p))
+        for p in (1, 2)
+    ]
+    one, two = (pe_bytes(attention_symbols(t, dtype)) for t in probe)
+    per_position = two - one
+    fixed = one - per_position
+    most = (arch.data_bytes_per_pe - fixed) // per_position
+    if most < 1:
+        per_slot = per_position // slots
+        fit = (arch.data_bytes_per_pe - fixed) // per_slot
+        raise PlanError(
+            f"{config.name} with {slots} slots does not fit {arch.name}: per-PE memory: an attention PE holds K and V "
+            f"of every slot for its positions, and one position of one head for {slots} slots takes {one:,} B with "
+            f"its buffers, {one - arch.data_bytes_per_pe:,} B over the {arch.data_bytes_per_pe:,} B usable "
+            f"(48 KB minus the {arch.sram_reserve_bytes // 1024} KB reserve); at most {fit} slots fit per replica"
+        )
+    return most
+
+
+# `build_plan`'s defaults, which `largest_slots`' probes ask for too.
+DEFAULT_OBJECTIVE = "latency"
+DEFAULT_REPLICAS = 1
+DEFAULT_TOP_K = 64  # candidates the head returns per token
+
+STREAM_WIDTHS = (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128)
+HEAD_TILES = (16, 32, 64, 128, 256)
+# `compact` also tries the narrowest strips and the widest vocabulary tiles: fewest PEs, not speed.
+COMPACT_STREAM_WIDTHS = (1, 2, 4)
+COMPACT_HEAD_TILES = (512, 1024)
+
+
+def _candidate_knobs(
+    config: GPT2Config, arch: Arch, dtype: str, slots: int, context: int, compact: bool = False
+) -> list[Knobs]:
+    """The sizes to explore: stream width, attention fold and chain, FC width, LM head width."""
+    c, dim = config.n_embd, config.head_dim
+    ppp_max = _positions_per_pe_max(config, arch, dtype, slots, context)
+    out = []
+    widths = STREAM_WIDTHS + (COMPACT_STREAM_WIDTHS if compact else ())
+    head_tiles = HEAD_TILES + (COMPACT_HEAD_TILES if compact else ())
+    stream_options = sorted({r for r in widths if r <= c})
+    folds = [f for f in (1, 2, 4, 8, 16, 32) if dim % f == 0]
+    for r in stream_options:
+        for fold in folds:
+            # The shortest chain that holds the context; twice as long halves each PE's work but adds a
+            # merge round.
+            chain_min = ceil_div(ceil_div(context, ppp_max), fold) * fold
+            for chain in (chain_min, 2 * chain_min):
+                if chain > max(context, fold):
+                    continue
+                for tile_fc in (4, 8, 16, 32, 64, 128):
+                    f = ceil_div(4 * c, tile_fc)
+                    if not 2 <= f <= arch.kernel_h // 2:
+                        continue
+                    for head_tile in head_tiles:
+                        hc = ceil_div(config.vocab_size, head_tile)
+                        for even in (False, True):
+                            out.append(Knobs(r, fold, chain, f, hc, even))
+    return out
+
+
+@dataclass(frozen=True)
+class PricedCandidate:
+    """One candidate that meets the per-PE memory and kernel-area limits, priced by the cycle model
+    (placement and the color check come later: `build_plan` does them for the best ones only)."""
+
+    index: int  # order of exploration: breaks ties between equal scores
+    knobs: Knobs
+    tilings: LayerTilings
+    head: HeadTiling
+    geometry: Geometry
+    replicas_fit: int  # how many replicas of this footprint the kernel holds
+    layer_stages: list[StageCost]  # one layer's stages
+    outer: tuple[list[StageCost], dict[str, StageCost], list[StageCost]]  # see `outer_stage_costs`
+    decode_cycles: int  # modeled critical path of one token at full context
+    bottleneck_cycles: int  # modeled slowest stage
+
+    @property
+    def footprint_pes(self) -> int:
+        return self.geometry.width * self.geometry.height
+
+    @property
+    def layer_pes(self) -> int:
+        return self.geometry.layer_pes
+
+    def critical_path(self) -> list[StageCost]:
+        return token_critical_path(self.geometry.n_layer, self.layer_stages, self.outer)
+
+
+@dataclass
+class CandidateSearch:
+    explored: int  # candidate sizes tried
+    priced: list[PricedCandidate]  # those within the memory and kernel-area limits, in explored order
+    nearest_miss: tuple[float, str] | None  # (how far over, why) of the closest candidate left out
+
+
+def price_candidates(
+    config: GPT2Config,
+    arch: str | Arch = "wse2",
+    dtype: str = "fp16",
+    slots: int = 16,
+    context: int | None = None,
+    top_k: int = DEFAULT_TOP_K,
+    compact: bool = False,
+) -> CandidateSearch:
+    """Every candidate size of the planner's search, checked against the per-PE memory and the kernel
+    area and priced by the cycle model (one replica at the kernel's corner); `build_plan` picks from these."""
+    arch = resolve_arch(arch)
+    context = check_request(config, dtype, slots, context, top_k)
+    priced = []
+    closest: tuple[float, str] | None = None
+    knobs_list = _candidate_knobs(config, arch, dtype, slots, context, compact)
+    for index, knobs in enumerate(knobs_list):
+        lt = _layer_tilings(
+            config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
+        )
+        head = _head_tiling(config, knobs.stream_pes, knobs.head_cols, top_k, arch, dtype)
+        over = memory_over(lt, head, dtype, arch)
+        if over is not None:
+            closest = _closer(closest, over)
+            continue
+        geo = replica_geometry(config, knobs, arch, dtype, Dirs.of(lt, head))
+        if not isinstance(geo, Geometry):
+            closest = _closer(closest, (geo[0], f"kernel area: {geo[1]}"))
+            continue
+        fit = (arch.kernel_w // geo.width) * (arch.kernel_h // geo.height)
+        layer_stages = _cached_layer_stages(lt, arch, dtype)
+        outer = outer_stage_costs(config, geo, lt, head, lt.ln_f, arch, dtype, 0)
+        # The critical path is layer_stages n_layer times plus the outer stages (see `token_critical_path`).
+        outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
+        layer_cycles = [s.cycles for s in layer_stages]
+        latency = config.n_layer * sum(layer_cycles) + sum(outer_cycles)
+        bottleneck = max(max(layer_cycles), max(outer_cycles))
+        priced.append(
+            PricedCandidate(index, knobs, lt, head, geo, fit, layer_stages, outer, latency, bottleneck)
+        )
+    return CandidateSearch(len(knobs_list), priced, closest)
+
+
+def build_plan(
+    config: GPT2Config,
+    arch: str | Arch = "wse2",
+    dtype: str = "fp16",
+    slots: int = 16,
+    context: int | None = None,
+    objective: str = DEFAULT_OBJECTIVE,
+    replicas: int | str = DEFAULT_REPLICAS,
+    top_k: int = DEFAULT_TOP_K,
+) -> Plan:
+    """The best feasible plan for the request, or PlanError naming the limit it hits.
+
+    The search is deterministic and costs seconds, and a process often asks for the same plan again
+    (a server and its reloads, the simulator and the backend of one test): the plan is kept, and every
+    caller gets its own copy to change."""
+    request = (config, resolve_arch(arch), dtype, slots, context, objective, replicas, top_k)
+    try:
+        hash(request)
+    except TypeError:  # an argument no plan can take: the search's checks name it
+        return _search_plan(*request)
+    plan = _kept_plan(*request)
+    return copy.deepcopy(plan, {id(plan.config): plan.config, id(plan.arch): plan.arch})
+
+
+@lru_cache(maxsize=32, typed=True)  # typed: slots=True is refused, not taken for slots=1
+def _kept_plan(*request) -> Plan:
+    return _search_plan(*request)
+
+
+def forget_kept_plans() -> None:
+    """Drop the plans `build_plan` keeps: the next request searches again (for timing the search)."""
+    _kept_plan.cache_clear()
+
+
+def _search_plan(
+    config: GPT2Config,
+    arch: Arch,
+    dtype: str,
+    slots: int,
+    context: int | None,
+    objective: str,
+    replicas: int | str,
+    top_k: int,
+) -> Plan:
+    context = check_request(config, dtype, slots, context, top_k, objective)
+    if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        raise PlanError(f"replicas must be a positive integer or 'auto', got {replicas!r}")
+    check_total_capacity(config, arch, dtype, slots, context, 1 if isinstance(replicas, str) else replicas)
+
+    search = price_candidates(config, arch, dtype, slots, context, top_k, compact=objective == "compact")
+    closest = search.nearest_miss
+    most_replicas: tuple[int, str] | None = None  # the most replicas any candidate fits, when short
+    ranked = []
+    for cand in search.priced:
+        fit = cand.replicas_fit
+        wanted = fit if isinstance(replicas, str) else replicas  # a str is "auto" (checked above)
+        if fit < wanted:
+            if most_replicas is None or fit > most_replicas[0]:
+                g = cand.geometry
+                most_replicas = (
+                    fit,
+                    f"kernel area: {wanted} replicas do not fit; at most {fit} replicas of "
+                    f"{g.width}x{g.height} PEs do, {wanted - fit} short",
+                )
+            continue
+        per_replica = min(slots * CLOCK_HZ / cand.decode_cycles, CLOCK_HZ / cand.bottleneck_cycles)
+        if objective == "compact":
+            score = cand.footprint_pes * (1 + 1e-12 * cand.decode_cycles)
+        else:
+            score = cand.decode_cycles if objective == "latency" else -per_replica * wanted
+            # Among near-equal candidates prefer the smaller footprint (frees room, keeps the map readable).
+            score *= 1 + 1e-9 * cand.footprint_pes
+        ranked.append((score, cand.index, wanted, cand))
+    ranked.sort(key=lambda item: (item[0], item[1]))
+    for _, _, wanted, cand in ranked:
+        plan = _assemble(config, arch, dtype, slots, context, objective, wanted, top_k, cand)
+        if isinstance(plan, str):
+            closest = _closer(closest, (1.0, plan))
+            continue
+        plan.candidates_explored = search.explored
+        return plan
+    if most_replicas is not None:  # one replica fits: the replica count is the limit
+        closest = (0.0, most_replicas[1])
+    raise PlanError(_infeasible_message(config, arch, slots, context, closest))
+
+
+@lru_cache(maxsize=4096)  # keyed by the knobs a layer's tilings depend on: many candidates share them
+def _layer_tilings(
+    config, stream_pes, fold, attn_chain, fc_cols, slots, context, arch, dtype
+) -> LayerTilings:
+    return layer_tilings(config, Knobs(stream_pes, fold, attn_chain, fc_cols, 1), slots, context, arch, dtype)
+
+
+@lru_cache(maxsize=1024)
+def _head_tiling(config, stream_pes, head_cols, top_k, arch, dtype) -> HeadTiling:
+    return head_tiling(config, Knobs(stream_pes, 1, 1, 1, head_cols), top_k, arch, dtype)
+
+
+@lru_cache(maxsize=4096)
+def _cached_layer_stages(lt: LayerTilings, arch: Arch, dtype: str) -> list[StageCost]:
+    return layer_stage_costs(lt, arch, dtype)
+
+
+def _closer(closest, miss):
+    return miss if closest is None or miss[0] < closest[0] else closest
+
+
+def _infeasible_message(config, arch, slots, context, closest) -> str:
+    why = closest[1] if closest else "no candidate sizes (head_dim has no usable fold)"
+    return (
+        f"{config.name} with {slots} slots x {context} tokens does not fit {arch.name}; the nearest "
+        f"candidate fails on {why}"
+    )
+
+
+def _assemble(
+    config: GPT2Config,
+    arch: Arch,
+    dtype: str,
+    slots: int,
+    context: int,
+    objective: str,
+    replicas: int,
+    top_k: int,
+    cand: PricedCandidate,
+) -> Plan | str:
+    """Place every replica, check the geometry and the colors; a string says which check failed."""
+    lt, head, geo = cand.tilings, cand.head, cand.geometry
+    per_row = arch.kernel_w // geo.width
+    regions: list[Region] = []
+    routes: list[Route] = []
+    for rep in range(replicas):
+        row, col = divmod(rep, per_row)
+        placed, placed_routes = place_replica(
+            config, geo, lt, head, lt.ln_f, dtype, rep, col * geo.width, row * geo.height
+        )
+        regions.extend(placed)
+        routes.extend(placed_routes)
+    check_geometry(regions, arch)
+    assign_colors(regions, routes)
+    problem = check_colors(regions, arch) or check_memory(regions, arch)
+    if problem is not None:
+        return problem
+    layers = [
+        LayerPlan(i, lt.ln, lt.qkv, lt.attn, lt.attn_proj, lt.ln, lt.fc, lt.proj)
+        for i in range(config.n_layer)
+    ]
+    return Plan(
+        config=config,
+        arch=arch,
+        dtype=dtype,
+        slots=slots,
+        context=context,
+        objective=objective,
+        replicas=replicas,
+        layers=layers,
+        ln_f=lt.ln_f,
+        head=head,
+        regions=regions,
+        knobs=cand.knobs,
+        routes=routes,
+        stage_costs=cand.critical_path(),
+        layer_stage_costs=[StageCost(s.name, dict(s.phases)) for s in cand.layer_stages],
+        top_k=top_k,
+        footprint=(geo.width, geo.height),
+        colors_used=max(region.colors for region in regions),
+    )
+
+
+def largest_slots(
+    config: GPT2Config,
+    arch: str | Arch = "wse2",
+    dtype: str = "fp16",
+    context: int | None = None,
+    limit: int = 4096,
+) -> int:
+    """The largest KV slot count (at `context` tokens, one replica) a plan fits; 0 if not even one."""
+    arch = resolve_arch(arch)
+    context = config.n_positions if context is None else context
+    lo, hi = 0, limit + 1  # lo fits (0 trivially), hi does not
+    if _fits(config, arch, dtype, limit, context):
+        return limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _fits(config, arch, dtype, mid, context):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _fits(config, arch, dtype, slots, context) -> bool:
+    try:
+        # build_plan's request, without its copy: the probe's plan is only looked at
+        _kept_plan(config, arch, dtype, slots, context, DEFAULT_OBJECTIVE, DEFAULT_REPLICAS, DEFAULT_TOP_K)
+        return True
+    except PlanError:
+        return False

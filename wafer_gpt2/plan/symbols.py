@@ -1,0 +1,136 @@
+"""The arrays (symbols) a PE of each region kind declares for its tiling, and the bytes they take:
+what the per-PE memory limit is checked against and what the simulator allocates."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from wafer_gpt2.core.abi import CYCLES_SYMBOL
+from wafer_gpt2.core.cost import NORM_STAT_WORDS, TOPK_BINS
+from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
+from wafer_gpt2.core.wire import ITEM_WORDS
+from wafer_gpt2.plan.structure import Symbol
+
+
+def with_cycles(symbols: dict[str, Symbol]) -> dict[str, Symbol]:
+    """A PE program's arrays plus the u32[4] counter every PE keeps for the host to read back: modeled
+    busy cycles of the last step and since reset (lo, hi words each). It counts against the PE's memory
+    like any other array."""
+    return {**symbols, CYCLES_SYMBOL: Symbol("u32", 4)}
+
+
+def pe_bytes(symbols: dict[str, Symbol]) -> int:
+    """Bytes a PE program with these arrays needs, its cycle counter included."""
+    return sum(s.nbytes for s in with_cycles(symbols).values())
+
+
+def weight_symbol_dtype(dtype: str) -> Literal["f16", "f32"]:
+    return "f16" if dtype == "fp16" else "f32"
+
+
+# Every PE program also keeps a few words for stream headers, sinks and link buffers of its comm
+# modules (wafer_gpt2/kernels/comm): counted as one small array.
+COMM = Symbol("u32", 16)
+# wafer_gpt2/kernels/comm/reduce.csl's FIFO (PASS_WORDS) on a two-level reduction's run ends, where both levels
+# stream at once.
+REDUCE_PASS = Symbol("f32", 16)
+
+
+def reduction_symbols(reduction: str) -> dict[str, Symbol]:
+    """The FIFO a PE of a two-level reduction may hold (the run ends that stream into the ends' chain)."""
+    return {"reduce_pass": REDUCE_PASS} if reduction == "two_level" else {}
+
+
+def gemv_symbols(t: GemvTiling, dtype: str) -> dict[str, Symbol]:
+    """wafer_gpt2/kernels/pe/gemv.csl's arrays."""
+    wd = weight_symbol_dtype(dtype)
+    return {
+        "w": Symbol(wd, t.tile_k * t.tile_n),  # weight tile, row-major [tile_k, tile_n]
+        # bias slice (used on the PEs that end the reduction); with the LayerNorm folded in, fp32
+        # bias + beta @ W and the column sums of diag(gain) @ W
+        **(
+            {"norm_b": Symbol("f32", t.tile_n), "norm_g": Symbol("f32", t.tile_n)}
+            if t.norm_fold
+            else {"b": Symbol(wd, t.tile_n)}
+        ),
+        "x": Symbol("f32", t.tile_k),  # the input chunk as it arrives
+        "acc": Symbol("f32", t.tile_n + (NORM_STAT_WORDS if t.norm_fold else 0)),  # fp32 partial sums
+        "comm": COMM,
+        **reduction_symbols(t.reduction),
+    }
+
+
+def norm_symbols(t: NormTiling) -> dict[str, Symbol]:
+    """wafer_gpt2/kernels/pe/layernorm.csl's arrays (a strip that only passes x on keeps x alone)."""
+    if not t.normalise:
+        return {"x": Symbol("f32", t.chunk), "comm": COMM}
+    return {
+        "gain": Symbol("f32", t.chunk),
+        "bias": Symbol("f32", t.chunk),
+        "x": Symbol("f32", t.chunk),
+        "y": Symbol("f32", t.chunk),
+        "sums": Symbol("f32", 2),  # sum of x, sum of x^2: the statistics all-reduced together
+        "comm": COMM,
+        **reduction_symbols(t.reduction),
+    }
+
+
+def residual_symbols(chunk: int) -> dict[str, Symbol]:
+    """wafer_gpt2/kernels/pe/residual.csl's arrays."""
+    return {"resid": Symbol("f32", chunk), "x": Symbol("f32", chunk), "comm": COMM}
+
+
+def attention_symbols(t: AttentionTiling, dtype: str) -> dict[str, Symbol]:
+    """wafer_gpt2/kernels/pe/attention.csl's arrays."""
+    wd = weight_symbol_dtype(dtype)
+    cache = t.slots * t.positions_per_pe * t.heads_per_pe * t.head_dim
+    hd = t.heads_per_pe * t.head_dim
+    return {
+        "k_cache": Symbol(wd, cache),  # [slot][head in PE][head_dim][position in PE]
+        "v_cache": Symbol(wd, cache),  # [slot][head in PE][position in PE][head_dim]
+        "qkv": Symbol("f32", 3 * hd),  # the group's [q | k | v] as it arrives
+        "q": Symbol("f32", hd),
+        "scores": Symbol("f32", t.positions_per_pe + 1),  # one head's scores, and their max
+        "acc": Symbol("f32", hd),  # exp-weighted V
+        "stats": Symbol("f32", 5 * t.heads_per_pe),  # max and sum per head, a partner's, the factors
+        "comm": COMM,
+    }
+
+
+def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
+    """wafer_gpt2/kernels/pe/head.csl's arrays (and lib/topk.csl's)."""
+    g = t.gemv
+    record = 2 * t.top_k + 3  # ids, logits, max, sum, target
+    return {
+        "w": Symbol(weight_symbol_dtype(dtype), g.tile_k * g.tile_n),  # wte^T tile; no bias (tied)
+        "row": Symbol("f32", g.tile_k),  # the token's wte chunk on its way to the embed region
+        "x": Symbol("f32", g.tile_k),
+        "acc": Symbol("f32", g.tile_n),  # logits of the column
+        "records": Symbol("u32", 4 * record),  # own, its run's, the merged one, the output-stream one
+        "topk_bins": Symbol("u16", TOPK_BINS),  # lib/topk.csl's histogram of the column's logits
+        "topk_order": Symbol("u16", g.tile_n),  # and its counting sort's indices
+        "exp_pairs": Symbol("f32", 4),  # a shared sum of exps: this PE's (max, sum), the incoming one
+        # lib/topk_merge.csl, imported twice (a run, the runs' ends): the input's words, its own tail
+        "topk_merge": Symbol("u32", 2 * (record + 3)),
+        "comm": COMM,
+        **reduction_symbols(g.reduction),
+        "emb_pass": REDUCE_PASS,  # the embedding's line may be two-level (wafer_gpt2.core.cost.embed_reduction)
+    }
+
+
+def embed_symbols(positions_per_pe: int, tile_k: int, dtype: str) -> dict[str, Symbol]:
+    """wafer_gpt2/kernels/pe/embed.csl's arrays."""
+    return {
+        "wpe": Symbol(weight_symbol_dtype(dtype), positions_per_pe * tile_k),  # [position][dim chunk]
+        "x": Symbol("f32", tile_k),  # the token's wte chunk arriving from the head, plus wpe
+        "comm": COMM,
+        "emb_pass": REDUCE_PASS,  # the embedding's line may be two-level (wafer_gpt2.core.cost.embed_reduction)
+    }
+
+
+def io_symbols(top_k: int, inbound: bool) -> dict[str, Symbol]:
+    """wafer_gpt2/kernels/pe/io_in.csl (the count, an item, a request) and io_out.csl (nothing: records pass
+    through without a buffer)."""
+    if inbound:
+        return {"items": Symbol("u32", 1 + ITEM_WORDS + ITEM_WORDS + 1)}  # count, item, request
+    return {"comm": COMM}

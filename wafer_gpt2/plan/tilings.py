@@ -1,0 +1,64 @@
+"""The tilings (`wafer_gpt2.core.tiling`) one candidate's knobs give every operation of a layer and the LM head,
+each with the reduction the cycle model finds fastest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from wafer_gpt2.core.arch import Arch
+from wafer_gpt2.core.cost import (
+    GELU_CYCLES,
+    NORM_STAT_WORDS,
+    allreduce_cycles,
+    best_attention,
+    best_gemv_reduction,
+    best_head,
+    reduction_options,
+)
+from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, Reduction
+from wafer_gpt2.model.config import GPT2Config
+from wafer_gpt2.plan.structure import Knobs
+
+
+@dataclass(frozen=True)
+class LayerTilings:
+    ln: NormTiling
+    qkv: GemvTiling
+    attn: AttentionTiling
+    attn_proj: GemvTiling
+    fc: GemvTiling
+    proj: GemvTiling
+
+    @property
+    def ln_f(self) -> NormTiling:
+        """The final LayerNorm: the layers' strip, normalising (the LM head has no LayerNorm folded in)."""
+        return replace(self.ln, normalise=True)
+
+
+def layer_tilings(
+    config: GPT2Config, knobs: Knobs, slots: int, context: int, arch: Arch, dtype: str
+) -> LayerTilings:
+    c, r, heads = config.n_embd, knobs.stream_pes, config.n_head
+    t_rows = heads * knobs.fold
+    kind, group = _scalar_reduction(r)
+    # ln_1 and ln_2 pass x on; qkv and fc normalise it (the LayerNorm folded in, wafer_gpt2/core/tiling.py)
+    ln = NormTiling(c, r, reduction=kind, axis="x", group=group, normalise=False)
+    best = best_gemv_reduction
+    qkv = best(GemvTiling(c, 3 * c, r, t_rows, "k_along_x", n_split=3, norm_fold=True), arch, dtype)
+    attn = AttentionTiling(heads, config.head_dim, slots, context, heads, knobs.attn_chain, knobs.fold)
+    attn = best_attention(attn, arch, dtype)
+    o = best(GemvTiling(c, c, t_rows, r, "k_along_y"), arch, dtype)
+    fc = best(GemvTiling(c, 4 * c, r, knobs.fc_cols, "k_along_x", norm_fold=True), arch, dtype, GELU_CYCLES)
+    proj = best(GemvTiling(4 * c, c, knobs.fc_cols, r, "k_along_y"), arch, dtype)
+    return LayerTilings(ln, qkv, attn, o, fc, proj)
+
+
+@lru_cache(maxsize=1024)  # the search asks again for every candidate with the same strip
+def _scalar_reduction(pes: int) -> tuple[Reduction, int]:
+    return min(reduction_options(pes), key=lambda kg: allreduce_cycles(kg[0], pes, NORM_STAT_WORDS, kg[1]))
+
+
+def head_tiling(config: GPT2Config, knobs: Knobs, top_k: int, arch: Arch, dtype: str) -> HeadTiling:
+    gemv = GemvTiling(config.n_embd, config.vocab_size, knobs.stream_pes, knobs.head_cols, "k_along_x")
+    return best_head(HeadTiling(config.vocab_size, config.n_embd, gemv, top_k), arch, dtype)
