@@ -22,7 +22,7 @@ import numpy as np
 
 from tools.bench import bench_host, bench_service
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
-from wafer_gpt2.cli import main as cli
+from wafer_gpt2.cli.runner import run as run_command
 from wafer_gpt2.engine.core import bare_greedy
 from wafer_gpt2.errors import UserError
 from wafer_gpt2.model.config import GPT2Config, resolve_config
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`python -m tools.bench TARGET ...`; user errors print one line (exit 2), as `wafer-gpt2`'s do."""
     args = build_parser().parse_args(argv)
-    return cli.run(args, f"bench {args.target}")
+    return run_command(args, f"bench {args.target}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wafer_gpt2.cli import main as cli
+from wafer_gpt2.cli.runner import run as run_command
 from wafer_gpt2.core.arch import ARCHS
 from wafer_gpt2.errors import UserError
 
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tools.report ...`; user errors print one line (exit 2), as `wafer-gpt2`'s do."""
-    return cli.run(build_parser().parse_args(argv), "report")
+    return run_command(build_parser().parse_args(argv), "report")
 
 
 def run(args: argparse.Namespace) -> int:
