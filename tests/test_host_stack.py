@@ -23,6 +23,7 @@ from wafer_gpt2.engine.request import (
     GenerationRequest,
     PromptToken,
     TokenEvent,
+    loop_sink,
 )
 from wafer_gpt2.engine.sampling import Sampler, SamplingParams, greedy_batch
 from wafer_gpt2.model import tokenizer
@@ -336,8 +337,8 @@ def test_non_streaming_requests_get_only_their_final_event(small_params):
     async def main() -> tuple[list, list]:
         loop = asyncio.get_running_loop()
         request = GenerationRequest((1, 2, 3), 5)
-        plain = core.add(core.new_request(request, loop, stream=False))
-        streamed = core.add(core.new_request(request, loop, stream=True))
+        plain = core.add(core.new_request(request, loop_sink(loop), stream=False))
+        streamed = core.add(core.new_request(request, loop_sink(loop), stream=True))
         while core.has_work():
             core.step()
         await asyncio.sleep(0)  # the step's events are delivered by one callback on the loop
