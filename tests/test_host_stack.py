@@ -489,7 +489,7 @@ def test_the_lean_path_refuses_and_fails_as_fastapi_does(monkeypatch, caplog):
     bug in a route: the same status, schema and headers on the lean path as on FastAPI's; the bug is
     logged under a reference the client is given, on both."""
     from tests.service_harness import running_server
-    from wafer_gpt2.service.routes import tgi
+    from wafer_gpt2.service.routes import tgi_routes
     from wafer_gpt2.settings import ServerSettings
 
     settings = ServerSettings(
@@ -513,7 +513,7 @@ def test_the_lean_path_refuses_and_fails_as_fastapi_does(monkeypatch, caplog):
     def bug(*args, **kwargs):
         raise RuntimeError("a bug in the route")
 
-    monkeypatch.setattr(tgi, "tgi_generation_request", bug)
+    monkeypatch.setattr(tgi_routes, "tgi_generation_request", bug)
     with running_server(settings, lambda: NullBackend(50257, slots=2, context=64)) as running:
         for path, body, headers in cases:
             answers = []

@@ -30,12 +30,12 @@ from wafer_gpt2.service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from wafer_gpt2.service.delivery import JSONResponse
 from wafer_gpt2.service.hot_routes import HotRoute, LeanPath, ServiceApp
 from wafer_gpt2.service.middleware import GuardMiddleware
-from wafer_gpt2.service.routes.admin import register_admin_routes
+from wafer_gpt2.service.routes.admin_routes import register_admin_routes
 from wafer_gpt2.service.routes.context import VERSION, ServiceContext, request_pool
-from wafer_gpt2.service.routes.errors import register_error_handlers
-from wafer_gpt2.service.routes.openai import register_openai_routes
-from wafer_gpt2.service.routes.tgi import register_tgi_routes
-from wafer_gpt2.service.routes.tokenize import register_tokenize_routes
+from wafer_gpt2.service.routes.error_handlers import register_error_handlers
+from wafer_gpt2.service.routes.openai_routes import register_openai_routes
+from wafer_gpt2.service.routes.tgi_routes import register_tgi_routes
+from wafer_gpt2.service.routes.tokenize_routes import register_tokenize_routes
 from wafer_gpt2.service.schemas import CompletionRequest, TGIRequest
 from wafer_gpt2.settings import ServerSettings
 

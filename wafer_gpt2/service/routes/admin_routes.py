@@ -15,8 +15,8 @@ from wafer_gpt2.engine.worker import EngineState
 from wafer_gpt2.service.delivery import JSONResponse
 from wafer_gpt2.service.middleware import OPENAI_PREFIX
 from wafer_gpt2.service.routes.context import VERSION, ServiceContext
-from wafer_gpt2.service.routes.openai import OpenAIHandlers
-from wafer_gpt2.service.routes.tgi import TGIHandlers
+from wafer_gpt2.service.routes.openai_routes import OpenAIHandlers
+from wafer_gpt2.service.routes.tgi_routes import TGIHandlers
 from wafer_gpt2.service.schemas import ChatCompletionRequest, CompletionRequest, TGIInfo, TGIRequest
 from wafer_gpt2.service.validation import json_body, parse_body
 
