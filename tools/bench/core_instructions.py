@@ -41,7 +41,7 @@ def workload(rounds: int, requests: int, new_tokens: int, stream: bool) -> int:
     """Step the engine core over the null backend; the tokens it generated."""
     from wafer_gpt2.backends.stand_ins import NullBackend
     from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
-    from wafer_gpt2.engine.request import GenerationRequest
+    from wafer_gpt2.engine.request import GenerationRequest, loop_sink
 
     backend = NullBackend(50257, slots=requests, context=len(PROMPT) + new_tokens, top_k=64)
     core = EngineCore(backend, gpt2_tokenizer_hooks(), max_queue=requests, step_token_budget=512)
@@ -50,7 +50,9 @@ def workload(rounds: int, requests: int, new_tokens: int, stream: bool) -> int:
     try:
         for _ in range(rounds):
             states = [
-                core.add(core.new_request(GenerationRequest(PROMPT, new_tokens), loop=loop, stream=stream))
+                core.add(
+                    core.new_request(GenerationRequest(PROMPT, new_tokens), loop_sink(loop), stream=stream)
+                )
                 for _ in range(requests)
             ]
             while core.has_work():

@@ -49,7 +49,14 @@ from wafer_gpt2.engine.failures import (
 )
 from wafer_gpt2.engine.kv_slots import KVUsage
 from wafer_gpt2.engine.metrics import ServiceMetrics
-from wafer_gpt2.engine.request import GenerationRequest, RequestState, RequestStatus, Submitted
+from wafer_gpt2.engine.request import (
+    EventSink,
+    GenerationRequest,
+    RequestState,
+    RequestStatus,
+    Submitted,
+    loop_sink,
+)
 from wafer_gpt2.engine.scheduler import StepBatch
 from wafer_gpt2.logs import log_reference
 
@@ -97,7 +104,7 @@ Filed = Callable[[str, "RequestState | ServiceError"], None]
 class _Arrival:
     request: GenerationRequest
     stream: bool
-    loop: asyncio.AbstractEventLoop
+    sink: EventSink
     request_id: str
     filed: Filed
 
@@ -113,28 +120,22 @@ def request_failed(request_id: str) -> RequestFailed:
 LOOP_TURN_TIMEOUT_S = 5e-3
 
 
-def wait_for_loops(batch: StepBatch) -> None:
+def wait_for_sinks(batch: StepBatch) -> None:
     """After a short step that kept the worker computing (a backend that answers at once), when none of
-    the step's requests streams: wait until the event loops of its requests have had a turn. Run back to back,
-    such steps carry a token or two each and take the GIL from the event loop that would bring more
-    requests (issue 18: 4-6 tokens a step at 64 non-streamed requests, against 60 with the wait). A
+    the step's requests streams: wait until the receivers of its requests' events (their sinks) have had
+    a turn. Run back to back, such steps carry a token or two each and take the GIL from the event loop
+    that would bring more requests (issue 18: 4-6 tokens a step at 64 non-streamed requests, against 60 with the wait). A
     step with streams is not waited after: the steps that run on meanwhile put several tokens into each
     stream's next write, and a write per token cost more than the short steps (measured). A step that
     waits for the wafer (or the modeled one's sleep) lets the loop run meanwhile, and is not waited after."""
-    loops = set()
+    sinks = set()
     for state in batch.owners:
         if state.stream:
             return
-        if state.loop is not None:
-            loops.add(state.loop)
-    for loop in loops:
-        turned = threading.Lock()  # released by the loop's turn: a plain lock is the cheapest wait
-        turned.acquire()
-        try:
-            loop.call_soon_threadsafe(turned.release)
-        except RuntimeError:
-            continue  # the loop is gone
-        turned.acquire(timeout=LOOP_TURN_TIMEOUT_S)
+        if state.sink is not None:
+            sinks.add(state.sink)
+    for sink in sinks:
+        sink.wait_for_turn(LOOP_TURN_TIMEOUT_S)
 
 
 class EngineState(enum.Enum):
@@ -301,16 +302,16 @@ class Engine:
         self,
         request: GenerationRequest,
         stream: bool = True,
-        loop: asyncio.AbstractEventLoop | None = None,
+        sink: EventSink | None = None,
         request_id: str | None = None,
     ) -> RequestState:
-        """Queue a request; its events go to `loop` (default: the running event loop; `stream` False:
+        """Queue a request; its events go to `sink` (default: the running event loop's; `stream` False:
         the final one only). `request_id`: the id it is known by elsewhere (`wafer_gpt2.engine.process`)."""
-        loop = loop if loop is not None else asyncio.get_running_loop()
+        sink = sink if sink is not None else loop_sink(asyncio.get_running_loop())
         with self._cond:
             if self._state is not EngineState.READY:
                 raise self.unavailable()
-            state = self._queue(self._built_core(), request, stream, loop, request_id)
+            state = self._queue(self._built_core(), request, stream, sink, request_id)
             self._cond.notify_all()
         return state
 
@@ -318,7 +319,7 @@ class Engine:
         self,
         request: GenerationRequest,
         stream: bool,
-        loop: asyncio.AbstractEventLoop,
+        sink: EventSink,
         request_id: str,
         filed: Filed,
     ) -> None:
@@ -331,9 +332,9 @@ class Engine:
         the worker, holding the GIL, ran steps back to back, and the steps carried 10-17 tokens at 64
         streams instead of 54-57 (issue 18)."""
         if self._state is not EngineState.READY:  # `submit`'s check, made when the request is handed over
-            self._tell_filed(_Arrival(request, stream, loop, request_id, filed), self.unavailable())
+            self._tell_filed(_Arrival(request, stream, sink, request_id, filed), self.unavailable())
             return
-        self._arrivals.append(_Arrival(request, stream, loop, request_id, filed))
+        self._arrivals.append(_Arrival(request, stream, sink, request_id, filed))
         # The worker sets `_parked` before it looks at the arrivals (under the lock) and waits: either it
         # sees this one, or it is parked by now and this wakes it. An engine that no longer runs refuses.
         if self._parked or self._state in (EngineState.STOPPED, EngineState.FAILED):
@@ -440,7 +441,7 @@ class Engine:
                         core.finish(batch, results, defer=defer)  # the events went to the event loops
                         self._cond.notify_all()
                     if not defer and held:
-                        wait_for_loops(batch)
+                        wait_for_sinks(batch)
                 except KeyboardInterrupt:
                     raise  # an interrupt ends the worker (below), it is no backend fault to recover from
                 except BaseException as exc:  # any failure of the backend, SystemExit too: recover
@@ -736,7 +737,7 @@ class Engine:
             arrival = arrivals[0]  # taken off once answered: a worker that dies here leaves it to _fail_all
             outcome: RequestState | ServiceError
             try:
-                outcome = self._queue(core, arrival.request, arrival.stream, arrival.loop, arrival.request_id)
+                outcome = self._queue(core, arrival.request, arrival.stream, arrival.sink, arrival.request_id)
             except ServiceError as error:
                 outcome = error
             except Exception:  # a bug: this request fails (500, a log reference), the engine goes on
@@ -749,11 +750,11 @@ class Engine:
         core: EngineCore,
         request: GenerationRequest,
         stream: bool,
-        loop: asyncio.AbstractEventLoop,
+        sink: EventSink,
         request_id: str | None,
     ) -> RequestState:
         """(The lock is held.) The request's state, queued (Overloaded, RequestValidationFailed)."""
-        state = core.new_request(request, loop, stream)
+        state = core.new_request(request, sink, stream)
         if request_id is not None:
             state.id = request_id
         return core.add(state)
