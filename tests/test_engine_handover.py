@@ -1,4 +1,4 @@
-"""Issue 18: how requests and events cross into and out of the engine process without costing the
+"""How requests and events cross into and out of the engine process without costing the
 engine its batch. The hot messages' compact form (`wafer_gpt2/engine/messages.py`) gives back what was sent;
 `Engine.submit_nowait` files a request at the worker's next step boundary, or refuses it as `submit`
 would, and never leaves one unanswered; a cancellation that arrives before its request is filed is
