@@ -1,4 +1,4 @@
-"""Issue 18: steps in flight on a pipelined backend. The modeled wafer takes a step while another
+"""Steps in flight on a pipelined backend. The modeled wafer takes a step while another
 computes (each replica's pipeline takes items a slowest stage apart); the engine submits the next step
 from what became ready while one is in flight, and every request gets what it gets one step at a time;
 a request never has items in two steps in flight, and the slot of one that ended while its step was in

@@ -1,4 +1,4 @@
-"""Issue 18, the host stack: the stand-in backends (null, modeled), the whole-step greedy choice, the
+"""The host stack: the stand-in backends (null, modeled), the whole-step greedy choice, the
 hand-built stream frames, and `python -m tools.bench host` end to end (a real server on loopback and its
 load generator in a process of its own)."""
 

@@ -117,7 +117,7 @@ class EngineCore:
         # Events for requests with a sink, handed over once per step (one call per sink per step instead
         # of one per token): what `_flush` sends.
         self._pending: dict[EventSink, list[Output]] = {}
-        # Overlap (issue 18): with `finish(defer=True)` a chosen token whose request cannot end on its
+        # Overlap: with `finish(defer=True)` a chosen token whose request cannot end on its
         # text (no stop sequences) is only recorded; the rest (detokenizing, the event, the metrics, the
         # end) is `complete_deferred`'s, which the worker runs while the backend computes the next step.
         self._deferring = False
@@ -295,7 +295,7 @@ class EngineCore:
 
     def record_gauges(self) -> None:
         """Set the queue and KV gauges, when they changed: this runs several times a step, and setting
-        eight gauges (a lock each) cost more than the step's bookkeeping for a few tokens (issue 18)."""
+        eight gauges (a lock each) costs more than the step's bookkeeping for a few tokens."""
         scheduler = self.scheduler
         slots = scheduler.slots
         state = (len(scheduler.waiting), len(scheduler.running), slots, *slots.counts())

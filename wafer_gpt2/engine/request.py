@@ -52,7 +52,7 @@ class GenerationRequest:
 
 # The records built per token (an alternative, a generated or prompt token) are named tuples: one is
 # built per token on the engine's worker and again where the engine process's messages arrive, and a
-# named tuple builds in a quarter of a frozen dataclass's time (issue 18).
+# named tuple builds in a fraction of a frozen dataclass's time.
 
 
 class Alternative(NamedTuple):
@@ -89,13 +89,13 @@ class TokenEvent(NamedTuple):  # built per streamed token, twice with the engine
 
 
 # A TokenEvent (a GeneratedToken) from all its fields as one tuple, by `tuple.__new__` alone: the named
-# tuple's own `__new__` is a Python function that builds the tuple twice (per token, issue 18).
+# tuple's own `__new__` is a Python function that builds the tuple twice, and this runs per token.
 token_event_of = partial(tuple.__new__, TokenEvent)
 generated_token_of = partial(tuple.__new__, GeneratedToken)
 
 
 @dataclass(slots=True)  # built per request, twice with the engine process: not frozen (a frozen
-class FinishEvent:  # dataclass sets each field through object.__setattr__, 4x the time); never modified
+class FinishEvent:  # dataclass sets each field through object.__setattr__, a call each); never modified
     finish_reason: FinishReason
     text: str  # the whole generated text, stop sequence stripped
     tail: str  # text released only now (held back until the end)
