@@ -121,14 +121,28 @@ def test_wse2_task_id_collides_only_where_the_color_reaches_the_ramp():
     accepted(10, "wse2")
 
 
-@pytest.mark.parametrize("arch", ["wse2", "wse3"])
-def test_one_color_per_input_queue(arch):
+def test_one_color_per_input_queue_on_wse3():
+    # @initialize_queue binds a WSE-3 queue to one color for the whole run
     first, second = (
         where("rules", "pe.csl", "RULE queue-first"),
         where("rules", "pe.csl", "RULE queue-shared"),
     )
-    assert refusal(8, arch) == (
+    assert refusal(8, "wse3") == (
         f"{first}: input queue 2 serves 2 colors (color 4 at {first}; color 5 at {second}): one color per queue"
+    )
+
+
+def test_wse2_reuses_an_input_queue_for_another_color_only_once_it_is_empty():
+    # A WSE-2 operation names its queue and color, so two DSDs may share a queue (WaferLLM's MeshGEMM
+    # does); reading color 5 while two wavelets of color 4 are still queued (variant 31) is refused.
+    accepted(8, "wse2")
+    host = Host(accepted(31, "wse2"))
+    with pytest.raises(CslRuntimeError) as info:
+        host.launch("go")
+        host.d2h("buf", 4, rect=(1, 0, 1, 1))
+    assert str(info.value) == (
+        f"{where('rules', 'pe.csl', 'RULE queue-reuse')}: input queue 2 on PE (1, 0) still holds 2 wavelet(s) "
+        "of color 4; a queue must be empty before an operation reuses it for color 5"
     )
 
 

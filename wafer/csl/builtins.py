@@ -459,6 +459,24 @@ BUILTINS["bind_data_task"] = _bind("data")
 BUILTINS["bind_control_task"] = _bind("control")
 
 
+@builtin("rpc")
+def _rpc(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
+    """SDK 1.0's `@rpc(@get_data_task_id(sys_mod.LAUNCH))`: the PE serves host launches on the
+    LAUNCH color. The executor launches natively, so this only checks the color is memcpy's."""
+    _argc(ctx, node, 1)
+    _comptime_only(ctx, node)
+    _pe_only(ctx, node)
+    tid = _known_arg(ctx, node, 0, "data task ID")
+    memcpy = ctx.program.memcpy
+    launch = memcpy.get("LAUNCH") if memcpy is not None and memcpy.has("LAUNCH") else None
+    if not isinstance(launch, Color):
+        raise ctx.error(node, "@rpc serves the LAUNCH color, which <memcpy/get_params> was not given")
+    if not isinstance(tid, TaskId) or tid.kind != "data" or tid.color is None or tid.color.id != launch.id:
+        raise ctx.error(node, f"@rpc takes @get_data_task_id(LAUNCH) (color {launch.id}), not {tid!r}")
+    ctx.program.native_state["rpc"] = launch.id
+    return VOID_EXPR
+
+
 @builtin("set_teardown_handler")
 def _set_teardown_handler(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     raise ctx.error(node, "teardown is not supported by the executor")
@@ -682,7 +700,7 @@ def _get_dsd(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
 _MEM_FIELDS = {"tensor_access", "base_address", "extent", "stride", "offset", "wavelet_index_offset"}
 _FAB_FIELDS = {
     "fabric_color", "extent", "input_queue", "output_queue", "control", "wavelet_index_offset", "simd_mode",
-    "advance_switch", "zero", "control_transform",
+    "advance_switch", "zero", "control_transform", "priority",
 }  # fmt: skip
 
 
@@ -822,7 +840,7 @@ def _fab_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, fields: dict[str, ast.N
         raise ctx.error(node, "`.control` applies to fabout_dsd only")
     simd = ""
     if "simd_mode" in vals:
-        raise ctx.error(node, "`.simd_mode` is not supported by the executor")
+        simd = _simd_mode(ctx, ctx.need_known(vals["simd_mode"], node, "`.simd_mode`"), node)
     for unsupported in ("advance_switch", "zero", "control_transform", "wavelet_index_offset"):
         if unsupported in vals and ctx.need_known(vals[unsupported], node):
             raise ctx.error(node, f"`.{unsupported}` is not supported by the executor")
@@ -843,6 +861,22 @@ def _fab_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, fields: dict[str, ast.N
         return known(dsd, FABIN_DSD if kind == "fabin" else FABOUT_DSD)
     where = ctx.fb.const(ctx.where(node))
     return ctx.dyn(dsd.type, f"DSD.with_length({ctx.fb.const(dsd)}, {ctx.code(length)}, {where})")
+
+
+SIMD_MODES = ("simd_32", "simd_64", "simd_32_or_64")
+
+
+def _simd_mode(ctx: Ctx, mode: Any, node: ast.Node) -> str:
+    """`.simd_mode = .{ .simd_32 = true }` (or simd_64, simd_32_or_64): exactly one mode set."""
+    if not isinstance(mode, Struct):
+        raise ctx.error(node, "`.simd_mode` takes `.{ .simd_32 = true }`, `.simd_64` or `.simd_32_or_64`")
+    unknown = set(mode.names()) - set(SIMD_MODES)
+    if unknown:
+        raise ctx.error(node, f"`.simd_mode`: unknown mode(s) {', '.join(sorted(unknown))}")
+    chosen = [m for m in SIMD_MODES if mode.has(m) and mode.get(m)]
+    if len(chosen) != 1:
+        raise ctx.error(node, f"`.simd_mode` sets one of {', '.join(SIMD_MODES)}, found {len(chosen)}")
+    return chosen[0]
 
 
 def check_dsd(ctx: Ctx, dsd: Dsd, node: ast.Node) -> None:

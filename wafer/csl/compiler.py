@@ -1634,6 +1634,12 @@ class Compiler:
         self.arch = arch
         self.layout_info = layout_info or {}
         self._initial: dict[int, Any] = {}  # id(MemVar) -> initial ArrayValue / scalar
+        self.warnings: list[str] = []  # `file:line: message`, what cslc prints and still compiles
+
+    def warn(self, where: str, message: str) -> None:
+        text = f"{where}: {message}"
+        if text not in self.warnings:
+            self.warnings.append(text)
 
     # -- modules -------------------------------------------------------------------------------------
     def new_module(self, program: Any, path: str, params: Struct) -> ModuleInstance:
@@ -1679,8 +1685,11 @@ class Compiler:
         declared = {n for n, d in mod.decls.items() if isinstance(d, ast.VarDecl) and d.kind == "param"}
         for name in mod.params.names():
             if name not in declared:
-                raise CslCompileError(
-                    f"{mod.path}:1: parameter {name!r} is given but the file declares no `param {name}`"
+                # The SDK's "Modules" page: a parameter the module does not declare is ignored with a
+                # warning (public layouts pass one struct to several modules).
+                self.warn(
+                    f"{mod.path}:1",
+                    f"parameter {name!r} is given but the file declares no `param {name}`; ignored",
                 )
 
     def resolve(self, mod: ModuleInstance, name: str, node: ast.Node) -> Any:
@@ -1951,7 +1960,7 @@ LINE_MAPS: dict[str, tuple[str, list[int]]] = {}
 def _runtime_namespace() -> dict[str, Any]:
     from wafer.csl import fabric
     from wafer.csl.dsd import DsdModule
-    from wafer.csl.libs import MATH_FUNCS
+    from wafer.csl.mathlib import MATH_FUNCS
 
     return {"DSD": DsdModule, "MATH": MATH_FUNCS, "CTRL": fabric}
 

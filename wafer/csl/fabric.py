@@ -302,7 +302,7 @@ class RouterColor:
         for d, nb, arrive in targets:
             if d == "RAMP":
                 if ce is not None:
-                    ce.push(t + timing.ROUTER_TO_CE, w)
+                    ce.push(self.machine.arrival(ce, t + timing.ROUTER_TO_CE), w)
             else:
                 nb.accept(out, t + timing.HOP, arrive)
         if ctrl:

@@ -11,7 +11,8 @@ A local task's activation is a flag (several @activate before it runs make one r
 activated by each wavelet at the head of its channel (the color on WSE-2, the input queue on WSE-3)
 and runs once per wavelet with the wavelet as its argument. A control wavelet at the head of a
 channel runs the control task its entrypoint names, if the channel is unblocked. Among runnable
-tasks the lowest ID runs first (the SDK leaves the order open; the executor fixes one).
+tasks, those of the highest `tile_config` priority (HIGH or LOW) compete, and the machine's schedule
+picks one (wafer.csl.schedule: the highest ID by default; the SDK leaves the order open).
 
 Asynchronous DSD operations run as microthreads beside the CE, one element per cycle when a fabric
 or FIFO operand is involved, and activate or unblock a task when they finish.
@@ -89,6 +90,7 @@ class PE:
         self.active_since = [0] * NTASKS
         self.activated: set[int] = set()
         self.blocked = [True] * NTASKS  # unbound IDs start blocked; bound IDs start unblocked
+        self.priority = [0] * NTASKS  # tile_config's task_priority: 1 HIGH, 0 LOW
         self.data_channel: dict[int, int] = {}  # data task ID -> color
         for tid, b in program.tasks.items():
             self.task_fn[tid] = b.fn.py
@@ -154,6 +156,17 @@ class PE:
             if kind == "input" and color in colors:
                 return q
         return None
+
+    def check_queue_empty(self, q: int, color: int, where: str) -> None:
+        """An operation reading `color` through input queue q: the queue must hold no wavelets of
+        another color that shares it (SDK "DSDs": a queue must be empty before it is reused)."""
+        for other in self.program.queue_uses.get(("input", q), {}):
+            ch = self.inputs.get(other)
+            if other != color and ch is not None and ch.q:
+                raise CslRuntimeError(
+                    f"{where}: input queue {q} on {self} still holds {len(ch.q)} wavelet(s) of color {other}; "
+                    f"a queue must be empty before an operation reuses it for color {color}"
+                )
 
     def _input_depth(self, color: int) -> int:
         for (kind, q), (c, _) in self.program.queue_colors.items():
@@ -258,13 +271,8 @@ class PE:
                 cands.append((self.active_since[tid], tid, "local", None))
         if not cands:
             return None
-        policy = self.machine.picker
-        if policy == "lowest":
-            _, tid, kind, color = min(cands, key=lambda c: c[1])
-        elif policy == "highest":
-            _, tid, kind, color = max(cands, key=lambda c: c[1])
-        else:  # "fifo": what became runnable first, ties to the lowest ID
-            _, tid, kind, color = min(cands, key=lambda c: (c[0], c[1]))
+        top = max(self.priority[c[1]] for c in cands)  # HIGH tasks before LOW ones (tile_config)
+        _, tid, kind, color = self.machine.schedule.choose([c for c in cands if self.priority[c[1]] == top])
         if kind == "local":
             self.active[tid] = False
             self.activated.discard(tid)
@@ -290,7 +298,7 @@ class PE:
         self.busy = True
         self.tasks_run += 1
         start = t
-        self.t = t + timing.TASK_START
+        self.t = t + timing.TASK_START + self.machine.schedule.delay()
         g = greenlet(self._task_body, parent=self.machine.main)
         self.current = g
         self.running = what
@@ -347,6 +355,11 @@ class PE:
         self._set_active(tid, t)
         if not self.busy:
             self.schedule_pick(t)
+
+    def set_task_priority(self, tid: Any, high: int | None = None) -> None:
+        if high is None:  # from the program's startup list: (task ID, level)
+            tid, high = tid
+        self.priority[self._tid(tid)] = 1 if high else 0
 
     def block(self, tid: Any) -> None:
         self.blocked[self._tid(tid)] = True
@@ -445,7 +458,7 @@ class PE:
                 self.dsrs[(o.kind, o.id)] = (dsd, opts)
 
     def dsd_op(self, spec: D.OpSpec, operands: tuple, index: int | None = None) -> None:
-        self.t += timing.DSD_SETUP
+        self.t += timing.DSD_SETUP + self.machine.schedule.delay()
         saved: list = []
         if any(isinstance(o, Dsr) for o in operands):
             spec, operands, saved = self._resolve_dsrs(spec, operands)
@@ -553,7 +566,7 @@ class PE:
 
     def map_op(self, spec: D.MapSpec, operands: tuple) -> None:
         """@map: call the function once per element (inputs in order, then the output, if any)."""
-        self.t += timing.DSD_SETUP
+        self.t += timing.DSD_SETUP + self.machine.schedule.delay()
         saved: list = []
         if any(isinstance(o, Dsr) for o in operands):
             _, operands, saved = self._resolve_dsrs(D.OpSpec("map", 0, "f32", "f32", spec.where), operands)
@@ -716,6 +729,19 @@ class OutDrain:
             self.kick(t + 1)
 
 
+def values_per_wavelet(d: Dsd) -> int:
+    """16-bit values a fabric DSD puts in one wavelet: two in any SIMD mode, else one."""
+    return 2 if d.simd_mode else 1
+
+
+def simd_granule(d: Dsd) -> int:
+    """Values one step of an operation moves through this operand (SDK "DSDs", SIMD Mode:
+    `simd_64` stalls until two wavelets are ready, `simd_32_or_64` goes on with one)."""
+    if not d.simd_mode:
+        return 1
+    return 4 if d.simd_mode == "simd_64" else 2
+
+
 class StreamOp:
     """A DSD operation with a fabric or FIFO operand, moving one element per cycle as its inputs
     arrive and its outputs find room."""
@@ -748,6 +774,9 @@ class StreamOp:
                 pe._bounds(sidx, st, where)
         if isinstance(self.dest, Dsd) and self.dest.kind == "fabout":
             pe.output_queue(self.dest.queue if self.dest.queue is not None else 0, self.dest.fabric_color.id)
+        for s in self.srcs:
+            if isinstance(s, Dsd) and s.kind == "fabin" and s.queue is not None:
+                pe.check_queue_empty(s.queue, s.fabric_color.id, where)
         if pe.arch.name == "wse3":
             for s in self.srcs:
                 if isinstance(s, Dsd) and s.kind == "fabin":
@@ -758,6 +787,11 @@ class StreamOp:
                             "with @initialize_queue before an operation reads it"
                         )
         self.ut = self._microthread()
+        # Elements moved per step: SIMD-32 packs two 16-bit values per wavelet, SIMD-64 waits for
+        # two wavelets (four values); an operation ends with whatever part of a step is left.
+        self.granule = max(
+            (simd_granule(o) for o in (self.dest, *self.srcs) if isinstance(o, Dsd)), default=1
+        )
         if self.done:
             self.finish(pe.t)
 
@@ -824,37 +858,36 @@ class StreamOp:
             return
         pe = self.pe
         t = max(t, self.t)
-        k = self.n - self.pos
-        blockers: list = []
+        remaining = self.n - self.pos
+        k = remaining
+        # (kind, channel, values it can give or take now): the operands that may hold the step back
+        limits: list[tuple[str, Channel, int]] = []
         later = None
         for s in self.srcs:
             if isinstance(s, Dsd) and s.kind == "fabin":
                 ch = pe.input(s.fabric_color.id)
-                r = ch.ready_data(t, k)
-                if r < k:
-                    k = r
-                    if len(ch.q) > r and ch.q[r][0] > t and not ch.q[r][1] & CTRL:
-                        later = ch.q[r][0] if later is None else min(later, ch.q[r][0])
-                    else:
-                        blockers.append(("data", ch))
+                per = values_per_wavelet(s)
+                r = ch.ready_data(t, -(-remaining // per))
+                limits.append(("data", ch, min(remaining, r * per)))
+                if r * per < remaining and len(ch.q) > r and ch.q[r][0] > t and not ch.q[r][1] & CTRL:
+                    later = ch.q[r][0] if later is None else min(later, ch.q[r][0])
             elif isinstance(s, Fifo):
                 ch = pe.fifos[s.index]
-                r = len(ch.q)
-                if r < k:
-                    k = r
-                    blockers.append(("data", ch))
+                limits.append(("data", ch, len(ch.q)))
         d = self.dest
         if isinstance(d, Dsd) and d.kind == "fabout":
             ch = pe.output_queue(d.queue if d.queue is not None else 0, d.fabric_color.id)
-            if ch.free() < k:
-                k = ch.free()
-                blockers.append(("space", ch))
+            limits.append(("space", ch, ch.free() * values_per_wavelet(d)))
         elif isinstance(d, Fifo):
             ch = pe.fifos[d.index]
-            if ch.free() < k:
-                k = ch.free()
-                blockers.append(("space", ch))
+            limits.append(("space", ch, ch.free()))
+        for _, _, avail in limits:
+            k = min(k, avail)
+        if k < remaining:
+            k -= k % self.granule  # a SIMD mode moves whole steps of wavelets, except the last
         if k <= 0:
+            need = min(self.granule, remaining)
+            blockers = [(kind, ch) for kind, ch, avail in limits if avail < need]
             self.blocked_on = (
                 ", ".join(
                     f"{'no data in' if kind == 'data' else 'no room in'} {ch.name}" for kind, ch in blockers
@@ -869,11 +902,22 @@ class StreamOp:
         self.blocked_on = ""
         self.step(k, t)
         self.pos += k
-        self.t = t + k
+        self.t = t + self.cycles(k)
         if self.pos >= self.n:
             self.finish(self.t)
         else:
             self.kick(self.t)
+
+    def cycles(self, k: int) -> int:
+        """Cycles to move k elements: one wavelet per cycle through each fabric operand (a SIMD mode
+        carries two 16-bit values in one), one element per cycle through a FIFO."""
+        out = 0
+        for o in (self.dest, *self.srcs):
+            if isinstance(o, Dsd) and o.kind in ("fabin", "fabout"):
+                out = max(out, -(-k // values_per_wavelet(o)))
+            elif isinstance(o, Fifo):
+                out = max(out, k)
+        return max(out, 1)
 
     def step(self, k: int, t: int) -> None:
         pe, spec = self.pe, self.spec
@@ -887,7 +931,9 @@ class StreamOp:
                 values.append(D.scalar_array(s, k, st))
             elif isinstance(s, Dsd) and s.kind == "fabin":
                 ch = pe.input(s.fabric_color.id)
-                values.append(D.from_wavelets([ch.pop(t) & 0xFFFFFFFF for _ in range(k)], st))
+                per = values_per_wavelet(s)
+                words = [ch.pop(t) & 0xFFFFFFFF for _ in range(-(-k // per))]
+                values.append(D.from_wavelets(words, st, per)[:k])
             elif isinstance(s, Fifo):
                 ch = pe.fifos[s.index]
                 values.append(D.from_wavelets([ch.pop(t) for _ in range(k)], st))
@@ -896,7 +942,7 @@ class StreamOp:
         out = D.compute(spec.name, values, spec.dtype, spec.stype)
         d = self.dest
         if isinstance(d, Dsd) and d.kind == "fabout":
-            payloads = D.to_wavelets(out, spec.dtype)
+            payloads = D.to_wavelets(out, spec.dtype, values_per_wavelet(d))
             if d.control:
                 payloads = [p | CTRL for p in payloads]
             pe.send(d.queue, d.fabric_color.id, payloads, t + 1)
