@@ -149,7 +149,7 @@ class RouterColor:
 
     __slots__ = (
         "machine", "x", "y", "color", "cfg", "buf", "positions", "cur", "ring", "pop_mode", "filter",
-        "swap_x", "swap_y", "scheduled", "last_arrival", "targets_cache", "kick", "forwarded",
+        "swap_x", "swap_y", "scheduled", "last_arrival", "targets_cache", "kick", "forwarded", "switch_waiters",
     )  # fmt: skip
 
     def __init__(self, machine, x: int, y: int, color: int, cfg: ColorConfig) -> None:
@@ -200,6 +200,7 @@ class RouterColor:
         self.last_arrival = (-1, "")
         self.targets_cache: dict[int, list] = {}
         self.forwarded = 0
+        self.switch_waiters: list = []
         self.kick = self._kick
 
     def __repr__(self) -> str:
@@ -210,6 +211,20 @@ class RouterColor:
             return
         self.scheduled = t
         self.machine.at(t, self.step)
+
+    def receives(self, from_dir: str) -> bool:
+        """Does the current switch position take wavelets from `from_dir`?"""
+        return from_dir in self.positions[self.cur][0]
+
+    def waits_for(self, from_dir: str, fn) -> bool:
+        """A wavelet from `from_dir` that the current position does not take: when another position
+        of this switch takes it, the sender holds it until the switch moves (back-pressure) and
+        `fn` is called then; otherwise False (a route that never receives from there)."""
+        if not any(p is not None and from_dir in p[0] for p in self.positions):
+            return False
+        if fn not in self.switch_waiters:
+            self.switch_waiters.append(fn)
+        return True
 
     def accept(self, w: int, ready: int, from_dir: str) -> None:
         rx = self.positions[self.cur][0]
@@ -279,7 +294,7 @@ class RouterColor:
         ctrl = w & CTRL
         targets = self.targets()
         ce = None
-        for d, nb, _ in targets:
+        for d, nb, arrive in targets:
             if d == "RAMP":
                 if self._to_ce(w):
                     ce = self.machine.pe_input(self.x, self.y, self.color)
@@ -288,6 +303,8 @@ class RouterColor:
                         return
             elif nb.buf.free() <= 0:
                 nb.buf.wait_space(self._kick)
+                return
+            elif not nb.receives(arrive) and nb.waits_for(arrive, self._kick):
                 return
         self.buf.pop(t)
         self.forwarded += 1
@@ -305,8 +322,12 @@ class RouterColor:
                     ce.push(self.machine.arrival(ce, t + timing.ROUTER_TO_CE), w)
             else:
                 nb.accept(out, t + timing.HOP, arrive)
-        if ctrl:
+        if ctrl and nxt != self.cur:
             self.cur = nxt
+            if self.switch_waiters:
+                waiters, self.switch_waiters = self.switch_waiters, []
+                for fn in waiters:
+                    self.machine.at(t + 1, fn)
         if q:
             self._kick(t + 1)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -73,6 +74,7 @@ class Machine:
         self.last_command_end = 0
         self.log_lines: list[str] = []
         self.collectives: dict = {}
+        self.warnings: list[str] = []
 
     # -- events ----------------------------------------------------------------------------------------
     def at(self, t: int, fn: Any) -> None:
@@ -118,6 +120,12 @@ class Machine:
     def run_idle(self, what: str = "the fabric to settle") -> None:
         """Process every pending event (used before reading results on stop)."""
         self.run_until(lambda: not self.heap, what)
+
+    def warn(self, message: str) -> None:
+        """A run-time warning, printed once to stderr: the run goes on."""
+        if message not in self.warnings:
+            self.warnings.append(message)
+            print(f"executor: warning: {message}", file=sys.stderr)
 
     def arrival(self, ch: Channel, t: int) -> int:
         """When a wavelet reaches a CE's input: at t, plus the schedule's jitter, never before the
@@ -332,9 +340,17 @@ class CopyCommand(Command):
                         f"{self.describe()}: PE ({px + i}, {py + j}) exports no symbol {self.name!r}"
                     )
                 if self.elems > exp.length:
-                    raise CslRuntimeError(
+                    message = (
                         f"{self.describe()}: {self.elems} elements per PE, but {self.name!r} on PE "
                         f"({px + i}, {py + j}) holds {exp.length}"
+                    )
+                    if self.to_device or exp.addr + self.elems * self.wpe > len(pe.mem16):
+                        raise CslRuntimeError(message)
+                    # Reading past the symbol reads the words after it, as memcpy does on the
+                    # hardware (25-pt-stencil reads 6 words of a 5-word array and uses 5).
+                    self.m.warn(
+                        f"{self.describe()}: {self.elems} elements per PE, but {self.name!r} holds "
+                        f"{exp.length}; the words after it are read"
                     )
                 sel = idx[j, i]
                 a = exp.addr

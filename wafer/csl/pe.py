@@ -517,6 +517,17 @@ class PE:
         for idx, st in zip(src_idx, stypes, strict=True):
             if idx is not None:
                 self._bounds(idx, st, where)
+        if isinstance(dest, D.ScalarPtr) and n > 1:
+            # `@fmaxs(&m, m, v)`: a pointer destination with its own value as a scalar source is a
+            # running reduction (25-pt-stencil's max and min over a vector check against golden
+            # values): from the second step on, that source reads the destination.
+            current = D.read_mem(self.mem16, didx[:1], spec.dtype, where)[0]
+            for k, (s, st) in enumerate(zip(srcs, stypes, strict=True)):
+                if isinstance(s, D.Scalar) and st == spec.dtype:
+                    if D.scalar_array(s, 1, st)[0].tobytes() == current.tobytes():
+                        src_idx[k] = didx
+            self._sequential(spec, didx, srcs, src_idx, stypes, n)
+            return
         if _hazard(didx, src_idx):
             self._sequential(spec, didx, srcs, src_idx, stypes, n)
             return
@@ -723,6 +734,8 @@ class OutDrain:
             if router.buf.free() <= 0:
                 router.buf.wait_space(self.kick)
                 return
+            if not router.receives("RAMP") and router.waits_for("RAMP", self.kick):
+                return  # the switch takes from the RAMP in another position: wait for it
             self.ch.pop(t)
             router.accept(w, t + timing.CE_TO_ROUTER, "RAMP")
         if q:
