@@ -147,7 +147,9 @@ class Program:
         words = ctype.words
         if words <= 0:
             raise CslCompileError(f"{where[0]}:{where[1]}: cannot place {name!r} of type {ctype} in memory")
-        align = 2 if _scalar(ctype).words >= 2 else 1
+        # 32-bit values, and every array, start at an even word: programs move 16-bit arrays with
+        # 32-bit operations (fft-1d-2d copies f16 pairs with @fmovs), which needs the alignment.
+        align = 2 if _scalar(ctype).words >= 2 or isinstance(ctype, ArrayType) else 1
         addr = (self.memory_words + align - 1) // align * align
         if addr + words > PE_MEMORY_WORDS:
             raise CslCompileError(
