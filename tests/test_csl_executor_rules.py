@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 from csl_executor_helpers import DATA, Host, compile_program, where
 
+from wafer.csl import codesize
 from wafer.csl.cli import cslc_main
+from wafer.csl.codesize import program_code_bytes
 from wafer.csl.errors import CslCompileError, CslError, CslRuntimeError, CslSyntaxError
 from wafer.csl.parse import parse_source
 from wafer.csl.program import PE_MEMORY_WORDS
@@ -155,15 +157,35 @@ def test_a_color_is_routed_once_per_pe():
 
 @pytest.mark.parametrize("arch", ["wse2", "wse3"])
 def test_48_kb_per_pe(arch):
-    # `big` and `buf` (4 f32 = 8 words) fill the PE's 24576 16-bit words exactly, one more word is refused
+    # Data alone: `big` and `buf` (4 f32 = 8 words) past the PE's 24576 16-bit words are refused where
+    # `big` is declared.
     fits = PE_MEMORY_WORDS - 8
     assert PE_MEMORY_WORDS * 2 == 48 * 1024
-    compiled = accepted(0, arch, big_words=fits)
-    assert [p.memory_words for p in compiled.programs] == [PE_MEMORY_WORDS] * 3
     message = refusal(0, arch, big_words=fits + 1)
     assert message == (
         f"{where('rules', 'pe.csl', 'RULE memory')}: out of PE memory: 'big' needs {2 * (fits + 1)} bytes "
         "at byte 16, past the 48 KB of a PE (largest: buf 16 B)"
+    )
+
+
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_code_and_data_share_the_48_kb(arch):
+    # Each role's program has its own code estimate (wafer.csl.codesize): the data that exactly fills
+    # the 48 KB beside the largest one compiles, one word more is refused, naming both parts.
+    small = accepted(0, arch)
+    code = {p.params.get("role"): program_code_bytes(p) for p in small.programs}
+    role, biggest = max(code.items(), key=lambda kv: kv[1])
+    assert all(0 < c < 8 * 1024 for c in code.values()) and biggest % 2 == 0
+    fits = PE_MEMORY_WORDS - 8 - biggest // 2
+    compiled = accepted(0, arch, big_words=fits)
+    assert max(2 * p.memory_words + program_code_bytes(p) for p in compiled.programs) == 48 * 1024
+    message = refusal(0, arch, big_words=fits + 1)
+    prog = next(p for p in small.programs if p.params.get("role") == role)
+    data = 2 * (PE_MEMORY_WORDS - biggest // 2 + 1)
+    assert message == (
+        f"{DATA / 'rules' / 'pe.csl'}:1: code and data exceed the PE's 48 KB: {data} B of data + about "
+        f"{biggest} B of code ({codesize.breakdown(prog)}) = {data + biggest} B > 49152 B "
+        f"(largest: big {2 * (fits + 1)} B, buf 16 B)"
     )
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from wafer.csl import arch as archs
-from wafer.csl import ast
+from wafer.csl import ast, codesize
 from wafer.csl.program import ColorConfig, FnSym
 from wafer.csl.types import (
     BOOL,
@@ -723,6 +723,7 @@ def _mem_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, fields: dict[str, ast.N
     base = ctx.cx(fields["base_address"])
     if not isinstance(base.type, PointerType):
         raise ctx.error(node, f"`.base_address` must be a pointer, found {base.type.name}")
+    check_base_pointer(ctx, base.type, node, "`.base_address`")
     elem = scalar_of(base.type.elem)
     length = ctx.cx(fields["extent"]) if "extent" in fields else known(0, COMPTIME_INT)
     stride = ctx.cx(fields["stride"]) if "stride" in fields else known(1, COMPTIME_INT)
@@ -863,6 +864,26 @@ def _fab_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, fields: dict[str, ast.N
     return ctx.dyn(dsd.type, f"DSD.with_length({ctx.fb.const(dsd)}, {ctx.code(length)}, {where})")
 
 
+def check_base_pointer(ctx: Ctx, t: PointerType, node: ast.Node, what: str) -> None:
+    """A DSD's base address is a many-item pointer ([*]T) or a pointer to an array. A single-item
+    pointer (`&a[i]`, `*T`) became one by coercion (*T -> *[1]T) only in SDK 2.10 (release notes);
+    1.4 programs write `@ptrcast([*]T, &a[i])` (25-pt-stencil's task.csl does)."""
+    if t.many or isinstance(t.elem, ArrayType) or sdk_line(ctx) >= (2, 10):
+        return
+    raise ctx.error(
+        node,
+        f"{what}: on SDK 1.4 a single-item pointer {t.name} is not a [*]{t.elem.name}: write "
+        f"@ptrcast([*]{t.elem.name}, ...) (the *T -> *[1]T coercion arrived in SDK 2.10)",
+    )
+
+
+def sdk_line(ctx: Ctx) -> tuple[int, int]:
+    """The SDK line the program is compiled for (wafer.csl.layout.Options.sdk: 1.4 unless
+    WAFER_CSL_SDK says otherwise)."""
+    major, _, minor = str(ctx.comp.layout_info.get("sdk", "1.4")).partition(".")
+    return int(major), int(minor or 0)
+
+
 SIMD_MODES = ("simd_32", "simd_64", "simd_32_or_64")
 
 
@@ -909,6 +930,7 @@ def _dsd_mutator(name: str):
         elif name == "set_dsd_base_addr":
             if not isinstance(v.type, PointerType):
                 raise ctx.error(node, "@set_dsd_base_addr takes a pointer")
+            check_base_pointer(ctx, v.type, node, "@set_dsd_base_addr")
             args = ctx.code(v) if not v.known else str(v.value.addr)
         else:
             if not is_int(v.type):
@@ -972,6 +994,7 @@ def _dsd_op(name: str):
 
         spec = OpSpec(name, nsrc, dtype, stype, ctx.where(node), opts)
         spec.check_static(ctx, operands, node)
+        ctx.fb.instructions += codesize.DSD_OP_INSTRUCTIONS
         codes = ", ".join(code for code, _ in operands)
         runtime_opts = spec.runtime_opts_code(ctx)
         return ctx.dyn(VOID_T, f"pe.dsd_op({ctx.fb.const(spec)}, ({codes},){runtime_opts})")
@@ -1101,6 +1124,7 @@ def _map(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     from wafer.csl.dsd import MapSpec
 
     spec = MapSpec(target, tuple(ptypes), rtype, tuple(k for k, _ in operands), ctx.where(node))
+    ctx.fb.instructions += codesize.DSD_OP_INSTRUCTIONS
     codes = ", ".join(c for _, c in operands)
     return ctx.dyn(VOID_T, f"pe.map_op({ctx.fb.const(spec)}, ({codes},))")
 

@@ -9,16 +9,19 @@ PE, and each input queue serves one color. Every error names `file:line` and the
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from wafer.csl import arch as archs
 from wafer.csl import ast
+from wafer.csl.codesize import breakdown as codesize_breakdown
+from wafer.csl.codesize import program_code_bytes
 from wafer.csl.compiler import Compiler, _freeze
 from wafer.csl.errors import CslCompileError
 from wafer.csl.parse import parse_file
-from wafer.csl.program import ColorConfig, ModuleInstance, Program
+from wafer.csl.program import PE_MEMORY_WORDS, ColorConfig, ModuleInstance, Program
 from wafer.csl.types import COLOR, COMPTIME_INT, Color, CslType, PointerType, Struct
 
 DIR_DELTA = {"NORTH": (0, -1), "SOUTH": (0, 1), "EAST": (1, 0), "WEST": (-1, 0)}
@@ -38,6 +41,9 @@ class Options:
     channels: int = 1
     width_west_buf: int = 0
     width_east_buf: int = 0
+    # The SDK line whose language rules apply: "1.4" (the public examples' line), or e.g. "2.10",
+    # which adds the *T -> *[1]T coercion. From WAFER_CSL_SDK when not given.
+    sdk: str = field(default_factory=lambda: os.environ.get("WAFER_CSL_SDK", "1.4"))
 
 
 @dataclass
@@ -128,7 +134,7 @@ class CompiledLayout:
 
 def compile_layout(layout_path: str | Path, options: Options) -> CompiledLayout:
     layout_path = str(Path(layout_path).resolve())
-    comp = Compiler(options.arch, {"memcpy": options.memcpy})
+    comp = Compiler(options.arch, {"memcpy": options.memcpy, "sdk": options.sdk})
     lp = LayoutProgram(options.arch, layout_path)
     file = parse_file(layout_path)
     declared = {d.name for d in file.decls if isinstance(d, ast.VarDecl) and d.kind == "param"}
@@ -263,6 +269,20 @@ def finish_program(comp: Compiler, prog: Program) -> None:
     for fn in list(prog.functions):
         comp.ensure_compiled(fn)
     check_program(comp, prog)
+    check_code_and_data(prog)
+
+
+def check_code_and_data(prog: Program) -> None:
+    """Code and data share the PE's 48 KB: the program's arrays and variables plus its estimated
+    code (wafer.csl.codesize) must fit."""
+    data = 2 * prog.memory_words
+    code = program_code_bytes(prog)
+    limit = 2 * PE_MEMORY_WORDS
+    if data + code > limit:
+        raise CslCompileError(
+            f"{prog.path}:1: code and data exceed the PE's 48 KB: {data} B of data + about {code} B of "
+            f"code ({codesize_breakdown(prog)}) = {data + code} B > {limit} B ({prog.memory_report()})"
+        )
 
 
 def check_program(comp: Compiler, prog: Program) -> None:

@@ -106,7 +106,7 @@ class PE:
         self.fifos = [Channel(machine, f.length, f"fifo {f.index}") for f in program.fifos]
         self.dsrs: dict[tuple[str, int], tuple[Dsd, dict]] = {}
         self.busy_queues: dict[tuple[str, int], Any] = {}
-        self.micro: list[StreamOp] = []
+        self.micro: list[StreamOp | MemAsyncOp] = []
         self.cmd_blocked = False
         self.launches: deque = deque()
         self.tsc_on = False
@@ -116,6 +116,7 @@ class PE:
         self.traces: dict[str, list] = {k: [] for k in program.native_state.get("debug_traces", {})}
         self.tasks_run = 0
         self.busy_cycles = 0
+        self.in_map = 0  # depth of @map calls running now (their operations start with the map)
         for op, tid, _where in program.startup:
             getattr(self, op)(tid)
 
@@ -458,7 +459,8 @@ class PE:
                 self.dsrs[(o.kind, o.id)] = (dsd, opts)
 
     def dsd_op(self, spec: D.OpSpec, operands: tuple, index: int | None = None) -> None:
-        self.t += timing.DSD_SETUP + self.machine.schedule.delay()
+        if not self.in_map:  # an operation in a @map's function is one step of the map, started once
+            self.t += timing.DSD_SETUP + self.machine.schedule.delay()
         saved: list = []
         if any(isinstance(o, Dsr) for o in operands):
             spec, operands, saved = self._resolve_dsrs(spec, operands)
@@ -468,6 +470,7 @@ class PE:
                 for o in operands
             )
         n = D.op_length(operands)
+        self.machine.trace(self, self.t, f"@{spec.name} of {n} ({spec.where})")
         if saved:
             types = [spec.dtype, *D.src_types(spec)]
             self._advance_dsrs(
@@ -502,7 +505,12 @@ class PE:
         else:
             cycles = 0
         if spec.is_async:
-            self.machine.at(self.t + cycles, lambda t: self.op_finished(spec, t))
+            # An asynchronous operation over memory still occupies its microthread (an explicit
+            # .ut_id) until it ends: another one started on it meanwhile is refused.
+            op = MemAsyncOp(self, spec, self.t + cycles)
+            op.claim()
+            self.micro.append(op)
+            self.machine.at(op.end, op.finish)
         else:
             self.t += cycles
 
@@ -582,6 +590,7 @@ class PE:
         if any(isinstance(o, Dsr) for o in operands):
             _, operands, saved = self._resolve_dsrs(D.OpSpec("map", 0, "f32", "f32", spec.where), operands)
         n = D.op_length(operands)
+        self.machine.trace(self, self.t, f"@map of {n} ({spec.where})")
         has_output = spec.ret.name != "void"
         ins = operands[:-1] if has_output else operands
         readers = []
@@ -595,14 +604,18 @@ class PE:
         writer = self._element_writer(operands[-1], spec.ret.name, spec.where) if has_output else None
         fn = spec.fn.py
         native = not isinstance(spec.fn, FnSym)
-        for i in range(n):
-            args = [r(i) for r in readers]
-            result = fn(*args) if native else fn(self, *args)
-            if writer is not None:
-                writer(i, result)
+        self.in_map += 1
+        try:
+            for i in range(n):
+                args = [r(i) for r in readers]
+                result = fn(*args) if native else fn(self, *args)
+                if writer is not None:
+                    writer(i, result)
+        finally:
+            self.in_map -= 1
         if saved:
             self._advance_dsrs(saved, n, [2] * len(operands))
-        self.t += n
+        self.t += timing.MAP_STEP * n
 
     def _element_reader(self, o: Any, tname: str, where: str):
         if isinstance(o, Dsd) and o.kind in ("fabin", "fabout"):
@@ -740,6 +753,40 @@ class OutDrain:
             router.accept(w, t + timing.CE_TO_ROUTER, "RAMP")
         if q:
             self.kick(t + 1)
+
+
+class MemAsyncOp:
+    """An asynchronous DSD operation with memory operands only: its result is written when it starts
+    (nothing can read it before it ends without a race the SDK leaves undefined); it holds its
+    microthread until `end`, then activates or unblocks as asked."""
+
+    def __init__(self, pe: PE, spec: D.OpSpec, end: int) -> None:
+        self.pe, self.spec, self.end = pe, spec, end
+        self.done = False
+        ut = spec.opts.get("ut_id")
+        self.ut = int(ut) if ut is not None else None
+
+    def describe(self) -> str:
+        return f"@{self.spec.name} ({self.spec.where}) on memory, ending at cycle {self.end}"
+
+    def reads_color(self, color: int) -> bool:
+        return False
+
+    def claim(self) -> None:
+        if self.ut is None:
+            return
+        for m in self.pe.micro:
+            if not m.done and m.ut == self.ut:
+                raise CslRuntimeError(
+                    f"{self.spec.where}: microthread {self.ut} is busy with {m.describe()}; "
+                    "concurrent operations must not share a microthread"
+                )
+
+    def finish(self, t: int) -> None:
+        self.done = True
+        if self in self.pe.micro:
+            self.pe.micro.remove(self)
+        self.pe.op_finished(self.spec, t)
 
 
 def values_per_wavelet(d: Dsd) -> int:
@@ -970,6 +1017,7 @@ class StreamOp:
     def finish(self, t: int) -> None:
         self.done = True
         pe = self.pe
+        pe.machine.trace(pe, t, f"@{self.spec.name} ({self.spec.where}) ends")
         if self in pe.micro:
             pe.micro.remove(self)
         for q in self.queues():

@@ -67,6 +67,7 @@ class FnSym:
     comptime_args: tuple = ()  # a specialisation of a function with `comptime` parameters
     py: Any = None  # the generated Python function, once compiled
     compiling: bool = False
+    code_instructions: int = 0  # its estimated instruction count (wafer.csl.codesize)
     csl_type: Any = None
 
     @property
@@ -137,6 +138,7 @@ class Program:
     functions: list[FnSym] = field(default_factory=list)
     teardown_handler: FnSym | None = None
     control_task_table: bool = False
+    compiled_fns: list[FnSym] = field(default_factory=list)  # every function generated for this program
 
     def __post_init__(self) -> None:
         if not self.memory_image:

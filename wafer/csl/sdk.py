@@ -86,6 +86,7 @@ def load_output(out_dir: str | Path) -> CompiledLayout:
         channels=o["channels"],
         width_west_buf=o["width_west_buf"],
         width_east_buf=o["width_east_buf"],
+        sdk=o.get("sdk", "1.4"),
     )
     return compile_layout(ex["layout"], options)
 
