@@ -105,8 +105,8 @@ def test_control_wavelet_runs_the_control_task_it_names(tasks):
 def test_async_operations_activate_and_unblock_tasks_when_they_complete(tasks):
     _, out = tasks
     # async_test goes on (3) while its send and receive run; the send's .activate runs task 20, the
-    # receive's .unblock releases task 21 (activated, blocked), which unblocks the command stream.
-    assert logged(out["async"])[9:] == [3, 20, 21]
+    # receive's .unblock releases task 24 (activated, blocked), which unblocks the command stream.
+    assert logged(out["async"])[9:] == [3, 20, 24]
     np.testing.assert_array_equal(out["vals"], [1, 2, 3, 4, 1, 2, 3, 4])
 
 

@@ -95,6 +95,8 @@ def cslc_main(argv: list[str] | None = None) -> int:
     except CslError as exc:
         print(f"cslc: error: {exc}", file=sys.stderr)
         return 1
+    for warning in compiled.warnings:
+        print(f"cslc: warning: {warning}", file=sys.stderr)
     write_output(compiled, args.output)
     return 0
 

@@ -16,6 +16,7 @@ CE_TO_ROUTER = 1  # output queue to router (assumption: one cycle, symmetric to 
 TASK_START = 20  # picking a task and entering it (assumption, as wafer.cost.TASK_ACTIVATION_CYCLES)
 STATEMENT = 1  # one scalar statement of a task (assumption: the executor counts statements, not instructions)
 DSD_SETUP = 2  # starting a DSD operation (assumption)
+MAP_STEP = 1  # one step of a @map beyond its function's statements and operations (assumption)
 ELEMENTS_PER_CYCLE = {  # steps of a DSD operation per cycle, memory operands only (csl-semantics §3)
     ("wse2", 32): 1,
     ("wse2", 16): 4,
