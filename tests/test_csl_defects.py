@@ -5,7 +5,8 @@ written the way the old kernels wrote it; variant 0 has none. The executor must 
 a message that names the file, the line and the rule; the kernels that replaced the old ones compile
 and run on both architectures (tests/test_kernel_examples.py, tests/test_csl_program.py). The
 defect of the host (every H2D before any D2H) is reproduced in tests/test_csl_program.py, and the
-scale of the generated layout is measured below.
+scale of the generated layout is measured below. Defects of the generated program that no executor
+rule catches on both architectures are checked on the generator's output (task IDs below).
 """
 
 from __future__ import annotations
@@ -14,8 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from kernels.program import build_program
+from kernels.program.build import Tile, _assign_tasks
+from kernels.program.errors import ProgramError
+from kernels.program.routes import make_flow
+from wafer.arch import ARCHS
 from wafer.csl.errors import CslCompileError
 from wafer.csl.layout import Options, compile_layout
+from wafer.plan import build_plan
+from weights.config import GPT2Config
 
 PROGRAM = Path(__file__).resolve().parent / "data" / "csl_defects" / "layout.csl"
 
@@ -73,3 +81,28 @@ def test_the_gpt2_layout_computes_roles_from_coordinates():
     assert text.count("@set_tile_code") < 4000 and text.count("@set_color_config") < 8000
     assert len(text) < 3_000_000
     assert max(flow.color for flow in program.flows) < 21
+
+
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_no_pe_program_binds_memcpys_task_ids(arch):
+    """memcpy keeps task IDs 21-23 and 27-31 on both architectures (csl-examples 1.4's WSE-2 and WSE-3
+    task-ID maps); the generator's pool used to hand out 21-23 to every program that binds tasks."""
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny")
+    program = build_program(build_plan(config, arch=arch, slots=2, context=32, top_k=8))
+    bound = {t for tile in program.tiles.values() for t in tile.params.get("tasks", ())}
+    assert bound and not bound & set(ARCHS[arch].memcpy_task_ids), sorted(bound)
+    assert bound <= set(ARCHS[arch].local_task_ids)
+
+
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_a_region_that_would_need_memcpys_task_ids_is_refused(arch):
+    """A head PE (11 task IDs) reached by colors 0-12: with 24-26 and 13-20 (less memcpy's streaming
+    colors 14 and 15) there are 9 IDs left on WSE-2 (and fewer on WSE-3, whose local IDs start at 8);
+    the old pool made up the difference with memcpy's 21-23."""
+    tile = Tile("pe/head.csl", "head")
+    flows = [make_flow(f"f{c}", (1, 0), [(0, 0)]) for c in range(13)]
+    for color, flow in enumerate(flows):
+        flow.color = color
+    with pytest.raises(ProgramError, match=r"region head \(pe/head\.csl\): 11 local task IDs needed, \d left "
+                       r"on WSE-\d: memcpy keeps task IDs 21, 22, 23, 27, 28, 29, 30, 31"):  # fmt: skip
+        _assign_tasks({(0, 0): tile}, flows, arch)

@@ -8,6 +8,10 @@ memcpy's fabric offsets), and Cerebras' published CS-2 / CS-3 specifications.
 - 48 KB SRAM per PE on both.
 - Routable colors 0-23 (24 router entries per PE); memcpy reserves 21, 22, 23. The WSE-3 figure is
   assumed equal to WSE-2's (the SDK keeps the same color space; memcpy keeps the same reservation).
+- Local task IDs (SDK "Task IDs"): 0-30 on WSE-2, where they share one ID space with the colors, and
+  8-30 on WSE-3, whose IDs 0-7 are its input queues' data tasks. memcpy keeps 21, 22, 23, 27, 28 and
+  30, and 29 and 31 are reserved, on both: the WSE-2 and the WSE-3 task-ID maps of csl-examples 1.4
+  (tutorials/topic-08-filters, topic-09-fifos) mark them so, and its 25-pt-stencil jumps from 20 to 24.
 - fp16 SIMD FMAC: 4 per cycle on WSE-2, 8 on WSE-3, when operands are aligned; fp32: 1 per cycle.
 """
 
@@ -19,6 +23,8 @@ from wafer.errors import InvalidInput
 
 # What every PE keeps back from its 48 KB for things that are not planned data (see `sram_reserve_bytes`).
 SRAM_RESERVE_BYTES = 8 * 1024
+# Task IDs memcpy keeps (21-23, 27, 28, 30) or that are reserved (29, 31), on both architectures.
+MEMCPY_TASK_IDS = (21, 22, 23, 27, 28, 29, 30, 31)
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ class Arch:
     sram_reserve_bytes: int = SRAM_RESERVE_BYTES
     routable_colors: int = 24
     memcpy_reserved_colors: tuple[int, ...] = (21, 22, 23)
+    local_task_ids: range = range(0, 31)
+    memcpy_task_ids: tuple[int, ...] = MEMCPY_TASK_IDS
 
     @property
     def data_bytes_per_pe(self) -> int:
@@ -48,6 +56,11 @@ class Arch:
     def usable_colors(self) -> int:
         """Colors a kernel may route with on one PE (memcpy's reserved ones removed)."""
         return self.routable_colors - len(self.memcpy_reserved_colors)
+
+    @property
+    def kernel_task_ids(self) -> list[int]:
+        """Local task IDs a PE program may bind (memcpy's removed), highest first."""
+        return [t for t in reversed(self.local_task_ids) if t not in self.memcpy_task_ids]
 
     @property
     def kernel_pes(self) -> int:
@@ -64,7 +77,15 @@ class Arch:
 
 ARCHS: dict[str, Arch] = {
     "wse2": Arch("wse2", fabric_w=757, fabric_h=996, kernel_w=750, kernel_h=994, fp16_macs_per_cycle=4),
-    "wse3": Arch("wse3", fabric_w=762, fabric_h=1172, kernel_w=755, kernel_h=1170, fp16_macs_per_cycle=8),
+    "wse3": Arch(
+        "wse3",
+        fabric_w=762,
+        fabric_h=1172,
+        kernel_w=755,
+        kernel_h=1170,
+        fp16_macs_per_cycle=8,
+        local_task_ids=range(8, 31),
+    ),
 }
 
 
