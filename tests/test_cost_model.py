@@ -117,14 +117,17 @@ def test_a_shared_sum_of_exps_by_hand() -> None:
 
 
 def test_norm_cost_by_hand() -> None:
-    # 16 values on 4 PEs: input, the local sums of x and x^2 (1 + 2 ops per value), one all-reduce of
-    # the two words towards PE 1 (each step passes 2 words, the broadcast too), rsqrt, normalise
+    # 16 values on 4 PEs: input, the local sums of x and x^2 (one @map of 4 steps, each its overhead
+    # and 1 + 2 ops), one all-reduce of the two words towards PE 1 (each step passes 2 words, the
+    # broadcast too), rsqrt, normalise
     two = cost.norm_cost(NormTiling(16, 4, reduction="two_level", group=2))
     allreduce = ((STEP + 2) + H + R + 1 + 2 + T) + (2 * H + R + 2)
+    sums = S + 4 * (M + 3)
+    assert two.phases["local sums (x, x^2)"] == sums
     assert two.phases["two_level all-reduce"] == allreduce
-    assert two.cycles == (R + 4) + 12 + allreduce + 10 + 16
+    assert two.cycles == (R + 4) + sums + allreduce + 10 + 16
     chain = cost.norm_cost(NormTiling(16, 4, reduction="chain"))
-    assert chain.cycles == (R + 4) + 12 + allreduce + 10 + 16
+    assert chain.cycles == (R + 4) + sums + allreduce + 10 + 16
 
 
 def test_attention_cost_by_hand() -> None:

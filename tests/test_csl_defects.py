@@ -11,6 +11,7 @@ rule catches on both architectures are checked on the generator's output (task I
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from wafer.plan import build_plan
 from weights.config import GPT2Config
 
 PROGRAM = Path(__file__).resolve().parent / "data" / "csl_defects" / "layout.csl"
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 
 DEFECTS = [
     # (variant, arch, what the executor says) -- what the old kernels did
@@ -106,3 +108,91 @@ def test_a_region_that_would_need_memcpys_task_ids_is_refused(arch):
     with pytest.raises(ProgramError, match=r"region head \(pe/head\.csl\): 11 local task IDs needed, \d left "
                        r"on WSE-\d: memcpy keeps task IDs 21, 22, 23, 27, 28, 29, 30, 31"):  # fmt: skip
         _assign_tasks({(0, 0): tile}, flows, arch)
+
+
+# A mem1d DSD whose tensor access does not move with its induction variable: every element is one word.
+_DSD = re.compile(
+    r"(?:var|const)\s+(\w+)\s*=\s*@get_dsd\(\s*mem1d_dsd\s*,\s*\.\{\s*\.tensor_access\s*=\s*"
+    r"\|(\w+)\|\s*\{[^}]*\}\s*->\s*\w+\[([^\]]*)\]"
+)
+_WRAPPERS = ("@set_dsd_length(", "@set_dsd_base_addr(", "@increment_dsd_offset(", "@set_dsd_stride(")
+# A maximum is the same in any order: csl-examples' 25-pt-stencil takes one as @fmaxs(&m, m, v).
+_ORDER_FREE = {"fmaxs", "fmaxh"}
+
+
+def _arguments(text: str, start: int) -> list[str]:
+    """The top-level arguments of the call whose "(" is at text[start]."""
+    depth, args, current = 0, [], []
+    for ch in text[start + 1 :]:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                args.append("".join(current).strip())
+                return args
+            depth -= 1
+        if ch == "," and depth == 0:
+            args.append("".join(current).strip())
+            current = []
+        else:
+            current.append(ch)
+    raise AssertionError("unbalanced call")
+
+
+def _operand(arg: str) -> str:
+    """The DSD or scalar an operand names, through the DSD mutators (`@set_dsd_length(d, n)` -> d)."""
+    while arg.startswith(_WRAPPERS):
+        arg = _arguments(arg, arg.index("("))[0]
+    return arg
+
+
+def stride0_accumulations(text: str) -> list[str]:
+    """DSD operations whose destination is one word that they also read: a stride-0 mem1d DSD, or a
+    pointer to a scalar (which the SDK treats as one), named again among the sources."""
+    code = "\n".join(line.split("//", 1)[0] for line in text.splitlines())
+    words = {m[1] for m in _DSD.finditer(code) if not re.search(rf"\b{m[2]}\b", m[3])}
+    words |= {
+        m[1] for m in re.finditer(r"(?:var|const)\s+(\w+)\s*=\s*@get_dsd\([^;]*\.stride\s*=\s*0\b", code)
+    }
+    found = []
+    for call in re.finditer(r"@(f\w+|mov16|mov32|add16|sub16)\(", code):
+        args = [_operand(a) for a in _arguments(code, call.end() - 1)]
+        dest, sources = args[0], args[1:]
+        if dest.startswith("&"):
+            # the public form (a scalar destination, its value the first source) only where the
+            # order of the reduction cannot matter
+            if dest[1:].strip() in sources and call[1] not in _ORDER_FREE:
+                found.append(f"@{call[1]}({', '.join(args)})")
+        elif dest in words and dest in sources:
+            found.append(f"@{call[1]}({', '.join(args)})")
+    return found
+
+
+def test_the_stride0_scan_finds_the_forms_it_refuses():
+    program = """
+      const acc = @get_dsd(mem1d_dsd, .{ .tensor_access = |i|{8} -> sums[0] });
+      const vec = @get_dsd(mem1d_dsd, .{ .tensor_access = |i|{8} -> x[i] });
+      @fadds(@set_dsd_length(acc, n), @set_dsd_length(acc, n), vec);
+      @fadds(&s, s, vec);
+      @fmaxs(&m, m, vec);        // order-free, the public form: allowed
+      @fmaxs(acc, acc, vec);     // order-free, but no public form
+      @fadds(vec, vec, vec);     // element by element: allowed
+    """
+    assert stride0_accumulations(program) == [
+        "@fadds(acc, acc, vec)",
+        "@fadds(&s, s, vec)",
+        "@fmaxs(acc, acc, vec)",
+    ]
+
+
+def test_no_kernel_reads_and_writes_one_word_in_a_dsd_operation():
+    """A DSD operation whose destination is one stride-0 word that it also reads (a running sum) has
+    no public precedent, and a pipelined operation need not add in the order the executor does. The
+    kernels sum into scalars inside a @map's steps instead (lib/norm_stats.csl, lib/fmac.csl), and
+    take a maximum as @fmaxs(&m, m, v), as csl-examples does."""
+    found = {
+        str(path.relative_to(KERNELS)): hits
+        for path in sorted(KERNELS.rglob("*.csl"))
+        if (hits := stride0_accumulations(path.read_text()))
+    }
+    assert not found, found
