@@ -12,8 +12,10 @@ rule catches on both architectures are checked on the generator's output (task I
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kernels.program import build_program
@@ -196,3 +198,214 @@ def test_no_kernel_reads_and_writes_one_word_in_a_dsd_operation():
         if (hits := stride0_accumulations(path.read_text()))
     }
     assert not found, found
+
+
+# -- the programs' own asynchronous operations ---------------------------------------------------------
+
+# Three PEs all-reduce `words` f32 with kernels/comm/allreduce.csl: the left half (PEs 0, 1) chains
+# towards the root (1), PE 2 is the right half alone and hands its vector to the root (the join), and
+# the root broadcasts the sums both ways. `go` starts it; the done task ends the launch.
+ALLREDUCE_PE = """
+param memcpy_params: comptime_struct;
+param words: u16;
+param run_role: u16;
+param join_role: u16;
+const run_color: color = @get_color(1);
+const sys_mod = @import_module("<memcpy/memcpy>", memcpy_params);
+const stats = @import_module("comm/allreduce.csl", .{
+  .run_role = run_role, .run_rx = run_color, .run_tx = run_color, .end_role = 4, .end_rx = run_color,
+  .end_tx = run_color, .join_role = join_role, .join_color = @get_color(2), .bcast_color = @get_color(3),
+  .words = words, .run_queue = 3, .end_queue = 5, .tx_queue = 3, .end_tx_queue = 5, .bcast_queue = 4,
+  .step_task = 10, .join_task = 11, .done_task = 12 });
+var v = @zeros([words]f32);
+var v_ptr: [*]f32 = &v;
+fn go() void {
+  stats.start(&v);
+}
+task done() void {
+  sys_mod.unblock_cmd_stream();
+}
+comptime {
+  @bind_local_task(done, @get_local_task_id(12));
+  @export_symbol(v_ptr, "v");
+  @export_symbol(go);
+}
+"""
+ALLREDUCE_LAYOUT = """
+param words: u16;
+const memcpy = @import_module("<memcpy/get_params>", .{ .width = 3, .height = 1 });
+layout {
+  @set_rectangle(3, 1);
+  @set_tile_code(0, 0, "pe.csl", .{ .memcpy_params = memcpy.get_params(0), .words = words, .run_role = 0, .join_role = 0 });
+  @set_tile_code(1, 0, "pe.csl", .{ .memcpy_params = memcpy.get_params(1), .words = words, .run_role = 2, .join_role = 2 });
+  @set_tile_code(2, 0, "pe.csl", .{ .memcpy_params = memcpy.get_params(2), .words = words, .run_role = 3, .join_role = 1 });
+  @set_color_config(0, 0, @get_color(1), .{ .routes = .{ .rx = .{RAMP}, .tx = .{EAST} } });
+  @set_color_config(1, 0, @get_color(1), .{ .routes = .{ .rx = .{WEST}, .tx = .{RAMP} } });
+  @set_color_config(2, 0, @get_color(2), .{ .routes = .{ .rx = .{RAMP}, .tx = .{WEST} } });
+  @set_color_config(1, 0, @get_color(2), .{ .routes = .{ .rx = .{EAST}, .tx = .{RAMP} } });
+  @set_color_config(1, 0, @get_color(3), .{ .routes = .{ .rx = .{RAMP}, .tx = .{WEST, EAST} } });
+  @set_color_config(0, 0, @get_color(3), .{ .routes = .{ .rx = .{EAST}, .tx = .{RAMP} } });
+  @set_color_config(2, 0, @get_color(3), .{ .routes = .{ .rx = .{WEST}, .tx = .{RAMP} } });
+  @export_name("v", [*]f32, true);
+  @export_name("go", fn()void);
+}
+"""
+
+
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_the_all_reduce_join_keeps_one_operation_per_microthread(arch, tmp_path):
+    """The PE after the root sends its half's sums to the root (the join) and receives the broadcast
+    with the same queue number, so on one microthread. It used to start both at once: a join longer
+    than its queues hold (32 words here; LayerNorm's 2 always fit) was still sending when the receive
+    started. It now starts the receive when the join has left."""
+    from wafer.csl.sdk import MemcpyDataType, MemcpyOrder, SdkRuntime
+
+    words = 32
+    shutil.copytree(KERNELS / "comm", tmp_path / "comm")
+    (tmp_path / "pe.csl").write_text(ALLREDUCE_PE)
+    (tmp_path / "layout.csl").write_text(ALLREDUCE_LAYOUT)
+    compiled = compile_layout(
+        str(tmp_path / "layout.csl"),
+        Options(arch=arch, fabric_dims=(10, 3), params={"words": words}, memcpy=True),
+    )
+    values = np.arange(3 * words, dtype=np.float32).reshape(3, words) / 8
+    runtime = SdkRuntime(compiled)
+    runtime.load()
+    runtime.run()
+    kw = dict(
+        streaming=False, data_type=MemcpyDataType.MEMCPY_32BIT, order=MemcpyOrder.ROW_MAJOR, nonblock=False
+    )
+    runtime.memcpy_h2d(runtime.get_id("v"), values.reshape(-1).view(np.uint32), 0, 0, 3, 1, words, **kw)
+    runtime.launch("go", nonblock=False)
+    out = np.zeros(3 * words, dtype=np.uint32)
+    runtime.memcpy_d2h(out, runtime.get_id("v"), 0, 0, 3, 1, words, **kw)
+    runtime.stop()
+    want = (values[0] + values[1]) + values[2]  # the left half's chain, then the join
+    assert np.array_equal(out.view(np.float32).reshape(3, words), np.stack([want] * 3))
+
+
+def unsignalled_async_operations(text: str) -> list[str]:
+    """Asynchronous DSD operations that neither activate nor unblock a task when they end. A FIFO's
+    filling operation needs none (pipeline-02-fifo's, topic-09-fifos'): its last word is taken by the
+    operation that drains the FIFO, which ends after it and signals."""
+    code = "\n".join(line.split("//", 1)[0] for line in text.splitlines())
+    fifos = set(re.findall(r"(?:var|const)\s+(\w+)\s*=\s*@allocate_fifo\(", code))
+    found = []
+    for call in re.finditer(r"@(f\w+|mov16|mov32|add16|sub16)\(", code):
+        args = _arguments(code, call.end() - 1)
+        options = args[-1] if args[-1].startswith(".{") else ""
+        if not re.search(r"\.async\s*=\s*true", options) or re.search(r"\.(activate|unblock)\s*=", options):
+            continue
+        if _operand(args[0]) in fifos:
+            continue
+        found.append(f"@{call[1]}({', '.join(args)})")
+    return found
+
+
+def test_every_asynchronous_operation_says_when_it_ends():
+    """A buffer or microthread that an asynchronous operation still holds must not be reused: the next
+    user waits for the operation's end, which only an .activate or .unblock reports (or, for a short
+    send, a synchronous operation). comm/scatter.csl's send, head.csl's (max, sum) pair and the
+    all-reduce's join had none."""
+    found = {
+        str(path.relative_to(KERNELS)): hits
+        for path in sorted(KERNELS.rglob("*.csl"))
+        if (hits := unsignalled_async_operations(path.read_text()))
+    }
+    assert not found, found
+
+
+# PE 0 scatters 2 x `n` words to PEs 1 and 2 (kernels/comm/scatter.csl) and at once activates its
+# `next` task, which overwrites the buffer the send reads, as a next item would; PE 1 is slow to take
+# its part (a scalar loop first), so the send is held back by the fabric.
+SCATTER_PE = """
+param memcpy_params: comptime_struct;
+param n: u16;
+param role: u16;
+param slot: u16;
+param rx: color;
+param tx: color;
+const sys_mod = @import_module("<memcpy/memcpy>", memcpy_params);
+const scatter = @import_module("comm/scatter.csl", .{
+  .role = role, .rx_color = rx, .tx_color = tx, .rx_queue = 2, .tx_queue = 3, .step_task = 10,
+  .done_task = 11, .sent_task = 12 });
+var v = @zeros([2 * n]f32);
+var v_ptr: [*]f32 = &v;
+var busy: u32 = 0;
+fn go() void {
+  if (role == scatter.ROLE_FIRST) {
+    scatter.send(&v, 2 * n);
+    @activate(@get_local_task_id(12));
+  } else {
+    for (@range(u16, 200)) |i| {
+      busy += @as(u32, i);
+    }
+    scatter.receive(&v, 0, slot * n, n);
+  }
+}
+task kept() void {
+  sys_mod.unblock_cmd_stream();
+}
+task next() void {
+  for (@range(u16, 2 * n)) |i| {
+    v[i] = -1.0;
+  }
+  sys_mod.unblock_cmd_stream();
+}
+comptime {
+  @bind_local_task(kept, @get_local_task_id(11));
+  @bind_local_task(next, @get_local_task_id(12));
+  @export_symbol(v_ptr, "v");
+  @export_symbol(go);
+}
+"""
+SCATTER_LAYOUT = """
+param n: u16;
+const memcpy = @import_module("<memcpy/get_params>", .{ .width = 3, .height = 1 });
+layout {
+  @set_rectangle(3, 1);
+  @set_tile_code(0, 0, "pe.csl", .{ .memcpy_params = memcpy.get_params(0), .n = n, .role = 0, .slot = 2,
+                                    .rx = @get_color(2), .tx = @get_color(1) });
+  @set_tile_code(1, 0, "pe.csl", .{ .memcpy_params = memcpy.get_params(1), .n = n, .role = 1, .slot = 1,
+                                    .rx = @get_color(1), .tx = @get_color(2) });
+  @set_tile_code(2, 0, "pe.csl", .{ .memcpy_params = memcpy.get_params(2), .n = n, .role = 2, .slot = 0,
+                                    .rx = @get_color(2), .tx = @get_color(1) });
+  @set_color_config(0, 0, @get_color(1), .{ .routes = .{ .rx = .{RAMP}, .tx = .{EAST} } });
+  @set_color_config(1, 0, @get_color(1), .{ .routes = .{ .rx = .{WEST}, .tx = .{RAMP} } });
+  @set_color_config(1, 0, @get_color(2), .{ .routes = .{ .rx = .{RAMP}, .tx = .{EAST} } });
+  @set_color_config(2, 0, @get_color(2), .{ .routes = .{ .rx = .{WEST}, .tx = .{RAMP} } });
+  @export_name("v", [*]f32, true);
+  @export_name("go", fn()void);
+}
+"""
+
+
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_a_scatter_holds_its_buffer_until_the_send_has_left(arch, tmp_path):
+    """The first PE of a scatter line goes on to its next item while its send may still be reading the
+    buffer (and holding its output queue's microthread). The send now blocks the caller's next task
+    until it has left: the slices arrive as they were when sent."""
+    from wafer.csl.sdk import MemcpyDataType, MemcpyOrder, SdkRuntime
+
+    n = 32
+    shutil.copytree(KERNELS / "comm", tmp_path / "comm")
+    (tmp_path / "pe.csl").write_text(SCATTER_PE)
+    (tmp_path / "layout.csl").write_text(SCATTER_LAYOUT)
+    options = Options(arch=arch, fabric_dims=(10, 3), params={"n": n}, memcpy=True)
+    runtime = SdkRuntime(compile_layout(str(tmp_path / "layout.csl"), options))
+    runtime.load()
+    runtime.run()
+    kw = dict(
+        streaming=False, data_type=MemcpyDataType.MEMCPY_32BIT, order=MemcpyOrder.ROW_MAJOR, nonblock=False
+    )
+    values = np.zeros((3, 2 * n), dtype=np.float32)
+    values[0] = np.arange(2 * n)
+    runtime.memcpy_h2d(runtime.get_id("v"), values.reshape(-1).view(np.uint32), 0, 0, 3, 1, 2 * n, **kw)
+    runtime.launch("go", nonblock=False)
+    out = np.zeros(3 * 2 * n, dtype=np.uint32)
+    runtime.memcpy_d2h(out, runtime.get_id("v"), 0, 0, 3, 1, 2 * n, **kw)
+    runtime.stop()
+    got = out.view(np.float32).reshape(3, 2 * n)
+    assert np.array_equal(got[2, :n], values[0, :n]), got[2, :n]  # the farthest PE's slice went first
+    assert np.array_equal(got[1, :n], values[0, n:]), got[1, :n]
+    assert (got[0] == -1).all()  # the next item's write, after the send
