@@ -227,7 +227,9 @@ def examples_main(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        print("usage: python -m wafer.csl.cli {cslc|cs_python|examples|wrappers} ...", file=sys.stderr)
+        print(
+            "usage: python -m wafer.csl.cli {cslc|cs_python|examples|wrappers|calibrate} ...", file=sys.stderr
+        )
         return 2
     tool, rest = argv[0], argv[1:]
     if tool == "cslc":
@@ -236,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         return cs_python_main(rest)
     if tool == "examples":
         return examples_main(rest)
+    if tool == "calibrate":
+        from wafer.csl.calibrate import main as calibrate_main
+
+        return calibrate_main(rest)
     if tool == "wrappers":
         print(write_wrappers(rest[0] if rest else "."))
         return 0
