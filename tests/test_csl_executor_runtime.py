@@ -4,7 +4,8 @@ deadlock report, the trace of one PE and the `<time>` counter, on three programs
 
 What they check comes from the Cerebras SDK documentation (its task, builtin, fabric, host runtime
 and library pages) and the csl-examples programs: a task runs when its ID is activated and unblocked, activation is a flag, tasks run
-to completion (the executor's picker takes the highest ID first by default, `WAFER_CSL_SCHEDULE` changes it); a
+to completion (by default the executor's picker takes local tasks before wavelet-triggered ones, the lowest ID
+first; `WAFER_CSL_SCHEDULE` changes it); a
 data task runs once per wavelet with the payload split into 16-bit halves for two arguments; a
 control wavelet runs the control task its entrypoint names; an async operation's `.activate` and
 `.unblock` fire when it completes. Wavelets move one hop per `timing.HOP` cycles (docs/csl-executor.md,
@@ -71,11 +72,12 @@ def logged(words: np.ndarray) -> list[int]:
     return [int(v) for v in words if v]
 
 
-def test_local_tasks_run_to_completion_highest_id_first(tasks):
+def test_local_tasks_run_to_completion_lowest_id_first(tasks):
     _, out = tasks
-    # order_test (1) activates 10 and 12; 12 activates 15 and 11 while it runs, and ends (120) before
-    # either starts; 10 unblocks 13, which was activated but blocked since start-up.
-    assert logged(out["order"]) == [1, 12, 120, 15, 11, 10, 13]
+    # order_test (1) activates 10 and 12; 12 activates 15 and 11 while it runs. Under the default
+    # schedule (local tasks before wavelet-triggered ones, the lowest ID first) 10 runs first and
+    # unblocks 13, which was activated but blocked since start-up; every task ends before the next.
+    assert logged(out["order"]) == [1, 10, 12, 120, 11, 13, 15]
 
 
 def test_activation_is_a_flag_not_a_counter(tasks):
@@ -84,12 +86,13 @@ def test_activation_is_a_flag_not_a_counter(tasks):
 
 
 def test_the_picker_order_is_an_option(monkeypatch):
-    monkeypatch.setenv("WAFER_CSL_PICKER", "lowest")
+    monkeypatch.setenv("WAFER_CSL_SCHEDULE", "highest")
     host = Host(compile_program("tasks", arch="wse2", params={"data_out_queue": 5}))
     host.launch("order_test")
     log = logged(host.d2h("log", 32))
     host.stop()
-    assert log == [1, 10, 12, 120, 11, 13, 15]
+    # 12 ends (120) before 15 and 11 start; 10 unblocks 13
+    assert log == [1, 12, 120, 15, 11, 10, 13]
 
 
 def test_data_task_runs_once_per_wavelet_with_its_halves(tasks):

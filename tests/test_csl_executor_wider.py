@@ -96,8 +96,8 @@ def test_pointer_destination_reduces_over_the_vector(result):
 
 def test_high_priority_task_runs_first_and_a_comptime_dsr_keeps_its_async_options(result):
     _, out = result
-    # 10 is HIGH (tile_config); 14 is activated by the asynchronous copy loaded at comptime
-    np.testing.assert_array_equal(out["order"], [10, 14, 12])
+    # 12 is HIGH (tile_config), 10 LOW; 14 is activated by the asynchronous copy loaded at comptime
+    np.testing.assert_array_equal(out["order"], [12, 10, 14])
 
 
 def test_cslc_warns_and_compiles():
@@ -156,7 +156,7 @@ def test_seeded_schedules_are_repeatable_and_legal():
     for out in seeded.values():
         for key in ("got", "filtered", "relayed", "ints", "maxmin", "fx", "fh"):
             np.testing.assert_array_equal(out[key], base[key])
-        assert out["order"][0] == 10  # HIGH first under every schedule
+        assert out["order"][0] == 12  # HIGH first under every schedule
     assert run("wse2", schedule="seed:1")["cycles"] == seeded[1]["cycles"]
     assert len({int(o["cycles"][0]) for o in seeded.values()} | {int(base["cycles"][0])}) > 1
 
@@ -167,6 +167,6 @@ def test_schedule_from_the_environment(monkeypatch):
     assert str(host.rt.machine.schedule) == "seed:7"
     monkeypatch.setenv("WAFER_CSL_SCHEDULE", "sideways")
     with pytest.raises(
-        CslRuntimeError, match="schedule 'sideways': expected highest, lowest, fifo or seed:N"
+        CslRuntimeError, match="schedule 'sideways': expected local-first, highest, lowest, fifo or seed:N"
     ):
         Host(compile_program("tasks", arch="wse2", params={"data_out_queue": 5}))

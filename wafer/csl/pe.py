@@ -12,7 +12,8 @@ activated by each wavelet at the head of its channel (the color on WSE-2, the in
 and runs once per wavelet with the wavelet as its argument. A control wavelet at the head of a
 channel runs the control task its entrypoint names, if the channel is unblocked. Among runnable
 tasks, those of the highest `tile_config` priority (HIGH or LOW) compete, and the machine's schedule
-picks one (wafer.csl.schedule: the highest ID by default; the SDK leaves the order open).
+picks one (wafer.csl.schedule: local tasks before wavelet-triggered ones, the lowest ID first, by
+default; the SDK leaves the order open).
 
 Asynchronous DSD operations run as microthreads beside the CE, one element per cycle when a fabric
 or FIFO operand is involved, and activate or unblock a task when they finish.
