@@ -4,7 +4,8 @@ tests/data/csl_executor/wider/ is three PEs in a row (layout.csl says what each 
 SIMD-64 fabric DSDs (two f16 values per wavelet, an odd count), a counter filter, a router switch
 that takes a PE's RAMP only after a control wavelet moves it (the PE's words wait for it), the
 documented `<math>` library in its generic, f16 and f32 forms (also at comptime in the layout, as
-WaferLLM's layouts compute a PE's group), a pointer-destination reduction `@fmaxs(&m, m, v)`, a
+WaferLLM's layouts compute a PE's group), a mem4d DSD given by extents and strides, a
+pointer-destination reduction `@fmaxs(&m, m, v)`, a
 comptime `@load_to_dsr` with asynchronous options, `<tile_config>`'s task priority, and cslc's
 warnings (a module parameter no `param` declares, an `@export_name` no PE exports). Its `variant`
 param breaks one rule at a time; each refusal names the `// RULE` line.
@@ -37,6 +38,7 @@ def run(arch: str, schedule: str | None = None, **params) -> dict[str, np.ndarra
         "order": host.d2h("order", 3, rect=(2, 0, 1, 1), bits=16),
         "ints": host.d2h("ints", 8, rect=(2, 0, 1, 1), bits=16).astype(np.uint16).view(np.int16),
         "maxmin": host.d2h("maxmin", 2, rect=(2, 0, 1, 1)).view(np.float32),
+        "picked": host.d2h("picked", 6, rect=(2, 0, 1, 1)).view(np.float32),
         "fx": host.d2h("fx", 32, rect=(2, 0, 1, 1)).view(np.float32).reshape(8, 4),
         "fh": f16_bits(host.d2h("fh", 16, rect=(2, 0, 1, 1), bits=16)).reshape(4, 4),
     }
@@ -89,6 +91,12 @@ def test_math_library_rounds_to_its_type(result):
     np.testing.assert_array_equal(out["ints"], [3, 6, 5, 7, -1, 1, 1, 3])
 
 
+def test_mem4d_dsd_given_by_extents_and_strides(result):
+    _, out = result
+    # extent (2, 3), stride (1, 3): columns 0-1 of each 4-element row of the 3 x 4 grid
+    np.testing.assert_array_equal(out["picked"], [0, 1, 4, 5, 8, 9])
+
+
 def test_pointer_destination_reduces_over_the_vector(result):
     _, out = result
     np.testing.assert_array_equal(out["maxmin"], [2.0, -1.5])  # @fmaxs(&m, m, v); -max(-v)
@@ -96,8 +104,8 @@ def test_pointer_destination_reduces_over_the_vector(result):
 
 def test_high_priority_task_runs_first_and_a_comptime_dsr_keeps_its_async_options(result):
     _, out = result
-    # 10 is HIGH (tile_config); 14 is activated by the asynchronous copy loaded at comptime
-    np.testing.assert_array_equal(out["order"], [10, 14, 12])
+    # 12 is HIGH (tile_config), 10 LOW; 14 is activated by the asynchronous copy loaded at comptime
+    np.testing.assert_array_equal(out["order"], [12, 10, 14])
 
 
 def test_cslc_warns_and_compiles():
@@ -154,9 +162,9 @@ def test_seeded_schedules_are_repeatable_and_legal():
     base = run("wse2")
     seeded = {seed: run("wse2", schedule=f"seed:{seed}") for seed in (1, 2, 3)}
     for out in seeded.values():
-        for key in ("got", "filtered", "relayed", "ints", "maxmin", "fx", "fh"):
+        for key in ("got", "filtered", "relayed", "ints", "maxmin", "picked", "fx", "fh"):
             np.testing.assert_array_equal(out[key], base[key])
-        assert out["order"][0] == 10  # HIGH first under every schedule
+        assert out["order"][0] == 12  # HIGH first under every schedule
     assert run("wse2", schedule="seed:1")["cycles"] == seeded[1]["cycles"]
     assert len({int(o["cycles"][0]) for o in seeded.values()} | {int(base["cycles"][0])}) > 1
 
@@ -167,6 +175,6 @@ def test_schedule_from_the_environment(monkeypatch):
     assert str(host.rt.machine.schedule) == "seed:7"
     monkeypatch.setenv("WAFER_CSL_SCHEDULE", "sideways")
     with pytest.raises(
-        CslRuntimeError, match="schedule 'sideways': expected highest, lowest, fifo or seed:N"
+        CslRuntimeError, match="schedule 'sideways': expected local-first, highest, lowest, fifo or seed:N"
     ):
         Host(compile_program("tasks", arch="wse2", params={"data_out_queue": 5}))

@@ -292,6 +292,14 @@ def _import_module(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> C
     return known(ctx.comp.import_module(ctx, spec, params, node), MODULE)
 
 
+@builtin("__comptime")
+def _comptime_expr(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
+    """`comptime e` as an expression: e evaluated at comptime."""
+    value = ctx.cx(node.args[0], expect)
+    ctx.need_known(value, node.args[0], "a `comptime` expression")
+    return value
+
+
 @builtin("__param")
 def _param(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     raise ctx.error(node, "internal: param marker outside a declaration")
@@ -717,7 +725,7 @@ def _mem_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, fields: dict[str, ast.N
             raise ctx.error(node, "`.tensor_access` must be `|i|{N} -> A[...]`")
         return _tensor_dsd(ctx, node, kind, ta, wio)
     if kind == "mem4d":
-        raise ctx.error(node, "a mem4d_dsd is given by `.tensor_access`")
+        return _mem4d_fields(ctx, node, fields, wio)
     if "base_address" not in fields:
         raise ctx.error(node, "a mem1d_dsd needs `.tensor_access` or `.base_address`")
     base = ctx.cx(fields["base_address"])
@@ -742,6 +750,44 @@ def _mem_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, fields: dict[str, ast.N
     ]
     where = ctx.fb.const(ctx.where(node))
     return ctx.dyn(MEM1D_DSD, f"DSD.mem1d({ctx.fb.const(elem)}, {', '.join(codes)}, {wio}, {where})")
+
+
+def _mem4d_fields(ctx: Ctx, node: ast.BuiltinCall, fields: dict[str, ast.Node], wio: bool) -> CExpr:
+    """`mem4d_dsd` from `.base_address`, `.extent = .{e0, e1, ...}` and `.stride = .{s0, s1, ...}`
+    (comptime tuples, SDK 1.3+): the first dimension varies fastest, and a dimension's stride is the
+    address change when it steps, counted from where the inner dimensions ended (SDK "DSDs": the
+    inner dimensions are not rewound)."""
+    for name in ("base_address", "extent", "stride"):
+        if name not in fields:
+            raise ctx.error(
+                node, "a mem4d_dsd needs `.tensor_access`, or `.base_address`, `.extent` and `.stride`"
+            )
+    base = ctx.cx(fields["base_address"])
+    if not isinstance(base.type, PointerType):
+        raise ctx.error(node, f"`.base_address` must be a pointer, found {base.type.name}")
+    check_base_pointer(ctx, base.type, node, "`.base_address`")
+    extents = ctx.need_known(ctx.cx(fields["extent"]), node, "`.extent`")
+    strides = ctx.need_known(ctx.cx(fields["stride"]), node, "`.stride`")
+    ext = list(extents.values()) if isinstance(extents, Struct) else [extents]
+    std = list(strides.values()) if isinstance(strides, Struct) else [strides]
+    if not 1 <= len(ext) <= 4 or len(ext) != len(std) or not all(isinstance(v, int) for v in ext + std):
+        raise ctx.error(node, "a mem4d_dsd takes 1-4 integer extents and as many strides")
+    absolute: list[int] = []
+    for k, s_k in enumerate(std):
+        absolute.append(s_k + sum((ext[j] - 1) * absolute[j] for j in range(k)))
+    dims = tuple(zip(reversed(ext), reversed(absolute), strict=True))  # outermost first
+    elem = scalar_of(base.type.elem)
+    if not base.known:
+        where = ctx.fb.const(ctx.where(node))
+        return ctx.dyn(
+            MEM4D_DSD,
+            f"DSD.mem4d({ctx.fb.const(elem)}, {ctx.code(base)}, {ctx.fb.const(dims)}, {wio}, {where})",
+        )
+    dsd = Dsd(
+        "mem4d", elem, base=base.value.addr, dims=dims, wavelet_index_offset=wio, symbol=base.value.symbol
+    )
+    check_dsd(ctx, dsd, node)
+    return known(dsd, MEM4D_DSD)
 
 
 def _tensor_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, ta: ast.TensorAccess, wio: bool) -> CExpr:

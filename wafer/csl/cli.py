@@ -139,8 +139,16 @@ def write_wrappers(directory: str | Path) -> Path:
 
 
 def find_examples(root: Path, arch: str) -> list[Path]:
-    script = f"commands_{arch}.sh"
-    return sorted(p.parent for p in root.rglob(script))
+    """Example folders with a commands script for `arch`: `commands_<arch>.sh`, or, in releases
+    before 1.3 (which target WSE-2 only), `commands.sh`."""
+    found = {p.parent for p in root.rglob(f"commands_{arch}.sh")}
+    if arch == "wse2":
+        found |= {p.parent for p in root.rglob("commands.sh") if not (p.parent / "commands_wse2.sh").exists()}
+    return sorted(found)
+
+
+def commands_script(folder: Path, arch: str) -> str:
+    return f"commands_{arch}.sh" if (folder / f"commands_{arch}.sh").exists() else "commands.sh"
 
 
 def run_example(folder: Path, root: Path, arch: str, wrappers: Path, timeout: float) -> dict:
@@ -156,7 +164,7 @@ def run_example(folder: Path, root: Path, arch: str, wrappers: Path, timeout: fl
         start = time.perf_counter()
         try:
             proc = subprocess.run(
-                ["bash", f"commands_{arch}.sh"],
+                ["bash", commands_script(work, arch)],
                 cwd=work,
                 env=env,
                 capture_output=True,
@@ -227,7 +235,9 @@ def examples_main(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        print("usage: python -m wafer.csl.cli {cslc|cs_python|examples|wrappers} ...", file=sys.stderr)
+        print(
+            "usage: python -m wafer.csl.cli {cslc|cs_python|examples|wrappers|calibrate} ...", file=sys.stderr
+        )
         return 2
     tool, rest = argv[0], argv[1:]
     if tool == "cslc":
@@ -236,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         return cs_python_main(rest)
     if tool == "examples":
         return examples_main(rest)
+    if tool == "calibrate":
+        from wafer.csl.calibrate import main as calibrate_main
+
+        return calibrate_main(rest)
     if tool == "wrappers":
         print(write_wrappers(rest[0] if rest else "."))
         return 0

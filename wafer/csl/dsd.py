@@ -77,6 +77,10 @@ def mem1d(elem: CslType, base: int, length: int, stride: int, offset: int, wio: 
     )
 
 
+def mem4d(elem: CslType, base: int, dims: tuple, wio: bool, where: str) -> Dsd:
+    return _checked(Dsd("mem4d", elem, base=base, dims=dims, wavelet_index_offset=wio), where)
+
+
 def with_length(d: Dsd, length: int, where: str) -> Dsd:
     return _checked(replace(d, length=length), where)
 
@@ -113,6 +117,7 @@ class DsdModule:
     Scalar = Scalar
     scalar_ptr = staticmethod(scalar_ptr)
     mem1d = staticmethod(mem1d)
+    mem4d = staticmethod(mem4d)
     with_length = staticmethod(with_length)
     increment_dsd_offset = staticmethod(increment_dsd_offset)
     set_dsd_base_addr = staticmethod(set_dsd_base_addr)

@@ -12,7 +12,8 @@ activated by each wavelet at the head of its channel (the color on WSE-2, the in
 and runs once per wavelet with the wavelet as its argument. A control wavelet at the head of a
 channel runs the control task its entrypoint names, if the channel is unblocked. Among runnable
 tasks, those of the highest `tile_config` priority (HIGH or LOW) compete, and the machine's schedule
-picks one (wafer.csl.schedule: the highest ID by default; the SDK leaves the order open).
+picks one (wafer.csl.schedule: local tasks before wavelet-triggered ones, the lowest ID first, by
+default; the SDK leaves the order open).
 
 Asynchronous DSD operations run as microthreads beside the CE, one element per cycle when a fabric
 or FIFO operand is involved, and activate or unblock a task when they finish.
@@ -470,7 +471,8 @@ class PE:
                 for o in operands
             )
         n = D.op_length(operands)
-        self.machine.trace(self, self.t, f"@{spec.name} of {n} ({spec.where})")
+        if self.machine.trace_pe is not None:
+            self.machine.trace(self, self.t, f"@{spec.name} of {n} ({spec.where})")
         if saved:
             types = [spec.dtype, *D.src_types(spec)]
             self._advance_dsrs(
@@ -590,7 +592,8 @@ class PE:
         if any(isinstance(o, Dsr) for o in operands):
             _, operands, saved = self._resolve_dsrs(D.OpSpec("map", 0, "f32", "f32", spec.where), operands)
         n = D.op_length(operands)
-        self.machine.trace(self, self.t, f"@map of {n} ({spec.where})")
+        if self.machine.trace_pe is not None:
+            self.machine.trace(self, self.t, f"@map of {n} ({spec.where})")
         has_output = spec.ret.name != "void"
         ins = operands[:-1] if has_output else operands
         readers = []
@@ -1017,7 +1020,8 @@ class StreamOp:
     def finish(self, t: int) -> None:
         self.done = True
         pe = self.pe
-        pe.machine.trace(pe, t, f"@{self.spec.name} ({self.spec.where}) ends")
+        if pe.machine.trace_pe is not None:
+            pe.machine.trace(pe, t, f"@{self.spec.name} ({self.spec.where}) ends")
         if self in pe.micro:
             pe.micro.remove(self)
         for q in self.queues():

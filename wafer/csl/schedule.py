@@ -3,11 +3,16 @@ small latency variations the hardware does not pin down.
 
 What the SDK documents about the order (its "A Conceptual View", "Task IDs" and "Libraries" pages):
 a task runs when it is activated and unblocked, tasks run to completion, and `<tile_config>`'s
-`task_priority` makes a task HIGH or LOW. Nothing orders tasks of one priority: the executor picks
+`task_priority` makes a task HIGH or LOW. Nothing orders tasks of one priority. The executor picks
 among the runnable tasks of the highest priority present, by one of these policies:
 
-- `highest` (the default): the highest task ID first. A fitted choice, not a documented one:
-  csl-examples' game-of-life deadlocks under `lowest` (see docs/csl-executor.md).
+- `local-first` (the default): tasks activated by the program (local tasks) before tasks activated
+  by wavelets (data and control tasks), the lowest ID first within each. A fitted choice, not a
+  documented one: it is the one simple order found under which every public program that depends on
+  the order runs right (csl-examples' game-of-life needs its local tasks before its data tasks;
+  25-pt-stencil, stencil-v2 and fft-1d-2d need the lower of two local tasks first). See
+  docs/csl-executor.md, "Schedules".
+- `highest`: the highest task ID first (the executor's earlier default).
 - `lowest`: the lowest task ID first.
 - `fifo`: what became runnable first, ties to the lowest ID.
 - `seed:N`: a pseudo-random choice drawn from a generator seeded with N, plus up to
@@ -17,7 +22,7 @@ among the runnable tasks of the highest priority present, by one of these polici
   default and wrong under some seed depends on an order the SDK does not promise.
 
 Chosen by `Machine(schedule=...)` / `SdkRuntime(..., schedule=...)`, or else by the environment:
-`WAFER_CSL_SCHEDULE` (any of the above), then `WAFER_CSL_PICKER` (a policy name), then `highest`.
+`WAFER_CSL_SCHEDULE` (any of the above), then `WAFER_CSL_PICKER` (a policy name), then `local-first`.
 """
 
 from __future__ import annotations
@@ -28,13 +33,13 @@ from dataclasses import dataclass, field
 
 from wafer.csl.errors import CslRuntimeError
 
-POLICIES = ("highest", "lowest", "fifo")
+POLICIES = ("local-first", "highest", "lowest", "fifo")
 JITTER_CYCLES = 3  # at most this many extra cycles per randomized latency (assumption: a few cycles)
 
 
 @dataclass
 class Schedule:
-    policy: str = "highest"  # one of POLICIES, or "random"
+    policy: str = "local-first"  # one of POLICIES, or "random"
     seed: int | None = None
     jitter: int = 0
     rng: random.Random = field(default_factory=random.Random)
@@ -44,6 +49,8 @@ class Schedule:
 
     def choose(self, candidates: list[tuple[int, int, str, int | None]]) -> tuple[int, int, str, int | None]:
         """One of (stamp, task ID, kind, color) candidates, all of one priority."""
+        if self.policy == "local-first":
+            return min(candidates, key=lambda c: (c[2] != "local", c[1]))
         if self.policy == "highest":
             return max(candidates, key=lambda c: c[1])
         if self.policy == "lowest":
@@ -59,11 +66,11 @@ class Schedule:
 
 
 def parse_schedule(spec: str | Schedule | None) -> Schedule:
-    """`highest`, `lowest`, `fifo` or `seed:N` (None: from the environment, see the module doc)."""
+    """A policy name or `seed:N` (None: from the environment, see the module doc)."""
     if isinstance(spec, Schedule):
         return spec
     if spec is None:
-        spec = os.environ.get("WAFER_CSL_SCHEDULE") or os.environ.get("WAFER_CSL_PICKER") or "highest"
+        spec = os.environ.get("WAFER_CSL_SCHEDULE") or os.environ.get("WAFER_CSL_PICKER") or "local-first"
     spec = spec.strip()
     if spec in POLICIES:
         return Schedule(spec)
@@ -74,4 +81,4 @@ def parse_schedule(spec: str | Schedule | None) -> Schedule:
             seed = None
         if seed is not None:
             return Schedule("random", seed, JITTER_CYCLES, random.Random(seed))
-    raise CslRuntimeError(f"schedule {spec!r}: expected highest, lowest, fifo or seed:N")
+    raise CslRuntimeError(f"schedule {spec!r}: expected {', '.join(POLICIES)} or seed:N")

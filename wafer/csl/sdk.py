@@ -111,7 +111,7 @@ class SdkRuntime:
         self.bindir = None if isinstance(bindir, CompiledLayout) else Path(bindir)
         self.compiled = bindir if isinstance(bindir, CompiledLayout) else load_output(bindir)
         self.trace_pe = kwargs.get("trace_pe") or _trace_from_env()
-        # The schedule (wafer.csl.schedule): "highest", "lowest", "fifo" or "seed:N"; None reads
+        # The schedule (wafer.csl.schedule): a policy ("local-first", "highest", ...) or "seed:N"; None reads
         # WAFER_CSL_SCHEDULE / WAFER_CSL_PICKER, so unmodified host scripts can be run under seeds.
         self.schedule = kwargs.get("schedule")
         self.machine: Machine | None = None
