@@ -170,6 +170,81 @@ def test_a_message_with_more_records_than_the_wafer_buffers_needs_the_host_bound
             pass  # the deadlocked program cannot drain its commands
 
 
+class _ApplianceClientOnTheExecutor:
+    """The appliance client's SdkRuntime (cerebras.sdk.client) as `wafer_gpt2.backends.sdk_appliance` uses it, run
+    on the executor's SdkRuntime: the host's memcpy traffic meets memcpy's serialization as on a wafer."""
+
+    def __init__(self, artifact, simulator=False, **options) -> None:
+        from wafer_gpt2.backends.csl import runtime_module
+
+        self._runtime = runtime_module().SdkRuntime(str(artifact))
+
+    def __enter__(self):
+        self._runtime.load()
+        self._runtime.run()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._runtime.stop()
+
+    def memcpy_h2d(self, *args, **kwargs):
+        return self._task(self._runtime.memcpy_h2d(*args, **kwargs))
+
+    def memcpy_d2h(self, *args, **kwargs):
+        return self._task(self._runtime.memcpy_d2h(*args, **kwargs))
+
+    def launch(self, *args, **kwargs):
+        return self._task(self._runtime.launch(*args, **kwargs))
+
+    def get_id(self, name):
+        return self._runtime.get_id(name)
+
+    def _task(self, task):
+        """The client's tasks have wait() and done()."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(
+            wait=lambda: self._runtime.task_wait(task), done=lambda: self._runtime.is_task_done(task)
+        )
+
+
+@pytest.mark.slow
+def test_the_appliance_backend_reads_each_record_before_it_sends_on(tiny_params, monkeypatch):
+    """The sdk-appliance backend sent a step's every scored item before reading any record: 24 of them
+    deadlock memcpy (the H2D waits for io.out, the D2H behind it never starts), as the container path
+    did before. It now says, as every wafer target does, that one record may be in flight."""
+    from types import SimpleNamespace
+
+    from wafer_gpt2.backends import sdk_appliance
+    from wafer_gpt2.backends.csl import compile_plan, runtime_module
+    from wafer_gpt2.host.program import plan_for, start_model
+
+    sdk = runtime_module()
+    enums = (
+        SimpleNamespace(Value=lambda name: getattr(sdk.MemcpyDataType, name)),
+        SimpleNamespace(Value=lambda name: getattr(sdk.MemcpyOrder, name)),
+    )
+    monkeypatch.setattr(sdk_appliance, "import_client", lambda: (None, *enums))
+    monkeypatch.setattr(sdk_appliance, "_classes", lambda: (_ApplianceClientOnTheExecutor, None))
+    monkeypatch.setattr(sdk_appliance, "client_version", lambda: "1.4.0")
+    options = BackendOptions(arch="wse2", dtype="fp32", **OPTIONS)
+    plan = plan_for(tiny_params, options)
+    model = start_model(plan, sdk_appliance.ApplianceRuntime(compile_plan(plan)), tiny_params)
+    items = [StepItem(0, p, 3 * p + 1, want_scores=True) for p in range(24)]
+    try:
+        got = model.step(items)
+    finally:
+        try:
+            model.close()
+        except CslDeadlock:
+            pass  # the deadlocked program cannot drain its commands
+    sim = build_backend("sim", tiny_params, options)
+    try:
+        assert worst_difference(got, sim.step(items), same_ids=True) < FP32_TOLERANCE
+    finally:
+        sim.close()
+
+
 @pytest.mark.executor_full
 @pytest.mark.parametrize("arch", ["wse2", "wse3"])
 def test_full_vocabulary_fp32_scores_equal_the_simulator(arch):
