@@ -232,12 +232,14 @@ def _comptime_assert(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) ->
 def _assert(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     _argc(ctx, node, 1)
     c = ctx.cx(node.args[0])
-    if c.known:
+    if c.known and (c.value is True or not ctx.runtime):
         if c.value is not True:
             raise ctx.error(node, "@assert failed at comptime")
         return VOID_EXPR
+    # In run-time code a false assertion fails when it is reached (WaferLLM's Decode puts
+    # `@assert(false)` in the branch no axis takes).
     where = ctx.fb.const(ctx.where(node))
-    return ctx.dyn(VOID_T, f"pe.check({c.code}, {where})")
+    return ctx.dyn(VOID_T, f"pe.check({ctx.code(c)}, {where})")
 
 
 @builtin("concat_structs")
@@ -590,6 +592,13 @@ def _set_local_color_config(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | N
         raise ctx.error(node, f"color {color.id} is configured twice on this PE")
     ctx.program.local_colors[color.id] = color_config(ctx, config, node)
     return VOID_EXPR
+
+
+def route_directions(ctx: Ctx, v: Any, node: ast.Node, what: str) -> tuple[str, ...]:
+    """A route's `.rx` or `.tx`: one direction, a tuple or an array of them."""
+    if isinstance(v, ArrayValue):
+        return _dirs(ctx, Struct(tuple((str(i), d) for i, d in enumerate(v.items))), node, what)
+    return _dirs(ctx, v, node, what)
 
 
 def _dirs(ctx: Ctx, v: Any, node: ast.Node, what: str) -> tuple[str, ...]:

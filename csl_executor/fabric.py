@@ -209,15 +209,31 @@ class RouterColor:
         self.scheduled = t
         self.machine.at(t, self.step)
 
+    def reconfigure(self, cfg: ColorConfig) -> None:
+        """A new route at run time: one position, no switch, no filter."""
+        self.cfg = cfg
+        self.positions = [(frozenset(cfg.rx), tuple(cfg.tx)), None, None, None]
+        self.cur = 0
+        self.filter = None
+        self.targets_cache.clear()
+        if self.switch_waiters:
+            waiters, self.switch_waiters = self.switch_waiters, []
+            for fn in waiters:
+                self.machine.at(self.machine.now, fn)
+        if self.buf.q:
+            self._kick(self.machine.now)
+
     def receives(self, from_dir: str) -> bool:
         """Does the current switch position take wavelets from `from_dir`?"""
         return from_dir in self.positions[self.cur][0]
 
     def waits_for(self, from_dir: str, fn) -> bool:
         """A wavelet from `from_dir` that the current position does not take: when another position
-        of this switch takes it, the sender holds it until the switch moves (back-pressure) and
-        `fn` is called then; otherwise False (a route that never receives from there)."""
-        if not any(p is not None and from_dir in p[0] for p in self.positions):
+        of this switch takes it, or a program changes this color's routes at run time, the sender
+        holds it until the switch moves or the route changes (back-pressure) and `fn` is called
+        then; otherwise False (a route that never receives from there)."""
+        taken = any(p is not None and from_dir in p[0] for p in self.positions)
+        if not taken and self.color not in self.machine.reconfigurable_colors:
             return False
         if fn not in self.switch_waiters:
             self.switch_waiters.append(fn)

@@ -280,7 +280,11 @@ class TileConfig(NativeModule):
         self.members = {}
         for name in self.SUBMODULES:
             sub = ModuleInstance(ctx.program, f"<tile_config>.{name}", None, Struct(()))
-            sub.native = _Refused(comp, ctx, f"tile_config.{name}")
+            sub.native = (
+                ColorConfigLib(comp, ctx)
+                if name == "color_config"
+                else _Refused(comp, ctx, f"tile_config.{name}")
+            )
             self.members[name] = known(sub, MODULE)
         prio = ModuleInstance(ctx.program, "<tile_config>.task_priority", None, Struct(()))
         prio.native = TaskPriority(comp, ctx, params, node)
@@ -294,6 +298,46 @@ class _Refused(NativeModule):
 
     def member(self, ctx: Ctx, name: str, node: ast.Node) -> CExpr:
         raise ctx.error(node, f"{self.spec}.{name} is not supported by the executor")
+
+
+class ColorConfigLib(_Refused):
+    """`<tile_config>.color_config`: `reset_routes(color, .{ .rx = ..., .tx = ... })` replaces the
+    PE's route for a color at run time (WaferLLM's Decode turns its all-reduce between axes so); the
+    other members, and a color given as a register address, are refused by name."""
+
+    def __init__(self, comp, ctx: Ctx) -> None:
+        super().__init__(comp, ctx, "tile_config.color_config")
+
+        def reset_routes(c: Ctx, args: list[CExpr], n: ast.Node) -> CExpr:
+            from csl_executor.builtins import route_directions
+
+            color = c.need_known(args[0], n, "color")
+            if not isinstance(color, Color):
+                raise c.error(
+                    n, "color_config.reset_routes takes a color (a register address is not supported)"
+                )
+            routes = c.need_known(args[1], n, "routes")
+            if not isinstance(routes, Struct) or set(routes.names()) - {"rx", "tx"}:
+                raise c.error(n, "color_config.reset_routes takes `.{ .rx = ..., .tx = ... }`")
+            rx = route_directions(c, routes.get("rx", Struct(())), n, ".rx")
+            tx = route_directions(c, routes.get("tx", Struct(())), n, ".tx")
+            if c.comp.arch == "wse3" and len(rx) > 1:
+                raise c.error(n, "on WSE-3 color_config.reset_routes takes one `.rx` direction")
+            if not c.runtime:
+                raise c.error(
+                    n,
+                    "color_config.reset_routes changes a route at run time; at comptime use @set_local_color_config",
+                )
+            c.program.native_state.setdefault("reset_colors", set()).add(color.id)
+            where = c.fb.const(c.where(n))
+            return c.dyn(VOID_T, f"pe.reset_routes({color.id}, {rx!r}, {tx!r}, {where})")
+
+        self.reset = NativeFn("reset_routes", [ANYTYPE, ANYTYPE], VOID_T, comptime=reset_routes)
+
+    def member(self, ctx: Ctx, name: str, node: ast.Node) -> CExpr:
+        if name == "reset_routes":
+            return CExpr(type_of_value(self.reset), self.reset)
+        return super().member(ctx, name, node)
 
 
 class TaskPriority(NativeModule):

@@ -30,6 +30,7 @@ from csl_executor.errors import CslDeadlock, CslError, CslRuntimeError
 from csl_executor.fabric import CTRL, Channel, RouterColor
 from csl_executor.layout import CompiledLayout
 from csl_executor.pe import PE
+from csl_executor.program import ColorConfig
 from csl_executor.schedule import Schedule, parse_schedule
 
 
@@ -61,6 +62,11 @@ class Machine:
         self.routers: dict[tuple[int, int, int], RouterColor] = {
             key: RouterColor(self, key[0], key[1], key[2], cfg) for key, cfg in compiled.routes.items()
         }
+        # colors whose routes a program changes at run time: a wavelet their current route does not
+        # take waits for the change instead of failing
+        self.reconfigurable_colors: set[int] = set()
+        for prog in compiled.programs:
+            self.reconfigurable_colors |= prog.native_state.get("reset_colors", set())
         self.pes: dict[tuple[int, int], PE] = {}
         for xy, prog in compiled.pe_program.items():
             self.pes[xy] = PE(self, xy[0], xy[1], prog)
@@ -132,6 +138,25 @@ class Machine:
         wavelet ahead of it in the same queue."""
         ready = t + self.schedule.delay()
         return max(ready, ch.q[-1][0]) if ch.q else ready
+
+    def reset_routes(self, pe: PE, color: int, rx: tuple[str, ...], tx: tuple[str, ...], where: str) -> None:
+        """`tile_config.color_config.reset_routes`: the PE's router takes a new route for `color`
+        (its switch positions cleared); wavelets it holds go on by the new route (WaferLLM's Decode
+        turns a route while its neighbours' first wavelets for the new one already wait in it)."""
+        from csl_executor import arch as archs
+
+        archs.check_routed_color(self.arch, color, where, self.compiled.options.memcpy)
+        key = (pe.x, pe.y, color)
+        router = self.routers.get(key)
+        cfg = ColorConfig(tuple(rx), tuple(tx), where=where)
+        if router is None:
+            self.routers[key] = RouterColor(self, pe.x, pe.y, color, cfg)
+        else:
+            router.reconfigure(cfg)
+        for dx, dy in ((0, 0), (1, 0), (-1, 0), (0, 1), (0, -1)):  # who may hold this router as a target
+            nb = self.routers.get((pe.x + dx, pe.y + dy, color))
+            if nb is not None:
+                nb.targets_cache.clear()
 
     # -- lookups used by routers and PEs -------------------------------------------------------------
     def router(self, x: int, y: int, color: int) -> RouterColor | None:

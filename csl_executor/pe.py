@@ -358,6 +358,11 @@ class PE:
         if not self.busy:
             self.schedule_pick(t)
 
+    def reset_routes(self, color: int, rx: tuple[str, ...], tx: tuple[str, ...], where: str) -> None:
+        # at the CE's own time, which runs ahead of the event being processed: what the task sent
+        # before still leaves by the old route
+        self.machine.at(self.t, lambda t: self.machine.reset_routes(self, color, rx, tx, where))
+
     def set_task_priority(self, tid: Any, high: int | None = None) -> None:
         if high is None:  # from the program's startup list: (task ID, level)
             tid, high = tid

@@ -35,7 +35,6 @@ DEFECTS = [
     # (variant, arch, what the executor says) -- what the old kernels did
     (1, "wse2", r"pe\.csl:\d+: output queue 6 does not exist on WSE-2"),  # layernorm/embed_head: oq 6, 7
     (2, "wse3", r"pe\.csl:\d+: input queue 1 is reserved by memcpy on WSE-3"),  # io_in/io_out: queue 1
-    (3, "wse2", r"pe\.csl:\d+: input queue 2 serves 2 colors .*one color per queue"),  # reduce.csl
     (3, "wse3", r"pe\.csl:\d+: input queue 2 is already bound to color 3"),  # reduce.csl, re-bound
     (
         4,
@@ -62,6 +61,19 @@ def test_the_program_without_defects_compiles(arch):
 def test_each_defect_is_refused_with_its_rule(variant, arch, message):
     with pytest.raises(CslCompileError, match=message):
         compile_variant(variant, arch)
+
+
+def test_two_colors_read_through_one_queue_at_once_are_refused_on_wse2():
+    # reduce.csl's defect: WSE-2 lets a queue serve colors one after another (an operation names its
+    # queue and color), so the program compiles; reading both at once is refused when it happens
+    from csl_executor.errors import CslRuntimeError
+    from csl_executor.sdk import SdkRuntime
+
+    runtime = SdkRuntime(compile_variant(3, "wse2"))
+    runtime.load()
+    runtime.run()
+    with pytest.raises(CslRuntimeError, match=r"pe\.csl:\d+: input queue 2 on PE \(0, 0\) is still used by"):
+        runtime._loaded().run_idle()
 
 
 @pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)

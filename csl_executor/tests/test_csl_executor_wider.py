@@ -2,7 +2,9 @@
 
 csl_executor/tests/data/wider/ is three PEs in a row (layout.csl says what each color carries):
 SIMD-64 fabric DSDs (two f16 values per wavelet, an odd count), a counter filter, a router switch
-that takes a PE's RAMP only after a control wavelet moves it (the PE's words wait for it), the
+that takes a PE's RAMP only after a control wavelet moves it (the PE's words wait for it), a route
+changed at run time (`tile_config.color_config.reset_routes`), a false `@assert` in a branch never
+taken, the
 documented `<math>` library in its generic, f16 and f32 forms (also at comptime in the layout, as
 WaferLLM's layouts compute a PE's group), a mem4d DSD given by extents and strides, a
 pointer-destination reduction `@fmaxs(&m, m, v)`, a
@@ -35,6 +37,7 @@ def run(arch: str, schedule: str | None = None, **params) -> dict[str, np.ndarra
         "got": f16_bits(host.d2h("got", 8, rect=(1, 0, 1, 1), bits=16)),
         "filtered": host.d2h("filtered", 2, rect=(1, 0, 1, 1)),
         "relayed": host.d2h("relayed", 4, rect=(2, 0, 1, 1)),
+        "turned": host.d2h("turned", 2, rect=(1, 0, 1, 1)),
         "order": host.d2h("order", 3, rect=(2, 0, 1, 1), bits=16),
         "ints": host.d2h("ints", 8, rect=(2, 0, 1, 1), bits=16).astype(np.uint16).view(np.int16),
         "maxmin": host.d2h("maxmin", 2, rect=(2, 0, 1, 1)).view(np.float32),
@@ -66,6 +69,12 @@ def test_counter_filter_passes_the_counts_it_is_set_to(result):
 def test_words_from_the_ramp_wait_for_the_switch_position_that_takes_them(result):
     _, out = result
     np.testing.assert_array_equal(out["relayed"], [100, 101, 102, 103])
+
+
+def test_a_route_changed_at_run_time(result):
+    _, out = result
+    # (1, 0) turns color 6 from "pass east" to "to my RAMP" before (0, 0)'s two words arrive
+    np.testing.assert_array_equal(out["turned"], [7, 8])
 
 
 def test_math_library_rounds_to_its_type(result):
@@ -162,7 +171,7 @@ def test_seeded_schedules_are_repeatable_and_legal():
     base = run("wse2")
     seeded = {seed: run("wse2", schedule=f"seed:{seed}") for seed in (1, 2, 3)}
     for out in seeded.values():
-        for key in ("got", "filtered", "relayed", "ints", "maxmin", "picked", "fx", "fh"):
+        for key in ("got", "filtered", "relayed", "turned", "ints", "maxmin", "picked", "fx", "fh"):
             np.testing.assert_array_equal(out[key], base[key])
         assert out["order"][0] == 12  # HIGH first under every schedule
     assert run("wse2", schedule="seed:1")["cycles"] == seeded[1]["cycles"]
