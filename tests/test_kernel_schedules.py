@@ -1,4 +1,4 @@
-"""This project's kernels under other legal schedules than the default (csl_executor/schedule.py).
+"""The kernels under other legal schedules than the CSL executor's default (csl_executor/schedule.py).
 
 A schedule `seed:N` picks among runnable tasks at random and adds a few cycles of jitter to task
 starts, operation starts and wavelet deliveries, always in an order the hardware could follow. A
@@ -18,7 +18,7 @@ import pytest
 
 from csl_executor.cli import write_wrappers
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "wafer_gpt2" / "kernels"
 
 
 @pytest.mark.parametrize(
