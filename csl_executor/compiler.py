@@ -1652,7 +1652,7 @@ class Compiler:
 
         program = ctx.program
         if spec.startswith("<") and spec.endswith(">"):
-            key = (spec, _freeze(params))
+            key = (spec, freeze(params))
             if key in program.modules:
                 return program.modules[key]
             mod = native_module(self, ctx, spec[1:-1], params, node)
@@ -1661,7 +1661,7 @@ class Compiler:
         path = str((Path(ctx.mod.path).parent / spec).resolve())
         if not Path(path).is_file():
             raise ctx.error(node, f"@import_module: no file {spec!r} next to {ctx.mod.path}")
-        key = (path, _freeze(params))
+        key = (path, freeze(params))
         if key in program.modules:
             return program.modules[key]
         mod = self.new_module(program, path, params)
@@ -1867,7 +1867,7 @@ class Compiler:
         del fctx
         if not ctx.runtime:
             return self.call_comptime(ctx, fn, args, node)
-        target = self.specialise(fn, tuple((k, _freeze(v.value)) for k, v in comptime_params.items()))
+        target = self.specialise(fn, tuple((k, freeze(v.value)) for k, v in comptime_params.items()))
         target.comptime_args = tuple(comptime_params.items())
         self.ensure_compiled(target)
         runtime_args = [
@@ -1989,13 +1989,15 @@ def _pyname(name: str) -> str:
     return "csl_" + "".join(c if c.isalnum() else "_" for c in name)
 
 
-def _freeze(v: Any) -> Any:
+def freeze(v: Any) -> Any:
+    """A hashable form of a comptime value: the key of a module instance, a specialised function or a
+    layout's tile code."""
     if isinstance(v, Struct):
-        return ("struct", tuple((k, _freeze(x)) for k, x in v.fields), v.is_tuple)
+        return ("struct", tuple((k, freeze(x)) for k, x in v.fields), v.is_tuple)
     if isinstance(v, ArrayValue):
         return ("array", v.type, tuple(v.items))
     if isinstance(v, list):
-        return tuple(_freeze(x) for x in v)
+        return tuple(freeze(x) for x in v)
     if isinstance(v, (FnSym, ModuleInstance)):
         return ("id", id(v))
     try:

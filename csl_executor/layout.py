@@ -18,7 +18,7 @@ from csl_executor import arch as archs
 from csl_executor import ast
 from csl_executor.codesize import breakdown as codesize_breakdown
 from csl_executor.codesize import program_code_bytes
-from csl_executor.compiler import Compiler, _freeze
+from csl_executor.compiler import Compiler, freeze
 from csl_executor.errors import CslCompileError
 from csl_executor.parse import parse_file
 from csl_executor.program import PE_MEMORY_WORDS, ColorConfig, ModuleInstance, Program
@@ -168,7 +168,7 @@ def compile_layout(layout_path: str | Path, options: Options) -> CompiledLayout:
     programs: dict[Any, Program] = {}
     pe_program: dict[tuple[int, int], Program] = {}
     for (x, y), (path, tparams, _where) in sorted(lp.tiles.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        key = (path, _freeze(tparams))
+        key = (path, freeze(tparams))
         prog = programs.get(key)
         if prog is None:
             prog = Program(options.arch, path, tparams)
