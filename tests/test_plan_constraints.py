@@ -6,7 +6,6 @@ modeled targets of the issue reached."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +18,6 @@ from wafer_gpt2.model.config import PRESETS, GPT2Config
 from wafer_gpt2.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
 from wafer_gpt2.plan.search import forget_kept_plans
 
-ROOT = Path(__file__).resolve().parent.parent
 _plans: dict[tuple, Plan] = {}
 
 
