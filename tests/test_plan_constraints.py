@@ -12,6 +12,7 @@ import pytest
 
 from wafer_gpt2.core import cost
 from wafer_gpt2.core.arch import ARCHS
+from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.model.config import PRESETS, GPT2Config
 from wafer_gpt2.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
@@ -52,11 +53,13 @@ def check_plan(plan: Plan) -> None:
     assert grid.max() == 1, "regions overlap"
     assert plan.pes_used == int(grid.sum())
     # Memory and colors.
-    assert arch.sram_reserve_bytes == 8 * 1024 and arch.data_bytes_per_pe == 40 * 1024
     for r in plan.regions:
-        assert 0 < r.max_pe_bytes <= arch.data_bytes_per_pe, (r.name, r.max_pe_bytes)
+        # a PE's data beside its own program's code (the executor's estimate) and the stack
+        usable = arch.data_bytes(program_of(r.kind, r.name))
+        assert usable == 48 * 1024 - arch.program_code_bytes(program_of(r.kind, r.name)) - 1024
+        assert 0 < r.max_pe_bytes <= usable, (r.name, r.max_pe_bytes, usable)
         assert 0 < r.colors <= arch.usable_colors == 21, (r.name, r.colors)
-    assert plan.max_pe_bytes <= arch.data_bytes_per_pe and plan.colors_used <= arch.usable_colors
+    assert plan.colors_used <= arch.usable_colors
 
     for replica in range(plan.replicas):
         by = {r.name: r for r in plan.regions if r.replica == replica}
@@ -249,3 +252,23 @@ def test_price_candidates_is_the_search_build_plan_ranks() -> None:
         assert cand.bottleneck_cycles == max(s.cycles for s in path)
     with pytest.raises(PlanError, match="dtype 'bf16'"):
         price_candidates(config, dtype="bf16")
+
+
+@pytest.mark.slow  # compiles the reference plans on the executor (a minute or two per architecture)
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_the_code_table_is_the_executors_estimate(arch) -> None:
+    """The planner's per-program code figures (wafer_gpt2/core/code_bytes.py) are the CSL executor's
+    estimate for today's kernels (csl_executor.codesize), the largest over the reference plans' param
+    sets; after a change to either, `python tools/bench/code_bytes.py --write` regenerates them."""
+    from tools.bench.code_bytes import measure
+    from wafer_gpt2.core.code_bytes import CODE_BYTES
+
+    assert measure(arch) == CODE_BYTES[arch]
+    assert dict(ARCHS[arch].code_bytes) == CODE_BYTES[arch]
+
+
+def test_every_pe_program_has_a_code_figure() -> None:
+    from wafer_gpt2.codegen.build import PE_FILES
+
+    for arch in ARCHS.values():
+        assert set(dict(arch.code_bytes)) == set(PE_FILES)
