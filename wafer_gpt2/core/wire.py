@@ -88,22 +88,16 @@ def step_message(items: Sequence[StepItem], slots_per_replica: int) -> np.ndarra
 
 
 def _message(items: Sequence[tuple[int, int, int, bool, int | None]]) -> np.ndarray:
-    """The message of (slot, position, token, want_scores, target) rows: built from one row per item, not
-    a column at a time (this runs before every step)."""
-    words = np.zeros(HEADER_WORDS + ITEM_WORDS * len(items), dtype=np.uint32)
-    words[0] = len(items)
-    if items:
-        words[HEADER_WORDS:].reshape(len(items), ITEM_WORDS)[:] = [
-            (
-                slot,
-                position,
-                token,
-                (WANT_SCORES if want else 0) | (0 if target is None else HAS_TARGET),
-                0 if target is None else target,
-            )
-            for slot, position, token, want, target in items
-        ]
-    return words
+    """The message of (slot, position, token, want_scores, target) rows: one flat list of the words
+    made into an array at once (this runs before every step; numpy reads a flat list of ints several
+    times faster than rows of tuples)."""
+    words = [len(items)]
+    for slot, position, token, want, target in items:
+        if target is None:
+            words += (slot, position, token, WANT_SCORES if want else 0, 0)
+        else:
+            words += (slot, position, token, (WANT_SCORES if want else 0) | HAS_TARGET, target)
+    return np.array(words, dtype=np.uint32)
 
 
 def message_words(header: int) -> int:
@@ -169,21 +163,25 @@ def decode_scores(
     if words.size != size * n:
         raise WireError(f"output stream of {words.size} words, expected {n} records of {size}")
     records = words.reshape(n, size)
-    expected = np.asarray(expected_items, dtype=np.int64)
-    arrived = records[:, 0]
-    if not np.array_equal(arrived, expected):
-        late = int(np.flatnonzero(arrived != expected)[0])
-        raise WireError(f"output record for item {arrived[late]} arrived where item {expected[late]} was due")
-    asked = np.asarray(asked_target, dtype=bool)
+    if records[:, 0].tolist() != list(expected_items):
+        arrived = records[:, 0].tolist()
+        late = next(i for i, (got, due) in enumerate(zip(arrived, expected_items, strict=True)) if got != due)
+        raise WireError(
+            f"output record for item {arrived[late]} arrived where item {expected_items[late]} was due"
+        )
+    asked = np.array(asked_target, dtype=bool)
     if asked.shape != (n,):
         raise WireError(f"{asked.size} target flags for {n} records")
-    targets = records[:, 2 + 2 * top_k].view(np.float32).astype(np.float64)
+    if asked.any():
+        targets = np.where(asked, records[:, 2 + 2 * top_k].view(np.float32).astype(np.float64), np.nan)
+    else:
+        targets = np.full(n, np.nan)
     return StepScores(
-        count=(int(expected[-1]) + 1 if n else 0) if count is None else count,
-        index=expected if index is None else index,
+        count=(expected_items[-1] + 1 if n else 0) if count is None else count,
+        index=np.array(expected_items, dtype=np.int64) if index is None else index,
         topk_ids=records[:, 1 : 1 + top_k].astype(np.int32),
         topk_logits=records[:, 1 + top_k : 1 + 2 * top_k].view(np.float32).copy(),
         logsumexp=records[:, 1 + 2 * top_k].view(np.float32).astype(np.float64),
-        target_logit=np.where(asked, targets, np.nan),
+        target_logit=targets,
         has_target=asked,
     )
