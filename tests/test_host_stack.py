@@ -216,6 +216,58 @@ def test_engine_gives_the_same_tokens_with_and_without_the_batched_choice():
     assert len(mixed[0]) == 12
 
 
+def test_step_scores_rows_parts_and_malformed_answers():
+    """A step's scores as arrays: rows in item order whatever order its parts (a replica's message each)
+    come in, a per-item view of each row, and shapes that do not agree refused as a backend fault."""
+    rows = [
+        _row([1, 2], [2.0, 1.0], 3.0),
+        None,
+        _row([4, 5], [0.5, 0.25], 1.0),
+        _row([7, 8], [1.0, 0.0], 2.0),
+    ]
+    whole = StepScores.of_rows(rows)
+    assert whole.count == 4 and whole.index.tolist() == [0, 2, 3] and whole.row_of_item() == [0, -1, 1, 2]
+    parts = [StepScores.of_rows([None, None, rows[2], rows[3]]), StepScores.of_rows([rows[0]])]
+    joined = StepScores.concat(parts, 4)
+    for name in ("index", "topk_ids", "topk_logits", "logsumexp", "has_target"):
+        np.testing.assert_array_equal(getattr(joined, name), getattr(whole, name))
+    view = joined.rows()
+    assert (
+        view[1] is None and view[2] is not None and view[2].logsumexp == 1.0 and view[2].target_logit is None
+    )
+    assert StepScores.empty(3, 2).rows() == [None, None, None]
+    with pytest.raises(BackendError, match="malformed step scores"):
+        StepScores(
+            1,
+            whole.index,
+            whole.topk_ids,
+            whole.topk_logits,
+            whole.logsumexp,
+            whole.target_logit,
+            whole.has_target,
+        )
+
+
+def test_a_step_answer_missing_a_wanted_row_fails_that_request_alone():
+    """A backend that returns no row for an item that wanted one: its request ends with an error, the
+    others in the step go on."""
+
+    class DropsSlotOne(NullBackend):
+        def step(self, items):
+            full = super().step(items)
+            keep = [j for j, index in enumerate(full.index.tolist()) if items[index].slot != 1]
+            return StepScores(full.count, *(column[keep] for column in full.arrays()))
+
+    hooks = TokenizerHooks(tokenizer.token_bytes, 50256, {50256: "<|endoftext|>"}, 50257)
+    core = EngineCore(DropsSlotOne(50257, slots=2, context=64), hooks, max_queue=8, step_token_budget=64)
+    good, bad = (core.add(GenerationRequest((464, 2068), 4, ignore_eos=True)) for _ in range(2))
+    events = []
+    while core.has_work():
+        events += core.step()
+    assert len(good.tokens) == 4 and not bad.tokens
+    assert any(state is bad and not isinstance(event, FinishEvent) for state, event in events)
+
+
 # ----- hand-built frames equal the models' dumps --------------------------------------------------
 
 
