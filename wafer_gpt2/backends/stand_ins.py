@@ -76,6 +76,10 @@ class NullBackend:
         self.vocab_size = vocab_size
         self.top_k = top_k
         self._table = _score_table(vocab_size, top_k)
+        # The target columns of a step that asks for no target (read-only: every answer shares them).
+        self._no_targets = (np.zeros(slots, dtype=bool), np.full(slots, np.nan))
+        for column in self._no_targets:
+            column.flags.writeable = False
         self._closed = False
         self.steps = 0
         self.items = 0
@@ -87,15 +91,21 @@ class NullBackend:
         rows = np.array(
             [(items[index].token + items[index].position) % TABLE for index in scored], dtype=np.intp
         )
-        asked = np.array([items[index].target is not None for index in scored], dtype=bool)
         table = self._table
+        if any(items[index].target is not None for index in scored):
+            asked = np.array([items[index].target is not None for index in scored], dtype=bool)
+            targets = np.where(asked, table.target_logit[rows], np.nan)
+        elif len(scored) <= len(self._no_targets[0]):  # the usual step: no target asked, columns shared
+            asked, targets = (column[: len(scored)] for column in self._no_targets)
+        else:
+            asked, targets = np.zeros(len(scored), dtype=bool), np.full(len(scored), np.nan)
         return StepScores(
             count=len(items),
-            index=np.array(scored, dtype=np.int64),
+            index=np.arange(len(items)) if len(scored) == len(items) else np.array(scored, dtype=np.int64),
             topk_ids=table.topk_ids[rows],
             topk_logits=table.topk_logits[rows],
             logsumexp=table.logsumexp[rows],
-            target_logit=np.where(asked, table.target_logit[rows], np.nan),
+            target_logit=targets,
             has_target=asked,
         )
 

@@ -233,22 +233,6 @@ def steps_in_flight(backend: Backend) -> int:
 
 def validate_items(items: Sequence[StepItem], num_slots: int, context_length: int, vocab_size: int) -> None:
     """The checks every backend makes before touching its cache: bad items never reach the wafer."""
-    if items:
-        # A step whose every field is in range, with no target and no slot twice (a decode step) needs
-        # no item-by-item look: a few builtins over its columns (C loops) say so. Otherwise the loop
-        # below checks each item, and names the first bad one.
-        slots, positions, tokens, _, targets = zip(*items, strict=True)
-        if (
-            min(slots) >= 0
-            and max(slots) < num_slots
-            and min(positions) >= 0
-            and max(positions) < context_length
-            and min(tokens) >= 0
-            and max(tokens) < vocab_size
-            and targets.count(None) == len(targets)
-            and len(set(slots)) == len(slots)
-        ):
-            return
     last_position: dict[int, int] = {}
     for index, item in enumerate(items):
         if not 0 <= item.slot < num_slots:

@@ -172,7 +172,7 @@ def decode_scores(
     asked = np.array(asked_target, dtype=bool)
     if asked.shape != (n,):
         raise WireError(f"{asked.size} target flags for {n} records")
-    if asked.any():
+    if np.count_nonzero(asked):  # a C call: any() costs several times more at this size
         targets = np.where(asked, records[:, 2 + 2 * top_k].view(np.float32).astype(np.float64), np.nan)
     else:
         targets = np.full(n, np.nan)
