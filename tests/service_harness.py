@@ -171,7 +171,7 @@ def reference_greedy(params, prompt: list[int], n_new: int) -> tuple[list[int], 
     items = [
         StepItem(0, p, t, target=prompt[p + 1] if p + 1 < len(prompt) else None) for p, t in enumerate(prompt)
     ]
-    scores = backend.step(items)
+    scores = backend.step(items).rows()
     prompt_logprobs = [s.logprob(s.target_logit) for s in scores[:-1]]
     tokens, logprobs, last = [], [], scores[-1]
     for i in range(n_new):
@@ -179,7 +179,7 @@ def reference_greedy(params, prompt: list[int], n_new: int) -> tuple[list[int], 
         tokens.append(token)
         logprobs.append(last.logprob(last.topk_logits[0]))
         if i < n_new - 1:
-            (last,) = backend.step([StepItem(0, len(prompt) + i, token)])
+            (last,) = backend.step([StepItem(0, len(prompt) + i, token)]).rows()
     return tokens, logprobs, prompt_logprobs
 
 

@@ -98,8 +98,8 @@ def test_upload_refuses_a_checkpoint_of_another_shape(sim16, gpt2_params):
 
 
 def test_output_records_decode_to_the_scores_the_wafer_sent():
-    """A step's output records (as the head region writes them) read back as each item's scores, the
-    target logit only where the item asked for one; a stream of the wrong length, or a record of
+    """A step's output records (as the head region writes them) read back as the step's score arrays,
+    a row per scored item in item order, the target logit only where the item asked for one; a stream of the wrong length, or a record of
     another item where one was due, is a WireError naming it."""
     rng = np.random.default_rng(3)
     n, k = 5, 8
@@ -111,7 +111,16 @@ def test_output_records_decode_to_the_scores_the_wafer_sent():
     asked = [False, True, False, True, False]
     words = encode_scores(np.array(expected), ids, logits, lse, targets)
     decoded = decode_scores(words, k, expected, asked)
-    for i, scores in enumerate(decoded):
+    assert decoded.count == 8 and decoded.index.tolist() == expected
+    assert decoded.topk_ids.dtype == np.int32 and decoded.topk_logits.dtype == np.float32
+    assert decoded.logsumexp.dtype == np.float64 and decoded.target_logit.dtype == np.float64
+    np.testing.assert_array_equal(decoded.has_target, asked)
+    assert np.isnan(decoded.target_logit[~decoded.has_target]).all()
+    assert decode_scores(words, k, expected, asked, count=10).count == 10
+    renumbered = decode_scores(words, k, expected, asked, count=12, index=np.array([1, 4, 5, 9, 11]))
+    assert renumbered.index.tolist() == [1, 4, 5, 9, 11] and renumbered.rows()[4] is not None
+    for i, scores in enumerate(decoded.rows()[j] for j in expected):
+        assert scores is not None
         np.testing.assert_array_equal(scores.topk_ids, ids[i])
         np.testing.assert_array_equal(scores.topk_logits, logits[i])
         assert scores.topk_ids.dtype == np.int32 and scores.topk_logits.dtype == np.float32
@@ -157,10 +166,10 @@ def test_attention_reads_the_kv_cache_the_pe_memory_holds(small_params):
         first.step([StepItem(0, pos, token) for pos, token in enumerate(prompt)])
         regions = [r for r in first.plan.regions if r.kind == "attention"]
         saved = {(r.name, s): read_pe(first, r, s) for r in regions for s in ("k_cache", "v_cache")}
-        expected = first.step([StepItem(0, 5, 17)])[0]
+        (expected,) = first.step([StepItem(0, 5, 17)]).rows()
 
         second.step([StepItem(slot, pos, token) for slot in (0, 1) for pos, token in enumerate(other_prompt)])
-        (other,) = second.step([StepItem(1, 5, 17)])  # another prompt in the cache: other scores
+        (other,) = second.step([StepItem(1, 5, 17)]).rows()  # another prompt in the cache: other scores
         assert not np.allclose(other.topk_logits, expected.topk_logits)
         for region in regions:
             for symbol in ("k_cache", "v_cache"):
@@ -175,7 +184,7 @@ def test_attention_reads_the_kv_cache_the_pe_memory_holds(small_params):
                     values.shape[2],
                     data_type=MemcpyDataType.MEMCPY_16BIT,
                 )
-        (got,) = second.step([StepItem(0, 5, 17)])
+        (got,) = second.step([StepItem(0, 5, 17)]).rows()
         np.testing.assert_array_equal(got.topk_ids, expected.topk_ids)
         np.testing.assert_array_equal(got.topk_logits, expected.topk_logits)
     finally:

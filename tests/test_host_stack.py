@@ -13,7 +13,7 @@ import pytest
 from tools.bench import bench_host
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
 from wafer_gpt2.backends.stand_ins import ModeledWaferBackend, NullBackend, modeled_step_seconds
-from wafer_gpt2.core.steps import BackendError, StepItem, TokenScores
+from wafer_gpt2.core.steps import BackendError, StepItem, StepScores, TokenScores
 from wafer_gpt2.engine.core import EngineCore, TokenizerHooks
 from wafer_gpt2.engine.request import (
     Alternative,
@@ -57,7 +57,7 @@ from wafer_gpt2.service.tgi import tgi_final_event, tgi_token_event
 def test_null_backend_answers_every_wanted_item_at_once_and_validates():
     backend = NullBackend(vocab_size=50257, slots=2, context=8, top_k=5)
     items = [StepItem(0, 0, 11, want_scores=False), StepItem(0, 1, 12), StepItem(1, 0, 13, target=7)]
-    out = backend.step(items)
+    out = backend.step(items).rows()
     assert out[0] is None
     first, scored = out[1], out[2]
     assert first is not None and scored is not None
@@ -66,7 +66,7 @@ def test_null_backend_answers_every_wanted_item_at_once_and_validates():
     assert first.topk_ids[0] != 50256  # never end-of-text first: benchmark streams run their length
     assert scored.target_logit is not None and scored.target_logit < scored.topk_logits[-1]
     # Deterministic in (token, position): the same item gets the same answer.
-    again = backend.step([StepItem(0, 1, 12)])[0]
+    again = backend.step([StepItem(0, 1, 12)]).rows()[0]
     assert again is not None and again.topk_ids.tolist() == first.topk_ids.tolist()
     with pytest.raises(BackendError, match="slot 2 outside"):
         backend.step([StepItem(2, 0, 1)])
@@ -104,7 +104,7 @@ def test_modeled_backend_takes_the_modeled_time_and_says_modeled(two_replica_pla
     start = time.perf_counter()
     out = backend.step(items)
     took = time.perf_counter() - start
-    assert all(scores is not None for scores in out)
+    assert out.count == 4 and out.index.tolist() == [0, 1, 2, 3]
     assert took >= modeled
     assert backend.modeled_busy_s == pytest.approx(modeled)
     assert backend.overshoot_s == pytest.approx(took - modeled, abs=0.05)
@@ -139,7 +139,7 @@ def test_modeled_backend_decodes_the_records_the_null_backend_answers_with(two_r
         StepItem(2, 1, 13, target=50256),
         StepItem(1, 0, 14),
     ]
-    got, expected = modeled.step(items), null.step(items)
+    got, expected = modeled.step(items).rows(), null.step(items).rows()
     assert got[0] is None and expected[0] is None
     for ours, theirs in zip(got[1:], expected[1:], strict=True):
         assert ours is not None and theirs is not None
@@ -180,12 +180,18 @@ def test_greedy_batch_chooses_what_choose_does():
         _row([99, 6, 7], [3.0, 2.0, 1.0]),  # the best id unknown to the tokenizer: left to choose
         _row([5, 6, 7], [np.nan, 2.0, 1.0]),  # NaN: left to choose
         _row([5, 6, 7], [-np.inf, -np.inf, -np.inf]),  # nothing choosable: left to choose (which raises)
+        _row([5, 6, 5], [1.0, 2.0, 3.0], 2.5),  # an id twice: the logit of its first occurrence
     ]
-    picks = greedy_batch(rows, vocab_size=50)
+    scores = StepScores.of_rows(rows)
+    picks = greedy_batch(scores, range(len(rows)), vocab_size=50)
     assert picks[3] is None and picks[4] is None and picks[5] is None
-    for row, pick in zip(rows[:3], picks[:3], strict=True):
-        assert pick == Sampler(SamplingParams(), vocab_size=50).choose(row, [])
-    assert greedy_batch([], 50) == []
+    for row, pick in zip(rows, picks, strict=True):
+        if pick is not None:
+            assert pick == Sampler(SamplingParams(), vocab_size=50).choose(row, [])
+    assert picks[6] == (5, 1.0 - 2.5)
+    # Some of the step's rows only (the others are not plain greedy): the same picks for those.
+    assert greedy_batch(scores, [1, 3, 6], vocab_size=50) == [picks[1], picks[3], picks[6]]
+    assert greedy_batch(StepScores.empty(0), [], 50) == []
 
 
 def test_engine_gives_the_same_tokens_with_and_without_the_batched_choice():
@@ -208,6 +214,58 @@ def test_engine_gives_the_same_tokens_with_and_without_the_batched_choice():
     mixed = run([plain, penalised, sampled, plain])
     assert mixed == [run([plain])[0], run([penalised])[0], run([sampled])[0], run([plain])[0]]
     assert len(mixed[0]) == 12
+
+
+def test_step_scores_rows_parts_and_malformed_answers():
+    """A step's scores as arrays: rows in item order whatever order its parts (a replica's message each)
+    come in, a per-item view of each row, and shapes that do not agree refused as a backend fault."""
+    rows = [
+        _row([1, 2], [2.0, 1.0], 3.0),
+        None,
+        _row([4, 5], [0.5, 0.25], 1.0),
+        _row([7, 8], [1.0, 0.0], 2.0),
+    ]
+    whole = StepScores.of_rows(rows)
+    assert whole.count == 4 and whole.index.tolist() == [0, 2, 3] and whole.row_of_item() == [0, -1, 1, 2]
+    parts = [StepScores.of_rows([None, None, rows[2], rows[3]]), StepScores.of_rows([rows[0]])]
+    joined = StepScores.concat(parts, 4)
+    for name in ("index", "topk_ids", "topk_logits", "logsumexp", "has_target"):
+        np.testing.assert_array_equal(getattr(joined, name), getattr(whole, name))
+    view = joined.rows()
+    assert (
+        view[1] is None and view[2] is not None and view[2].logsumexp == 1.0 and view[2].target_logit is None
+    )
+    assert StepScores.empty(3, 2).rows() == [None, None, None]
+    with pytest.raises(BackendError, match="malformed step scores"):
+        StepScores(
+            1,
+            whole.index,
+            whole.topk_ids,
+            whole.topk_logits,
+            whole.logsumexp,
+            whole.target_logit,
+            whole.has_target,
+        )
+
+
+def test_a_step_answer_missing_a_wanted_row_fails_that_request_alone():
+    """A backend that returns no row for an item that wanted one: its request ends with an error, the
+    others in the step go on."""
+
+    class DropsSlotOne(NullBackend):
+        def step(self, items):
+            full = super().step(items)
+            keep = [j for j, index in enumerate(full.index.tolist()) if items[index].slot != 1]
+            return StepScores(full.count, *(column[keep] for column in full.arrays()))
+
+    hooks = TokenizerHooks(tokenizer.token_bytes, 50256, {50256: "<|endoftext|>"}, 50257)
+    core = EngineCore(DropsSlotOne(50257, slots=2, context=64), hooks, max_queue=8, step_token_budget=64)
+    good, bad = (core.add(GenerationRequest((464, 2068), 4, ignore_eos=True)) for _ in range(2))
+    events = []
+    while core.has_work():
+        events += core.step()
+    assert len(good.tokens) == 4 and not bad.tokens
+    assert any(state is bad and not isinstance(event, FinishEvent) for state, event in events)
 
 
 # ----- hand-built frames equal the models' dumps --------------------------------------------------

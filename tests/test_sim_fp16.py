@@ -39,7 +39,7 @@ def test_fp16_stays_within_the_bound_of_fp32(demo_params):
             scores = {}
             for dtype, backend in runs.items():
                 backend.reset()
-                scores[dtype] = backend.step([StepItem(0, i, t) for i, t in enumerate(tokens)])
+                scores[dtype] = backend.step([StepItem(0, i, t) for i, t in enumerate(tokens)]).rows()
             for a, b in zip(scores["fp32"], scores["fp16"], strict=True):
                 _, ia, ib = np.intersect1d(a.topk_ids, b.topk_ids, return_indices=True)
                 worst = max(worst, float(np.abs(a.topk_logits[ia] - b.topk_logits[ib]).max()))

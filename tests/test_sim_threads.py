@@ -17,7 +17,7 @@ from wafer_gpt2.sim import kernels, parallel, wafer_program
 def run_steps(params, steps: list[list[StepItem]]) -> list:
     sim = build_backend("sim", params, BackendOptions(slots=8, dtype="fp16", context=64))
     try:
-        return [sim.step(items) for items in steps]
+        return [sim.step(items).rows() for items in steps]
     finally:
         sim.close()
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tools.bench.bench_server import BenchFailed, BenchServer, HelperProcess
-from wafer_gpt2.core.steps import Backend, TokenScores
+from wafer_gpt2.core.steps import Backend, StepScores
 from wafer_gpt2.engine.core import bare_greedy
 from wafer_gpt2.errors import UserError
 
@@ -78,7 +78,7 @@ class TimedBackend:
         self.top_k = inner.top_k
         self.steps: list[tuple[float, float, int]] = []  # (start, end, items) of every step so far
 
-    def step(self, items) -> list[TokenScores | None]:
+    def step(self, items) -> StepScores:
         start = time.perf_counter()
         out = self.inner.step(items)
         self.steps.append((start, time.perf_counter(), len(items)))

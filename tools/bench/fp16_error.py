@@ -53,7 +53,7 @@ PROMPTS = [
 def teacher_forced(backend, tokens: list[int]) -> list:
     items = [StepItem(0, i, t) for i, t in enumerate(tokens)]
     backend.reset()
-    return backend.step(items)
+    return backend.step(items).rows()
 
 
 def greedy(backend, prompt: list[int], new_tokens: int) -> list[int]:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from wafer_gpt2.core.steps import BackendError, StepItem, TokenScores, validate_items
+from wafer_gpt2.core.steps import BackendError, StepItem, StepScores, TokenScores, validate_items
 from wafer_gpt2.errors import InvalidInput
 from wafer_gpt2.model.forward import KVCache, Segment, forward_hidden, lm_head, logsumexp
 from wafer_gpt2.model.params import GPT2Params
@@ -48,12 +48,12 @@ class ReferenceBackend:
         self.top_k = top_k
         self._caches = [KVCache(cfg, context) for _ in range(slots)]
 
-    def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
+    def step(self, items: Sequence[StepItem]) -> StepScores:
         if not self._caches:
             raise BackendError("the backend is closed")
         validate_items(items, self.num_slots, self.context_length, self.vocab_size)
         if not items:
-            return []
+            return StepScores.empty(0, self.top_k)
 
         # Group the items by slot (their order within a slot is already position order).
         by_slot: dict[int, list[int]] = {}
@@ -83,7 +83,7 @@ class ReferenceBackend:
             for logits_row, row in zip(logits, wanted, strict=True):
                 item = items[order[row]]
                 results[order[row]] = top_k_scores(logits_row, self.top_k, item.target)
-        return results
+        return StepScores.of_rows(results)
 
     def free_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:

@@ -321,7 +321,7 @@ def check(address: str, work_dir: str | Path) -> dict:
         ]  # fmt: skip
         same, top = True, []
         for items in steps:
-            got, want = model.step(items), local.step(items)
+            got, want = model.step(items).rows(), local.step(items).rows()
             for g, w in zip(got, want, strict=True):
                 if (g is None) != (w is None):
                     same = False

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from wafer_gpt2.core.cost import CLOCK_HZ
-from wafer_gpt2.core.steps import BackendError, StepItem, TokenScores, validate_items
+from wafer_gpt2.core.steps import BackendError, StepItem, StepScores, validate_items
 from wafer_gpt2.core.wire import decode_scores, encode_scores, step_message
 from wafer_gpt2.errors import InvalidInput
 from wafer_gpt2.plan.structure import Plan
@@ -35,17 +35,28 @@ TABLE = 251  # distinct score rows (a prime: (token + position) cycles through a
 RESERVED_TOP1 = 50256
 
 
-def _score_table(vocab_size: int, top_k: int, seed: int = 0) -> list[TokenScores]:
-    """TABLE fixed rows of top-k scores: distinct ids best first, descending logits, a plausible lse."""
+def _score_table(vocab_size: int, top_k: int, seed: int = 0) -> StepScores:
+    """TABLE fixed rows of top-k scores: distinct ids best first, descending logits, a plausible lse,
+    and a target logit below each row's worst (the logit every target gets)."""
     rng = np.random.default_rng(seed)
-    rows = []
+    ids, logits, lse = [], [], []
     limit = min(vocab_size, RESERVED_TOP1) if vocab_size > RESERVED_TOP1 else vocab_size
     for _ in range(TABLE):
-        ids = rng.choice(limit, size=min(top_k, limit), replace=False).astype(np.int32)
-        logits = np.sort(rng.normal(0.0, 2.0, len(ids)).astype(np.float32))[::-1].copy()
-        lse = float(logits[0]) + 1.5  # the rest of the vocabulary holds some mass
-        rows.append(TokenScores(topk_ids=ids, topk_logits=logits, logsumexp=lse))
-    return rows
+        row_ids = rng.choice(limit, size=min(top_k, limit), replace=False).astype(np.int32)
+        row_logits = np.sort(rng.normal(0.0, 2.0, len(row_ids)).astype(np.float32))[::-1].copy()
+        ids.append(row_ids)
+        logits.append(row_logits)
+        lse.append(float(row_logits[0]) + 1.5)  # the rest of the vocabulary holds some mass
+    table_logits = np.stack(logits)
+    return StepScores(
+        count=TABLE,
+        index=np.arange(TABLE, dtype=np.int64),
+        topk_ids=np.stack(ids),
+        topk_logits=table_logits,
+        logsumexp=np.array(lse, dtype=np.float64),
+        target_logit=table_logits[:, -1].astype(np.float64) - 1.0,
+        has_target=np.ones(TABLE, dtype=bool),
+    )
 
 
 class NullBackend:
@@ -64,27 +75,39 @@ class NullBackend:
         self.context_length = context
         self.vocab_size = vocab_size
         self.top_k = top_k
-        self._rows = _score_table(vocab_size, top_k)
+        self._table = _score_table(vocab_size, top_k)
+        # The target columns of a step that asks for no target (read-only: every answer shares them).
+        self._no_targets = (np.zeros(slots, dtype=bool), np.full(slots, np.nan))
+        for column in self._no_targets:
+            column.flags.writeable = False
         self._closed = False
         self.steps = 0
         self.items = 0
 
-    def answer(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
+    def answer(self, items: Sequence[StepItem]) -> StepScores:
         """Validate and answer a step (no waiting): what every stand-in returns."""
         self._take(items)
-        rows, n = self._rows, TABLE
-        out: list[TokenScores | None] = []
-        for item in items:
-            if not item.want_scores:
-                out.append(None)
-                continue
-            row = rows[(item.token + item.position) % n]
-            if item.target is not None:  # the target's logit: below the top-k's worst
-                row = TokenScores(
-                    row.topk_ids, row.topk_logits, row.logsumexp, float(row.topk_logits[-1]) - 1.0
-                )
-            out.append(row)
-        return out
+        scored = [index for index, item in enumerate(items) if item.want_scores]
+        rows = np.array(
+            [(items[index].token + items[index].position) % TABLE for index in scored], dtype=np.intp
+        )
+        table = self._table
+        if any(items[index].target is not None for index in scored):
+            asked = np.array([items[index].target is not None for index in scored], dtype=bool)
+            targets = np.where(asked, table.target_logit[rows], np.nan)
+        elif len(scored) <= len(self._no_targets[0]):  # the usual step: no target asked, columns shared
+            asked, targets = (column[: len(scored)] for column in self._no_targets)
+        else:
+            asked, targets = np.zeros(len(scored), dtype=bool), np.full(len(scored), np.nan)
+        return StepScores(
+            count=len(items),
+            index=np.arange(len(items)) if len(scored) == len(items) else np.array(scored, dtype=np.int64),
+            topk_ids=table.topk_ids[rows],
+            topk_logits=table.topk_logits[rows],
+            logsumexp=table.logsumexp[rows],
+            target_logit=targets,
+            has_target=asked,
+        )
 
     def _take(self, items: Sequence[StepItem]) -> None:
         """Refuse a step the real backends refuse; count it."""
@@ -94,7 +117,7 @@ class NullBackend:
         self.steps += 1
         self.items += len(items)
 
-    def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
+    def step(self, items: Sequence[StepItem]) -> StepScores:
         return self.answer(items)
 
     def free_slot(self, slot: int) -> None:
@@ -120,17 +143,17 @@ class NullBackend:
         }
 
 
-def _records_of(rows: list[TokenScores]) -> np.ndarray:
+def _records_of(table: StepScores) -> np.ndarray:
     """The output records (`wafer_gpt2.core.wire.encode_scores`) of the score table's rows, one row each, with a
-    target logit below each row's worst (as `NullBackend.answer` gives it)."""
-    logits = np.stack([row.topk_logits for row in rows])
+    target logit below each row's worst (as `NullBackend.answer` gives it), in float32 as a wafer sends it."""
+    logits = table.topk_logits
     return encode_scores(
-        np.zeros(len(rows), dtype=np.int64),
-        np.stack([row.topk_ids for row in rows]),
+        np.zeros(len(logits), dtype=np.int64),
+        table.topk_ids,
         logits,
-        np.array([row.logsumexp for row in rows], dtype=np.float32),
+        table.logsumexp.astype(np.float32),
         logits[:, -1] - 1.0,
-    ).reshape(len(rows), -1)
+    ).reshape(len(logits), -1)
 
 
 class _Records:
@@ -148,14 +171,16 @@ class _Records:
                 records = table[[(item.token + item.position) % TABLE for item in item_of]]
                 records[:, 0] = scored
                 asked = [item.target is not None for item in item_of]
-                self.messages.append(([indices[n] for n in scored], scored, records.reshape(-1), asked))
+                whole = len(indices) == len(items)
+                index = None if whole else np.array([indices[n] for n in scored], dtype=np.int64)
+                self.messages.append((len(indices), index, scored, records.reshape(-1), asked))
 
-    def decode(self, k: int) -> list[TokenScores | None]:
-        out: list[TokenScores | None] = [None] * self.count
-        for positions, scored, words, asked in self.messages:
-            for at, scores in zip(positions, decode_scores(words, k, scored, asked), strict=True):
-                out[at] = scores
-        return out
+    def decode(self, k: int) -> StepScores:
+        parts = [
+            decode_scores(words, k, scored, asked, count=count, index=index)
+            for count, index, scored, words, asked in self.messages
+        ]
+        return StepScores.concat(parts, self.count) if parts else StepScores.empty(self.count, k)
 
 
 def modeled_step_seconds(plan: Plan, slots_of_items: Sequence[int], clock_hz: float = CLOCK_HZ) -> float:
@@ -248,8 +273,8 @@ class ModeledWaferBackend(NullBackend):
         self._busy_until = 0.0  # the end of the latest modeled span
         # (modeled end, slots, results) of each step submitted and not collected, oldest first
         self._in_flight: deque[tuple[float, set[int], _Records]] = deque()
-        self._records = _records_of(self._rows)  # the wafer's side of the wire
-        self._k = len(self._rows[0].topk_ids)  # the records' k (below top_k for a tiny vocabulary)
+        self._records = _records_of(self._table)  # the wafer's side of the wire
+        self._k = self._table.topk_ids.shape[1]  # the records' k (below top_k for a tiny vocabulary)
         self._slots_in_flight: set[int] = set()
         full_step = modeled_step_seconds(plan, list(range(min(plan.slots, self.num_slots))), clock_hz)
         self.timer_late_s = timer_lateness(full_step) if timer_late_s is None else timer_late_s
@@ -277,7 +302,7 @@ class ModeledWaferBackend(NullBackend):
         self._in_flight.append((end, slots, out))
         self._slots_in_flight |= slots
 
-    def collect(self) -> list[TokenScores | None]:
+    def collect(self) -> StepScores:
         if not self._in_flight:
             raise BackendError("no step is in flight")
         end, slots, out = self._in_flight.popleft()
@@ -289,7 +314,7 @@ class ModeledWaferBackend(NullBackend):
             self.overshoot_s += time.perf_counter() - end
         return out.decode(self._k)  # the host program reads the records
 
-    def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
+    def step(self, items: Sequence[StepItem]) -> StepScores:
         if self._in_flight:
             raise BackendError("step() with steps in flight: collect them first")
         self.submit(items)

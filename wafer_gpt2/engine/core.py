@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wafer_gpt2.core.steps import Backend, BackendError, StepItem, TokenScores
+from wafer_gpt2.core.steps import Backend, BackendError, StepItem, StepScores, TokenScores
 from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
 from wafer_gpt2.engine.failures import RequestFailed, RequestTimedOut, RequestValidationFailed, ServiceError
 from wafer_gpt2.engine.kv_slots import KVSlotManager
@@ -80,11 +80,12 @@ def gpt2_tokenizer_hooks() -> TokenizerHooks:
     )
 
 
-def _wanted(scores: TokenScores | None) -> TokenScores:
-    """An item's scores where the item wanted them (a decode item, a prompt's last or scored token)."""
-    if scores is None:
+def _wanted(scores: StepScores, row: int) -> TokenScores:
+    """An item's scores (its `row`) where the item wanted them (a decode item, a prompt's last or scored
+    token), as a per-item view."""
+    if row < 0:
         raise BackendError("the backend returned no scores for an item that wanted them")
-    return scores
+    return scores.row(row)
 
 
 def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> tuple[Alternative, ...]:
@@ -121,7 +122,7 @@ class EngineCore:
         # text (no stop sequences) is only recorded; the rest (detokenizing, the event, the metrics, the
         # end) is `complete_deferred`'s, which the worker runs while the backend computes the next step.
         self._deferring = False
-        self._deferred: list[tuple[RequestState, TokenScores, int, float, float]] = []
+        self._deferred: list[tuple[RequestState, StepScores, int, int, float, float]] = []
         self._backend_busy = False  # a step is running: slots freed now reach the backend after it
         self._free_later: list[int] = []
         self._tokens_uncounted = 0  # generated tokens not yet added to the metrics' counter (`_flush`)
@@ -222,7 +223,7 @@ class EngineCore:
             self.metrics.fold()
         return batch
 
-    def execute(self, batch: StepBatch, backend: Backend | None = None) -> list[TokenScores | None]:
+    def execute(self, batch: StepBatch, backend: Backend | None = None) -> StepScores:
         """Run the batch on the backend. The worker calls this outside its lock, naming the backend it
         took under the lock (the watchdog may detach it meanwhile)."""
         runner = backend or self.backend
@@ -233,9 +234,7 @@ class EngineCore:
         self.metrics.record_step(time.monotonic() - started, len(batch))
         return results
 
-    def finish(
-        self, batch: StepBatch, results: list[TokenScores | None], defer: bool = False
-    ) -> list[Output]:
+    def finish(self, batch: StepBatch, results: StepScores, defer: bool = False) -> list[Output]:
         """Apply a step's results: sample, detokenize, check stops; the events produced since the last
         call (including those of requests that ended at the boundary). `defer`: leave what the next step
         does not need to `complete_deferred` (the worker runs it while the backend computes)."""
@@ -258,11 +257,11 @@ class EngineCore:
         deferred, self._deferred = self._deferred, []
         self._backend_busy = backend_busy
         try:
-            for state, scores, token, logprob, chosen_at in deferred:
+            for state, scores, row, token, logprob, chosen_at in deferred:
                 if state.status is not RequestStatus.RUNNING:
                     continue  # ended meanwhile (cancelled, timed out, failed): its token is dropped
                 try:
-                    self._complete(state, scores, token, logprob, chosen_at)
+                    self._complete(state, scores, row, token, logprob, chosen_at)
                 except Exception:
                     self._request_failed(state)
         finally:
@@ -320,25 +319,26 @@ class EngineCore:
             if limit is not None and now > state.arrived_at + limit:  # `deadline`, once per request a step
                 self._end(state, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
 
-    def _apply(self, batch: StepBatch, results: list[TokenScores | None]) -> None:
+    def _apply(self, batch: StepBatch, results: StepScores) -> None:
         self._step_returned(batch)
-        if len(results) != len(batch.items):
-            raise BackendError(f"the backend returned {len(results)} results for {len(batch.items)} items")
-        to_sample: list[tuple[RequestState, TokenScores]] = []  # at most one entry per request
+        if results.count != len(batch.items):
+            raise BackendError(
+                f"the backend returned results for {results.count} items, not {len(batch.items)}"
+            )
+        to_sample: list[tuple[RequestState, int]] = []  # (request, its row): at most one per request
         running = RequestStatus.RUNNING
-        for item, scores, state in zip(batch.items, results, batch.owners, strict=True):
+        for item, row, state in zip(batch.items, results.row_of_item(), batch.owners, strict=True):
             if state.status is not running:
                 continue  # it finished on an earlier item of this step
-            if scores is not None and item.position >= len(state.request.prompt_ids):
+            if row >= 0 and item.position >= len(state.request.prompt_ids):
                 # A decode item (most of a step): `_apply_item`'s decode branch, without the call.
                 state.computed = item.position + 1
                 state.pending_token = None
-                to_sample.append((state, scores))
+                to_sample.append((state, row))
                 continue
             try:
-                wanted = self._apply_item(item, scores, state)
-                if wanted is not None:
-                    to_sample.append((state, wanted))
+                if self._apply_item(item, results, row, state):
+                    to_sample.append((state, row))
             except Exception:
                 self._request_failed(state)
         # Plain-greedy requests choose together, in a few array operations for the whole step.
@@ -346,15 +346,15 @@ class EngineCore:
             state.sampler.plain_greedy and len(state.tokens) >= state.request.min_tokens
             for state, _ in to_sample
         ]
-        rows = [scores for (_, scores), greedy in zip(to_sample, fast, strict=True) if greedy]
+        rows = [row for (_, row), greedy in zip(to_sample, fast, strict=True) if greedy]
         try:
-            picks = iter(greedy_batch(rows, self._tokenizer.vocab_size))
-        except Exception:  # a malformed row: every request chooses alone (and fails alone)
+            picks = iter(greedy_batch(results, rows, self._tokenizer.vocab_size))
+        except Exception:  # a malformed step: every request chooses alone (and fails alone)
             picks = iter([None] * len(rows))
-        for (state, scores), greedy in zip(to_sample, fast, strict=True):
+        for (state, row), greedy in zip(to_sample, fast, strict=True):
             pick = next(picks) if greedy else None
             try:
-                self._sample(state, scores, pick)
+                self._sample(state, results, row, pick)
             except Exception:
                 self._request_failed(state)
 
@@ -375,11 +375,9 @@ class EngineCore:
         if state.status is not RequestStatus.FINISHED:
             self._end(state, error=RequestFailed(REQUEST_FAILED_MESSAGE))
 
-    def _apply_item(
-        self, item: StepItem, scores: TokenScores | None, state: RequestState
-    ) -> TokenScores | None:
-        """One item's result: prompt logprobs while prefilling; the scores to choose the next token
-        from when the item was the prompt's last or a decode item (None otherwise)."""
+    def _apply_item(self, item: StepItem, scores: StepScores, row: int, state: RequestState) -> bool:
+        """One item's result (`row` of the step's scores, -1 for none): prompt logprobs while
+        prefilling; True when the next token is to be chosen from it (the prompt's last or a decode item)."""
         state.computed = item.position + 1
         prompt = state.prompt
         if item.position < len(prompt):
@@ -388,30 +386,33 @@ class EngineCore:
                 if item.position == 0:
                     state.prefill.append(PromptToken(prompt[0], None))
                 if item.target is not None:
-                    scores = _wanted(scores)
-                    if scores.target_logit is None:
+                    view = _wanted(scores, row)
+                    if view.target_logit is None:
                         raise BackendError("the backend returned no logit for a prompt token's target")
-                    logprob = scores.logprob(scores.target_logit)
+                    logprob = view.logprob(view.target_logit)
                     n = request.top_n_tokens if request.prompt_top_n is None else request.prompt_top_n
-                    ranks = np.flatnonzero(scores.topk_ids == item.target)
+                    ranks = np.flatnonzero(view.topk_ids == item.target)
                     rank = int(ranks[0]) + 1 if len(ranks) else None
-                    top = alternatives(scores, n, self._tokenizer.vocab_size)
+                    top = alternatives(view, n, self._tokenizer.vocab_size)
                     state.prefill.append(PromptToken(item.target, logprob, top, rank))
             if item.position < len(prompt) - 1:
-                return None
+                return False
             if request.max_new_tokens == 0:
                 # Scoring (OpenAI echo with max_tokens 0): done with the prefill, no decode step.
                 self._end(state, finish=FinishReason.LENGTH)
-                return None
+                return False
         else:
             state.pending_token = None
-        return _wanted(scores)
+        if row < 0:
+            raise BackendError("the backend returned no scores for an item that wanted them")
+        return True
 
     def _sample(
-        self, state: RequestState, scores: TokenScores, pick: tuple[int, float] | None = None
+        self, state: RequestState, scores: StepScores, row: int, pick: tuple[int, float] | None = None
     ) -> None:
-        """Choose the next token (`pick`: already chosen by `greedy_batch`), detokenize, check stops."""
-        token, logprob = pick if pick is not None else self._choose(state, scores)
+        """Choose the next token from `row` of the step's scores (`pick`: already chosen by
+        `greedy_batch`), detokenize, check stops."""
+        token, logprob = pick if pick is not None else self._choose(state, scores.row(row))
         chosen_at = time.monotonic()
         request = state.request
         if self._deferring and not request.stop_sequences:
@@ -424,9 +425,9 @@ class EngineCore:
                 or state.computed >= self.scheduler.slots.context_length
             )
             state.pending_token = None if ends else token
-            self._deferred.append((state, scores, token, logprob, chosen_at))
+            self._deferred.append((state, scores, row, token, logprob, chosen_at))
             return
-        self._complete(state, scores, token, logprob, chosen_at)
+        self._complete(state, scores, row, token, logprob, chosen_at)
 
     def _choose(self, state: RequestState, scores: TokenScores) -> tuple[int, float]:
         """The sampler's choice for a request `greedy_batch` left alone."""
@@ -443,9 +444,9 @@ class EngineCore:
         return state.sampler.choose(scores, history, output, banned)
 
     def _complete(
-        self, state: RequestState, scores: TokenScores, token: int, logprob: float, now: float
+        self, state: RequestState, scores: StepScores, row: int, token: int, logprob: float, now: float
     ) -> None:
-        """A chosen token's text, event and end (`now`: when it was chosen)."""
+        """A chosen token's text, event and end (`now`: when it was chosen; `row`: its scores')."""
         request, tokenizer, tokens = state.request, self._tokenizer, state.tokens
         generated = len(tokens)
         early = generated < request.min_tokens  # min_tokens: no end yet
@@ -463,7 +464,11 @@ class EngineCore:
             text, released, stop = state.detokenizer.add(token, check_stops=not early)
         else:
             text, released, stop = "", "", None  # special and ending tokens add nothing to the text
-        top = alternatives(scores, request.top_n_tokens, tokenizer.vocab_size) if request.top_n_tokens else ()
+        top = (
+            alternatives(scores.row(row), request.top_n_tokens, tokenizer.vocab_size)
+            if request.top_n_tokens
+            else ()
+        )
         tokens.append(generated_token_of((token, text, released, logprob, special, top)))
 
         if eos or stop_token:
@@ -560,12 +565,14 @@ def bare_greedy(backend: Backend, prompts: list[list[int]], new_tokens: int) -> 
         for slot, prompt in enumerate(prompts)
         for pos, tok in enumerate(prompt)
     ]
-    scores = [s for s in backend.step(items) if s is not None]
+    scores = backend.step(items)
     generated: list[list[int]] = [[] for _ in prompts]
     for step in range(new_tokens):
-        for slot, s in enumerate(scores):
-            generated[slot].append(int(s.topk_ids[0]))
+        for slot, token in enumerate(scores.topk_ids[:, 0].tolist()):
+            generated[slot].append(token)
         if step + 1 < new_tokens:
             step_items = [StepItem(slot, n + step, ids[-1]) for slot, ids in enumerate(generated)]
-            scores = [_wanted(s) for s in backend.step(step_items)]
+            scores = backend.step(step_items)
+            if len(scores.index) != len(step_items):
+                raise BackendError("the backend returned no scores for an item that wanted them")
     return generated

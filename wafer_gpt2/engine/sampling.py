@@ -21,14 +21,13 @@ survives top-k and top-p. `SamplingError` is left only for a step that offers no
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from wafer_gpt2.core.steps import TokenScores
+from wafer_gpt2.core.steps import StepScores, TokenScores
 from wafer_gpt2.errors import WaferGPT2Error
 
 # What the sampler's arithmetic is guaranteed to carry: beyond these bounds a temperature or penalty is
@@ -202,25 +201,42 @@ def penalize(logits: np.ndarray, ids: np.ndarray, history: Sequence[int], penalt
     return np.where(seen, penalized, logits)
 
 
-def greedy_batch(rows: Sequence[TokenScores], vocab_size: int | None) -> list[tuple[int, float] | None]:
-    """`Sampler.choose` for plain-greedy requests (no penalty, nothing banned), a whole step's rows at
-    once: (token, its logprob) per row, the same as `choose` gives, or None for a row it leaves to
-    `choose` (a NaN or unknown id at the top, or no finite candidate: the cases `distribution` filters
-    or refuses). One `argmax` per row: stacking the rows into one array has a fixed cost larger than
-    the per-row path's at any batch the engine runs."""
-    chosen: list[tuple[int, float] | None] = []
-    for row in rows:
-        logits, ids = row.topk_logits, row.topk_ids
-        if not len(logits) or len(ids) != len(logits):
-            chosen.append(None)
-            continue
-        best = int(logits.argmax())  # the first of equal maxima (the stable sort's pick); a NaN wins here
-        top, token = float(logits.item(best)), int(ids.item(best))
-        if math.isnan(top) or top == -math.inf or (vocab_size is not None and token >= vocab_size):
-            chosen.append(None)
-            continue
-        if best and token in ids[:best]:
-            # `choose` reports the logit of the chosen id's first occurrence among the candidates.
-            top = float(logits[int((ids[:best] == token).argmax())])
-        chosen.append((token, row.logprob(top)))
+def greedy_batch(
+    scores: StepScores, rows: Sequence[int], vocab_size: int | None
+) -> list[tuple[int, float] | None]:
+    """`Sampler.choose` for plain-greedy requests (no penalty, nothing banned), for the given rows
+    (distinct, ascending) of a step's scores at once, in a few array operations: (token, its logprob)
+    per row, the same as `choose` gives, or None for a row it leaves to `choose` (a NaN or unknown id
+    at the top, or no finite candidate: the cases `distribution` filters or refuses)."""
+    m = len(rows)
+    if not m:
+        return []
+    ids, logits, lse = scores.topk_ids, scores.topk_logits, scores.logsumexp
+    if m != len(lse) or rows[-1] != m - 1:  # not every row (rows are distinct): take those asked for
+        picked = np.asarray(rows, dtype=np.intp)
+        ids, logits, lse = ids[picked], logits[picked], lse[picked]
+    if not ids.shape[1]:
+        return [None] * m
+    best = logits.argmax(axis=1)  # the first of equal maxima (the stable sort's pick); a NaN wins here
+    # np.count_nonzero and nonzero: C calls, several times cheaper than the reductions any() and all()
+    late = np.count_nonzero(best)
+    if late:  # some row's best is not its first candidate
+        every = np.arange(m)
+        top, tokens = logits[every, best], ids[every, best]
+    else:  # the wafer's order, best first: the usual case, read by slicing
+        top, tokens = logits[:, 0], ids[:, 0]
+    usable = top > -np.inf  # neither NaN nor -inf
+    if vocab_size is not None:
+        usable &= tokens < vocab_size
+    logprobs = top - lse  # in float64, as the logit's float minus the log-sum-exp
+    token_list = tokens.tolist()
+    chosen: list[tuple[int, float] | None] = list(zip(token_list, logprobs.tolist(), strict=True))
+    for row in best.nonzero()[0].tolist() if late else ():
+        # `choose` reports the logit of the chosen id's first occurrence among the candidates.
+        token = token_list[row]
+        first = int((ids[row] == token).argmax())
+        if first < best[row]:
+            chosen[row] = (token, float(logits[row, first]) - float(lse[row]))
+    if np.count_nonzero(usable) < m:
+        chosen = [pick if ok else None for pick, ok in zip(chosen, usable.tolist(), strict=True)]
     return chosen

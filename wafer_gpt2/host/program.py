@@ -3,7 +3,7 @@
     runtime = SimRuntime(plan)                     # or an SDK runtime with the same contract
     model = WaferGPT2(plan, runtime)                # load() + run()
     model.upload(params)                            # every region's symbols, memcpy_h2d copy mode
-    scores = model.step([StepItem(slot, position, token), ...])
+    scores = model.step([StepItem(slot, position, token), ...])   # a StepScores
 
 Each step sends one message per pipeline replica onto its input stream and reads back one record per
 item that asked for scores (`wafer_gpt2.core.wire`). Slots are numbered across replicas: replica r owns slots
@@ -31,7 +31,7 @@ from wafer_gpt2.core.runtime import (
     hwl_to_flat,
     to_wire,
 )
-from wafer_gpt2.core.steps import Backend, BackendError, StepItem, TokenScores, validate_items
+from wafer_gpt2.core.steps import Backend, BackendError, StepItem, StepScores, validate_items
 from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, decode_scores, record_words, step_message
 from wafer_gpt2.errors import InvalidInput
 from wafer_gpt2.model.params import GPT2Params
@@ -150,7 +150,7 @@ class WaferGPT2:
 
     # -- steps -------------------------------------------------------------------------------------
 
-    def step(self, items: Sequence[StepItem]) -> list[TokenScores | None]:
+    def step(self, items: Sequence[StepItem]) -> StepScores:
         validate_items(items, self.num_slots, self.context_length, self.vocab_size)
         first_position: dict[int, tuple[int, int]] = {}
         for index, item in enumerate(items):
@@ -162,12 +162,12 @@ class WaferGPT2:
                     f"{self._lengths[slot]} positions)"
                 )
         if not items:
-            return []
+            return StepScores.empty(0, self.top_k)
 
         per_replica: list[list[int]] = [[] for _ in range(self.plan.replicas)]
         for index, item in enumerate(items):
             per_replica[item.slot // self.plan.slots].append(index)
-        results: list[TokenScores | None] = [None] * len(items)
+        parts: list[StepScores] = []
         bound = getattr(self.runtime, "records_in_flight", None)
         if bound is None:
             # Stream every replica's message in, then read every replica's records back.
@@ -175,7 +175,7 @@ class WaferGPT2:
             for replica, indices in messages:
                 self._send(replica, [items[i] for i in indices])
             for replica, indices in messages:
-                self._collect(replica, indices, items, results)
+                self._collect(replica, indices, items, parts)
         else:
             # memcpy runs one command at a time: a message whose records do not fit what the wafer
             # program buffers before io.out would stall the H2D before the first D2H starts. Each
@@ -183,22 +183,24 @@ class WaferGPT2:
             for replica, indices in enumerate(per_replica):
                 for part in _parts(indices, [items[i].want_scores for i in indices], bound):
                     self._send(replica, [items[i] for i in part])
-                    self._collect(replica, part, items, results)
+                    self._collect(replica, part, items, parts)
         for item in items:
             self._lengths[item.slot] = item.position + 1
-        return results
+        return StepScores.concat(parts, len(items)) if parts else StepScores.empty(len(items), self.top_k)
 
     def _collect(
-        self, replica: int, indices: list[int], items: Sequence[StepItem], results: list[TokenScores | None]
+        self, replica: int, indices: list[int], items: Sequence[StepItem], parts: list[StepScores]
     ) -> None:
-        """Read the records of one message's scored items into `results`."""
+        """Read the records of one message's scored items into `parts`, numbered as the step's items."""
         scored = [n for n, i in enumerate(indices) if items[i].want_scores]
         if not scored:
             return
         records = self._receive(replica, len(scored))
         asked = [items[indices[n]].target is not None for n in scored]
-        for n, scores in zip(scored, decode_scores(records, self.top_k, scored, asked), strict=True):
-            results[indices[n]] = scores
+        # The message's item n is the step's item indices[n]: the same number when it is the whole step.
+        whole = len(indices) == len(items)
+        index = None if whole else np.array([indices[n] for n in scored], dtype=np.int64)
+        parts.append(decode_scores(records, self.top_k, scored, asked, count=len(indices), index=index))
 
     def _send(self, replica: int, items: list[StepItem]) -> None:
         port_in, _ = self.plan.io_ports(replica)
