@@ -57,6 +57,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def installed_top_level(env_dir: Path) -> set[str]:
+    """The top-level import names the project's wheel installed into `env_dir` (its RECORD)."""
+    (record,) = env_dir.glob("lib/python*/site-packages/wafer_gpt2-*.dist-info/RECORD")
+    names = {line.split(",")[0].split("/")[0] for line in record.read_text().splitlines() if line}
+    return {name for name in names if not name.endswith(".dist-info") and name not in ("..", "__pycache__")}
+
+
 def test_run_dependencies_alone_serve_a_generation(tmp_path):
     source, env_dir = tmp_path / "src", tmp_path / "venv"
     tracked_copy(image_sources(), source)
@@ -73,6 +80,7 @@ def test_run_dependencies_alone_serve_a_generation(tmp_path):
     )
     assert install.returncode == 0, install.stdout + install.stderr
     shutil.rmtree(source)  # only the installed wheel is left to serve from
+    assert installed_top_level(env_dir) == {"wafer_gpt2", "csl_executor"}
 
     port = free_port()
     log = (tmp_path / "serve.log").open("w")
