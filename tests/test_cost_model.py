@@ -284,3 +284,58 @@ def test_standalone_gemv() -> None:
     assert c.cycles == sum(c.phases.values())
     wide = cost.standalone_gemv_cost("wse2", 16, 4, 64, 64, "fp16")
     assert wide.name.startswith("two_level, runs of")
+
+
+def test_ready_time_reductions_are_the_closed_forms_at_zero_skew() -> None:
+    """Issue 40, step 0: the reductions priced from their members' ready times (first word out of the
+    member that ends them) are today's closed forms when every member is ready at once."""
+    for n in (2, 3, 7, 8, 48, 64, 96, 393):
+        zero = [0] * n
+        root = cost.allreduce_root(n)
+        for words in (1, 2, 65, 128):
+            assert cost.chain_times(zero) + words == cost.chain_reduce_cycles(n - 1, words)
+            for g in (2, 3, 5, 8, 18, 64):
+                if g < n:
+                    two = cost.two_level_reduce_cycles(n, words, g)
+                    assert cost.level_times(zero, [g]) + words == two, (n, g)
+                    assert cost.reduce_times("two_level", zero, g) == cost.level_times(zero, [g])
+            # the all-reduce: its reduction to the middle, a task, the broadcast back both ways
+            back = T + max(root, n - 1 - root) * H + R + words
+            for kind, group in cost.reduction_options(n)[:6]:
+                total = cost.mid_times(zero, kind, group, words) + back
+                assert total == cost.allreduce_cycles(kind, n, words, group), (n, kind, group)
+    assert cost.chain_times([0]) == 0 and cost.mid_times([0], "chain", 0, 5) == 5
+
+
+def test_ready_times_follow_the_late_members() -> None:
+    # a chain over 3 members, the last one late: its own add waits for it, not the link
+    assert cost.chain_times([0, 0, 100]) == 100 + 1
+    assert cost.chain_times([0, 0, 0]) == 2 * STEP
+    # a member ready late in the middle of a chain delays everything after it by what it is late
+    assert cost.chain_times([0, 50, 0, 0]) == 50 + 1 + 2 * STEP
+    # two levels, runs of 2 over 4 members ready as an input wave two cycles a member apart: the
+    # second run's end is ready at 6, the first run's sum leaves its end at 2 + 1 and reaches the
+    # second end's CE over 2 hops
+    wave = [0, 2, 4, 6]
+    first_run = max(2, 0 + H + R) + 1
+    second_run = max(6, 4 + H + R) + 1
+    assert cost.level_times(wave, [2]) == max(second_run, first_run + 2 * H + R) + 1
+    # three levels: runs of 2, pairs of their ends, then the chain of those: spans of 2 and 4 members
+    zero = [0] * 8
+    assert cost.level_times(zero, [2, 2]) == STEP + (2 * H + R + 1) + (4 * H + R + 1)
+    # the links' real hops where given: a shorter last run's end sits closer
+    assert cost.level_times([0] * 6, [4], end_hops=[2]) == 3 * STEP + (2 * H + R + 1)
+    # a middle root whose far half joins streamed (a FIFO) instead of after its half is in memory
+    assert cost.mid_times([0] * 4, "chain", 0, 10, streamed_join=True) == max(STEP, STEP + H + R) + 1 + 10
+
+
+def test_occupancy_is_the_span_of_a_blocking_stage() -> None:
+    blocking = cost.StageCost("x").add("a", 10).add("b", 5)
+    assert blocking.busy == blocking.cycles == 15 and blocking.first_word_cycles == 15
+    pipelined = cost.StageCost("y", {"a": 100}, first_word=40, occupancy=30)
+    assert pipelined.busy == 30 and pipelined.first_word_cycles == 40
+    copy = pipelined.renamed("z")
+    assert (copy.name, copy.phases, copy.first_word, copy.occupancy) == ("z", {"a": 100}, 40, 30)
+    assert copy.phases is not pipelined.phases
+    # the residual add streams: its sum's first word leaves a hop, the ramp and an add after the start
+    assert cost.residual_cost(16).first_word == H + R + 1

@@ -167,6 +167,104 @@ def allreduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
     return reduced + farthest * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
 
 
+# --- Ready-time reductions (issue 40, design step 0) ------------------------------------------------
+# The closed forms above price a reduction whose members all hold their vectors at once. The functions
+# below take each member's ready time instead (a reduction that follows an input wave, members that
+# finish their own work at different times) and give the time the result's FIRST word is out of the
+# member that ends the reduction; the last word follows `words` cycles later, as the vector streams
+# through once. With every member ready at 0 they are the closed forms exactly
+# (tests/test_cost_model.py checks the identities):
+#   chain_times([0] * n) + words                 == chain_reduce_cycles(n - 1, words)
+#   level_times([0] * n, [g]) + words            == two_level_reduce_cycles(n, words, g)
+#   mid_times([0] * n, kind, g, words)           == the reduction part of allreduce_cycles
+
+
+def link_cycles(hops: int) -> int:
+    """A word's way over a link of `hops` routers into the next member's CE."""
+    return hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES
+
+
+def chain_times(ready: list[int], hops: list[int] | int = 1) -> int:
+    """First word of the sum out of the last member of a streamed chain (comm/chain.csl) whose member i
+    holds its vector at ready[i] and whose link i (member i to i + 1) is hops[i] routers long (an int:
+    every link). Member 0 sends from ready[0]; member i adds the arriving stream to its own as it comes:
+    its first word is out at max(ready[i], the previous member's first word + the link) + one add."""
+    if not ready:
+        return 0
+    links = [hops] * (len(ready) - 1) if isinstance(hops, int) else list(hops)
+    first = ready[0]
+    for r, h in zip(ready[1:], links, strict=True):
+        first = max(r, first + link_cycles(h)) + FP32_OPS_PER_CYCLE
+    return first
+
+
+def level_times(ready: list[int], groups: list[int], end_hops: list[int] | None = None) -> int:
+    """First word of the sum at the end of a streamed reduction in len(groups) + 1 levels over members
+    ready at `ready` in line order: runs of groups[0] chain at once (`wafer.tiling.reduction_runs`),
+    then runs of groups[1] of their ends, ..., then one chain of the last level's ends. A level's ends
+    stream into the next level as they go (comm/reduce.csl's FIFO on a run's end: no task). A link
+    between two ends of level l is priced at the members a run of that level spans (groups[0] *
+    groups[1] * ...: as two_level_reduce_cycles prices it, also for a shorter last run) unless
+    end_hops gives the hops of every level's links in order. [] is a chain; [g] comm/reduce.csl's two
+    levels (the only ones the program implements today)."""
+    if not groups:
+        return chain_times(ready)
+    spans, span = [], 1
+    for g in groups:
+        span *= max(1, g)
+        spans.append(span)
+    hops_left = list(end_hops) if end_hops is not None else None
+    level = (
+        [chain_times(ready[s : s + groups[0]]) for s in range(0, len(ready), groups[0])]
+        if groups[0] > 1
+        else list(ready)
+    )
+    for depth in range(1, len(groups) + 1):
+        g = groups[depth] if depth < len(groups) else len(level)
+        g = max(1, g)
+        nxt = []
+        for s in range(0, len(level), g):
+            part = level[s : s + g]
+            if hops_left is None:
+                hops: list[int] | int = spans[depth - 1]
+            else:
+                hops, hops_left = hops_left[: len(part) - 1], hops_left[len(part) - 1 :]
+            nxt.append(chain_times(part, hops))
+        level = nxt
+    return level[0]
+
+
+def reduce_times(kind: str, ready: list[int], group: int = 0) -> int:
+    """`reduce_cycles` with ready times: the first word of the sum on the line's last member."""
+    if kind == "chain" or not 1 < group < len(ready):
+        return chain_times(ready)
+    if kind == "two_level":
+        return level_times(ready, [group])
+    raise ValueError(f"unknown reduction {kind!r}")
+
+
+def mid_times(ready: list[int], kind: str, group: int, words: int, streamed_join: bool = False) -> int:
+    """A line reduced towards a root in its middle (comm/allreduce.csl's reduction half: members 0 ..
+    root and n-1 .. root + 1 at once, `wafer.tiling.allreduce_halves`), ready times in line order:
+    the time the root holds the whole sum. The far half's end hands its sum to the root once it holds
+    it (comm/allreduce.csl's join: the root adds it after its own half, one more pass of the words);
+    streamed_join: the far half's stream joins the root's as a two-level run end's does (a FIFO, no
+    second pass)."""
+    n = len(ready)
+    if n <= 1:
+        return words if n else 0
+    root = allreduce_root(n)
+    left = ready[: root + 1]
+    right = ready[root + 1 :][::-1]
+    left_first = reduce_times(kind, left, group) if len(left) > 1 else left[0]
+    right_first = reduce_times(kind, right, group) if len(right) > 1 else right[0]
+    if streamed_join:
+        return max(left_first, right_first + link_cycles(1)) + FP32_OPS_PER_CYCLE + words
+    left_end = left_first + (words if len(left) > 1 else 0)
+    right_end = right_first + (words if len(right) > 1 else 0)
+    return max(left_end, right_end + link_cycles(1)) + FP32_OPS_PER_CYCLE + words
+
+
 def reduction_options(n: int) -> list[tuple[Reduction, int]]:
     """(kind, group) of every reduction the program implements over n PEs: the chain, and the
     two-level reduction with each run length that leaves at least two runs."""
@@ -191,14 +289,37 @@ def embed_reduction(arch: Arch | str, members: int, words: int) -> tuple[str, in
 
 @dataclass
 class StageCost:
-    """Modeled cycles of one stage, phase by phase (phases run one after the other)."""
+    """Modeled cycles of one stage, phase by phase (phases run one after the other).
+
+    `first_word`: cycles from the stage's start to its output's first word leaving (None: not priced
+    apart; a consumer that works on the stream can start then). `occupancy`: the stage's initiation
+    interval, the cycles its busiest PE is taken per item, for a program that takes its next item
+    while the previous one's reductions are still in the fabric; None for a program that blocks (every
+    one today: a PE takes its next item only when its last operation for this one is over), whose
+    occupancy is its whole span (`busy`)."""
 
     name: str
     phases: dict[str, int] = field(default_factory=dict)
+    first_word: int | None = None
+    occupancy: int | None = None
 
     @property
     def cycles(self) -> int:
         return sum(self.phases.values())
+
+    @property
+    def busy(self) -> int:
+        """Modeled initiation interval: the occupancy where the stage has one, else its span."""
+        return self.cycles if self.occupancy is None else self.occupancy
+
+    @property
+    def first_word_cycles(self) -> int:
+        """Modeled cycles to the output's first word: `first_word` where priced, else the whole span."""
+        return self.cycles if self.first_word is None else self.first_word
+
+    def renamed(self, name: str) -> StageCost:
+        """A copy under another name (its phases copied, its first word and occupancy kept)."""
+        return StageCost(name, dict(self.phases), self.first_word, self.occupancy)
 
     def add(self, phase: str, cycles: int) -> StageCost:
         self.phases[phase] = self.phases.get(phase, 0) + int(cycles)
@@ -394,7 +515,10 @@ def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
 
 def residual_cost(chunk: int, name: str = "residual") -> StageCost:
     """Add the residual stream chunk to the arriving chunk and pass it on (fp32, streamed)."""
-    return StageCost(name).add("add + forward", HOP_CYCLES + ROUTER_TO_PE_CYCLES + chunk)
+    # the sum leaves as the chunk arrives: its first word a hop, the ramp and one add after the start
+    link = HOP_CYCLES + ROUTER_TO_PE_CYCLES
+    cost = StageCost(name, first_word=link + FP32_OPS_PER_CYCLE)
+    return cost.add("add + forward", link + chunk)
 
 
 # --- Attention -------------------------------------------------------------------------------------
@@ -455,6 +579,7 @@ def attention_cost(
     # after the previous one's task).
     cost.add("1 / sum", hpp * RSQRT_CYCLES + (hpp - 1) * (TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES))
     # The PE that ends the merge sends the group's output to its O rows (a multicast over them).
+    cost.first_word = cost.cycles
     cost.add("to the O rows", stream_cycles(hpp * dim, width - 1 + tiling.fold - 1))
     return cost
 

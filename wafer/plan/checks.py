@@ -128,6 +128,58 @@ def _check_memory(regions: list[Region], arch: Arch) -> str | None:
     return None
 
 
+def input_queue_roles(region: Region, embed_two_level: bool = False) -> dict[str, tuple[int, ...]]:
+    """The input queues (by number, as kernels/pe/*.csl fix them) of each PE role the region's tiling
+    gives its program: a role's count must fit what the architecture leaves a program (WSE-2 1-7,
+    WSE-3 2-7: memcpy keeps 0, and 1 on WSE-3), one color per queue. `embed_two_level`: the
+    embedding's line runs in two levels (wafer.cost.embed_reduction), whose chain of run ends takes
+    head.csl's queue 1 (WSE-2 only)."""
+    t = region.tiling
+    two = lambda kind: kind == "two_level"  # noqa: E731
+    roles: dict[str, tuple[int, ...]] = {}
+    if isinstance(t, HeadTiling):
+        # request, embedding, ln_f's lane, the GEMV reduction (and the pairs of a shared sum of exps)
+        base = (2, 3, 4, 5) + ((1,) if embed_two_level else ())
+        roles["K-line member"] = base + ((7,) if two(t.gemv.reduction) else ())
+        roles["root"] = base + (6,) + ((7,) if two(t.merge) or two(t.gemv.reduction) else ())
+        if t.exp_pes > 1:
+            roles["PE sharing the exps"] = base + (6,)
+    elif isinstance(t, GemvTiling):
+        # the input stream, the reduction's run; a gather line's links (an output that is gathered)
+        base = (2, 3, 4) + ((5,) if two(t.reduction) else ())
+        roles["K-line member"] = base
+        if t.epilogue_pes > 1:
+            roles["PE sharing the epilogue"] = base + (6,)
+    elif isinstance(t, AttentionTiling):
+        base = (2, 3, 4) + ((5,) if t.reduction in ("two_level", "two_sided") else ())
+        roles["chain member"] = base + ((6, 7) if t.reduction == "two_sided" else ())
+    elif isinstance(t, NormTiling):
+        # input, run, broadcast (the join on the root), y and x gathers, run ends
+        roles["strip member"] = (2, 3, 4, 5, 6) + ((7,) if two(t.reduction) else ())
+    elif region.kind == "embed":
+        roles["embed member"] = (2, 3, 4, 5)
+    elif region.kind == "residual":
+        roles["residual member"] = (2, 3, 4, 5)
+    else:
+        roles["port"] = (2,)
+    return roles
+
+
+def _check_input_queues(regions: list[Region], arch: Arch, embed_two_level: bool) -> str | None:
+    """Every PE role within the input queues the architecture leaves a program."""
+    allowed = set(arch.input_queue_ids)
+    for region in regions:
+        for role, queues in input_queue_roles(region, embed_two_level).items():
+            extra = sorted(set(queues) - allowed)
+            if extra:
+                return (
+                    f"input queues: a {role} of region {region.name} needs input queue(s) {extra} "
+                    f"({len(queues)} in all), which {arch.name} does not leave a program "
+                    f"(it has {', '.join(map(str, arch.input_queue_ids))})"
+                )
+    return None
+
+
 def reduction_colors(kind: str, n: int) -> int:
     """Colors a reduction over n PEs needs: a chain alternates two (a PE never receives and sends on
     the same color); a two-level reduction has a chain on each level; two_sided (two chains per level

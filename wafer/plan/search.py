@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from wafer.arch import Arch, resolve_arch
-from wafer.cost import CLOCK_HZ, StageCost
+from wafer.cost import CLOCK_HZ, StageCost, embed_reduction
 from wafer.plan.checks import (
     _assign_colors,
     _check_colors,
     _check_geometry,
+    _check_input_queues,
     _check_memory,
     _check_request,
     _check_total_capacity,
@@ -106,7 +107,7 @@ class PricedCandidate:
     layer_stages: list[StageCost]  # one layer's stages
     outer: tuple[list[StageCost], dict[str, StageCost], list[StageCost]]  # see `_outer_stages`
     decode_cycles: int  # modeled critical path of one token at full context
-    bottleneck_cycles: int  # modeled slowest stage
+    bottleneck_cycles: int  # modeled initiation interval: the largest stage occupancy (StageCost.busy)
 
     @property
     def footprint_pes(self) -> int:
@@ -163,7 +164,8 @@ def price_candidates(
         outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
         layer_cycles = [s.cycles for s in layer_stages]
         latency = config.n_layer * sum(layer_cycles) + sum(outer_cycles)
-        bottleneck = max(max(layer_cycles), max(outer_cycles))
+        # the initiation interval: the busiest stage (a blocking stage's whole span, StageCost.busy)
+        bottleneck = max(s.busy for s in layer_stages + outer[0] + list(outer[1].values()) + outer[2])
         priced.append(
             PricedCandidate(index, knobs, lt, head, geo, fit, layer_stages, outer, latency, bottleneck)
         )
@@ -310,7 +312,12 @@ def _assemble(
         routes.extend(placed_routes)
     _check_geometry(regions, arch)
     _assign_colors(regions, routes)
-    problem = _check_colors(regions, arch) or _check_memory(regions, arch)
+    embed_two_level = embed_reduction(arch, geo.embed_rows + geo.head_cols, ceil_div(config.n_embd, geo.r))[0]
+    problem = (
+        _check_colors(regions, arch)
+        or _check_memory(regions, arch)
+        or _check_input_queues(regions, arch, embed_two_level == "two_level")
+    )
     if problem is not None:
         return problem
     layers = [
@@ -332,7 +339,7 @@ def _assemble(
         knobs=cand.knobs,
         routes=routes,
         stage_costs=cand.critical_path(),
-        layer_stage_costs=[StageCost(s.name, dict(s.phases)) for s in cand.layer_stages],
+        layer_stage_costs=[s.renamed(s.name) for s in cand.layer_stages],
         top_k=top_k,
         footprint=(geo.width, geo.height),
         colors_used=max(region.colors for region in regions),
