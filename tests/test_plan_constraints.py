@@ -13,7 +13,7 @@ import pytest
 from wafer import cost
 from wafer.arch import ARCHS
 from wafer.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
-from wafer.plan.checks import _check_input_queues, input_queue_roles
+from wafer.plan.checks import _check_input_queues, _check_memory, input_queue_roles
 from wafer.plan.search import forget_kept_plans
 from wafer.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from weights.config import PRESETS, GPT2Config
@@ -269,3 +269,15 @@ def test_input_queues_per_role_are_checked() -> None:
     head = plan.region("head")
     problem = _check_input_queues([head], ARCHS["wse3"], embed_two_level=True)
     assert problem is not None and "input queue(s) [1]" in problem and "wse3" in problem
+
+
+def test_code_size_counts_against_memory_where_estimated() -> None:
+    """With a code estimate for a region's program, its data and that code share the 48 KB (less the
+    stack); without one, data alone meets the 48 KB less the fixed 8 KB reserve."""
+    plan = build_plan(PRESETS["gpt2"], "wse2", "fp16")
+    worst = max(plan.regions, key=lambda r: r.max_pe_bytes)
+    assert _check_memory(plan.regions, plan.arch) is None
+    room = plan.arch.pe_sram_bytes - 1024 - worst.max_pe_bytes  # what code may take beside the data
+    assert _check_memory(plan.regions, plan.arch, {worst.kind: room}) is None
+    problem = _check_memory(plan.regions, plan.arch, {worst.kind: room + 1})
+    assert problem is not None and "(estimated)" in problem and "1 B over" in problem

@@ -336,9 +336,9 @@ def _tiling_json(tiling: object | None) -> dict | None:
             "vocab": tiling.vocab,
             "dim": tiling.dim,
             "top_k": tiling.top_k,
-            "merge": tiling.merge,
-            "merge_group": tiling.merge_group,
-            "exp_pes": tiling.exp_pes,
+            "workers": tiling.workers,
+            "tree": tiling.tree,
+            "tree_group": tiling.tree_group,
             "gemv": _tiling_json(tiling.gemv),
         }
     data = {"type": type(tiling).__name__}

@@ -59,7 +59,8 @@ DEFAULT_TOP_K = 64  # candidates the head returns per token
 STREAM_WIDTHS = (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128)
 HEAD_TILES = (16, 32, 64, 128, 256)
 # `compact` also tries the narrowest strips and the widest vocabulary tiles: fewest PEs, not speed.
-COMPACT_STREAM_WIDTHS = (1, 2, 4)
+# A strip is at least 2 PEs wide: a head K-line's root hands its logits to PEs before it (HeadTiling).
+COMPACT_STREAM_WIDTHS = (2, 4)
 COMPACT_HEAD_TILES = (512, 1024)
 
 
