@@ -15,6 +15,7 @@ from wafer_gpt2.core.arch import ARCHS
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.model.config import PRESETS, GPT2Config
 from wafer_gpt2.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
+from wafer_gpt2.plan.checks import check_input_queues, check_memory, input_queue_roles
 from wafer_gpt2.plan.search import forget_kept_plans
 
 _plans: dict[tuple, Plan] = {}
@@ -57,6 +58,11 @@ def check_plan(plan: Plan) -> None:
         assert 0 < r.max_pe_bytes <= arch.data_bytes_per_pe, (r.name, r.max_pe_bytes)
         assert 0 < r.colors <= arch.usable_colors == 21, (r.name, r.colors)
     assert plan.max_pe_bytes <= arch.data_bytes_per_pe and plan.colors_used <= arch.usable_colors
+    # Input queues: every PE role within what the architecture leaves a program (memcpy keeps 0, and 1
+    # on WSE-3).
+    for r in plan.regions:
+        for role, queues in input_queue_roles(r, embed_two_level=arch.name == "wse2").items():
+            assert set(queues) <= set(arch.input_queue_ids), (r.name, role, queues)
 
     for replica in range(plan.replicas):
         by = {r.name: r for r in plan.regions if r.replica == replica}
@@ -250,3 +256,28 @@ def test_price_candidates_is_the_search_build_plan_ranks() -> None:
         assert cand.bottleneck_cycles == max(s.cycles for s in path)
     with pytest.raises(PlanError, match="dtype 'bf16'"):
         price_candidates(config, dtype="bf16")
+
+
+def test_input_queues_per_role_are_checked() -> None:
+    """The planner refuses a plan one of whose PE roles needs more input queues than the architecture
+    leaves a program (WSE-3: 2-7): the present head's root, with its GEMV reduction and its merge both
+    two-level (a seventh queue, 1, for the embedding's run ends on WSE-2) is the case at the limit."""
+    plan = build_plan(PRESETS["gpt2"], "wse3", "fp16")
+    assert check_input_queues(plan.regions, plan.arch, False) is None
+    assert ARCHS["wse2"].input_queue_ids == tuple(range(1, 8))
+    assert ARCHS["wse3"].input_queue_ids == tuple(range(2, 8))
+    head = plan.region("head")
+    problem = check_input_queues([head], ARCHS["wse3"], embed_two_level=True)
+    assert problem is not None and "input queue(s) [1]" in problem and "wse3" in problem
+
+
+def test_code_size_counts_against_memory_where_estimated() -> None:
+    """With a code estimate for a region's program, its data and that code share the 48 KB (less the
+    stack); without one, data alone meets the 48 KB less the fixed 8 KB reserve."""
+    plan = build_plan(PRESETS["gpt2"], "wse2", "fp16")
+    worst = max(plan.regions, key=lambda r: r.max_pe_bytes)
+    assert check_memory(plan.regions, plan.arch) is None
+    room = plan.arch.pe_sram_bytes - 1024 - worst.max_pe_bytes  # what code may take beside the data
+    assert check_memory(plan.regions, plan.arch, {worst.kind: room}) is None
+    problem = check_memory(plan.regions, plan.arch, {worst.kind: room + 1})
+    assert problem is not None and "(estimated)" in problem and "1 B over" in problem

@@ -38,6 +38,9 @@ class Arch:
     sram_reserve_bytes: int = SRAM_RESERVE_BYTES
     routable_colors: int = 24
     memcpy_reserved_colors: tuple[int, ...] = (21, 22, 23)
+    # Input queues a kernel's PE program may use: WSE-2 has 0-7 and memcpy keeps 0; WSE-3 has 0-7 and
+    # memcpy keeps 0 and 1 (csl-notes.md, "Resource rules"). One color per queue.
+    input_queue_ids: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
 
     @property
     def data_bytes_per_pe(self) -> int:
@@ -64,7 +67,15 @@ class Arch:
 
 ARCHS: dict[str, Arch] = {
     "wse2": Arch("wse2", fabric_w=757, fabric_h=996, kernel_w=750, kernel_h=994, fp16_macs_per_cycle=4),
-    "wse3": Arch("wse3", fabric_w=762, fabric_h=1172, kernel_w=755, kernel_h=1170, fp16_macs_per_cycle=8),
+    "wse3": Arch(
+        "wse3",
+        fabric_w=762,
+        fabric_h=1172,
+        kernel_w=755,
+        kernel_h=1170,
+        fp16_macs_per_cycle=8,
+        input_queue_ids=(2, 3, 4, 5, 6, 7),
+    ),
 }
 
 
