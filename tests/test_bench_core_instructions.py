@@ -1,5 +1,5 @@
 """tools/bench/core_instructions.py: its workload and its reading of valgrind's output (valgrind itself is
-too slow for the suite: about 15 s per counted process)."""
+too slow for the suite: it runs each counted process many times slower)."""
 
 from __future__ import annotations
 

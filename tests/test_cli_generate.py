@@ -13,7 +13,7 @@ import pytest
 
 from wafer_gpt2.cli.main import main
 from wafer_gpt2.model import tokenizer
-from wafer_gpt2.model.reference import KVCache, forward
+from wafer_gpt2.model.forward import KVCache, forward
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,6 @@
-"""Issue 18: how requests and events cross into and out of the engine process without costing the
-engine its batch. The hot messages' compact form (`wafer_gpt2/engine/messages.py`) gives back what was sent;
+"""How requests and events cross into and out of the engine process without costing the engine its
+batch. The pipe's messages (`wafer_gpt2/engine/messages.py`: one table of kinds, the hot ones in a compact
+form) give back what was sent;
 `Engine.submit_nowait` files a request at the worker's next step boundary, or refuses it as `submit`
 would, and never leaves one unanswered; a cancellation that arrives before its request is filed is
 applied when it is (`wafer_gpt2.engine.process._Book`)."""
@@ -16,7 +17,32 @@ import pytest
 from wafer_gpt2.backends.stand_ins import NullBackend
 from wafer_gpt2.engine.core import gpt2_tokenizer_hooks
 from wafer_gpt2.engine.failures import Overloaded, RequestFailed, ServiceError, Unavailable
-from wafer_gpt2.engine.messages import MARSHALLED, PICKLED, UnreadableRequest, decode, encode
+from wafer_gpt2.engine.kv_slots import KVUsage
+from wafer_gpt2.engine.messages import (
+    KINDS,
+    MARSHALLED,
+    PICKLED,
+    Answer,
+    Ask,
+    Cancel,
+    Drain,
+    Events,
+    Fault,
+    FromEngine,
+    Shape,
+    ShapeReport,
+    Shutdown,
+    Snapshot,
+    Status,
+    Stopped,
+    Submit,
+    ToEngine,
+    UnreadableRequest,
+    decode,
+    decode_from_engine,
+    decode_to_engine,
+    encode,
+)
 from wafer_gpt2.engine.metrics import ServiceMetrics
 from wafer_gpt2.engine.process import _Book
 from wafer_gpt2.engine.request import (
@@ -54,14 +80,14 @@ def test_a_steps_events_cross_in_compact_form_and_arrive_equal():
         ),
         ("req-7.8", FinishEvent(FinishReason.LENGTH, "", "", (), (), None, 1, None)),
     ]
-    data = encode(("events", events))
-    assert data[:1] == MARSHALLED
+    data = encode(Events(events))
+    assert data[:2] == b"e" + MARSHALLED
     message = decode(data)
-    assert message == ("events", events)
-    finish = message[1][2][1]
+    assert type(message) is Events and message == Events(events)
+    finish = message.events[2][1]
     assert finish.finish_reason is FinishReason.STOP and type(finish.tokens[1].top[0]) is Alternative
     assert all(type(token) is GeneratedToken for token in finish.tokens)
-    assert type(message[1][0][1].prefill[1]) is PromptToken
+    assert type(message.events[0][1].prefill[1]) is PromptToken
 
 
 def test_token_events_arrive_ahead_of_finish_events_each_requests_in_its_order():
@@ -72,7 +98,7 @@ def test_token_events_arrive_ahead_of_finish_events_each_requests_in_its_order()
         ("req-1", TokenEvent(5, TOKENS[1])),
         ("req-1", FinishEvent(FinishReason.EOS, "a b", "", TOKENS, (), 7, 2, None)),
     ]
-    _, arrived = decode(encode(("events", events)))
+    (arrived,) = decode(encode(Events(events)))
     assert arrived == [events[i] for i in (0, 2, 3, 1, 4)]
 
 
@@ -90,64 +116,99 @@ def test_a_request_crosses_through_its_constructors():
         min_tokens=2,
         prompt_top_n=None,
     )
-    data = encode(("submit", "req-9", request, True))
-    assert data[:1] == MARSHALLED
-    assert decode(data) == ("submit", "req-9", request, True)
+    data = encode(Submit("req-9", request, True))
+    assert data[:2] == b"s" + MARSHALLED
+    arrived = decode(data)
+    assert type(arrived) is Submit and arrived == Submit("req-9", request, True)
 
 
 def test_other_messages_and_errors_are_pickled():
     error = Overloaded("the server is at capacity; retry later")
-    data = encode(("events", [("req-1", TokenEvent(1, TOKENS[0])), ("req-2", ErrorEvent(error))]))
-    assert data[:1] == PICKLED  # an exception has a class: the whole message is pickled
-    (_, token), (_, failed) = decode(data)[1]
+    data = encode(Events([("req-1", TokenEvent(1, TOKENS[0])), ("req-2", ErrorEvent(error))]))
+    assert data[:2] == b"e" + PICKLED  # an exception has a class: the whole message is pickled
+    (_, token), (_, failed) = decode(data).events
     assert token == TokenEvent(1, TOKENS[0])
     assert type(failed.error) is Overloaded and str(failed.error) == str(error)
-    assert decode(encode(("ask", 3, "kv_usage"))) == ("ask", 3, "kv_usage")
+    assert decode(encode(Ask(3, "kv_usage"))) == Ask(3, "kv_usage")
 
 
 def test_a_value_marshal_cannot_pack_crosses_pickled():
     request = GenerationRequest((1, 2), 4, stop_sequences=("a",))
     odd = GenerationRequest.__new__(GenerationRequest)
     odd.__dict__.update({**vars(request), "stop_sequences": ["a"], "timeout_s": Decimal("1.5")})
-    data = encode(("submit", "req-1", odd, False))
-    assert data[:1] == PICKLED and decode(data)[2].timeout_s == Decimal("1.5")
+    data = encode(Submit("req-1", odd, False))
+    assert data[:2] == b"s" + PICKLED and decode(data).request.timeout_s == Decimal("1.5")
 
 
 def test_a_request_that_cannot_be_rebuilt_is_named_by_its_id():
     request = GenerationRequest((1, 2), 4)
-    data = bytearray(encode(("submit", "req-7", request, False)))
-    message = marshal.loads(bytes(data[1:]))
-    fields = list(message[2])
+    data = encode(Submit("req-7", request, False))
+    request_id, packed, stream = marshal.loads(data[2:])
+    fields = list(packed)
     fields[2] = (False, -1.0, *fields[2][2:])  # a temperature the constructor refuses
-    broken = MARSHALLED + marshal.dumps(("submit", "req-7", tuple(fields), False))
+    broken = b"s" + MARSHALLED + marshal.dumps((request_id, tuple(fields), stream))
     with pytest.raises(UnreadableRequest, match="req-7") as caught:
         decode(broken)
     assert caught.value.request_id == "req-7"
 
 
 def test_bytes_that_are_no_message_of_the_pipe_are_named():
-    with pytest.raises(ValueError, match=r"first byte b'x'"):
-        decode(b"x123")
+    with pytest.raises(ValueError, match=r"first byte b'y'"):
+        decode(b"y123")
+    with pytest.raises(ValueError, match=r"a Cancel message in an unknown form b'\?'"):
+        decode(b"c?123")
+
+
+SNAPSHOT = Snapshot(EngineState.READY, None, None, 1.5, 0, 7, 0.25, KVUsage(2, 16, 40, 1024), 1, 2, 80)
+# One message of every kind (the test below checks that none is missing).
+EVERY_KIND: list[ToEngine | FromEngine] = [
+    Submit("req-1", GenerationRequest((1, 2), 4), True),
+    Cancel("req-1"),
+    Drain(),
+    Shutdown(2.5),
+    Fault("injected", 2, 1, SystemExit),
+    Ask(4, "queue_sizes"),
+    Events([("req-1", TokenEvent(1, TOKENS[0]))]),
+    Shape(ShapeReport("null", 4, 64, 50257, 8, {"backend": "null"})),
+    Status(SNAPSHOT, "the engine failed"),
+    Answer(4, (1, 2)),
+    Stopped(),
+]
+
+
+def test_every_kind_crosses_and_arrives_equal_on_its_side_only():
+    assert {type(message) for message in EVERY_KIND} == {kind.type for kind in KINDS}
+    assert len({kind.tag for kind in KINDS}) == len(KINDS)  # one byte names one kind
+    for message in EVERY_KIND:
+        data = encode(message)
+        arrived = decode(data)
+        assert type(arrived) is type(message) and arrived == message, message
+        to_engine = isinstance(message, ToEngine)
+        assert (type(decode_to_engine(data)) if to_engine else type(decode_from_engine(data))) is type(
+            message
+        )
+        with pytest.raises(ValueError, match="goes to"):
+            (decode_from_engine if to_engine else decode_to_engine)(data)
 
 
 # ----- the hand-over ----------------------------------------------------------------------------------
 
 
 class Loop:
-    """What the engine core calls on a request's event loop: collects the events."""
+    """An `EventSink` that collects the events the engine core hands it."""
 
     def __init__(self) -> None:
         self.events: list = []
         self.done = threading.Event()
 
-    def call_soon_threadsafe(self, function, *args) -> None:
-        if not args:
-            function()
-            return
-        for state, event in args[0]:
+    def hand_over(self, events) -> None:
+        for state, event in events:
             self.events.append((state.id, event))
             if not isinstance(event, TokenEvent):
                 self.done.set()
+
+    def wait_for_turn(self, timeout_s: float) -> None:
+        pass
 
 
 class Filed:

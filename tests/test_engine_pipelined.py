@@ -1,4 +1,4 @@
-"""Issue 18: steps in flight on a pipelined backend. The modeled wafer takes a step while another
+"""Steps in flight on a pipelined backend. The modeled wafer takes a step while another
 computes (each replica's pipeline takes items a slowest stage apart); the engine submits the next step
 from what became ready while one is in flight, and every request gets what it gets one step at a time;
 a request never has items in two steps in flight, and the slot of one that ended while its step was in
@@ -126,17 +126,17 @@ def test_a_request_in_flight_is_not_stepped_again_and_keeps_its_slot_until_its_s
 
 
 class Loop:
-    """What the engine core calls on a request's event loop: collects each request's events."""
+    """An `EventSink` that collects each request's events."""
 
     def __init__(self) -> None:
         self.events: dict[str, list] = {}
         self.ended = threading.Semaphore(0)
 
-    def call_soon_threadsafe(self, function, *args) -> None:
-        if not args:
-            function()
-            return
-        for state, event in args[0]:
+    def wait_for_turn(self, timeout_s: float) -> None:
+        pass
+
+    def hand_over(self, events) -> None:
+        for state, event in events:
             self.events.setdefault(state.id, []).append(event)
             if not isinstance(event, TokenEvent):
                 self.ended.release()
@@ -188,7 +188,7 @@ def test_steps_in_flight_give_every_request_what_one_step_at_a_time_gives(plan):
         engine, loop = _engine(plan, in_flight, submits), Loop()
         try:
             states = [
-                engine.submit(request, stream=index % 2 == 0, loop=loop)
+                engine.submit(request, stream=index % 2 == 0, sink=loop)
                 for index, request in enumerate(requests)
             ]
             loop.wait(len(requests))
@@ -207,14 +207,14 @@ def test_a_failed_step_in_flight_fails_its_requests_and_the_engine_reloads(plan)
     engine, loop = _engine(plan, 2, submits), Loop()
     try:
         long = GenerationRequest((464, 2068), 28, ignore_eos=True)
-        states = [engine.submit(long, loop=loop) for _ in range(3)]
+        states = [engine.submit(long, sink=loop) for _ in range(3)]
         engine.inject_fault("injected step fault")
         loop.wait(3)
         for state in states:
             final = loop.events[state.id][-1]
             assert isinstance(final, ErrorEvent) and isinstance(final.error, GenerationFailed)
         assert engine.wait_ready(30) and engine.restarts == 1
-        after = engine.submit(GenerationRequest((464,), 3, ignore_eos=True), loop=loop)
+        after = engine.submit(GenerationRequest((464,), 3, ignore_eos=True), sink=loop)
         loop.wait(1)
         assert isinstance(loop.events[after.id][-1], FinishEvent)
         assert engine.kv_usage().slots_used == 0  # nothing leaked across the reload
@@ -231,13 +231,13 @@ def test_a_hung_submit_is_caught_by_the_watchdog_and_its_worker_leaves_quietly(p
     hang = threading.Event()
     engine, loop = _engine(plan, 2, submits, hang, step_timeout_s=0.3, step_timeout_per_item_s=0.0), Loop()
     try:
-        hung = engine.submit(GenerationRequest((464, 2068), 4, ignore_eos=True), loop=loop)
+        hung = engine.submit(GenerationRequest((464, 2068), 4, ignore_eos=True), sink=loop)
         loop.wait(1)
         final = loop.events[hung.id][-1]
         assert isinstance(final, ErrorEvent) and isinstance(final.error, StepTimedOut)
         assert engine.wait_ready(30) and engine.restarts == 1
         hang.set()  # the abandoned worker's submit returns (on its closed backend)
-        after = engine.submit(GenerationRequest((464,), 6, ignore_eos=True), loop=loop)
+        after = engine.submit(GenerationRequest((464,), 6, ignore_eos=True), sink=loop)
         loop.wait(1)
         assert isinstance(loop.events[after.id][-1], FinishEvent)
         assert engine.restarts == 1 and engine.kv_usage().slots_used == 0

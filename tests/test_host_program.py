@@ -211,7 +211,7 @@ def test_generate_on_the_simulator_matches_the_reference(small_params, tmp_path,
 
 
 def test_bench_command_reports_both_rates(tmp_path, capsys):
-    # A small config (CI time): the same command on GPT-2 124M built both models for 20 s.
+    # A small config (CI time): on GPT-2 124M the same command builds both full-size models.
     config = tmp_path / "config.json"
     config.write_text(
         json.dumps({"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512, "n_positions": 32})

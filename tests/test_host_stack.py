@@ -1,4 +1,4 @@
-"""Issue 18, the host stack: the stand-in backends (null, modeled), the whole-step greedy choice, the
+"""The host stack: the stand-in backends (null, modeled), the whole-step greedy choice, the
 hand-built stream frames, and `python -m tools.bench host` end to end (a real server on loopback and its
 load generator in a process of its own)."""
 
@@ -23,6 +23,7 @@ from wafer_gpt2.engine.request import (
     GenerationRequest,
     PromptToken,
     TokenEvent,
+    loop_sink,
 )
 from wafer_gpt2.engine.sampling import Sampler, SamplingParams, greedy_batch
 from wafer_gpt2.model import tokenizer
@@ -336,8 +337,8 @@ def test_non_streaming_requests_get_only_their_final_event(small_params):
     async def main() -> tuple[list, list]:
         loop = asyncio.get_running_loop()
         request = GenerationRequest((1, 2, 3), 5)
-        plain = core.add(core.new_request(request, loop, stream=False))
-        streamed = core.add(core.new_request(request, loop, stream=True))
+        plain = core.add(core.new_request(request, loop_sink(loop), stream=False))
+        streamed = core.add(core.new_request(request, loop_sink(loop), stream=True))
         while core.has_work():
             core.step()
         await asyncio.sleep(0)  # the step's events are delivered by one callback on the loop
@@ -488,7 +489,7 @@ def test_the_lean_path_refuses_and_fails_as_fastapi_does(monkeypatch, caplog):
     bug in a route: the same status, schema and headers on the lean path as on FastAPI's; the bug is
     logged under a reference the client is given, on both."""
     from tests.service_harness import running_server
-    from wafer_gpt2.service import api
+    from wafer_gpt2.service.routes import tgi_routes
     from wafer_gpt2.settings import ServerSettings
 
     settings = ServerSettings(
@@ -512,7 +513,7 @@ def test_the_lean_path_refuses_and_fails_as_fastapi_does(monkeypatch, caplog):
     def bug(*args, **kwargs):
         raise RuntimeError("a bug in the route")
 
-    monkeypatch.setattr(api, "tgi_generation_request", bug)
+    monkeypatch.setattr(tgi_routes, "tgi_generation_request", bug)
     with running_server(settings, lambda: NullBackend(50257, slots=2, context=64)) as running:
         for path, body, headers in cases:
             answers = []

@@ -1,7 +1,7 @@
 """The planner's limits hold for every GPT-2 size on both wafers, and the plan hangs together:
 regions inside the kernel and disjoint, per-PE memory and colors within the architecture's limits,
 every hand-off between touching regions (or over a route) with matching index orders, and the
-modeled targets of the issue reached."""
+modeled latency target (still out of reach, marked so)."""
 
 from __future__ import annotations
 
@@ -144,13 +144,12 @@ def test_every_size_fits_with_16_slots_of_1024(model: str, arch: str) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 14 (blocked): with the calibrated constants gpt2 on WSE-2 is modeled at about 69 us per "
-    "token (175 before the latency work), and this program's multicasts, reductions, merges and routes alone "
-    "take about 41 us of it, which no faster compute removes (docs/performance.md, 'Where the time of a token "
-    "goes'): 30 us needs a different dataflow.",
+    reason="waits for a different dataflow: with the calibrated constants this program's multicasts, "
+    "reductions, merges and routes alone take more than 30 us of gpt2's token on WSE-2, which no faster "
+    "compute removes (docs/performance.md, 'Where the time of a token goes').",
 )
 def test_gpt2_small_latency_target_on_wse2() -> None:
-    """The issue's target: 124M, batch 1, WSE-2, fp16, modeled <= 30 us per token at 1.1 GHz, with the
+    """The latency target: 124M, batch 1, WSE-2, fp16, modeled <= 30 us per token at 1.1 GHz, with the
     whole critical path (injection, every layer, LM head, top-k, return) at full context."""
     plan = plan_for("gpt2", "wse2")
     m = plan.modeled()

@@ -8,7 +8,7 @@ import pytest
 from wafer_gpt2.backends.reference import ReferenceBackend
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
 from wafer_gpt2.core.steps import BackendError, StepItem, TokenScores
-from wafer_gpt2.model.reference import KVCache, forward, logsumexp
+from wafer_gpt2.model.forward import KVCache, forward, logsumexp
 
 TOP_K = 8
 

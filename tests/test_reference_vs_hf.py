@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from wafer_gpt2.model.checkpoint import bf16_round, load_checkpoint
+from wafer_gpt2.model.forward import KVCache, forward
 from wafer_gpt2.model.params import GPT2Params
-from wafer_gpt2.model.reference import KVCache, forward
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -12,8 +12,6 @@ from tools.report.data import (
     ReportSettings,
     cached_plan,
     explore_candidates,
-    group_by_part,
-    latency_baseline,
     layer_phases,
     pareto_front,
     path_by_class,
@@ -180,15 +178,3 @@ def test_machine_description_names_what_timings_depend_on():
 
     text = describe_machine()
     assert "logical CPUs" in text and "NumPy" in text and "no GPU" in text
-
-
-def test_latency_baseline_is_a_whole_critical_path():
-    """The stored plan from before the latency work: its stages add up to its total, for both arches;
-    other models, dtypes or slot counts have none (the report leaves the section out)."""
-    for arch in ("wse2", "wse3"):
-        base = latency_baseline(ReportSettings(arch=arch))
-        assert base is not None and base.commit == "a6b31f5"
-        assert sum(group_by_part(base.critical_path, 12).values()) == base.decode_cycles
-        assert base.throughput_replicas >= 1 and base.throughput_tokens_per_s > 0
-    assert latency_baseline(ReportSettings(model="gpt2-medium")) is None
-    assert latency_baseline(ReportSettings(slots=8)) is None

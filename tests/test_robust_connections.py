@@ -241,7 +241,7 @@ BODYLESS_HEAD = (
 
 @pytest.fixture(scope="module")
 def bodyless_server():
-    """Body timeout 30 s (as long as the old default): only eviction can make room within the tests."""
+    """Body timeout 30 s, longer than any of these tests: only eviction can make room within them."""
     flags = ["--max-connections", str(BODYLESS_CAP), "--body-timeout", "30", "--header-timeout", "30"]
     port, process = start_server([*flags, "--max-body-pending-per-client", str(BODYLESS_PER_CLIENT)])
     yield port

@@ -31,9 +31,9 @@ CONCURRENT_CLIENTS = 24  # open at a time: three times the slots, so many drops 
 # first use of a code path after other tests) grows there, not between the measurements.
 WARM_UP_REQUESTS = 200
 STORM_REQUESTS = 200
-# Tolerances for growth from the warmed-up state to after the storm. A request that leaked its
-# sequence (events, tokens, detokenizer) keeps about 8 KB of Python objects (measured by making the
-# engine keep every ended sequence: +1.2 MB over this storm), several times the memory bound.
+# Tolerances for growth from the warmed-up state to after the storm. Requests that leaked their
+# sequences (events, tokens, detokenizer) would grow the traced memory by several times the bound over
+# this storm (checked by making the engine keep every ended sequence).
 TASK_GROWTH = 0
 THREAD_GROWTH = 0
 TRACED_GROWTH_BYTES = 256 * 1024
@@ -149,7 +149,7 @@ def footprint(server) -> dict[str, int]:
 def test_a_disconnect_storm_frees_every_slot_and_leaks_nothing(server):
     # The client's own records stay out of the traced memory: where an earlier test in this worker left
     # the root logger at INFO, httpx logs every request and pytest's capture keeps each record (with its
-    # request) until the test ends, about 230 KB over a storm, which is no server's leak.
+    # request) until the test ends, close to the traced bound over a storm, and no server's leak.
     client_log = logging.getLogger("httpx")
     client_level = client_log.level
     client_log.setLevel(logging.WARNING)

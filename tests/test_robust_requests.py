@@ -8,7 +8,7 @@ What it guarantees (simulator backend, a small model, uvicorn on 127.0.0.1):
   error event, whose message carries no internal exception text), never the others and never a reload;
 - prompts of 990 KB are refused by their length in characters before they are tokenized, and prompts
   that are tokenized are tokenized off the event loop: /health answers within 0.5 s all through a
-  flood of them (tokenizing one on the loop stalled it 0.17 s each);
+  flood of them (tokenizing one on the loop would stall it for longer than that);
 - a model whose vocabulary is padded beyond the tokenizer's (50304 rows, 50257 tokens) never emits an id
   the tokenizer does not know, and a prompt of such ids is refused naming the field;
 - bodies Python's json cannot take (arrays nested 100,000 deep, an integer of 4,400 digits) get a 4xx
@@ -222,7 +222,7 @@ class HealthLatency(threading.Thread):
 
 
 def flood_of_huge_prompts(url: str, route: str) -> list[httpx.Response]:
-    prompt = "a" * 990_000  # one pre-token: the slowest text per character for BPE (0.17 s here)
+    prompt = "a" * 990_000  # one pre-token: the slowest text per character for BPE
     body = {"inputs": prompt} if route == "/generate" else {"prompt": [prompt], "max_tokens": 2}
     calls = [lambda: httpx.post(url + route, json=body, timeout=60) for _ in range(10)]
     return run_concurrently(calls)

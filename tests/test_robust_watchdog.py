@@ -24,7 +24,7 @@ from wafer_gpt2.settings import ServerSettings
 
 SLOTS = 2
 PROMPT = "The wafer stopped answering in the middle of"
-STEP_TIMEOUT_S = 1.0  # a step of this small model takes ~10-50 ms here
+STEP_TIMEOUT_S = 1.0  # far longer than a step of this small model takes
 HANG_LIMIT_S = 20.0
 
 

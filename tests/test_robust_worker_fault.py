@@ -141,7 +141,7 @@ REFERENCE = re.compile(r"\(reference ([0-9a-f]{12}); the server log has the deta
 def run_fault_drill(server, inject, names_the_fault: str, caplog) -> None:
     """Two requests running (a TGI stream, a non-streaming OpenAI request), two queued (a non-streaming
     TGI request, an OpenAI stream); `inject()` fails the worker; check what each gets and what follows.
-    The errors of the requests in flight carry a log reference, not the fault's text (issue 17); the
+    The errors of the requests in flight carry a log reference, not the fault's text (no internal text in bodies); the
     log line with that reference matches the regular expression `names_the_fault`."""
     url = server.url
     restarts_before = restarts(server)

@@ -166,7 +166,7 @@ def test_vllm_extras_min_p_output_penalties_and_banned_ids():
 
 
 # ----- totality: no parameter the validation lets through and no score the wafer returns may leave the
-# sampler without a candidate or with a NaN probability (issue 17: an empty top-p list crashed a step).
+# sampler without a candidate or with a NaN probability (an empty top-p list would crash a step).
 
 
 @pytest.mark.parametrize(

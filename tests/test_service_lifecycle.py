@@ -84,7 +84,7 @@ def test_a_failed_step_fails_the_requests_in_flight_then_the_worker_recovers(sma
                     running.engine.inject_fault("simulated fabric error")
         other.join(30)
         assert "error" in events[-1] and events[-1]["error_type"] == "generation"
-        # the client gets a log reference, the log the fault (issue 17: no internal text in bodies)
+        # the client gets a log reference, the log the fault: no internal text in response bodies
         assert "reference" in events[-1]["error"] and "simulated fabric error" not in events[-1]["error"]
         failed = result["response"]
         assert failed.status_code == 424 and failed.json()["error_type"] == "generation"

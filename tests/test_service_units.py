@@ -12,7 +12,7 @@ from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
 from wafer_gpt2.engine.failures import Overloaded, RequestValidationFailed
 from wafer_gpt2.engine.kv_slots import KVSlotManager, SlotError
 from wafer_gpt2.engine.metrics import ServiceMetrics
-from wafer_gpt2.engine.request import GenerationRequest, RequestState
+from wafer_gpt2.engine.request import GenerationRequest, RequestState, loop_sink
 from wafer_gpt2.engine.sampling import Sampler, SamplingParams
 from wafer_gpt2.engine.scheduler import Scheduler
 from wafer_gpt2.model import tokenizer
@@ -131,7 +131,7 @@ def test_slots_allocate_free_and_report_usage():
 # ----- scheduler -----------------------------------------------------------------------------------
 
 
-LOOP = asyncio.new_event_loop()  # a RequestState's events go to a loop; none runs in these tests
+LOOP = asyncio.new_event_loop()  # a RequestState's events go to a loop's sink; none runs in these tests
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -150,7 +150,7 @@ def make_sequence(prompt_len: int, max_new: int = 4, prompt_logprobs: bool = Fal
         request=request,
         detokenizer=IncrementalDetokenizer(tokenizer.token_bytes),
         sampler=Sampler(SamplingParams()),
-        loop=LOOP,
+        sink=loop_sink(LOOP),
     )
 
 

@@ -2,8 +2,8 @@
 thread and on the pool (items split by slot, GEMVs by column blocks, attention and the head by items).
 
 Not bit for bit: BLAS orders the products inside one PE's tile differently for calls of different
-shapes (measured: rounding-level differences in the partials, up to 5e-5 in logits near 0.6 after
-the fp16 roundings of four layers), the one freedom the simulator leaves (docs/simulator.md)."""
+shapes (rounding-level differences in the partials, which the fp16 roundings of the layers carry
+into the logits), the one freedom the simulator leaves (docs/simulator.md)."""
 
 from __future__ import annotations
 

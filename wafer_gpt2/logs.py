@@ -71,7 +71,7 @@ ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 
 
 # Fresh ids need to be unique, not secret (the client is given its id): a private generator, seeded
-# from the OS at import, costs a seventh of uuid4's system call and object (issue 18).
+# from the OS at import, costs a fraction of uuid4's system call and object.
 _fresh_ids = random.Random()
 
 

@@ -72,8 +72,8 @@ class ServerSettings:
     # request is body-pending for a moment between the two.
     body_pending_grace_s: float = 1.0
     # uvicorn's event loop: "asyncio" or "uvloop". asyncio's socket writes let go of the GIL, which the
-    # engine's worker then gets; uvloop's hold it through the system call, which was 40% of the server's
-    # GIL time with 16 streams (issue 18: streams 1.2-1.4x faster on asyncio, the rest the same).
+    # engine's worker then gets; uvloop's hold it through the system call, a large share of the server's
+    # GIL time on the streamed routes, so streams run faster on asyncio and nothing runs slower.
     event_loop: str = "asyncio"
     # The engine in a process of its own (`wafer_gpt2/engine/process.py`): HTTP and the engine each get a
     # GIL. The backend factory must then be picklable (it crosses a spawn). `serve` turns it on

@@ -1,13 +1,13 @@
-"""The engine core's instructions per generated token, counted by valgrind (issue 18).
+"""The engine core's instructions per generated token, counted by valgrind.
 
-This machine's speed swings about 2x within a minute, so CPU times of alternated runs cannot resolve a
-change of a few percent in the host's per-token work. Instruction counts can: the same run gives the
-same count within about half a percent. `EngineCore` is stepped over the null backend (no model),
+A shared machine's speed swings within a minute by far more than a few percent, so CPU times of
+alternated runs cannot resolve such a change in the host's per-token work. Instruction counts can: the
+same run gives nearly the same count every time. `EngineCore` is stepped over the null backend (no model),
 `--requests` requests of a 10-token prompt and `--new-tokens` tokens each per round, and valgrind's
 cachegrind (no cache simulation) counts the instructions of `--rounds` + 1 rounds less those of one
 round, so imports and the tokenizer's load cancel out. Counts are fixed by a hash seed, address-space
-randomisation off (`setarch -R`) and numpy's thread pools at one thread (their idle threads moved the
-count by 3-5%).
+randomisation off (`setarch -R`) and numpy's thread pools at one thread (their idle threads' instructions
+would be counted too).
 
     python tools/bench/core_instructions.py [--tree PATH ...] [--requests 64] [--new-tokens 32] [--stream]
 
@@ -41,7 +41,7 @@ def workload(rounds: int, requests: int, new_tokens: int, stream: bool) -> int:
     """Step the engine core over the null backend; the tokens it generated."""
     from wafer_gpt2.backends.stand_ins import NullBackend
     from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
-    from wafer_gpt2.engine.request import GenerationRequest
+    from wafer_gpt2.engine.request import GenerationRequest, loop_sink
 
     backend = NullBackend(50257, slots=requests, context=len(PROMPT) + new_tokens, top_k=64)
     core = EngineCore(backend, gpt2_tokenizer_hooks(), max_queue=requests, step_token_budget=512)
@@ -50,7 +50,9 @@ def workload(rounds: int, requests: int, new_tokens: int, stream: bool) -> int:
     try:
         for _ in range(rounds):
             states = [
-                core.add(core.new_request(GenerationRequest(PROMPT, new_tokens), loop=loop, stream=stream))
+                core.add(
+                    core.new_request(GenerationRequest(PROMPT, new_tokens), loop_sink(loop), stream=stream)
+                )
                 for _ in range(requests)
             ]
             while core.has_work():

@@ -1,4 +1,4 @@
-"""Where the HTTP process's event-loop thread spends its time under `python -m tools.bench host` (issue 18).
+"""Where the HTTP process's event-loop thread spends its time under `python -m tools.bench host`.
 
 py-spy samples every thread of a process and counts a thread that waits for the GIL or for a core as
 busy at the line it stopped on; cProfile, enabled on the loop's own thread, times every call the loop

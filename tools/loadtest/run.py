@@ -80,7 +80,8 @@ def start_server(args: argparse.Namespace, port: int, log_file) -> subprocess.Po
         command += ["--weights", str(args.weights)]
     command += args.serve_flags
     # As in the tests: on a small shared machine OpenBLAS's thread hand-off costs more than it gains
-    # (a 256-item simulator step: 1.9 s with 2 threads, 0.11 s with 1, measured). The caller's setting wins.
+    # (the simulator's pool is the parallelism; BLAS threads inside it oversubscribe the cores). The
+    # caller's setting wins.
     env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}
     print("server:", " ".join(command[1:]), flush=True)
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)

@@ -3,6 +3,11 @@
 data.py gathers the modeled figures from the planner, peers.py holds the published and computed
 comparisons, measured.py holds the benchmarks' rows (measured by the command line and passed in as
 `measured`), plots.py draws, markdown.py writes. `python -m tools.report --out DIR` is the command line for it.
+
+What the report writes and what it keeps: every modeled figure is written anew; the measured rows are
+kept in `<out>/performance/measured.json` by a `--measure` run and read back by the runs without it;
+the sections written by hand (between KEPT_BEGIN and KEPT_END: the host's figures) are carried over
+from the file being replaced.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.report.data import ReportSettings, collect
-from tools.report.markdown import FIGURE_DIR, render
+from tools.report.markdown import FIGURE_DIR, MEASURED_FILE, render
 from tools.report.measured import Measured
 from tools.report.plots import Figure, draw_all
 
@@ -31,14 +36,17 @@ def generate_report(
 ) -> Report:
     """Write <out_dir>/performance.md and <out_dir>/performance/*.png; return where they went.
 
-    `measured`: benchmark rows measured on this machine (`python -m tools.report --measure` runs them); without
-    them every figure is modeled."""
+    `measured`: benchmark rows measured on this machine (`python -m tools.report --measure` runs them),
+    kept in <out_dir>/performance/measured.json; without them, the rows kept there by the last run that
+    measured, if any."""
     out_dir = Path(out_dir)
     settings = settings or ReportSettings()
     command = command or default_command(out_dir, settings)
     data = collect(settings, progress)
+    kept = out_dir / FIGURE_DIR / MEASURED_FILE
     if measured is not None:
-        data.measured = measured
+        measured.save(kept)
+    data.measured = measured or Measured.load(kept)
     figures = draw_all(data, out_dir / FIGURE_DIR, command)
     markdown_path = out_dir / "performance.md"
     text = render(data, figures, command)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import io
 import sys
 import time
@@ -26,8 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Write OUT/performance.md and its plots in OUT/performance/: the wafer map, where the time of a "
             "token goes, the latency/PE trade-off, throughput against batch size and replicas, the four GPT-2 "
-            "sizes, SRAM per region, and comparisons with GPUs. Without --measure every figure is modeled "
-            "(cost model) and the report takes well under a minute; --measure adds benchmarks measured here."
+            "sizes, SRAM per region, and comparisons with GPUs. The modeled figures (cost model) are written "
+            "anew; the measured ones are those the last run with --measure kept in OUT/performance/measured.json, "
+            "and the hand-written host section is carried over."
         ),
     )
     parser.add_argument("--out", default="docs", help="output directory (docs)")
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--measure",
         action="store_true",
-        help="also run the simulator and service benchmarks here and include their measured figures",
+        help="also run the simulator and service benchmarks here (minutes) and keep their figures",
     )
     parser.set_defaults(func=run)
     return parser
@@ -122,7 +124,9 @@ def measure_all(progress: Callable[[str], None] | None = None) -> Measured:
     from tools.report.measured import SERVICE_COMMAND, SIM_COMMAND, Measured, describe_machine
 
     say = progress or (lambda message: None)
-    measured = Measured(describe_machine(), f"{SIM_COMMAND}; {SERVICE_COMMAND}")
+    measured = Measured(
+        describe_machine(), f"{SIM_COMMAND}; {SERVICE_COMMAND}", date=datetime.date.today().isoformat()
+    )
     outputs = []
     for run_rows in (measure_sim_rows, measure_service_rows):
         rows, output = run_rows(say)

@@ -9,10 +9,8 @@ streams in flight and the replicas, and how full the PEs are.
 from __future__ import annotations
 
 import functools
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tools.report.measured import Measured
 from tools.report.peers import GPUS, PUBLISHED, BandwidthFloor, PublishedFigure, bandwidth_floor
@@ -93,13 +91,10 @@ class OperatingPoint:
 def time_by_part(plan: Plan) -> dict[str, int]:
     """Critical-path cycles of one token grouped into the parts of the model: each layer operation
     summed over all layers, and the stages outside the layers (I/O, embedding, routes, head)."""
-    return group_by_part([(stage.name, stage.cycles) for stage in plan.stage_costs], plan.config.n_layer)
-
-
-def group_by_part(stages: list[tuple[str, int]], n_layer: int) -> dict[str, int]:
-    """`time_by_part` on (stage name, cycles) pairs, e.g. a plan JSON's critical path."""
+    n_layer = plan.config.n_layer
     parts: dict[str, int] = defaultdict(int)
-    for name, cycles in stages:
+    for stage in plan.stage_costs:
+        name, cycles = stage.name, stage.cycles
         if name.startswith("L") and "." in name and name.split(".", 1)[0][1:].isdigit():
             parts[f"{name.split('.', 1)[1]} (x{n_layer})"] += cycles
         elif name.startswith("band turn") or name == "to ln_f":
@@ -111,44 +106,6 @@ def group_by_part(stages: list[tuple[str, int]], n_layer: int) -> dict[str, int]
         else:
             parts[name] += cycles
     return dict(parts)
-
-
-# The modeled plan before issue 14's latency work (the calibrated model at commit a6b31f5, written by
-# `wafer-gpt2 plan --json` there): the report sets today's critical path beside it.
-LATENCY_BASELINE = Path(__file__).with_name("latency_baseline.json")
-
-
-@dataclass(frozen=True)
-class Baseline:
-    commit: str
-    decode_cycles: int
-    bottleneck_stage_us: float
-    imbalance: float
-    critical_path: list[tuple[str, int]]
-    throughput_replicas: int
-    throughput_tokens_per_s: float
-
-
-def latency_baseline(settings: ReportSettings) -> Baseline | None:
-    """The stored baseline for the report's model and arch (gpt2, fp16, 16 slots only), or None."""
-    data = json.loads(LATENCY_BASELINE.read_text())
-    plan = data["plans"].get(settings.arch)
-    if plan is None or (settings.model, settings.dtype, settings.slots, settings.top_k) != (
-        data["model"],
-        data["dtype"],
-        16,
-        64,
-    ):
-        return None
-    return Baseline(
-        data["commit"],
-        plan["decode_cycles"],
-        plan["bottleneck_stage_us"],
-        plan["imbalance"],
-        [(name, cycles) for name, cycles in plan["critical_path"]],
-        plan["throughput_objective"]["replicas"],
-        plan["throughput_objective"]["tokens_per_s_total"],
-    )
 
 
 def time_by_layer(plan: Plan) -> list[tuple[str, dict[str, int]]]:
@@ -310,7 +267,6 @@ class ReportData:
     measured: Measured | None = None  # when --measure ran
     size_notes: list[str] = field(default_factory=list)  # sizes no plan could meet, and why
     replica_notes: list[str] = field(default_factory=list)  # replica counts no plan could meet, and why
-    baseline: Baseline | None = None  # the plan before the latency work, where one is stored
 
 
 def replica_curves(config: GPT2Config, settings: ReportSettings, notes: list[str]) -> list[ReplicaCurve]:
@@ -367,5 +323,4 @@ def collect(settings: ReportSettings | None = None, progress=None) -> ReportData
         floors,
         size_notes=size_notes,
         replica_notes=replica_notes,
-        baseline=latency_baseline(settings),
     )

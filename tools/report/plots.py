@@ -475,7 +475,7 @@ def measured(data: ReportData, out_dir: Path, command: str) -> Figure | None:
         "simulator is for development, not how fast a wafer is. The service pair compares full decode steps "
         "(one token per stream) under HTTP with the same steps driven directly.",
         m.command,
-        "measured here, on the machine named above",
+        "measured on the day and the machine named above",
     )
 
 

@@ -13,8 +13,8 @@ import numpy as np
 
 from wafer_gpt2.core.steps import BackendError, StepItem, TokenScores, validate_items
 from wafer_gpt2.errors import InvalidInput
+from wafer_gpt2.model.forward import KVCache, Segment, forward_hidden, lm_head, logsumexp
 from wafer_gpt2.model.params import GPT2Params
-from wafer_gpt2.model.reference import KVCache, Segment, forward_hidden, lm_head, logsumexp
 
 
 def top_k_scores(logits: np.ndarray, k: int, target: int | None = None) -> TokenScores:

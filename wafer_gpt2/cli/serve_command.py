@@ -34,8 +34,8 @@ from wafer_gpt2.settings import ServerSettings
 
 API_KEY_ENV = "WAFER_GPT2_API_KEY"
 ALLOW_NO_API_KEY_ENV = "WAFER_GPT2_ALLOW_NO_API_KEY"
-# `serve` runs the engine in a process of its own (issue 18: 1.2-2x the tokens/s where the host, not
-# the backend, is the limit; the same on the simulator), while an app built in-process
+# `serve` runs the engine in a process of its own (HTTP and the engine each get a core and a GIL: more
+# tokens/s where the host, not the backend, is the limit, and no loss on the simulator), while an app built in-process
 # (`ServerSettings`, the tests, `bench`) keeps it on a thread unless asked.
 SERVE_ENGINE_PROCESS = True
 

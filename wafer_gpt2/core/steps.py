@@ -21,7 +21,7 @@ import numpy as np
 from wafer_gpt2.errors import WaferGPT2Error
 
 
-# Built per item per step: a named tuple builds in a quarter of a frozen dataclass's time (issue 18).
+# Built per item per step: a named tuple builds in a fraction of a frozen dataclass's time.
 class StepItem(NamedTuple):
     slot: int
     position: int
@@ -31,7 +31,7 @@ class StepItem(NamedTuple):
 
 
 # A StepItem from all five fields as one tuple, by `tuple.__new__` alone: the named tuple's own `__new__`
-# is a Python function (the scheduler builds a decode item per running request per step, issue 18).
+# is a Python function (the scheduler builds a decode item per running request per step).
 step_item_of = partial(tuple.__new__, StepItem)
 
 
@@ -92,7 +92,7 @@ class Backend(BackendShape, Protocol):
 
 class PipelinedBackend(Backend, Protocol):
     """A backend that takes a step while earlier ones are still in flight, as the wafer's layer
-    pipeline takes items (issue 18): the host prepares the next step while the wafer computes one.
+    pipeline takes items: the host prepares the next step while the wafer computes one.
     `submit` starts a step and returns at once; `collect` returns the results of the oldest step not yet
     collected, waiting for them. At most `steps_in_flight` steps are submitted and not collected; a slot
     has items in one of them at most (the engine's rule), so steps never depend on each other, and a

@@ -89,7 +89,7 @@ def step_message(items: Sequence[StepItem], slots_per_replica: int) -> np.ndarra
 
 def _message(items: Sequence[tuple[int, int, int, bool, int | None]]) -> np.ndarray:
     """The message of (slot, position, token, want_scores, target) rows: built from one row per item, not
-    a column at a time (this runs before every step, issue 18)."""
+    a column at a time (this runs before every step)."""
     words = np.zeros(HEADER_WORDS + ITEM_WORDS * len(items), dtype=np.uint32)
     words[0] = len(items)
     if items:
@@ -155,7 +155,7 @@ def decode_scores(
     """Parse the output stream of one step: `expected_items` are the indices of the items that asked
     for scores, `asked_target` whether each of them asked for a target logit. The step's records are
     split into columns at once and each item's `TokenScores` holds rows of them: a few numpy calls a step,
-    not a few a record (this runs between two steps, issue 18)."""
+    not a few a record (this runs between two steps, while the wafer waits)."""
     size = record_words(top_k)
     words = np.asarray(words, dtype=np.uint32)
     if words.size != size * len(expected_items):

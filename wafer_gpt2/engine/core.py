@@ -3,10 +3,10 @@
 `add` queues a request, `step` runs one step (drop cancelled and timed-out requests, admit waiting ones
 into free KV slots, run the decode items of running requests and the prompt chunks of new ones
 together, sample, detokenize, check stops) and returns the events it produced, `abort` ends a request at
-the next step boundary. A request created with an event loop (the server's) gets its events on that
-loop's queue instead. Every decode loop in the tree drives it: the server's worker thread
-(`wafer_gpt2/engine/worker.py`, which adds the thread, reload, drain, watchdog and fault hooks), `wafer-gpt2
-generate` and the benchmarks.
+the next step boundary. A request created with an event sink (the server's event loop, the engine
+process's pipe) gets its events there instead, once per step. Every decode loop in the tree drives it:
+the server's worker thread (`wafer_gpt2/engine/worker.py`, which adds the thread, reload, drain,
+watchdog and fault hooks), `wafer-gpt2 generate` and the benchmarks.
 
 Not thread-safe: the worker calls it under its own lock, and runs the backend's step (`execute`)
 outside it so that requests can arrive and the watchdog can act while the wafer computes.
@@ -14,7 +14,6 @@ outside it so that requests can arrive and the watchdog can act while the wafer 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -32,6 +31,7 @@ from wafer_gpt2.engine.request import (
     Alternative,
     ErrorEvent,
     Event,
+    EventSink,
     FinishEvent,
     FinishReason,
     GenerationRequest,
@@ -39,7 +39,6 @@ from wafer_gpt2.engine.request import (
     RequestState,
     RequestStatus,
     TokenEvent,
-    deliver,
     generated_token_of,
     token_event_of,
 )
@@ -115,10 +114,10 @@ class EngineCore:
         self.metrics = metrics if metrics is not None else ServiceMetrics("wafer-gpt2")
         self.steps = 0
         self._outputs: list[Output] = []
-        # Events for requests served on an event loop, handed over once per step (one thread-safe call
-        # per loop per step instead of one per token): what `_flush` sends.
-        self._pending: dict[asyncio.AbstractEventLoop, list[Output]] = {}
-        # Overlap (issue 18): with `finish(defer=True)` a chosen token whose request cannot end on its
+        # Events for requests with a sink, handed over once per step (one call per sink per step instead
+        # of one per token): what `_flush` sends.
+        self._pending: dict[EventSink, list[Output]] = {}
+        # Overlap: with `finish(defer=True)` a chosen token whose request cannot end on its
         # text (no stop sequences) is only recorded; the rest (detokenizing, the event, the metrics, the
         # end) is `complete_deferred`'s, which the worker runs while the backend computes the next step.
         self._deferring = False
@@ -155,10 +154,11 @@ class EngineCore:
     # ----- requests --------------------------------------------------------------------------------
 
     def new_request(
-        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None, stream: bool = True
+        self, request: GenerationRequest, sink: EventSink | None = None, stream: bool = True
     ) -> RequestState:
-        """A request's engine state (not yet queued); `loop`: the event loop its events go to; `stream`
-        False: its handler waits for the final event only, so no token events are sent to the loop."""
+        """A request's engine state (not yet queued); `sink`: where its events go (None: `step()`'s
+        result); `stream` False: its handler waits for the final event only, so no token events are
+        sent to the sink."""
         return RequestState(
             stream=stream,
             request=request,
@@ -169,7 +169,7 @@ class EngineCore:
                 self._tokenizer.token_text,
             ),
             sampler=Sampler(request.sampling, vocab_size=self._tokenizer.vocab_size),
-            loop=loop,
+            sink=sink,
         )
 
     def add(self, request: GenerationRequest | RequestState) -> RequestState:
@@ -295,7 +295,7 @@ class EngineCore:
 
     def record_gauges(self) -> None:
         """Set the queue and KV gauges, when they changed: this runs several times a step, and setting
-        eight gauges (a lock each) cost more than the step's bookkeeping for a few tokens (issue 18)."""
+        eight gauges (a lock each) costs more than the step's bookkeeping for a few tokens."""
         scheduler = self.scheduler
         slots = scheduler.slots
         state = (len(scheduler.waiting), len(scheduler.running), slots, *slots.counts())
@@ -474,7 +474,7 @@ class EngineCore:
             self._end(state, finish=FinishReason.LENGTH)
         else:
             state.pending_token = token
-            if state.stream or state.loop is None:  # a non-streamed request hears only its end (`_emit`)
+            if state.stream or state.sink is None:  # a non-streamed request hears only its end (`_emit`)
                 prefill = tuple(state.prefill) if not generated else ()
                 self._emit(state, token_event_of((generated + 1, tokens[-1], prefill)))
 
@@ -525,17 +525,17 @@ class EngineCore:
             log.exception("freeing slot %d failed", slot, extra={"request_id": state.id if state else "-"})
 
     def _emit(self, state: RequestState, event: Event) -> None:
-        """To the request's event loop when it has one (the server; sent at the step's end by `_flush`),
-        else to `step()`'s result."""
-        loop = state.loop
-        if loop is None:
+        """To the request's sink when it has one (the server; sent at the step's end by `_flush`), else to
+        `step()`'s result."""
+        sink = state.sink
+        if sink is None:
             self._outputs.append((state, event))
         elif state.stream or not isinstance(event, TokenEvent):
-            self._pending.setdefault(loop, []).append((state, event))
+            self._pending.setdefault(sink, []).append((state, event))
 
     def _flush(self) -> None:
-        """Hand the events of this step to their event loops: one thread-safe call per loop; count the
-        step's tokens in the metrics."""
+        """Hand the events of this step to their sinks, one call per sink; count the step's tokens in the
+        metrics."""
         if self._tokens_uncounted:
             self.metrics.record_tokens(self._tokens_uncounted)
             self._tokens_uncounted = 0
@@ -545,11 +545,8 @@ class EngineCore:
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
-        for loop, events in pending.items():
-            try:
-                loop.call_soon_threadsafe(deliver, events)
-            except RuntimeError:
-                pass  # the event loop is gone (server stopped): nobody is listening any more
+        for sink, events in pending.items():
+            sink.hand_over(events)
 
 
 def bare_greedy(backend: Backend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

@@ -20,7 +20,7 @@ from functools import partial
 from typing import NamedTuple
 
 
-# One per generated token: a named tuple builds in a quarter of a frozen dataclass's time (issue 18).
+# One per generated token: a named tuple builds in a fraction of a frozen dataclass's time.
 class TokenText(NamedTuple):
     text: str  # the characters this token completed (may be "" when it ends inside a character)
     released: str  # text that may be sent to the client now (after UTF-8 and stop-sequence hold-back)

@@ -2,8 +2,7 @@
 
 A full collection walks every tracked object. After startup most of them live as long as the process
 (modules, the FastAPI app and its schemas, the engine, the backend and its plan): a full collection
-of that heap took 71 ms in the HTTP process and 52 ms in an engine process with the modeled wafer's
-plan (issue 18), a stall of every request in flight each time one runs. `settle` collects once, then
+walks all of that heap, a stall of every request in flight each time one runs. `settle` collects once, then
 freezes what is left (`gc.freeze`: moved to a generation the collector never walks), as vLLM's engine
 core does after it has loaded the model. A later `settle` unfreezes first, so that what a reload
 dropped (the old backend) can still be collected.

@@ -1,15 +1,23 @@
-"""The hot messages between the HTTP process and the engine process, in a compact form (issue 18).
+"""The messages between the HTTP process and the engine process, and how they cross the pipe.
 
-A step's events (`("events", [(request id, event), ...])`) and a request (`("submit", id, request,
-stream)`) cross the pipe once per step and once per request. Pickled, their records (one
+Each kind of message is a named tuple below; `KINDS` is the one table of them: the byte that names
+the kind on the wire, which way it goes, and, for the two hot kinds, their compact form.
+
+- to the engine: `Submit` (a request, already validated and tokenized), `Cancel`, `Drain`,
+  `Shutdown`, `Fault` (the test hook), `Ask` (a question: metrics, KV usage, queue sizes);
+- from the engine: `Events` (one step's events), `Shape` (the backend's shape after a load),
+  `Status` (the engine's state, also the heartbeat), `Answer`, `Stopped`.
+
+A step's events and a request cross once per step and once per request. Pickled, their records (one
 `GeneratedToken` and `TokenEvent` per token, a request's whole token list in its `FinishEvent`) cost
 more to pack and unpack than the engine spends choosing and decoding the token: every object is
-pickled with its class and rebuilt attribute by attribute. Here they travel as plain tuples, packed by
-`marshal` (built-in types only; both ends run the same interpreter), and are rebuilt as the same
-records on arrival; the tokens of a step's token events, and of a finish event, travel as columns.
-Every other message, and an events message with an error in it (rare; an error is an exception with
-a class), is pickled as before.
+pickled with its class and rebuilt attribute by attribute. So these two travel as plain tuples,
+packed by `marshal` (built-in types only; both ends run the same interpreter), and are rebuilt as the
+same records on arrival; the tokens of a step's token events, and of a finish event, travel as
+columns. Every other message, and an events message with an error in it (rare; an error is an
+exception with a class), is pickled (its fields; the kind's byte says which class to rebuild).
 
+On the wire a message is its kind's byte, the form's byte (`MARSHALLED` or `PICKLED`) and the body.
 The pipe is private to the server and its own engine process: `marshal`, like `pickle`, is not for
 data from anyone else.
 """
@@ -18,10 +26,13 @@ from __future__ import annotations
 
 import marshal
 import pickle
-from collections.abc import Iterator
-from dataclasses import fields
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
 from functools import partial
+from typing import Any, Literal, NamedTuple
 
+from wafer_gpt2.core.steps import BackendError
+from wafer_gpt2.engine.kv_slots import KVUsage
 from wafer_gpt2.engine.request import (
     Alternative,
     Event,
@@ -35,44 +46,219 @@ from wafer_gpt2.engine.request import (
     token_event_of,
 )
 from wafer_gpt2.engine.sampling import SamplingParams
+from wafer_gpt2.engine.worker import EngineState
 
-MARSHALLED, PICKLED = b"m", b"p"  # the first byte of every message
+MARSHALLED, PICKLED = b"m", b"p"  # the second byte of every message: the form of its body
+
+# ----- what the messages carry ---------------------------------------------------------------------
 
 
-def encode(message: tuple) -> bytes:
-    """A message for `Connection.send_bytes`."""
-    kind = message[0]
+@dataclass(frozen=True)
+class ShapeReport:
+    """What the HTTP process knows of the engine's backend (`wafer_gpt2.core.steps.BackendShape`)."""
+
+    backend: str
+    num_slots: int
+    context_length: int
+    vocab_size: int
+    top_k: int
+    description: dict
+
+    def describe(self) -> dict:
+        return self.description
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine's state as /health, /info and `bench host` read it."""
+
+    state: EngineState
+    error: str | None
+    fault: str | None
+    load_seconds: float | None
+    restarts: int
+    steps: int
+    idle_seconds: float
+    kv_usage: KVUsage
+    waiting: int
+    running: int
+    capacity: int
+    backend_counters: dict[str, float] = field(default_factory=dict)
+
+
+Question = Literal["metrics", "kv_usage", "queue_sizes"]  # what `Ask` may ask
+
+# ----- the kinds -----------------------------------------------------------------------------------
+
+
+class Submit(NamedTuple):
+    """Run `request` (the engine's events for it name `request_id`); `stream` False: only its end."""
+
+    request_id: str
+    request: GenerationRequest
+    stream: bool
+
+
+class Cancel(NamedTuple):
+    """The client went away: end the request and free its slot (no event follows)."""
+
+    request_id: str
+
+
+class Drain(NamedTuple):
+    """Refuse new requests from now on; the running ones finish."""
+
+
+class Shutdown(NamedTuple):
+    """Drain for up to `timeout_s`, fail what is left, stop the engine and then the process."""
+
+    timeout_s: float
+
+
+class Fault(NamedTuple):
+    """The test hook `Engine.inject_fault`, with its arguments."""
+
+    message: str
+    steps: int = 1
+    reloads: int = 0
+    error: type[BaseException] = BackendError
+
+
+class Ask(NamedTuple):
+    """A question; the engine process answers with an `Answer` of the same number."""
+
+    number: int
+    question: Question
+
+
+class Events(NamedTuple):
+    """One step's events, by request id, in the order the engine produced them."""
+
+    events: list[tuple[str, Event]]
+
+
+class Shape(NamedTuple):
+    """The shape of the backend a (re)load brought."""
+
+    shape: ShapeReport
+
+
+class Status(NamedTuple):
+    """The engine's state (sent when it changes, and as the heartbeat); `fatal`: why the engine asked
+    the server to exit, once it has."""
+
+    snapshot: Snapshot
+    fatal: str | None
+
+
+class Answer(NamedTuple):
+    number: int
+    answer: Any
+
+
+class Stopped(NamedTuple):
+    """The engine process's last message: nothing more follows."""
+
+
+ToEngine = Submit | Cancel | Drain | Shutdown | Fault | Ask
+FromEngine = Events | Shape | Status | Answer | Stopped
+Message = ToEngine | FromEngine
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of message: its class, its byte on the wire, its direction and, for a hot kind, its
+    compact form (`pack` gives the plain tuple `marshal` packs, or None where the message has a value
+    only pickle packs; `unpack` rebuilds the message from it)."""
+
+    type: type
+    tag: bytes
+    to_engine: bool
+    pack: Callable[[Any], tuple | None] | None = None
+    unpack: Callable[[tuple], Any] | None = None
+
+
+def _pack_submit(message: Submit) -> tuple:
+    return (message.request_id, _pack_request(message.request), message.stream)
+
+
+def _unpack_submit(packed: tuple) -> Submit:
+    request_id, request, stream = packed
     try:
-        if kind == "events":
-            packed = _pack_events(message[1])
-            if packed is not None:
-                return MARSHALLED + marshal.dumps(("events", packed))
-        elif kind == "submit":
-            _, request_id, request, stream = message
-            return MARSHALLED + marshal.dumps(("submit", request_id, _pack_request(request), stream))
-    except ValueError:  # a value marshal cannot pack (a field of a type added later): pickled instead
-        pass
-    return PICKLED + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return Submit(request_id, _unpack_request(request), stream)
+    except Exception as error:  # the constructors' checks (the HTTP process ran them too): a bug
+        raise UnreadableRequest(request_id) from error
 
 
-def decode(data: bytes) -> tuple:
-    """What `encode` was given (records equal to the ones sent)."""
-    tag, body = data[:1], memoryview(data)[1:]
-    if tag == PICKLED:
-        return pickle.loads(body)
-    if tag != MARSHALLED:
-        raise ValueError(f"not a message of the engine pipe (first byte {bytes(tag)!r})")
-    message = marshal.loads(body)
-    kind = message[0]
-    if kind == "events":
-        return ("events", _unpack_events(message[1]))
-    if kind == "submit":
-        _, request_id, request, stream = message
+def _pack_events_message(message: Events) -> tuple | None:
+    return _pack_events(message.events)
+
+
+def _unpack_events_message(packed: tuple) -> Events:
+    return Events(_unpack_events(packed))
+
+
+TO_ENGINE, FROM_ENGINE = True, False
+
+# The one table of the pipe's messages.
+KINDS: tuple[Kind, ...] = (
+    Kind(Submit, b"s", TO_ENGINE, _pack_submit, _unpack_submit),
+    Kind(Cancel, b"c", TO_ENGINE),
+    Kind(Drain, b"d", TO_ENGINE),
+    Kind(Shutdown, b"x", TO_ENGINE),
+    Kind(Fault, b"f", TO_ENGINE),
+    Kind(Ask, b"q", TO_ENGINE),
+    Kind(Events, b"e", FROM_ENGINE, _pack_events_message, _unpack_events_message),
+    Kind(Shape, b"h", FROM_ENGINE),
+    Kind(Status, b"t", FROM_ENGINE),
+    Kind(Answer, b"a", FROM_ENGINE),
+    Kind(Stopped, b"z", FROM_ENGINE),
+)
+_KIND_OF: dict[type, Kind] = {kind.type: kind for kind in KINDS}
+_KIND_BY_TAG: dict[bytes, Kind] = {kind.tag: kind for kind in KINDS}
+
+
+def encode(message: Message) -> bytes:
+    """A message for `Connection.send_bytes`."""
+    kind = _KIND_OF[type(message)]
+    if kind.pack is not None:
         try:
-            return ("submit", request_id, _unpack_request(request), stream)
-        except Exception as error:  # the constructors' checks (the HTTP process ran them too): a bug
-            raise UnreadableRequest(request_id) from error
-    raise ValueError(f"unknown marshalled message {kind!r}")
+            packed = kind.pack(message)
+            if packed is not None:
+                return kind.tag + MARSHALLED + marshal.dumps(packed)
+        except ValueError:  # a value marshal cannot pack (a field of a type added later): pickled instead
+            pass
+    return kind.tag + PICKLED + pickle.dumps(tuple(message), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Message:
+    """What `encode` was given (records equal to the ones sent). ValueError for bytes that are no
+    message of the pipe; `UnreadableRequest` for a request that arrived but cannot be rebuilt."""
+    kind = _KIND_BY_TAG.get(data[:1])
+    if kind is None:
+        raise ValueError(f"not a message of the engine pipe (first byte {bytes(data[:1])!r})")
+    form, body = data[1:2], memoryview(data)[2:]
+    if form == PICKLED:
+        return kind.type(*pickle.loads(body))
+    if form != MARSHALLED or kind.unpack is None:
+        raise ValueError(f"a {kind.type.__name__} message in an unknown form {bytes(form)!r}")
+    return kind.unpack(marshal.loads(body))
+
+
+def decode_to_engine(data: bytes) -> ToEngine:
+    """A message of the HTTP process (in the engine process); ValueError for one that goes the other way."""
+    message = decode(data)
+    if not isinstance(message, ToEngine):
+        raise ValueError(f"a {type(message).__name__} message goes to the HTTP process, not the engine")
+    return message
+
+
+def decode_from_engine(data: bytes) -> FromEngine:
+    """A message of the engine process (in the HTTP process); ValueError for one that goes the other way."""
+    message = decode(data)
+    if not isinstance(message, FromEngine):
+        raise ValueError(f"a {type(message).__name__} message goes to the engine, not the HTTP process")
+    return message
 
 
 class UnreadableRequest(ValueError):

@@ -45,7 +45,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Requests' and steps' figures wait in plain queues and reach prometheus-client together (`fold`): at
 # every `samples()` (a scrape, the engine process's report), when the engine goes idle, and once this
 # many wait. Each figure was a locked update of its own (twelve per request, two per step); folded, a
-# batch costs one per counter and per histogram bucket that received any (issue 18).
+# batch costs one per counter and per histogram bucket that received any.
 FOLD_EVERY = 256
 
 
@@ -257,7 +257,7 @@ class ServiceMetrics:
 
     def record_token_latencies(self, first: Sequence[float], later: Sequence[float]) -> None:
         """A step's token latencies at once (`record_token`'s histograms): one locked update per bucket
-        that received any, instead of two per token (issue 18)."""
+        that received any, instead of two per token."""
         children = self._labelled()
         if first:
             observe_all(children[3], first)
@@ -265,7 +265,8 @@ class ServiceMetrics:
             observe_all(children[4], later)
 
     def _child(self, metric, *values: str):
-        """`metric.labels(model_name, *values)`, looked up once per label values (per request, issue 18)."""
+        """`metric.labels(model_name, *values)`, looked up once per label values: a `labels()` call
+        costs more than the update, and every request makes several."""
         key = (metric, values)
         child = self._child_cache.get(key)
         if child is None:

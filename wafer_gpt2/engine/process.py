@@ -1,18 +1,20 @@
-"""The engine in a process of its own (vLLM's split of the API server from the engine core; issue 18).
+"""The engine in a process of its own (vLLM's split of the API server from the engine core).
 
 In one process the HTTP event loop and the engine's worker take turns on one GIL: with a backend
 that answers at once, the server holds the GIL nearly all the time and uses one core of two. Here
 the engine (`wafer_gpt2/engine/worker.py`, unchanged: worker, reload, watchdog, drain) runs in a spawned
-process, and the HTTP process talks to it over a pipe:
+process, and the HTTP process talks to it over a pipe (the messages, typed, in
+`wafer_gpt2/engine/messages.py`):
 
-- to the engine: `submit` (the request's id, the `GenerationRequest`, whether it streams), `cancel`,
-  `drain`, `shutdown`, `fault` (the test hook);
-- from the engine: each step's events in one message (as `EngineCore._flush` hands them to an event
-  loop in one call), and the engine's state whenever it changes and at least every quarter of the
-  heartbeat deadline (`Snapshot`: the heartbeat).
+- to the engine: `Submit` (the request's id, the `GenerationRequest`, whether it streams), `Cancel`,
+  `Drain`, `Shutdown`, `Fault` (the test hook), `Ask` (metrics, KV usage, queue sizes);
+- from the engine: each step's events in one `Events` message (the engine core hands a step's events
+  to the requests' sink in one call, `_PipeSink` here), the engine's state whenever it changes and at
+  least every quarter of the heartbeat deadline (`Status`: the heartbeat), the backend's `Shape`,
+  `Answer`s, and `Stopped` last.
 
-Requests and step events cross as plain tuples (`wafer_gpt2/engine/messages.py`), the rest pickled. The engine
-process's reader hands each request to the worker without taking the engine's lock
+Requests and step events cross in a compact form (plain tuples packed by marshal), the rest pickled.
+The engine process's reader hands each request to the worker without taking the engine's lock
 (`Engine.submit_nowait`); `_Book` keeps the requests by id for cancellations. In the HTTP process the
 server's event loop reads the pipe itself (`FrameReader`), so the loop has no thread to share the GIL
 with and puts each step's events into its requests' queues directly; it writes the pipe without ever
@@ -55,7 +57,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, assert_never
 
 from wafer_gpt2 import logs
 from wafer_gpt2.core.steps import Backend
@@ -64,6 +66,24 @@ from wafer_gpt2.engine import messages as engine_messages
 from wafer_gpt2.engine.core import gpt2_tokenizer_hooks
 from wafer_gpt2.engine.failures import Overloaded, RequestTimedOut, ServiceError, Unavailable
 from wafer_gpt2.engine.kv_slots import KVUsage
+from wafer_gpt2.engine.messages import (
+    Answer,
+    Ask,
+    Cancel,
+    Drain,
+    Events,
+    Fault,
+    FromEngine,
+    Question,
+    Shape,
+    ShapeReport,
+    Shutdown,
+    Snapshot,
+    Status,
+    Stopped,
+    Submit,
+    ToEngine,
+)
 from wafer_gpt2.engine.metrics import Family, ServiceMetrics
 from wafer_gpt2.engine.request import (
     ErrorEvent,
@@ -88,39 +108,6 @@ HEARTBEATS_PER_TIMEOUT = 4
 BACKEND_COUNTERS = ("modeled_busy_s", "overshoot_s")
 # The states a drain turns into DRAINING (the engine's own `begin_drain` rule).
 ACCEPTING = (EngineState.READY, EngineState.LOADING, EngineState.RELOADING)
-
-
-@dataclass(frozen=True)
-class ShapeReport:
-    """What the HTTP process knows of the engine's backend (`wafer_gpt2.core.steps.BackendShape`)."""
-
-    backend: str
-    num_slots: int
-    context_length: int
-    vocab_size: int
-    top_k: int
-    description: dict
-
-    def describe(self) -> dict:
-        return self.description
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The engine's state as /health, /info and `bench host` read it."""
-
-    state: EngineState
-    error: str | None
-    fault: str | None
-    load_seconds: float | None
-    restarts: int
-    steps: int
-    idle_seconds: float
-    kv_usage: KVUsage
-    waiting: int
-    running: int
-    capacity: int
-    backend_counters: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -202,7 +189,7 @@ class _Book:
     at its next step boundary (`Engine.submit_nowait`); a cancellation that arrives before that is kept
     and applied when it is filed. Touched by the pipe's reader and the worker: one small lock."""
 
-    def __init__(self, send: Callable[[tuple], None], cancel: Callable[[RequestState], None]):
+    def __init__(self, send: Callable[[FromEngine], None], cancel: Callable[[RequestState], None]):
         self._send = send
         self._cancel = cancel
         self._lock = threading.Lock()
@@ -228,7 +215,7 @@ class _Book:
             ):
                 self._filed[request_id] = outcome
         if isinstance(outcome, ServiceError):  # sent outside the book's lock: a full pipe must not hold it
-            self._send(("events", [(request_id, ErrorEvent(outcome))]))
+            self._send(Events([(request_id, ErrorEvent(outcome))]))
         elif cancel:
             self._cancel(outcome)
 
@@ -247,22 +234,21 @@ class _Book:
                 self._filed.pop(request_id, None)
 
 
-class _Outbox:
-    """Stands in for an event loop in the engine process: `EngineCore._flush` hands it a step's events
-    (`loop.call_soon_threadsafe(deliver, events)`), which leave for the HTTP process as one message."""
+class _PipeSink:
+    """The engine process's requests' `EventSink`: a step's events leave for the HTTP process as one
+    `Events` message, and the requests that ended are forgotten by the book."""
 
-    def __init__(self, send: Callable[[tuple], None], book: _Book):
+    def __init__(self, send: Callable[[FromEngine], None], book: _Book):
         self._send = send
         self._book = book
 
-    def call_soon_threadsafe(self, function: Callable, *args) -> None:
-        if not args:
-            function()  # `wait_for_loops`: no event loop here shares this process's GIL
-            return
-        (events,) = args
+    def hand_over(self, events: list[tuple[RequestState, Event]]) -> None:
         out = [(state.id, event) for state, event in events]
         self._book.ended([state.id for state, event in events if not isinstance(event, TokenEvent)])
-        self._send(("events", out))
+        self._send(Events(out))
+
+    def wait_for_turn(self, timeout_s: float) -> None:
+        """Nothing to wait for: the receiver, the HTTP process's event loop, has a GIL of its own."""
 
 
 def _shape(backend: Backend) -> ShapeReport:
@@ -374,7 +360,7 @@ def engine_main(connection, options: EngineOptions) -> None:
         logs.configure(*options.log_config)
     send_lock = threading.Lock()
 
-    def send(message: tuple) -> None:
+    def send(message: FromEngine) -> None:
         with send_lock:
             connection.send_bytes(engine_messages.encode(message))
 
@@ -382,7 +368,7 @@ def engine_main(connection, options: EngineOptions) -> None:
     metrics = ServiceMetrics(options.model_id)
     engine = options.engine(metrics, on_fatal=fatal.append)
     book = _Book(send, engine.cancel)
-    outbox = _Outbox(send, book)
+    sink = _PipeSink(send, book)
     engine.start()
     stopped = threading.Event()
 
@@ -399,12 +385,12 @@ def engine_main(connection, options: EngineOptions) -> None:
                 if backend is not None and backend is not described:
                     if options.freeze_heap:
                         heap.settle()  # the new backend's objects; the old one's can go
-                    send(("shape", _shape(backend)))
+                    send(Shape(_shape(backend)))
                     described = backend
                 snapshot = _snapshot(engine, backend)
                 now = time.monotonic()
                 if snapshot != last or now - last_sent >= options.heartbeat_period_s:
-                    send(("status", snapshot, fatal[-1] if fatal else None))
+                    send(Status(snapshot, fatal[-1] if fatal else None))
                     last, last_sent = snapshot, now
             except (OSError, ValueError):
                 return  # the pipe is closed
@@ -414,7 +400,8 @@ def engine_main(connection, options: EngineOptions) -> None:
 
     threading.Thread(target=report_status, name="wafer-engine-status", daemon=True).start()
     # Every message that has arrived is read and handled at one hold of the GIL: read one by one, the
-    # reader let go of the GIL at every read and then had to win it back from the stepping worker (issue 18).
+    # reader let go of the GIL at every read and then had to win it back from the stepping worker, and
+    # the requests it handed over reached the worker a few per step.
     reader = FrameReader(connection.fileno())
     serving = True
     try:
@@ -424,28 +411,22 @@ def engine_main(connection, options: EngineOptions) -> None:
                 break  # the HTTP process is gone
             for raw in frames:
                 try:
-                    message = engine_messages.decode(raw)
-                except (
-                    engine_messages.UnreadableRequest
-                ) as unreadable:  # a bug: this request fails alone (500)
-                    send(
-                        (
-                            "events",
-                            [(unreadable.request_id, ErrorEvent(request_failed(unreadable.request_id)))],
-                        )
-                    )
+                    message = engine_messages.decode_to_engine(raw)
+                except engine_messages.UnreadableRequest as unreadable:  # a bug: it fails alone (500)
+                    failed = request_failed(unreadable.request_id)
+                    send(Events([(unreadable.request_id, ErrorEvent(failed))]))
                     continue
                 except Exception:  # a message that does not decode: a bug, logged; the engine goes on
                     log.exception("could not read a message from the HTTP process")
                     continue
-                serving = _serve_message(message, engine, book, outbox, metrics, send)
+                serving = _serve_message(message, engine, book, sink, metrics, send)
                 if not serving:
                     break
     finally:
         stopped.set()
         try:
-            send(("status", _snapshot(engine, _current_backend(engine)), fatal[-1] if fatal else None))
-            send(("stopped",))
+            send(Status(_snapshot(engine, _current_backend(engine)), fatal[-1] if fatal else None))
+            send(Stopped())
         except (OSError, ValueError):
             pass
         reader.close()
@@ -453,41 +434,44 @@ def engine_main(connection, options: EngineOptions) -> None:
 
 
 def _serve_message(
-    message: tuple,
+    message: ToEngine,
     engine: Engine,
     book: _Book,
-    outbox: _Outbox,
+    sink: _PipeSink,
     metrics: ServiceMetrics,
-    send: Callable[[tuple], None],
+    send: Callable[[FromEngine], None],
 ) -> bool:
-    """One message of the HTTP process, in the engine process; False after `shutdown`."""
-    kind = message[0]
-    if kind == "submit":
-        _, request_id, request, stream = message
-        book.arrived(request_id)
-        # Duck-typed: the core only calls the loop's `call_soon_threadsafe`.
-        loop = cast(asyncio.AbstractEventLoop, outbox)
-        engine.submit_nowait(request, stream, loop, request_id, book.filed)
-    elif kind == "cancel":
-        cancelled = book.to_cancel(message[1])
-        if cancelled is not None:
-            engine.cancel(cancelled)
-    elif kind == "drain":
-        engine.begin_drain()
-    elif kind == "fault":
-        engine.inject_fault(*message[1:])
-    elif kind == "ask":
-        _, number, what = message
-        answer = {
-            "metrics": metrics.samples,
-            "kv_usage": engine.kv_usage,
-            "queue_sizes": engine.queue_sizes,
-        }[what]()
-        send(("answer", number, answer))
-    elif kind == "shutdown":
-        engine.shutdown(message[1])
-        return False
+    """One message of the HTTP process, in the engine process; False after `Shutdown`."""
+    match message:
+        case Submit(request_id, request, stream):
+            book.arrived(request_id)
+            engine.submit_nowait(request, stream, sink, request_id, book.filed)
+        case Cancel(request_id):
+            cancelled = book.to_cancel(request_id)
+            if cancelled is not None:
+                engine.cancel(cancelled)
+        case Drain():
+            engine.begin_drain()
+        case Fault(text, steps, reloads, error):
+            engine.inject_fault(text, steps, reloads, error)
+        case Ask(number, question):
+            send(Answer(number, _answer(question, engine, metrics)))
+        case Shutdown(timeout_s):
+            engine.shutdown(timeout_s)
+            return False
+        case _:
+            assert_never(message)
     return True
+
+
+def _answer(question: Question, engine: Engine, metrics: ServiceMetrics) -> Any:
+    if question == "metrics":
+        return metrics.samples()
+    if question == "kv_usage":
+        return engine.kv_usage()
+    if question == "queue_sizes":
+        return engine.queue_sizes()
+    assert_never(question)
 
 
 # ----- the HTTP process ------------------------------------------------------------------------------
@@ -689,7 +673,7 @@ class EngineProcess:
     def start(self) -> None:
         """Start the engine process. Its messages are read on the calling event loop (the server's),
         not by a thread of this process's own: such a thread took the GIL at every message, and the
-        loop waited for it after each socket write and tokenization that let go of it (issue 18)."""
+        loop waited for it after each socket write and tokenization that let go of it."""
         self._loop = loop = asyncio.get_running_loop()
         with self._life:
             self._link = link = self._launch(loop)
@@ -712,7 +696,7 @@ class EngineProcess:
         frames = FrameReader(link.connection.fileno())
         self._loop.add_reader(frames.fileno, self._readable, link, frames)
 
-    def _send(self, message: tuple, bounded: bool = False) -> bool:
+    def _send(self, message: ToEngine, bounded: bool = False) -> bool:
         """Hand `message` to the engine process (False: `bounded` and the outbox is full; OSError: no
         engine process reads)."""
         link = self._link
@@ -727,7 +711,7 @@ class EngineProcess:
         ended = frames is None  # the pipe closed
         for raw in frames or ():
             try:
-                message = engine_messages.decode(raw)
+                message = engine_messages.decode_from_engine(raw)
             except Exception:  # a message that does not decode: a bug, logged; the pipe goes on
                 log.exception("could not read a message from the engine process")
                 continue
@@ -736,43 +720,47 @@ class EngineProcess:
                     ended = True  # the engine said it stopped: nothing more comes
                     break
             except Exception:  # a bug here must not end the only reader of the engine's messages
-                log.exception("could not handle the engine process's %r message", message[0])
+                log.exception("could not handle the engine process's %s message", type(message).__name__)
         if ended:
             assert self._loop is not None
             self._loop.remove_reader(reader.fileno)
             reader.close()
             self._link_lost(link)
 
-    def _handle(self, message: tuple) -> bool:
+    def _handle(self, message: FromEngine) -> bool:
         """One message from the engine process; False when it says it stopped."""
-        kind = message[0]
-        if kind == "events":
-            self._deliver_events(message[1])
-        elif kind == "shape":
-            self._shape = message[1]
-        elif kind == "status":
-            _, snapshot, fatal = message
-            silent = self._silent
-            with self._changed:
-                self._heard = time.monotonic()
-                self._silent = None
-                if snapshot.state is EngineState.READY:
-                    self._restarting = None
-                self._reported = snapshot
-                self._refresh()
-            if silent is not None:
-                log.warning("the engine process reports again")
-            if fatal is not None and not self._fatal_told and self._on_fatal is not None:
-                self._fatal_told = True
-                self._on_fatal(fatal)
-        elif kind == "answer":
-            with self._changed:
-                if message[1] in self._asked:  # not one whose asker gave up waiting
-                    self._answers[message[1]] = message[2]
-                    self._changed.notify_all()
-        elif kind == "stopped":
-            return False
+        match message:
+            case Events(events):
+                self._deliver_events(events)
+            case Shape(shape):
+                self._shape = shape
+            case Status(snapshot, fatal):
+                self._heard_status(snapshot, fatal)
+            case Answer(number, answer):
+                with self._changed:
+                    if number in self._asked:  # not one whose asker gave up waiting
+                        self._answers[number] = answer
+                        self._changed.notify_all()
+            case Stopped():
+                return False
+            case _:
+                assert_never(message)
         return True
+
+    def _heard_status(self, snapshot: Snapshot, fatal: str | None) -> None:
+        silent = self._silent
+        with self._changed:
+            self._heard = time.monotonic()
+            self._silent = None
+            if snapshot.state is EngineState.READY:
+                self._restarting = None
+            self._reported = snapshot
+            self._refresh()
+        if silent is not None:
+            log.warning("the engine process reports again")
+        if fatal is not None and not self._fatal_told and self._on_fatal is not None:
+            self._fatal_told = True
+            self._on_fatal(fatal)
 
     def _refresh(self) -> None:
         """(`_changed` is held.) What the API reads: the engine's report, as this side knows it."""
@@ -875,7 +863,7 @@ class EngineProcess:
                 f"reported for {silent_for:.1f} s (stopped or hung)"
             )
             ended.append((remote, ErrorEvent(error)))
-            self._send_quietly(("cancel", remote.id))
+            self._send_quietly(Cancel(remote.id))
         self._hand_over(ended)
 
     def _up(self) -> bool:
@@ -994,7 +982,7 @@ class EngineProcess:
         with self._changed:
             self._draining = True
             self._refresh()
-        self._send_quietly(("drain",))
+        self._send_quietly(Drain())
 
     def wait_drained(self, timeout: float) -> bool:
         with self._changed:
@@ -1008,7 +996,7 @@ class EngineProcess:
             link = self._link
         if link is None:
             return
-        self._send_quietly(("shutdown", timeout))
+        self._send_quietly(Shutdown(timeout))
         self._join(link.process, timeout + 10.0)
         if link.process.is_alive():
             log.error("the engine process did not stop: terminated")
@@ -1020,10 +1008,14 @@ class EngineProcess:
         link.close()
 
     def inject_fault(
-        self, message: str = "injected worker fault", steps: int = 1, reloads: int = 0, error=None
-    ):
-        args: tuple = (message, steps, reloads) if error is None else (message, steps, reloads, error)
-        self._send(("fault", *args))
+        self,
+        message: str = "injected worker fault",
+        steps: int = 1,
+        reloads: int = 0,
+        error: type[BaseException] | None = None,
+    ) -> None:
+        """`Engine.inject_fault`, in the engine process (`error` None: the engine's default)."""
+        self._send(Fault(message, steps, reloads) if error is None else Fault(message, steps, reloads, error))
 
     def _join(self, process: Any, timeout: float) -> None:
         # One thread at a time: two concurrent joins race for the child's exit status, and the loser
@@ -1031,7 +1023,7 @@ class EngineProcess:
         with self._join_lock:
             process.join(timeout)
 
-    def _send_quietly(self, message: tuple) -> None:
+    def _send_quietly(self, message: ToEngine) -> None:
         try:
             self._send(message)
         except (OSError, ValueError):
@@ -1128,7 +1120,7 @@ class EngineProcess:
         )
         self._requests[remote.id] = remote
         try:
-            sent = self._send(("submit", remote.id, request, stream), bounded=True)
+            sent = self._send(Submit(remote.id, request, stream), bounded=True)
         except (OSError, ValueError):
             del self._requests[remote.id]
             raise self.unavailable() from None
@@ -1153,9 +1145,9 @@ class EngineProcess:
             return
         remote.finished = True
         self._requests.pop(remote.id, None)
-        self._send_quietly(("cancel", remote.id))
+        self._send_quietly(Cancel(remote.id))
 
-    def _ask(self, what: str, otherwise: Any) -> Any:
+    def _ask(self, what: Question, otherwise: Any) -> Any:
         """The engine process's answer to `what` (a round trip over the pipe); `otherwise` when it is
         silent, gone, its outbox full, or it does not answer within `answer_timeout_s`. Never on the
         event loop that reads the pipe: the answer could not arrive while it waits (RuntimeError)."""
@@ -1171,7 +1163,7 @@ class EngineProcess:
             self._asked.add(number)
         try:
             try:
-                if not self._send(("ask", number, what), bounded=True):
+                if not self._send(Ask(number, what), bounded=True):
                     return otherwise
             except (OSError, ValueError):
                 return otherwise

@@ -3,8 +3,8 @@
 `GenerationRequest` is what the API hands the engine after validation and tokenization. `RequestState` is
 the engine core's per-request state (slot, positions fed to the wafer, generated tokens, detokenizer,
 sampler). Its events (`TokenEvent` per token, then one `FinishEvent` or `ErrorEvent`) are returned by
-`EngineCore.step`; under the server they also travel from the worker thread to the request's asyncio
-queue on the event loop.
+`EngineCore.step`; under the server they go, once per step, to the request's `EventSink` instead: an
+event loop's (`LoopSink`: into the request's asyncio queue on that loop), or the engine process's pipe.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple, Protocol
@@ -50,7 +52,7 @@ class GenerationRequest:
 
 # The records built per token (an alternative, a generated or prompt token) are named tuples: one is
 # built per token on the engine's worker and again where the engine process's messages arrive, and a
-# named tuple builds in a quarter of a frozen dataclass's time (issue 18).
+# named tuple builds in a fraction of a frozen dataclass's time.
 
 
 class Alternative(NamedTuple):
@@ -87,13 +89,13 @@ class TokenEvent(NamedTuple):  # built per streamed token, twice with the engine
 
 
 # A TokenEvent (a GeneratedToken) from all its fields as one tuple, by `tuple.__new__` alone: the named
-# tuple's own `__new__` is a Python function that builds the tuple twice (per token, issue 18).
+# tuple's own `__new__` is a Python function that builds the tuple twice, and this runs per token.
 token_event_of = partial(tuple.__new__, TokenEvent)
 generated_token_of = partial(tuple.__new__, GeneratedToken)
 
 
 @dataclass(slots=True)  # built per request, twice with the engine process: not frozen (a frozen
-class FinishEvent:  # dataclass sets each field through object.__setattr__, 4x the time); never modified
+class FinishEvent:  # dataclass sets each field through object.__setattr__, a call each); never modified
     finish_reason: FinishReason
     text: str  # the whole generated text, stop sequence stripped
     tail: str  # text released only now (held back until the end)
@@ -132,7 +134,7 @@ class RequestState:
     request: GenerationRequest
     detokenizer: IncrementalDetokenizer
     sampler: Sampler
-    loop: asyncio.AbstractEventLoop | None = None  # None: a synchronous caller reads `step()`'s events
+    sink: EventSink | None = None  # where its events go; None: a synchronous caller reads `step()`'s
     stream: bool = True  # False: the handler waits for the final event only (no token events are sent)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: str = field(default_factory=new_request_id)
@@ -179,3 +181,68 @@ def deliver(events: list[tuple[RequestState, Event]]) -> None:
     """On the event loop: put a step's events into their requests' queues (the core's one call per step)."""
     for state, event in events:
         state.events.put_nowait(event)
+
+
+class EventSink(Protocol):
+    """Where the engine sends the events of the requests that name it, from the engine's worker thread.
+    Two kinds: an event loop's (`LoopSink`, the server in this process) and the engine process's pipe to
+    the HTTP process (`wafer_gpt2.engine.process`)."""
+
+    def hand_over(self, events: list[tuple[RequestState, Event]]) -> None:
+        """One step's events of this sink's requests, in the order they happened (one call per step)."""
+        ...
+
+    def wait_for_turn(self, timeout_s: float) -> None:
+        """Return once the receiver has had a turn to run, or after `timeout_s`. The worker calls it after
+        a short step that held the GIL throughout, so that a receiver sharing this process's GIL can
+        bring more requests before the next step; a receiver that does not share it returns at once."""
+        ...
+
+
+class LoopSink:
+    """An asyncio event loop as an `EventSink`: a step's events go into their requests' queues in one
+    call on the loop. One per loop (`loop_sink`): the engine makes one call per sink and step. It holds
+    its loop weakly, as `loop_sink`'s table does: a loop that is gone has nobody listening."""
+
+    __slots__ = ("_loop",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop()
+
+    def hand_over(self, events: list[tuple[RequestState, Event]]) -> None:
+        loop = self._loop()
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(deliver, events)
+        except RuntimeError:
+            pass  # the event loop is closed (server stopped): nobody is listening any more
+
+    def wait_for_turn(self, timeout_s: float) -> None:
+        loop = self._loop()
+        if loop is None:
+            return
+        turned = threading.Lock()  # released by the loop's turn: a plain lock is the cheapest wait
+        turned.acquire()
+        try:
+            loop.call_soon_threadsafe(turned.release)
+        except RuntimeError:
+            return  # the loop is closed
+        turned.acquire(timeout=timeout_s)
+
+
+_loop_sinks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopSink] = weakref.WeakKeyDictionary()
+_loop_sinks_lock = threading.Lock()
+
+
+def loop_sink(loop: asyncio.AbstractEventLoop) -> LoopSink:
+    """The sink of `loop`'s requests (the same one for every request on it)."""
+    sink = _loop_sinks.get(loop)
+    if sink is None:
+        with _loop_sinks_lock:
+            sink = _loop_sinks.setdefault(loop, LoopSink(loop))
+    return sink

@@ -49,7 +49,14 @@ from wafer_gpt2.engine.failures import (
 )
 from wafer_gpt2.engine.kv_slots import KVUsage
 from wafer_gpt2.engine.metrics import ServiceMetrics
-from wafer_gpt2.engine.request import GenerationRequest, RequestState, RequestStatus, Submitted
+from wafer_gpt2.engine.request import (
+    EventSink,
+    GenerationRequest,
+    RequestState,
+    RequestStatus,
+    Submitted,
+    loop_sink,
+)
 from wafer_gpt2.engine.scheduler import StepBatch
 from wafer_gpt2.logs import log_reference
 
@@ -58,10 +65,10 @@ log = logging.getLogger(__name__)
 BackendFactory = Callable[[], Backend]
 RELOAD_ATTEMPTS = 3
 # A step that leaves the GIL free at least this long (a wafer's wait, not the backend's own computing)
-# has the previous step's token work done beside it, on the helper thread (issue 18: handing it over
-# costs tens of microseconds and a GIL hand-off, which a shorter wait cannot hide). 0.1 ms lets the
-# modeled GPT-2 124M step (304 us) overlap: 43-52% wafer busy against 38-41% with the engine in its
-# own process, no change on a thread (docs/performance.md, Host, fifth pass).
+# has the previous step's token work done beside it, on the helper thread: handing it over costs a GIL
+# hand-off, which a shorter wait cannot hide. The threshold is low enough that a modeled GPT-2 124M step
+# overlaps (it keeps the modeled wafer busier with the engine in its own process), high enough that a
+# backend computing on the worker's thread (null, reference) does not.
 OVERLAP_MIN_WAIT_S = 0.1e-3
 
 
@@ -97,7 +104,7 @@ Filed = Callable[[str, "RequestState | ServiceError"], None]
 class _Arrival:
     request: GenerationRequest
     stream: bool
-    loop: asyncio.AbstractEventLoop
+    sink: EventSink
     request_id: str
     filed: Filed
 
@@ -113,28 +120,23 @@ def request_failed(request_id: str) -> RequestFailed:
 LOOP_TURN_TIMEOUT_S = 5e-3
 
 
-def wait_for_loops(batch: StepBatch) -> None:
+def wait_for_sinks(batch: StepBatch) -> None:
     """After a short step that kept the worker computing (a backend that answers at once), when none of
-    the step's requests streams: wait until the event loops of its requests have had a turn. Run back to back,
-    such steps carry a token or two each and take the GIL from the event loop that would bring more
-    requests (issue 18: 4-6 tokens a step at 64 non-streamed requests, against 60 with the wait). A
+    the step's requests streams: wait until the receivers of its requests' events (their sinks) have had
+    a turn. Run back to back, such steps carry a token or two each and take the GIL from the event loop
+    that would bring more requests: without the wait, such steps carry a small fraction of the requests
+    in flight. A
     step with streams is not waited after: the steps that run on meanwhile put several tokens into each
-    stream's next write, and a write per token cost more than the short steps (measured). A step that
+    stream's next write, and a write per token costs more than the short steps. A step that
     waits for the wafer (or the modeled one's sleep) lets the loop run meanwhile, and is not waited after."""
-    loops = set()
+    sinks = set()
     for state in batch.owners:
         if state.stream:
             return
-        if state.loop is not None:
-            loops.add(state.loop)
-    for loop in loops:
-        turned = threading.Lock()  # released by the loop's turn: a plain lock is the cheapest wait
-        turned.acquire()
-        try:
-            loop.call_soon_threadsafe(turned.release)
-        except RuntimeError:
-            continue  # the loop is gone
-        turned.acquire(timeout=LOOP_TURN_TIMEOUT_S)
+        if state.sink is not None:
+            sinks.add(state.sink)
+    for sink in sinks:
+        sink.wait_for_turn(LOOP_TURN_TIMEOUT_S)
 
 
 class EngineState(enum.Enum):
@@ -180,7 +182,7 @@ class Engine:
         self._cond = threading.Condition(lock)
         # The watchdog waits on a condition of its own: notified only when a step's deadline comes before
         # the time it already wakes at, not at every step (a wake-up per step costs the server a thread
-        # switch, issue 18's profile).
+        # switch).
         self._watch = threading.Condition(lock)
         self._watch_until = 0.0  # when the watchdog wakes next on its own
         self._state = EngineState.LOADING
@@ -301,16 +303,16 @@ class Engine:
         self,
         request: GenerationRequest,
         stream: bool = True,
-        loop: asyncio.AbstractEventLoop | None = None,
+        sink: EventSink | None = None,
         request_id: str | None = None,
     ) -> RequestState:
-        """Queue a request; its events go to `loop` (default: the running event loop; `stream` False:
+        """Queue a request; its events go to `sink` (default: the running event loop's; `stream` False:
         the final one only). `request_id`: the id it is known by elsewhere (`wafer_gpt2.engine.process`)."""
-        loop = loop if loop is not None else asyncio.get_running_loop()
+        sink = sink if sink is not None else loop_sink(asyncio.get_running_loop())
         with self._cond:
             if self._state is not EngineState.READY:
                 raise self.unavailable()
-            state = self._queue(self._built_core(), request, stream, loop, request_id)
+            state = self._queue(self._built_core(), request, stream, sink, request_id)
             self._cond.notify_all()
         return state
 
@@ -318,7 +320,7 @@ class Engine:
         self,
         request: GenerationRequest,
         stream: bool,
-        loop: asyncio.AbstractEventLoop,
+        sink: EventSink,
         request_id: str,
         filed: Filed,
     ) -> None:
@@ -328,12 +330,12 @@ class Engine:
         draining, stopped) is answered at once on this thread, one handed over before a drain is
         served. For a caller that reads requests off a pipe on a thread of the engine's own
         process (`wafer_gpt2.engine.process`): taking the lock per request, it waited for the lock while
-        the worker, holding the GIL, ran steps back to back, and the steps carried 10-17 tokens at 64
-        streams instead of 54-57 (issue 18)."""
+        the worker, holding the GIL, ran steps back to back, and the steps carried a fraction of the
+        streams in flight."""
         if self._state is not EngineState.READY:  # `submit`'s check, made when the request is handed over
-            self._tell_filed(_Arrival(request, stream, loop, request_id, filed), self.unavailable())
+            self._tell_filed(_Arrival(request, stream, sink, request_id, filed), self.unavailable())
             return
-        self._arrivals.append(_Arrival(request, stream, loop, request_id, filed))
+        self._arrivals.append(_Arrival(request, stream, sink, request_id, filed))
         # The worker sets `_parked` before it looks at the arrivals (under the lock) and waits: either it
         # sees this one, or it is parked by now and this wakes it. An engine that no longer runs refuses.
         if self._parked or self._state in (EngineState.STOPPED, EngineState.FAILED):
@@ -348,7 +350,7 @@ class Engine:
             raise TypeError(f"not a request of this engine: {state!r}")
         if state.status is RequestStatus.FINISHED:
             # Every handler cancels its requests on the way out: one that ended (a terminal status,
-            # set under the lock) needs neither the lock nor a wake-up of the worker (issue 18).
+            # set under the lock) needs neither the lock nor a wake-up of the worker.
             return
         with self._cond:
             self._built_core().abort(state)
@@ -418,7 +420,7 @@ class Engine:
                     if self._injected_step_faults:
                         raise self._injected_step_faults.pop(0)
                     # While the backend computes (a wafer step leaves the GIL free), the helper thread
-                    # finishes the previous step's tokens: detokenizing, events, ends (issue 18).
+                    # finishes the previous step's tokens: detokenizing, events, ends.
                     if core.has_deferred:
                         helper.run_soon(self._complete_deferred, generation)
                     stepped, cpu, helped = time.monotonic(), time.thread_time(), self._helper_cpu_s
@@ -440,7 +442,7 @@ class Engine:
                         core.finish(batch, results, defer=defer)  # the events went to the event loops
                         self._cond.notify_all()
                     if not defer and held:
-                        wait_for_loops(batch)
+                        wait_for_sinks(batch)
                 except KeyboardInterrupt:
                     raise  # an interrupt ends the worker (below), it is no backend fault to recover from
                 except BaseException as exc:  # any failure of the backend, SystemExit too: recover
@@ -510,7 +512,7 @@ class Engine:
             if death is not None and not isinstance(death, KeyboardInterrupt):
                 reference = log_reference()
                 log.error("the wafer worker died (reference %s)", reference, exc_info=death)
-                # Clients see the reference, the log the exception (issue 17: no internal text in bodies).
+                # Clients see the reference, the log the exception: no internal text in response bodies.
                 self.error = f"the wafer worker died (reference {reference}; the server log has the details)"
                 self._set_state(EngineState.FAILED)
                 self._fail_all(Unavailable(f"the engine failed and cannot serve: {self.error}", final=True))
@@ -539,7 +541,7 @@ class Engine:
             return 1 if backend is None else steps_in_flight(backend)
 
     def _serve_pipelined(self, generation: int, depth: int) -> bool:
-        """The worker's loop over a `PipelinedBackend`: up to `depth` steps in flight (issue 18). While
+        """The worker's loop over a `PipelinedBackend`: up to `depth` steps in flight. While
         one computes, the next takes what became ready meanwhile (new requests' prompts, the requests of a
         step that returned), so the wafer need not wait for the host between steps. A returned step's
         tokens are chosen at once; their text, events and ends wait until the next step is out
@@ -736,7 +738,7 @@ class Engine:
             arrival = arrivals[0]  # taken off once answered: a worker that dies here leaves it to _fail_all
             outcome: RequestState | ServiceError
             try:
-                outcome = self._queue(core, arrival.request, arrival.stream, arrival.loop, arrival.request_id)
+                outcome = self._queue(core, arrival.request, arrival.stream, arrival.sink, arrival.request_id)
             except ServiceError as error:
                 outcome = error
             except Exception:  # a bug: this request fails (500, a log reference), the engine goes on
@@ -749,11 +751,11 @@ class Engine:
         core: EngineCore,
         request: GenerationRequest,
         stream: bool,
-        loop: asyncio.AbstractEventLoop,
+        sink: EventSink,
         request_id: str | None,
     ) -> RequestState:
         """(The lock is held.) The request's state, queued (Overloaded, RequestValidationFailed)."""
-        state = core.new_request(request, loop, stream)
+        state = core.new_request(request, sink, stream)
         if request_id is not None:
             state.id = request_id
         return core.add(state)

@@ -71,15 +71,15 @@ def longest_token_chars() -> int:
 
 @cache
 def token_bytes(token: int) -> bytes:
-    """The bytes of one token id (remembered: the engine asks for every generated token, issue 18)."""
+    """The bytes of one token id (remembered: the engine asks for every generated token)."""
     return get_encoding().decode_single_token_bytes(token)
 
 
 @cache
 def whole_token_texts() -> tuple[str | None, ...]:
     """Per token id, its text when its bytes are whole UTF-8 characters, else None (it begins or ends
-    inside a character): the detokenizer's fast path for every generated token (issue 18). Built whole
-    at the first call (tens of milliseconds), so serving never grows it."""
+    inside a character): the detokenizer's fast path for every generated token. Built whole at the
+    first call, so serving never grows it (a table that grew with the tokens seen would look like a leak)."""
     encoding = get_encoding()
     texts: list[str | None] = []
     for token in range(encoding.n_vocab):

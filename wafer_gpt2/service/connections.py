@@ -30,7 +30,7 @@ process runs out of file descriptors). `GuardedHttpToolsProtocol` adds:
 
 It also tells a request's handler of its client's disconnect by a callback (`WATCH_DISCONNECT` in the
 request's scope), so a handler waiting for the engine needs no task of its own reading ASGI `receive`
-for the disconnect (issue 18: two tasks and an `asyncio.wait` per request).
+for the disconnect (which cost two tasks and an `asyncio.wait` per request).
 """
 
 from __future__ import annotations
@@ -357,8 +357,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         elif not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             self._set_waiting(True)  # idle between requests (not a pipelined one under way)
 
-    # timers: one deadline at a time, set and cleared at every request (issue 18: a loop timer armed
-    # and cancelled twice per request cost 2-3% of the HTTP process). Setting a deadline stores it; the
+    # timers: one deadline at a time, set and cleared at every request (a loop timer armed
+    # and cancelled twice per request costs a noticeable share of the HTTP process). Setting a deadline stores it; the
     # loop's timer is replaced only when the new deadline comes sooner than the one it was set for (a
     # request's header and body deadlines come later each time), and a timer that fires before the
     # deadline sets itself again for the rest. Clearing it leaves the timer to lapse.
@@ -436,7 +436,7 @@ def _nothing() -> None:
 class HeadHeldTransport:
     """A response's view of its connection: its first write (the status line and headers) is held until
     its next write or the end of the event loop's turn, whichever comes first, so a small response goes
-    out in one write (one system call and one wake-up of the client instead of two, issue 18). A stream's
+    out in one write (one system call and one wake-up of the client instead of two). A stream's
     head still goes out at once: at the end of the turn that started it. The bytes and their order are
     the same."""
 

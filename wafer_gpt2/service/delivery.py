@@ -205,8 +205,8 @@ class EventStreamResponse(StreamingResponse):
     """Starlette's StreamingResponse without its anyio task group: the stream is written from the
     request's own task while a plain asyncio task waits for the client to disconnect, and cancels the
     writing when it does (as Starlette's does: the stream's generator then cancels its engine requests).
-    The same bytes; the task group, its cancel scopes and a second task per stream cost more than the
-    stream's events at 32 tokens (issue 18)."""
+    The same bytes; the task group, its cancel scopes and a second task per stream cost more than
+    writing a short stream's events."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -246,8 +246,8 @@ class EventStreamResponse(StreamingResponse):
 
 
 _COMPACT = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps with options builds one per call
-# `_COMPACT.encode`'s C encoder, built once: `encode` builds it again at every call (a third of an event's
-# encoding, issue 18). The same output: no indent, no sorting, NaN allowed, no circularity check (the
+# `_COMPACT.encode`'s C encoder, built once: `encode` builds it again at every call (a large part of an
+# event's encoding). The same output: no indent, no sorting, NaN allowed, no circularity check (the
 # events are fresh trees of dicts and lists).
 _make_encoder = getattr(json.encoder, "c_make_encoder", None)  # None where the C accelerator is missing
 _C_ENCODER = (
@@ -258,7 +258,7 @@ _C_ENCODER = (
     )
 )
 # Starlette's `JSONResponse.render` (`json.dumps(..., ensure_ascii=False, allow_nan=False, separators=...)`)
-# with its C encoder built once, as `_C_ENCODER` is: 2 us of every non-streamed response (issue 18). The
+# with its C encoder built once, as `_C_ENCODER` is: Starlette builds one per non-streamed response. The
 # same bytes and errors, except that it has no circularity check either: a response is a fresh tree, and
 # a circular one would raise RecursionError instead of ValueError.
 _C_RESPONSE_ENCODER = (

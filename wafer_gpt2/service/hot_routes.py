@@ -1,4 +1,4 @@
-"""A lean path for the generation routes (issue 18): `POST /generate`, `/generate_stream` and
+"""A lean path for the generation routes: `POST /generate`, `/generate_stream` and
 `/v1/completions` with a JSON body that parses and validates are served here, in front of the app's
 middleware stack, instead of through it: FastAPI's and Starlette's entry, the server-error and
 body-limit middleware, the service's request-id and guard middleware, Starlette's routing and FastAPI's

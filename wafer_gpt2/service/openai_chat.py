@@ -145,7 +145,7 @@ def chat_content_frame(head: str, index: int, content: str, finish: str | None) 
     """The SSE frame of `ChatCompletionChunk(...).model_dump()` with one choice whose delta is `content`
     alone (no role, logprobs, stop reason or usage), given the stream's `chat_chunk_head`, formatted
     directly: this runs for every token of every chat stream, where the models' validation and dump
-    cost several times the rest (issue 18; tests/test_host_stack.py checks the two agree)."""
+    cost several times the rest (tests/test_host_stack.py checks the two agree)."""
     shown = "null" if finish is None else encode_basestring_ascii(finish)
     return (
         f'{head}{int(index)},"delta":{{"role":null,"content":{encode_basestring_ascii(content)}}},'

@@ -67,7 +67,7 @@ def ignored_fields(body: BaseModel, prefix: str = "") -> list[str]:
         return []
     names = [prefix + name for name in body.model_extra or {}]
     # The declared fields (`__dict__`; iterating the model builds a list of every field and extra, and
-    # extras are plain JSON values, never bodies): this runs for every request (issue 18).
+    # extras are plain JSON values, never bodies): this runs for every request.
     for name, value in body.__dict__.items():
         if isinstance(value, _Body):
             names += ignored_fields(value, f"{prefix}{name}.")

@@ -130,8 +130,8 @@ def tgi_token_event(event: TokenEvent, special_ids: dict[int, str]) -> dict:
 
 def tgi_final_event(event: FinishEvent, body: TGIRequest, special_ids: dict[int, str]) -> dict:
     """A stream's last event as `TGIStreamEvent(...).model_dump()` gives it, built directly: once per
-    stream, where the model's validation and dump cost about 18 us (tests/test_host_stack.py checks the
-    two agree)."""
+    stream, where the model's validation and dump cost more than the rest of the event
+    (tests/test_host_stack.py checks the two agree)."""
     p, last = body.parameters, event.tokens[-1]
     details = None
     if p.details:
@@ -157,7 +157,7 @@ def tgi_final_event(event: FinishEvent, body: TGIRequest, special_ids: dict[int,
 
 def tgi_token_frame(event: TokenEvent, special_ids: dict[int, str]) -> bytes:
     """`sse(tgi_token_event(event, special_ids))`, formatted directly for the usual token (no top tokens,
-    a finite logprob): the same bytes without building and encoding the dict (issue 18)."""
+    a finite logprob): the same bytes without building and encoding the dict, once per token."""
     token = event.token
     logprob = token.logprob
     if token.top or type(logprob) is not float or not math.isfinite(logprob):

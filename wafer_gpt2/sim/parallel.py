@@ -5,8 +5,7 @@ NumPy releases the GIL inside its loops and BLAS calls, so threads suffice.
 `WAFER_SIM_THREADS` sets the pool size; the default is the cores, at most 2 (what the benchmark's
 peer, torch, takes on the project's machines). Once the simulator runs, NumPy's BLAS runs one thread
 per call, process-wide: the pool is the parallelism, and a multi-threaded BLAS inside each of its
-workers oversubscribes the cores (measured on 2 cores, GPT-2 124M, a 256-item prefill: 0.72 s with
-one BLAS thread per worker, 1.3 s with the library's default of 2).
+workers oversubscribes the cores and makes a large prefill slower, not faster.
 """
 
 from __future__ import annotations
