@@ -248,7 +248,7 @@ def test_standalone_gemv() -> None:
 
 
 def test_ready_time_reductions_are_the_closed_forms_at_zero_skew() -> None:
-    """Issue 40, step 0: the reductions priced from their members' ready times (first word out of the
+    """The reductions priced from their members' ready times (first word out of the
     member that ends them) are today's closed forms when every member is ready at once."""
     for n in (2, 3, 7, 8, 48, 64, 96, 393):
         zero = [0] * n

@@ -151,7 +151,7 @@ def allreduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
     return reduced + farthest * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
 
 
-# --- Ready-time reductions (issue 40, design step 0) ------------------------------------------------
+# --- Ready-time reductions ---------------------------------------------------------------------------
 # The closed forms above price a reduction whose members all hold their vectors at once. The functions
 # below take each member's ready time instead (a reduction that follows an input wave, members that
 # finish their own work at different times) and give the time the result's FIRST word is out of the
