@@ -26,9 +26,11 @@ $(RUN_STAMP): pyproject.toml
 	touch $@
 
 # One pip run for the test install (it holds the run install): a second resolution costs CI about 25 s.
+# --no-compile: byte-compiling every installed module (torch, transformers, lm-eval's pandas and
+# pyarrow) took more than half of the install's CPU; Python compiles what the tests import as they do.
 $(TEST_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-compile -e '.[test]'
 	touch $(RUN_STAMP) $@
 
 serve: $(RUN_STAMP)
@@ -112,6 +114,6 @@ $(APPLIANCE_STAMP): Makefile
 	  echo "$(PYTHON311) is not installed: no $(APPLIANCE_VENV), tests/test_appliance_loopback.py will skip"; \
 	else \
 	  { test -x $(APPLIANCE_VENV)/bin/python || $(PYTHON311) -m venv $(APPLIANCE_VENV); } \
-	  && $(APPLIANCE_VENV)/bin/pip install -q cerebras-sdk==2.10.0 cerebras-appliance==2.10.0 'threadpoolctl>=3.1' \
+	  && $(APPLIANCE_VENV)/bin/pip install -q --no-compile cerebras-sdk==2.10.0 cerebras-appliance==2.10.0 'threadpoolctl>=3.1' \
 	  && touch $@; \
 	fi

@@ -114,6 +114,14 @@ def check_queue(arch: str, kind: str, q: int, where: str, memcpy: bool) -> None:
 def check_bind(arch: str, kind: str, tid, fn, where: str, memcpy: bool) -> None:
     """Rules on `@bind_*_task`: the ID is in range and not memcpy's."""
     r = RULES[arch]
+    if kind in ("local", "control") and memcpy and not r.data_tasks_by_queue and tid.id in MEMCPY_COLORS:
+        # WSE-2: colors and task IDs are one ID space, so memcpy's colors 21-23 are its task IDs too
+        # (csl-examples' task-ID maps mark them reserved; 25-pt-stencil skips them). WSE-3 data tasks
+        # are input queues, and WaferLLM's MeshGEMM binds local tasks 22 and 23 there, run on a CS-3.
+        raise CslCompileError(
+            f"{where}: {kind} task ID {tid.id} is reserved on WSE-2: it is memcpy's color {tid.id} (colors "
+            "and task IDs share one ID space; memcpy keeps 21-23)"
+        )
     if kind == "local":
         if tid.id in RESERVED_LOCAL_TASKS or (memcpy and tid.id in MEMCPY_LOCAL_TASKS):
             raise CslCompileError(

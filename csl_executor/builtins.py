@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from csl_executor import arch as archs
-from csl_executor import ast
+from csl_executor import ast, codesize
 from csl_executor.program import ColorConfig, FnSym
 from csl_executor.types import (
     BOOL,
@@ -232,12 +232,14 @@ def _comptime_assert(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) ->
 def _assert(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     _argc(ctx, node, 1)
     c = ctx.cx(node.args[0])
-    if c.known:
+    if c.known and (c.value is True or not ctx.runtime):
         if c.value is not True:
             raise ctx.error(node, "@assert failed at comptime")
         return VOID_EXPR
+    # In run-time code a false assertion fails when it is reached (WaferLLM's Decode puts
+    # `@assert(false)` in the branch no axis takes).
     where = ctx.fb.const(ctx.where(node))
-    return ctx.dyn(VOID_T, f"pe.check({c.code}, {where})")
+    return ctx.dyn(VOID_T, f"pe.check({ctx.code(c)}, {where})")
 
 
 @builtin("concat_structs")
@@ -290,6 +292,14 @@ def _import_module(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> C
     if not isinstance(spec, str) or not isinstance(params, Struct):
         raise ctx.error(node, "@import_module takes a path string and a parameter struct")
     return known(ctx.comp.import_module(ctx, spec, params, node), MODULE)
+
+
+@builtin("__comptime")
+def _comptime_expr(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
+    """`comptime e` as an expression: e evaluated at comptime."""
+    value = ctx.cx(node.args[0], expect)
+    ctx.need_known(value, node.args[0], "a `comptime` expression")
+    return value
 
 
 @builtin("__param")
@@ -459,6 +469,24 @@ BUILTINS["bind_data_task"] = _bind("data")
 BUILTINS["bind_control_task"] = _bind("control")
 
 
+@builtin("rpc")
+def _rpc(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
+    """SDK 1.0's `@rpc(@get_data_task_id(sys_mod.LAUNCH))`: the PE serves host launches on the
+    LAUNCH color. The executor launches natively, so this only checks the color is memcpy's."""
+    _argc(ctx, node, 1)
+    _comptime_only(ctx, node)
+    _pe_only(ctx, node)
+    tid = _known_arg(ctx, node, 0, "data task ID")
+    memcpy = ctx.program.memcpy
+    launch = memcpy.get("LAUNCH") if memcpy is not None and memcpy.has("LAUNCH") else None
+    if not isinstance(launch, Color):
+        raise ctx.error(node, "@rpc serves the LAUNCH color, which <memcpy/get_params> was not given")
+    if not isinstance(tid, TaskId) or tid.kind != "data" or tid.color is None or tid.color.id != launch.id:
+        raise ctx.error(node, f"@rpc takes @get_data_task_id(LAUNCH) (color {launch.id}), not {tid!r}")
+    ctx.program.native_state["rpc"] = launch.id
+    return VOID_EXPR
+
+
 @builtin("set_teardown_handler")
 def _set_teardown_handler(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     raise ctx.error(node, "teardown is not supported by the executor")
@@ -564,6 +592,13 @@ def _set_local_color_config(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | N
         raise ctx.error(node, f"color {color.id} is configured twice on this PE")
     ctx.program.local_colors[color.id] = color_config(ctx, config, node)
     return VOID_EXPR
+
+
+def route_directions(ctx: Ctx, v: Any, node: ast.Node, what: str) -> tuple[str, ...]:
+    """A route's `.rx` or `.tx`: one direction, a tuple or an array of them."""
+    if isinstance(v, ArrayValue):
+        return _dirs(ctx, Struct(tuple((str(i), d) for i, d in enumerate(v.items))), node, what)
+    return _dirs(ctx, v, node, what)
 
 
 def _dirs(ctx: Ctx, v: Any, node: ast.Node, what: str) -> tuple[str, ...]:
@@ -682,7 +717,7 @@ def _get_dsd(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
 _MEM_FIELDS = {"tensor_access", "base_address", "extent", "stride", "offset", "wavelet_index_offset"}
 _FAB_FIELDS = {
     "fabric_color", "extent", "input_queue", "output_queue", "control", "wavelet_index_offset", "simd_mode",
-    "advance_switch", "zero", "control_transform",
+    "advance_switch", "zero", "control_transform", "priority",
 }  # fmt: skip
 
 
@@ -699,12 +734,13 @@ def _mem_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, fields: dict[str, ast.N
             raise ctx.error(node, "`.tensor_access` must be `|i|{N} -> A[...]`")
         return _tensor_dsd(ctx, node, kind, ta, wio)
     if kind == "mem4d":
-        raise ctx.error(node, "a mem4d_dsd is given by `.tensor_access`")
+        return _mem4d_fields(ctx, node, fields, wio)
     if "base_address" not in fields:
         raise ctx.error(node, "a mem1d_dsd needs `.tensor_access` or `.base_address`")
     base = ctx.cx(fields["base_address"])
     if not isinstance(base.type, PointerType):
         raise ctx.error(node, f"`.base_address` must be a pointer, found {base.type.name}")
+    check_base_pointer(ctx, base.type, node, "`.base_address`")
     elem = scalar_of(base.type.elem)
     length = ctx.cx(fields["extent"]) if "extent" in fields else known(0, COMPTIME_INT)
     stride = ctx.cx(fields["stride"]) if "stride" in fields else known(1, COMPTIME_INT)
@@ -723,6 +759,44 @@ def _mem_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, fields: dict[str, ast.N
     ]
     where = ctx.fb.const(ctx.where(node))
     return ctx.dyn(MEM1D_DSD, f"DSD.mem1d({ctx.fb.const(elem)}, {', '.join(codes)}, {wio}, {where})")
+
+
+def _mem4d_fields(ctx: Ctx, node: ast.BuiltinCall, fields: dict[str, ast.Node], wio: bool) -> CExpr:
+    """`mem4d_dsd` from `.base_address`, `.extent = .{e0, e1, ...}` and `.stride = .{s0, s1, ...}`
+    (comptime tuples, SDK 1.3+): the first dimension varies fastest, and a dimension's stride is the
+    address change when it steps, counted from where the inner dimensions ended (SDK "DSDs": the
+    inner dimensions are not rewound)."""
+    for name in ("base_address", "extent", "stride"):
+        if name not in fields:
+            raise ctx.error(
+                node, "a mem4d_dsd needs `.tensor_access`, or `.base_address`, `.extent` and `.stride`"
+            )
+    base = ctx.cx(fields["base_address"])
+    if not isinstance(base.type, PointerType):
+        raise ctx.error(node, f"`.base_address` must be a pointer, found {base.type.name}")
+    check_base_pointer(ctx, base.type, node, "`.base_address`")
+    extents = ctx.need_known(ctx.cx(fields["extent"]), node, "`.extent`")
+    strides = ctx.need_known(ctx.cx(fields["stride"]), node, "`.stride`")
+    ext = list(extents.values()) if isinstance(extents, Struct) else [extents]
+    std = list(strides.values()) if isinstance(strides, Struct) else [strides]
+    if not 1 <= len(ext) <= 4 or len(ext) != len(std) or not all(isinstance(v, int) for v in ext + std):
+        raise ctx.error(node, "a mem4d_dsd takes 1-4 integer extents and as many strides")
+    absolute: list[int] = []
+    for k, s_k in enumerate(std):
+        absolute.append(s_k + sum((ext[j] - 1) * absolute[j] for j in range(k)))
+    dims = tuple(zip(reversed(ext), reversed(absolute), strict=True))  # outermost first
+    elem = scalar_of(base.type.elem)
+    if not base.known:
+        where = ctx.fb.const(ctx.where(node))
+        return ctx.dyn(
+            MEM4D_DSD,
+            f"DSD.mem4d({ctx.fb.const(elem)}, {ctx.code(base)}, {ctx.fb.const(dims)}, {wio}, {where})",
+        )
+    dsd = Dsd(
+        "mem4d", elem, base=base.value.addr, dims=dims, wavelet_index_offset=wio, symbol=base.value.symbol
+    )
+    check_dsd(ctx, dsd, node)
+    return known(dsd, MEM4D_DSD)
 
 
 def _tensor_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, ta: ast.TensorAccess, wio: bool) -> CExpr:
@@ -822,7 +896,7 @@ def _fab_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, fields: dict[str, ast.N
         raise ctx.error(node, "`.control` applies to fabout_dsd only")
     simd = ""
     if "simd_mode" in vals:
-        raise ctx.error(node, "`.simd_mode` is not supported by the executor")
+        simd = _simd_mode(ctx, ctx.need_known(vals["simd_mode"], node, "`.simd_mode`"), node)
     for unsupported in ("advance_switch", "zero", "control_transform", "wavelet_index_offset"):
         if unsupported in vals and ctx.need_known(vals[unsupported], node):
             raise ctx.error(node, f"`.{unsupported}` is not supported by the executor")
@@ -843,6 +917,42 @@ def _fab_dsd(ctx: Ctx, node: ast.BuiltinCall, kind: str, fields: dict[str, ast.N
         return known(dsd, FABIN_DSD if kind == "fabin" else FABOUT_DSD)
     where = ctx.fb.const(ctx.where(node))
     return ctx.dyn(dsd.type, f"DSD.with_length({ctx.fb.const(dsd)}, {ctx.code(length)}, {where})")
+
+
+def check_base_pointer(ctx: Ctx, t: PointerType, node: ast.Node, what: str) -> None:
+    """A DSD's base address is a many-item pointer ([*]T) or a pointer to an array. A single-item
+    pointer (`&a[i]`, `*T`) became one by coercion (*T -> *[1]T) only in SDK 2.10 (release notes);
+    1.4 programs write `@ptrcast([*]T, &a[i])` (25-pt-stencil's task.csl does)."""
+    if t.many or isinstance(t.elem, ArrayType) or sdk_line(ctx) >= (2, 10):
+        return
+    raise ctx.error(
+        node,
+        f"{what}: on SDK 1.4 a single-item pointer {t.name} is not a [*]{t.elem.name}: write "
+        f"@ptrcast([*]{t.elem.name}, ...) (the *T -> *[1]T coercion arrived in SDK 2.10)",
+    )
+
+
+def sdk_line(ctx: Ctx) -> tuple[int, int]:
+    """The SDK line the program is compiled for (csl_executor.layout.Options.sdk: 1.4 unless
+    WAFER_CSL_SDK says otherwise)."""
+    major, _, minor = str(ctx.comp.layout_info.get("sdk", "1.4")).partition(".")
+    return int(major), int(minor or 0)
+
+
+SIMD_MODES = ("simd_32", "simd_64", "simd_32_or_64")
+
+
+def _simd_mode(ctx: Ctx, mode: Any, node: ast.Node) -> str:
+    """`.simd_mode = .{ .simd_32 = true }` (or simd_64, simd_32_or_64): exactly one mode set."""
+    if not isinstance(mode, Struct):
+        raise ctx.error(node, "`.simd_mode` takes `.{ .simd_32 = true }`, `.simd_64` or `.simd_32_or_64`")
+    unknown = set(mode.names()) - set(SIMD_MODES)
+    if unknown:
+        raise ctx.error(node, f"`.simd_mode`: unknown mode(s) {', '.join(sorted(unknown))}")
+    chosen = [m for m in SIMD_MODES if mode.has(m) and mode.get(m)]
+    if len(chosen) != 1:
+        raise ctx.error(node, f"`.simd_mode` sets one of {', '.join(SIMD_MODES)}, found {len(chosen)}")
+    return chosen[0]
 
 
 def check_dsd(ctx: Ctx, dsd: Dsd, node: ast.Node) -> None:
@@ -875,6 +985,7 @@ def _dsd_mutator(name: str):
         elif name == "set_dsd_base_addr":
             if not isinstance(v.type, PointerType):
                 raise ctx.error(node, "@set_dsd_base_addr takes a pointer")
+            check_base_pointer(ctx, v.type, node, "@set_dsd_base_addr")
             args = ctx.code(v) if not v.known else str(v.value.addr)
         else:
             if not is_int(v.type):
@@ -938,6 +1049,7 @@ def _dsd_op(name: str):
 
         spec = OpSpec(name, nsrc, dtype, stype, ctx.where(node), opts)
         spec.check_static(ctx, operands, node)
+        ctx.fb.instructions += codesize.DSD_OP_INSTRUCTIONS
         codes = ", ".join(code for code, _ in operands)
         runtime_opts = spec.runtime_opts_code(ctx)
         return ctx.dyn(VOID_T, f"pe.dsd_op({ctx.fb.const(spec)}, ({codes},){runtime_opts})")
@@ -1067,6 +1179,7 @@ def _map(ctx: Ctx, node: ast.BuiltinCall, expect: CslType | None) -> CExpr:
     from csl_executor.dsd import MapSpec
 
     spec = MapSpec(target, tuple(ptypes), rtype, tuple(k for k, _ in operands), ctx.where(node))
+    ctx.fb.instructions += codesize.DSD_OP_INSTRUCTIONS
     codes = ", ".join(c for _, c in operands)
     return ctx.dyn(VOID_T, f"pe.map_op({ctx.fb.const(spec)}, ({codes},))")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from csl_executor import ast, rt, timing
+from csl_executor import ast, codesize, rt, timing
 from csl_executor.errors import CslCompileError, CslError
 from csl_executor.parse import parse_file
 from csl_executor.program import Const, FnSym, MemVar, ModuleInstance, Program, SlotVar
@@ -150,6 +150,7 @@ class FnBuilder:
         self.views: set[str] = set()
         self.loops: list[dict] = []
         self.addressed: set[str] = set()  # locals whose address the function takes
+        self.instructions = 0  # the code size estimate's count (csl_executor.codesize)
         self.filename = f"<csl {path}:{name}#{next(self._serial)}>"
 
     def emit(self, code: str, line: int) -> None:
@@ -1236,6 +1237,7 @@ class Ctx:
         assert fb is not None
         if not isinstance(s, (ast.Block, ast.ComptimeBlock)):
             self.emit(f"pe.t += {statement_cycles(s)}", s.line)
+            fb.instructions += statement_instructions(s)
         if isinstance(s, ast.VarDecl):
             self.local_decl_runtime(s)
         elif isinstance(s, ast.Assign):
@@ -1634,6 +1636,12 @@ class Compiler:
         self.arch = arch
         self.layout_info = layout_info or {}
         self._initial: dict[int, Any] = {}  # id(MemVar) -> initial ArrayValue / scalar
+        self.warnings: list[str] = []  # `file:line: message`, what cslc prints and still compiles
+
+    def warn(self, where: str, message: str) -> None:
+        text = f"{where}: {message}"
+        if text not in self.warnings:
+            self.warnings.append(text)
 
     # -- modules -------------------------------------------------------------------------------------
     def new_module(self, program: Any, path: str, params: Struct) -> ModuleInstance:
@@ -1644,7 +1652,7 @@ class Compiler:
 
         program = ctx.program
         if spec.startswith("<") and spec.endswith(">"):
-            key = (spec, _freeze(params))
+            key = (spec, freeze(params))
             if key in program.modules:
                 return program.modules[key]
             mod = native_module(self, ctx, spec[1:-1], params, node)
@@ -1653,7 +1661,7 @@ class Compiler:
         path = str((Path(ctx.mod.path).parent / spec).resolve())
         if not Path(path).is_file():
             raise ctx.error(node, f"@import_module: no file {spec!r} next to {ctx.mod.path}")
-        key = (path, _freeze(params))
+        key = (path, freeze(params))
         if key in program.modules:
             return program.modules[key]
         mod = self.new_module(program, path, params)
@@ -1679,8 +1687,11 @@ class Compiler:
         declared = {n for n, d in mod.decls.items() if isinstance(d, ast.VarDecl) and d.kind == "param"}
         for name in mod.params.names():
             if name not in declared:
-                raise CslCompileError(
-                    f"{mod.path}:1: parameter {name!r} is given but the file declares no `param {name}`"
+                # The SDK's "Modules" page: a parameter the module does not declare is ignored with a
+                # warning (public layouts pass one struct to several modules).
+                self.warn(
+                    f"{mod.path}:1",
+                    f"parameter {name!r} is given but the file declares no `param {name}`; ignored",
                 )
 
     def resolve(self, mod: ModuleInstance, name: str, node: ast.Node) -> Any:
@@ -1856,7 +1867,7 @@ class Compiler:
         del fctx
         if not ctx.runtime:
             return self.call_comptime(ctx, fn, args, node)
-        target = self.specialise(fn, tuple((k, _freeze(v.value)) for k, v in comptime_params.items()))
+        target = self.specialise(fn, tuple((k, freeze(v.value)) for k, v in comptime_params.items()))
         target.comptime_args = tuple(comptime_params.items())
         self.ensure_compiled(target)
         runtime_args = [
@@ -1903,6 +1914,9 @@ class Compiler:
             fn.py = self.generate(fn)
         finally:
             fn.compiling = False
+        program = fn.module.program
+        if isinstance(program, Program):
+            program.compiled_fns.append(fn)
 
     def generate(self, fn: FnSym, wavelet_args: bool = False) -> Any:
         decl = fn.decl
@@ -1920,6 +1934,7 @@ class Compiler:
         ctx.ret_type = ctx.ctype(decl.ret)
         fb.addressed = _addressed_names(decl.body)
         ctx.gen(decl.body.stmts)
+        fn.code_instructions = fb.instructions + codesize.FUNCTION_INSTRUCTIONS
         return self.assemble(fb, [py for py, _ in params])
 
     def assemble(self, fb: FnBuilder, params: list[str], prologue: Sequence[str] = ()) -> Any:
@@ -1951,7 +1966,7 @@ LINE_MAPS: dict[str, tuple[str, list[int]]] = {}
 def _runtime_namespace() -> dict[str, Any]:
     from csl_executor import fabric
     from csl_executor.dsd import DsdModule
-    from csl_executor.libs import MATH_FUNCS
+    from csl_executor.mathlib import MATH_FUNCS
 
     return {"DSD": DsdModule, "MATH": MATH_FUNCS, "CTRL": fabric}
 
@@ -1974,13 +1989,15 @@ def _pyname(name: str) -> str:
     return "csl_" + "".join(c if c.isalnum() else "_" for c in name)
 
 
-def _freeze(v: Any) -> Any:
+def freeze(v: Any) -> Any:
+    """A hashable form of a comptime value: the key of a module instance, a specialised function or a
+    layout's tile code."""
     if isinstance(v, Struct):
-        return ("struct", tuple((k, _freeze(x)) for k, x in v.fields), v.is_tuple)
+        return ("struct", tuple((k, freeze(x)) for k, x in v.fields), v.is_tuple)
     if isinstance(v, ArrayValue):
         return ("array", v.type, tuple(v.items))
     if isinstance(v, list):
-        return tuple(_freeze(x) for x in v)
+        return tuple(freeze(x) for x in v)
     if isinstance(v, (FnSym, ModuleInstance)):
         return ("id", id(v))
     try:
@@ -2019,15 +2036,33 @@ def operations(node: ast.Node | None) -> int:
     return count
 
 
-def statement_cycles(s: ast.Node) -> int:
+def statement_operations(s: ast.Node) -> int:
+    """Operations a scalar statement performs, at least one (a loop counts its test once)."""
     if isinstance(s, ast.If):
-        return max(timing.STATEMENT, operations(s.cond))
+        return max(1, operations(s.cond))
     if isinstance(s, (ast.While, ast.For)):
-        return timing.STATEMENT
+        return 1
     if isinstance(s, ast.VarDecl):
-        return max(timing.STATEMENT, operations(s.init))
+        return max(1, operations(s.init))
     if isinstance(s, ast.Assign):
         # a compound assignment reads the target, operates and writes it back
         extra = 1 if s.op != "=" else 0
-        return max(timing.STATEMENT, operations(s.target) + operations(s.value) + extra)
-    return max(timing.STATEMENT, operations(getattr(s, "expr", None) or getattr(s, "value", None)))
+        return max(1, operations(s.target) + operations(s.value) + extra)
+    return max(1, operations(getattr(s, "expr", None) or getattr(s, "value", None)))
+
+
+def statement_cycles(s: ast.Node) -> int:
+    return max(timing.STATEMENT, statement_operations(s) * timing.STATEMENT)
+
+
+def statement_instructions(s: ast.Node) -> int:
+    """Instructions a statement adds to the code size estimate (csl_executor.codesize): its operations,
+    plus a loop's test and branch or an `if`'s branch. A DSD operation inside adds its own (counted
+    where the operation is compiled)."""
+    if isinstance(s, ast.While):
+        return max(1, operations(s.cond)) + codesize.LOOP_INSTRUCTIONS
+    if isinstance(s, ast.For):
+        return 1 + codesize.LOOP_INSTRUCTIONS
+    if isinstance(s, ast.If):
+        return statement_operations(s) + codesize.IF_INSTRUCTIONS
+    return statement_operations(s)

@@ -77,6 +77,10 @@ def mem1d(elem: CslType, base: int, length: int, stride: int, offset: int, wio: 
     )
 
 
+def mem4d(elem: CslType, base: int, dims: tuple, wio: bool, where: str) -> Dsd:
+    return _checked(Dsd("mem4d", elem, base=base, dims=dims, wavelet_index_offset=wio), where)
+
+
 def with_length(d: Dsd, length: int, where: str) -> Dsd:
     return _checked(replace(d, length=length), where)
 
@@ -113,6 +117,7 @@ class DsdModule:
     Scalar = Scalar
     scalar_ptr = staticmethod(scalar_ptr)
     mem1d = staticmethod(mem1d)
+    mem4d = staticmethod(mem4d)
     with_length = staticmethod(with_length)
     increment_dsd_offset = staticmethod(increment_dsd_offset)
     set_dsd_base_addr = staticmethod(set_dsd_base_addr)
@@ -157,6 +162,12 @@ class OpSpec:
         )
         if fabric and self.is_async is False and self.opts.get("activate") is not None:
             raise ctx.error(node, f"@{self.name}: `.activate` needs `.async = true`")
+        for k, etype in zip(kinds, [self.dtype, *src_types(self)], strict=False):
+            if isinstance(k, Dsd) and k.simd_mode and WORDS[etype] != 1:
+                raise ctx.error(
+                    node,
+                    f"@{self.name}: `.simd_mode` packs 16-bit values into wavelets; this operand is {etype}",
+                )
         for k in kinds:
             if isinstance(k, Dsd) and k.kind in ("fabin", "fabout") and k.queue is None and self.is_async:
                 q = "input_queue" if k.kind == "fabin" else "output_queue"
@@ -276,20 +287,36 @@ def write_mem(mem16: np.ndarray, idx: np.ndarray, values: np.ndarray, etype: str
         mem16[idx] = np.ascontiguousarray(values, dtype=NP[etype]).view(np.uint16)
 
 
-def from_wavelets(payloads: list[int], etype: str) -> np.ndarray:
+def from_wavelets(payloads: list[int], etype: str, per_wavelet: int = 1) -> np.ndarray:
+    """Element values from wavelet payloads; with two per wavelet (a SIMD mode) the low half comes
+    first, then the high half."""
     arr = np.fromiter(payloads, dtype=np.uint32, count=len(payloads))
     if etype == "f32":
         return arr.view(np.float32)
     if etype == "u32":
         return arr
-    low = (arr & 0xFFFF).astype(np.uint16)
+    if per_wavelet == 2:
+        halves = np.empty(2 * len(arr), dtype=np.uint16)
+        halves[0::2] = arr & 0xFFFF
+        halves[1::2] = arr >> 16
+        low = halves
+    else:
+        low = (arr & 0xFFFF).astype(np.uint16)
     return low.view(NP[etype]) if etype != "u16" else low
 
 
-def to_wavelets(values: np.ndarray, etype: str) -> list[int]:
+def to_wavelets(values: np.ndarray, etype: str, per_wavelet: int = 1) -> list[int]:
+    """Wavelet payloads of element values: 32-bit values one per wavelet; 16-bit values one per
+    wavelet with the upper half zero, or two per wavelet (low half first) in a SIMD mode, the last
+    wavelet of an odd count carrying one value."""
     if etype in ("f32", "u32"):
         return np.ascontiguousarray(values, dtype=NP[etype]).view(np.uint32).tolist()
-    return np.ascontiguousarray(values, dtype=NP[etype]).view(np.uint16).astype(np.uint32).tolist()
+    words = np.ascontiguousarray(values, dtype=NP[etype]).view(np.uint16).astype(np.uint32)
+    if per_wavelet == 2:
+        if len(words) % 2:
+            words = np.append(words, np.uint32(0))
+        return (words[0::2] | (words[1::2] << 16)).tolist()
+    return words.tolist()
 
 
 def scalar_array(s: Scalar, n: int, etype: str) -> np.ndarray:

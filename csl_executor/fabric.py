@@ -149,7 +149,7 @@ class RouterColor:
 
     __slots__ = (
         "machine", "x", "y", "color", "cfg", "buf", "positions", "cur", "ring", "pop_mode", "filter",
-        "swap_x", "swap_y", "scheduled", "last_arrival", "targets_cache", "kick", "forwarded",
+        "swap_x", "swap_y", "scheduled", "last_arrival", "targets_cache", "kick", "forwarded", "switch_waiters",
     )  # fmt: skip
 
     def __init__(self, machine, x: int, y: int, color: int, cfg: ColorConfig) -> None:
@@ -189,17 +189,15 @@ class RouterColor:
                 raise CslCompileError(f"{cfg.where}: unsupported switch field(s) {', '.join(sorted(extra))}")
             if self.positions[self.cur] is None:
                 raise CslCompileError(f"{cfg.where}: current_switch_pos {self.cur} names no position")
-        self.filter = None
+        self.filter: RangeFilter | CounterFilter | None = None
         if cfg.filter is not None:
-            kind = cfg.filter.get("kind")
-            if not (isinstance(kind, Struct) and kind.get("range")):
-                raise CslCompileError(f"{cfg.where}: only range filters are supported by the executor")
-            self.filter = (int(cfg.filter.get("min_idx", 0)), int(cfg.filter.get("max_idx", 0xFFFF)))
+            self.filter = make_filter(cfg.filter, cfg.where)
         self.swap_x, self.swap_y = cfg.color_swap_x, cfg.color_swap_y
         self.scheduled = -1
         self.last_arrival = (-1, "")
         self.targets_cache: dict[int, list] = {}
         self.forwarded = 0
+        self.switch_waiters: list = []
         self.kick = self._kick
 
     def __repr__(self) -> str:
@@ -210,6 +208,36 @@ class RouterColor:
             return
         self.scheduled = t
         self.machine.at(t, self.step)
+
+    def reconfigure(self, cfg: ColorConfig) -> None:
+        """A new route at run time: one position, no switch, no filter."""
+        self.cfg = cfg
+        self.positions = [(frozenset(cfg.rx), tuple(cfg.tx)), None, None, None]
+        self.cur = 0
+        self.filter = None
+        self.targets_cache.clear()
+        if self.switch_waiters:
+            waiters, self.switch_waiters = self.switch_waiters, []
+            for fn in waiters:
+                self.machine.at(self.machine.now, fn)
+        if self.buf.q:
+            self._kick(self.machine.now)
+
+    def receives(self, from_dir: str) -> bool:
+        """Does the current switch position take wavelets from `from_dir`?"""
+        return from_dir in self.positions[self.cur][0]
+
+    def waits_for(self, from_dir: str, fn) -> bool:
+        """A wavelet from `from_dir` that the current position does not take: when another position
+        of this switch takes it, or a program changes this color's routes at run time, the sender
+        holds it until the switch moves or the route changes (back-pressure) and `fn` is called
+        then; otherwise False (a route that never receives from there)."""
+        taken = any(p is not None and from_dir in p[0] for p in self.positions)
+        if not taken and self.color not in self.machine.reconfigurable_colors:
+            return False
+        if fn not in self.switch_waiters:
+            self.switch_waiters.append(fn)
+        return True
 
     def accept(self, w: int, ready: int, from_dir: str) -> None:
         rx = self.positions[self.cur][0]
@@ -279,7 +307,7 @@ class RouterColor:
         ctrl = w & CTRL
         targets = self.targets()
         ce = None
-        for d, nb, _ in targets:
+        for d, nb, arrive in targets:
             if d == "RAMP":
                 if self._to_ce(w):
                     ce = self.machine.pe_input(self.x, self.y, self.color)
@@ -289,8 +317,12 @@ class RouterColor:
             elif nb.buf.free() <= 0:
                 nb.buf.wait_space(self._kick)
                 return
+            elif not nb.receives(arrive) and nb.waits_for(arrive, self._kick):
+                return
         self.buf.pop(t)
         self.forwarded += 1
+        if self.filter is not None:
+            self.filter.count(w)
         out = w
         nxt = self.cur
         if ctrl:
@@ -302,21 +334,26 @@ class RouterColor:
         for d, nb, arrive in targets:
             if d == "RAMP":
                 if ce is not None:
-                    ce.push(t + timing.ROUTER_TO_CE, w)
+                    ce.push(self.machine.arrival(ce, t + timing.ROUTER_TO_CE), w)
             else:
                 nb.accept(out, t + timing.HOP, arrive)
-        if ctrl:
+        if ctrl and nxt != self.cur:
             self.cur = nxt
+            if self.switch_waiters:
+                waiters, self.switch_waiters = self.switch_waiters, []
+                for fn in waiters:
+                    self.machine.at(t + 1, fn)
         if q:
             self._kick(t + 1)
 
     def _to_ce(self, w: int) -> bool:
+        """Whether the wavelet at the head goes down the RAMP to the CE (without changing any state:
+        a counter filter moves on in `forwarded_to_ce`)."""
         if w & CTRL:
             _, ignore = commands(w & 0xFFFFFFFF)[0]
             return not ignore
         if self.filter is not None:
-            idx = (w >> 16) & 0xFFFF
-            return self.filter[0] <= idx <= self.filter[1]
+            return self.filter.passes(w)
         return True
 
     def _next_position(self, payload: int) -> int:
@@ -337,6 +374,72 @@ class RouterColor:
         if nxt >= 4:
             return 0 if self.ring else self.cur
         return nxt
+
+
+class RangeFilter:
+    """`.filter = .{ .kind = .{ .range = true }, .min_idx, .max_idx }`: data wavelets whose index
+    (upper 16 bits) lies in [min_idx, max_idx] reach the CE (SDK "Builtins"; topic-08)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def passes(self, w: int) -> bool:
+        return self.lo <= (w >> 16) & 0xFFFF <= self.hi
+
+    def count(self, w: int) -> None:
+        pass
+
+
+class CounterFilter:
+    """`.filter = .{ .kind = .{ .counter = true }, .limit1, .max_counter, .init_counter, .count_data,
+    .count_control }`: a counter steps once per counted wavelet and wraps to 0 after `limit1`; a
+    counted data wavelet reaches the CE while the counter is at most `max_counter`. The SDK page lists
+    the fields without their arithmetic; this reading is the one fft-1d-2d's comment describes ("each
+    PE catches one element in every N-1 elements": limit1 = (N-1) x brick - 1, max_counter = brick - 1,
+    init_counter placing each PE's window), and its 2-D runs check it."""
+
+    def __init__(self, limit: int, max_counter: int, counter: int, data: bool, control: bool) -> None:
+        self.limit, self.max_counter, self.counter = limit, max_counter, counter
+        self.data, self.control = data, control
+
+    def counted(self, w: int) -> bool:
+        return self.control if w & CTRL else self.data
+
+    def passes(self, w: int) -> bool:
+        return not self.counted(w) or self.counter <= self.max_counter
+
+    def count(self, w: int) -> None:
+        if self.counted(w):
+            self.counter = 0 if self.counter >= self.limit else self.counter + 1
+
+
+FILTER_FIELDS = {
+    "range": {"kind", "min_idx", "max_idx"},
+    "counter": {"kind", "limit1", "max_counter", "init_counter", "count_data", "count_control", "fast_mode"},
+}
+
+
+def make_filter(f: Struct, where: str) -> RangeFilter | CounterFilter:
+    kind = f.get("kind")
+    chosen = [
+        k for k in ("range", "counter", "sparse_counter") if isinstance(kind, Struct) and kind.get(k, False)
+    ]
+    if len(chosen) != 1:
+        raise CslCompileError(f"{where}: a filter's `.kind` sets one of range, counter, sparse_counter")
+    if chosen[0] not in FILTER_FIELDS:
+        raise CslCompileError(f"{where}: {chosen[0]} filters are not supported by the executor")
+    extra = set(f.names()) - FILTER_FIELDS[chosen[0]]
+    if extra:
+        raise CslCompileError(f"{where}: unknown {chosen[0]} filter field(s) {', '.join(sorted(extra))}")
+    if chosen[0] == "range":
+        return RangeFilter(int(f.get("min_idx", 0)), int(f.get("max_idx", 0xFFFF)))
+    return CounterFilter(
+        int(f.get("limit1", 0)),
+        int(f.get("max_counter", 0)),
+        int(f.get("init_counter", 0)),
+        bool(f.get("count_data", True)),
+        bool(f.get("count_control", False)),
+    )
 
 
 def _dirs(v: Any) -> list[str]:

@@ -5,7 +5,7 @@ from how `Cerebras/csl-examples` use them:
 - `<memcpy/get_params>` (layout) and `<memcpy/memcpy>` (PE): the streaming colors, `unblock_cmd_stream`.
 - `<layout>`: the PE's coordinates in the kernel rectangle.
 - `<time>`: the 48-bit timestamp counter (TSC), as three u16 words, counting the executor's cycles.
-- `<math>`: correctly rounded f32 functions (the hardware's are approximations: see the doc).
+- `<math>`: `csl_executor.mathlib`, correctly rounded f16 and f32 functions (the hardware's are approximations).
 - `<random>`: a per-PE generator seeded as the SDK's is (0xdeadbeef); its sequence is the executor's own.
 - `<control>`: control wavelet payloads (layout of the bits in `csl_executor.fabric`).
 - `<simprint>` and `<debug>`: prints to `sim.log`, traces read back with `debug_util`.
@@ -14,10 +14,10 @@ from how `Cerebras/csl-examples` use them:
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from csl_executor import ast
+from csl_executor.mathlib import Math
 from csl_executor.native import NativeFn, NativeModule
 from csl_executor.program import ModuleInstance
 from csl_executor.types import (
@@ -31,6 +31,7 @@ from csl_executor.types import (
     F32,
     I16,
     I32,
+    MODULE,
     STRING,
     TYPE,
     U16,
@@ -57,6 +58,9 @@ def field_of_native(ctx: Ctx, obj: CExpr, name: str, node: ast.Node) -> CExpr | 
 
 
 MEMCPY_STREAMS = [f"MEMCPYH2D_{i}" for i in range(1, 5)] + [f"MEMCPYD2H_{i}" for i in range(1, 5)]
+# SDK 1.0 and older also take the color of the RPC server that host launches arrive on (`.LAUNCH`,
+# served by `@rpc`); from 1.1 memcpy builds that server in (release notes 1.1.0).
+MEMCPY_COLORS = [*MEMCPY_STREAMS, "LAUNCH"]
 
 
 class MemcpyGetParams(NativeModule):
@@ -67,23 +71,23 @@ class MemcpyGetParams(NativeModule):
     def __init__(self, comp, ctx: Ctx, params: Struct, node: ast.Node) -> None:
         super().__init__(comp, ctx, params, node)
         for name in params.names():
-            if name not in ("width", "height", *MEMCPY_STREAMS):
+            if name not in ("width", "height", *MEMCPY_COLORS):
                 raise ctx.error(node, f"<memcpy/get_params> has no parameter {name!r}")
-            if name.startswith("MEMCPY") and not isinstance(params.get(name), Color):
+            if name in MEMCPY_COLORS and not isinstance(params.get(name), Color):
                 raise ctx.error(node, f"<memcpy/get_params> .{name} must be a color")
         for name in ("width", "height"):
             if not params.has(name):
                 raise ctx.error(node, f"<memcpy/get_params> needs .{name}")
         self.width = params.get("width")
         self.height = params.get("height")
-        fields = [(name, params.get(name, VOID)) for name in MEMCPY_STREAMS]
-        types = [(name, COLOR if params.has(name) else VOID_T) for name in MEMCPY_STREAMS]
+        fields = [(name, params.get(name, VOID)) for name in MEMCPY_COLORS]
+        types = [(name, COLOR if params.has(name) else VOID_T) for name in MEMCPY_COLORS]
         # The per-PE struct carries no column index: the executor's memcpy needs none, and equal
         # structs let every column share one compiled program.
         self.pe_params = Struct(
             tuple(fields) + (("__memcpy__", True),), tuple(types) + (("__memcpy__", BOOL),)
         )
-        colors = {n: params.get(n).id for n in MEMCPY_STREAMS if params.has(n)}
+        colors = {n: params.get(n).id for n in MEMCPY_COLORS if params.has(n)}
         program = ctx.program
         if hasattr(program, "set_memcpy"):
             program.set_memcpy(self.width, self.height, colors, ctx.where(node))
@@ -114,7 +118,7 @@ class Memcpy(NativeModule):
         ctx.program.memcpy = params
         self.members = {
             name: CExpr(params.type_of(name) or type_of_value(params.get(name)), params.get(name))
-            for name in MEMCPY_STREAMS
+            for name in MEMCPY_COLORS
         }
         self.members["unblock_cmd_stream"] = NativeFn(
             "unblock_cmd_stream", [], VOID_T, "pe.unblock_cmd_stream()"
@@ -146,74 +150,6 @@ class Time(NativeModule):
                 "get_timestamp", [PointerType(ArrayOf3)], VOID_T, "pe.tsc_read({0}, {where})"
             ),
         }
-
-
-def _f32(fn):
-    def wrapped(x: float) -> float:
-        from csl_executor.rt import F32
-
-        try:
-            return F32(fn(x))
-        except (ValueError, OverflowError):
-            return math.nan if x != x or x < 0 else math.inf
-
-    return wrapped
-
-
-def _exp(x: float) -> float:
-    try:
-        return math.exp(x)
-    except OverflowError:
-        return math.inf
-
-
-def _log(x: float) -> float:
-    if x == 0:
-        return -math.inf
-    return math.log(x)
-
-
-class Math(NativeModule):
-    spec = "math"
-
-    def __init__(self, comp, ctx: Ctx, params: Struct, node: ast.Node) -> None:
-        super().__init__(comp, ctx, params, node)
-        f = {
-            "sqrt_f32": _f32(math.sqrt),
-            "invsqrt_f32": _f32(lambda x: 1.0 / math.sqrt(x) if x != 0 else math.inf),
-            "exp_f32": _f32(_exp),
-            "log_f32": _f32(_log),
-            "tanh_f32": _f32(math.tanh),
-            "abs_f32": _f32(abs),
-        }
-        self.members: dict[str, Any] = {
-            name: NativeFn(name, [F32], F32, f"MATH[{name!r}]({{0}})", fold=fn) for name, fn in f.items()
-        }
-        for name, fn in (("sqrt", math.sqrt), ("abs", abs), ("inv", lambda x: 1.0 / x if x else math.inf)):
-            self.members[name] = NativeFn(name, [ANYTYPE], ANYTYPE, comptime=_generic(name, fn))
-        self.members["NEGATIVE_INF_f32"] = known(-math.inf, F32)
-        self.members["POSITIVE_INF_f32"] = known(math.inf, F32)
-        self.members["NEGATIVE_INF_f16"] = known(-math.inf, F16)
-        self.members["POSITIVE_INF_f16"] = known(math.inf, F16)
-
-
-def _generic(name: str, fn):
-    def comptime(ctx: Ctx, args: list[CExpr], node: ast.Node) -> CExpr:
-        a = args[0]
-        t = a.type
-        if t not in (F32, F16) and not t.is_int:
-            raise ctx.error(node, f"math.{name} takes a float or integer, found {t.name}")
-        rnd = "F32" if t is F32 else ("F16" if t is F16 else "")
-        if a.known:
-            from csl_executor.rt import F16 as r16
-            from csl_executor.rt import F32 as r32
-
-            v = fn(a.value)
-            return known(r32(v) if t is F32 else (r16(v) if t is F16 else int(v)), t)
-        code = f"{rnd}(MATH[{name!r}]({a.code}))" if rnd else f"MATH[{name!r}]({a.code})"
-        return ctx.dyn(t, code)
-
-    return comptime
 
 
 class Random(NativeModule):
@@ -325,6 +261,122 @@ from csl_executor.types import ArrayType as _ArrayType  # noqa: E402
 ArrayOf3 = _ArrayType(3, U16)
 
 
+PRIORITY = EnumType(U16, (("LOW", 0), ("HIGH", 1)), "level")
+
+
+class TileConfig(NativeModule):
+    """`<tile_config>`: the PE's configuration registers. Importing it is fine (WaferLLM's Decode does
+    and uses nothing); `task_priority` is implemented (the picker runs HIGH tasks before LOW ones);
+    every other submodule is refused at the first member a program uses, by name."""
+
+    spec = "tile_config"
+    SUBMODULES = (
+        "color_config", "control_transform", "exceptions", "filters", "input_queue_status",
+        "main_thread_priority", "output_queue_status", "switch_config", "teardown",
+    )  # fmt: skip
+
+    def __init__(self, comp, ctx: Ctx, params: Struct, node: ast.Node) -> None:
+        super().__init__(comp, ctx, params, node)
+        self.members = {}
+        for name in self.SUBMODULES:
+            sub = ModuleInstance(ctx.program, f"<tile_config>.{name}", None, Struct(()))
+            sub.native = (
+                ColorConfigLib(comp, ctx)
+                if name == "color_config"
+                else _Refused(comp, ctx, f"tile_config.{name}")
+            )
+            self.members[name] = known(sub, MODULE)
+        prio = ModuleInstance(ctx.program, "<tile_config>.task_priority", None, Struct(()))
+        prio.native = TaskPriority(comp, ctx, params, node)
+        self.members["task_priority"] = known(prio, MODULE)
+
+
+class _Refused(NativeModule):
+    def __init__(self, comp, ctx: Ctx, name: str) -> None:
+        super().__init__(comp, ctx, Struct(()), ast.Node(0))
+        self.spec = name
+
+    def member(self, ctx: Ctx, name: str, node: ast.Node) -> CExpr:
+        raise ctx.error(node, f"{self.spec}.{name} is not supported by the executor")
+
+
+class ColorConfigLib(_Refused):
+    """`<tile_config>.color_config`: `reset_routes(color, .{ .rx = ..., .tx = ... })` replaces the
+    PE's route for a color at run time (WaferLLM's Decode turns its all-reduce between axes so); the
+    other members, and a color given as a register address, are refused by name."""
+
+    def __init__(self, comp, ctx: Ctx) -> None:
+        super().__init__(comp, ctx, "tile_config.color_config")
+
+        def reset_routes(c: Ctx, args: list[CExpr], n: ast.Node) -> CExpr:
+            from csl_executor.builtins import route_directions
+
+            color = c.need_known(args[0], n, "color")
+            if not isinstance(color, Color):
+                raise c.error(
+                    n, "color_config.reset_routes takes a color (a register address is not supported)"
+                )
+            routes = c.need_known(args[1], n, "routes")
+            if not isinstance(routes, Struct) or set(routes.names()) - {"rx", "tx"}:
+                raise c.error(n, "color_config.reset_routes takes `.{ .rx = ..., .tx = ... }`")
+            rx = route_directions(c, routes.get("rx", Struct(())), n, ".rx")
+            tx = route_directions(c, routes.get("tx", Struct(())), n, ".tx")
+            if c.comp.arch == "wse3" and len(rx) > 1:
+                raise c.error(n, "on WSE-3 color_config.reset_routes takes one `.rx` direction")
+            if not c.runtime:
+                raise c.error(
+                    n,
+                    "color_config.reset_routes changes a route at run time; at comptime use @set_local_color_config",
+                )
+            c.program.native_state.setdefault("reset_colors", set()).add(color.id)
+            where = c.fb.const(c.where(n))
+            return c.dyn(VOID_T, f"pe.reset_routes({color.id}, {rx!r}, {tx!r}, {where})")
+
+        self.reset = NativeFn("reset_routes", [ANYTYPE, ANYTYPE], VOID_T, comptime=reset_routes)
+
+    def member(self, ctx: Ctx, name: str, node: ast.Node) -> CExpr:
+        if name == "reset_routes":
+            return CExpr(type_of_value(self.reset), self.reset)
+        return super().member(ctx, name, node)
+
+
+class TaskPriority(NativeModule):
+    """`<tile_config>.task_priority`: HIGH or LOW per task ID (a data or local task ID, or the color
+    on WSE-2 / input queue on WSE-3 that carries a task's wavelets), at comptime or at run time."""
+
+    spec = "tile_config.task_priority"
+
+    def __init__(self, comp, ctx: Ctx, params: Struct, node: ast.Node) -> None:
+        super().__init__(comp, ctx, params, node)
+
+        def setter(fixed: int | None):
+            def comptime(c: Ctx, args: list[CExpr], n: ast.Node) -> CExpr:
+                from csl_executor.builtins import task_id_of
+
+                tid = task_id_of(c, c.need_known(args[0], n, "task ID"), n)
+                if fixed is None:
+                    level = c.need_known(args[1], n, "priority")
+                    high = int(level.value if isinstance(level, EnumValue) else level)
+                else:
+                    high = fixed
+                if c.runtime:
+                    ref = c.fb.const(tid) if isinstance(tid, tuple) else tid
+                    return c.dyn(VOID_T, f"pe.set_task_priority({ref}, {high})")
+                c.program.startup.append(("set_task_priority", (tid, high), c.where(n)))
+                return known(VOID, VOID_T)
+
+            return comptime
+
+        self.members = {
+            "level": known(PRIORITY, TYPE),
+            "set_task_priority": NativeFn("set_task_priority", [ANYTYPE], VOID_T, comptime=setter(1)),
+            "clear_task_priority": NativeFn("clear_task_priority", [ANYTYPE], VOID_T, comptime=setter(0)),
+            "update_task_priority": NativeFn(
+                "update_task_priority", [ANYTYPE, PRIORITY], VOID_T, comptime=setter(None)
+            ),
+        }
+
+
 class Directions(NativeModule):
     """`<directions>`: `flip(d)` is the opposite direction."""
 
@@ -351,6 +403,7 @@ LIBRARIES = {
     "simprint": Simprint,
     "debug": Debug,
     "directions": Directions,
+    "tile_config": TileConfig,
 }
 
 
@@ -363,16 +416,3 @@ def native_module(comp, ctx: Ctx, name: str, params: Struct, node: ast.Node) -> 
     mod = ModuleInstance(ctx.program, f"<{name}>", None, params)
     mod.native = factory(comp, ctx, params, node)
     return mod
-
-
-MATH_FUNCS = {
-    "sqrt_f32": _f32(math.sqrt),
-    "invsqrt_f32": _f32(lambda x: 1.0 / math.sqrt(x) if x > 0 else (math.inf if x == 0 else math.nan)),
-    "exp_f32": _f32(_exp),
-    "log_f32": _f32(_log),
-    "tanh_f32": _f32(math.tanh),
-    "abs_f32": _f32(abs),
-    "sqrt": lambda x: math.sqrt(x) if x >= 0 else math.nan,
-    "abs": abs,
-    "inv": lambda x: 1.0 / x if x else math.inf,
-}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -30,6 +30,8 @@ from csl_executor.errors import CslDeadlock, CslError, CslRuntimeError
 from csl_executor.fabric import CTRL, Channel, RouterColor
 from csl_executor.layout import CompiledLayout
 from csl_executor.pe import PE
+from csl_executor.program import ColorConfig
+from csl_executor.schedule import Schedule, parse_schedule
 
 
 class Machine:
@@ -42,6 +44,7 @@ class Machine:
         log_dir: str | Path | None = None,
         max_cycles: int = 10**12,
         picker: str | None = None,
+        schedule: str | Schedule | None = None,
     ) -> None:
         self.compiled = compiled
         self.arch = compiled.options.arch
@@ -52,18 +55,18 @@ class Machine:
         self.trace_pe = trace_pe
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.max_cycles = max_cycles
-        # The SDK leaves the order of runnable tasks open. "highest" (the default) runs the highest
-        # ID first, "lowest" the lowest, "fifo" what became runnable first. csl-examples' game-of-life
-        # deadlocks under "lowest" (12 x 12, 20 generations) and passes under "highest"; running a
-        # program under all three finds its order races.
-        self.picker = picker or os.environ.get("WAFER_CSL_PICKER", "highest")
-        if self.picker not in ("fifo", "lowest", "highest"):
-            raise CslRuntimeError(f"picker {self.picker!r}: expected fifo, lowest or highest")
+        # Which runnable task a PE takes first, and latency jitter: csl_executor.schedule.
+        self.schedule = parse_schedule(schedule if schedule is not None else picker)
         self.events = 0
         self.wall = 0.0
         self.routers: dict[tuple[int, int, int], RouterColor] = {
             key: RouterColor(self, key[0], key[1], key[2], cfg) for key, cfg in compiled.routes.items()
         }
+        # colors whose routes a program changes at run time: a wavelet their current route does not
+        # take waits for the change instead of failing
+        self.reconfigurable_colors: set[int] = set()
+        for prog in compiled.programs:
+            self.reconfigurable_colors |= prog.native_state.get("reset_colors", set())
         self.pes: dict[tuple[int, int], PE] = {}
         for xy, prog in compiled.pe_program.items():
             self.pes[xy] = PE(self, xy[0], xy[1], prog)
@@ -77,6 +80,7 @@ class Machine:
         self.last_command_end = 0
         self.log_lines: list[str] = []
         self.collectives: dict = {}
+        self.warnings: list[str] = []
 
     # -- events ----------------------------------------------------------------------------------------
     def at(self, t: int, fn: Any) -> None:
@@ -122,6 +126,37 @@ class Machine:
     def run_idle(self, what: str = "the fabric to settle") -> None:
         """Process every pending event (used before reading results on stop)."""
         self.run_until(lambda: not self.heap, what)
+
+    def warn(self, message: str) -> None:
+        """A run-time warning, printed once to stderr: the run goes on."""
+        if message not in self.warnings:
+            self.warnings.append(message)
+            print(f"executor: warning: {message}", file=sys.stderr)
+
+    def arrival(self, ch: Channel, t: int) -> int:
+        """When a wavelet reaches a CE's input: at t, plus the schedule's jitter, never before the
+        wavelet ahead of it in the same queue."""
+        ready = t + self.schedule.delay()
+        return max(ready, ch.q[-1][0]) if ch.q else ready
+
+    def reset_routes(self, pe: PE, color: int, rx: tuple[str, ...], tx: tuple[str, ...], where: str) -> None:
+        """`tile_config.color_config.reset_routes`: the PE's router takes a new route for `color`
+        (its switch positions cleared); wavelets it holds go on by the new route (WaferLLM's Decode
+        turns a route while its neighbours' first wavelets for the new one already wait in it)."""
+        from csl_executor import arch as archs
+
+        archs.check_routed_color(self.arch, color, where, self.compiled.options.memcpy)
+        key = (pe.x, pe.y, color)
+        router = self.routers.get(key)
+        cfg = ColorConfig(tuple(rx), tuple(tx), where=where)
+        if router is None:
+            self.routers[key] = RouterColor(self, pe.x, pe.y, color, cfg)
+        else:
+            router.reconfigure(cfg)
+        for dx, dy in ((0, 0), (1, 0), (-1, 0), (0, 1), (0, -1)):  # who may hold this router as a target
+            nb = self.routers.get((pe.x + dx, pe.y + dy, color))
+            if nb is not None:
+                nb.targets_cache.clear()
 
     # -- lookups used by routers and PEs -------------------------------------------------------------
     def router(self, x: int, y: int, color: int) -> RouterColor | None:
@@ -268,6 +303,7 @@ class Machine:
             "wall_s": self.wall,
             "pes": len(self.pes),
             "tasks": sum(p.tasks_run for p in self.pes.values()),
+            "schedule": str(self.schedule),
         }
 
 
@@ -329,9 +365,17 @@ class CopyCommand(Command):
                         f"{self.describe()}: PE ({px + i}, {py + j}) exports no symbol {self.name!r}"
                     )
                 if self.elems > exp.length:
-                    raise CslRuntimeError(
+                    message = (
                         f"{self.describe()}: {self.elems} elements per PE, but {self.name!r} on PE "
                         f"({px + i}, {py + j}) holds {exp.length}"
+                    )
+                    if self.to_device or exp.addr + self.elems * self.wpe > len(pe.mem16):
+                        raise CslRuntimeError(message)
+                    # Reading past the symbol reads the words after it, as memcpy does on the
+                    # hardware (25-pt-stencil reads 6 words of a 5-word array and uses 5).
+                    self.m.warn(
+                        f"{self.describe()}: {self.elems} elements per PE, but {self.name!r} holds "
+                        f"{exp.length}; the words after it are read"
                     )
                 sel = idx[j, i]
                 a = exp.addr
@@ -442,7 +486,7 @@ class _Feeder:
             ce.wait_space(self.move_kick)
             return
         self.path.pop(t)
-        ce.push(t + timing.ROUTER_TO_CE, w)
+        ce.push(self.cmd.m.arrival(ce, t + timing.ROUTER_TO_CE), w)
         if self.path.q:
             self.move_kick(t + 1)
 

@@ -404,6 +404,11 @@ class _Converter:
         raw = self.text(node)[1:-1]
         return ast.StrLit(self.line(node), bytes(raw, "utf-8").decode("unicode_escape"))
 
+    def x_comptime_expression(self, node):
+        """`comptime e`: e, which must be known at comptime (checked by the builtin it becomes)."""
+        inner = self.expr(self.named(node)[0])
+        return ast.BuiltinCall(self.line(node), "__comptime", [inner])
+
     def x_parenthesized_expression(self, node):
         inner = self.expr(self.named(node)[0])
         return ast.Unary(inner.line, "()", inner) if isinstance(inner, _Not) else inner

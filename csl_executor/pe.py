@@ -11,7 +11,9 @@ A local task's activation is a flag (several @activate before it runs make one r
 activated by each wavelet at the head of its channel (the color on WSE-2, the input queue on WSE-3)
 and runs once per wavelet with the wavelet as its argument. A control wavelet at the head of a
 channel runs the control task its entrypoint names, if the channel is unblocked. Among runnable
-tasks the lowest ID runs first (the SDK leaves the order open; the executor fixes one).
+tasks, those of the highest `tile_config` priority (HIGH or LOW) compete, and the machine's schedule
+picks one (csl_executor.schedule: local tasks before wavelet-triggered ones, the lowest ID first, by
+default; the SDK leaves the order open).
 
 Asynchronous DSD operations run as microthreads beside the CE, one element per cycle when a fabric
 or FIFO operand is involved, and activate or unblock a task when they finish.
@@ -89,6 +91,7 @@ class PE:
         self.active_since = [0] * NTASKS
         self.activated: set[int] = set()
         self.blocked = [True] * NTASKS  # unbound IDs start blocked; bound IDs start unblocked
+        self.priority = [0] * NTASKS  # tile_config's task_priority: 1 HIGH, 0 LOW
         self.data_channel: dict[int, int] = {}  # data task ID -> color
         for tid, b in program.tasks.items():
             self.task_fn[tid] = b.fn.py
@@ -104,7 +107,7 @@ class PE:
         self.fifos = [Channel(machine, f.length, f"fifo {f.index}") for f in program.fifos]
         self.dsrs: dict[tuple[str, int], tuple[Dsd, dict]] = {}
         self.busy_queues: dict[tuple[str, int], Any] = {}
-        self.micro: list[StreamOp] = []
+        self.micro: list[StreamOp | MemAsyncOp] = []
         self.cmd_blocked = False
         self.launches: deque = deque()
         self.tsc_on = False
@@ -114,6 +117,7 @@ class PE:
         self.traces: dict[str, list] = {k: [] for k in program.native_state.get("debug_traces", {})}
         self.tasks_run = 0
         self.busy_cycles = 0
+        self.in_map = 0  # depth of @map calls running now (their operations start with the map)
         for op, tid, _where in program.startup:
             getattr(self, op)(tid)
 
@@ -154,6 +158,17 @@ class PE:
             if kind == "input" and color in colors:
                 return q
         return None
+
+    def check_queue_empty(self, q: int, color: int, where: str) -> None:
+        """An operation reading `color` through input queue q: the queue must hold no wavelets of
+        another color that shares it (SDK "DSDs": a queue must be empty before it is reused)."""
+        for other in self.program.queue_uses.get(("input", q), {}):
+            ch = self.inputs.get(other)
+            if other != color and ch is not None and ch.q:
+                raise CslRuntimeError(
+                    f"{where}: input queue {q} on {self} still holds {len(ch.q)} wavelet(s) of color {other}; "
+                    f"a queue must be empty before an operation reuses it for color {color}"
+                )
 
     def _input_depth(self, color: int) -> int:
         for (kind, q), (c, _) in self.program.queue_colors.items():
@@ -258,13 +273,8 @@ class PE:
                 cands.append((self.active_since[tid], tid, "local", None))
         if not cands:
             return None
-        policy = self.machine.picker
-        if policy == "lowest":
-            _, tid, kind, color = min(cands, key=lambda c: c[1])
-        elif policy == "highest":
-            _, tid, kind, color = max(cands, key=lambda c: c[1])
-        else:  # "fifo": what became runnable first, ties to the lowest ID
-            _, tid, kind, color = min(cands, key=lambda c: (c[0], c[1]))
+        top = max(self.priority[c[1]] for c in cands)  # HIGH tasks before LOW ones (tile_config)
+        _, tid, kind, color = self.machine.schedule.choose([c for c in cands if self.priority[c[1]] == top])
         if kind == "local":
             self.active[tid] = False
             self.activated.discard(tid)
@@ -290,7 +300,7 @@ class PE:
         self.busy = True
         self.tasks_run += 1
         start = t
-        self.t = t + timing.TASK_START
+        self.t = t + timing.TASK_START + self.machine.schedule.delay()
         g = greenlet(self._task_body, parent=self.machine.main)
         self.current = g
         self.running = what
@@ -347,6 +357,16 @@ class PE:
         self._set_active(tid, t)
         if not self.busy:
             self.schedule_pick(t)
+
+    def reset_routes(self, color: int, rx: tuple[str, ...], tx: tuple[str, ...], where: str) -> None:
+        # at the CE's own time, which runs ahead of the event being processed: what the task sent
+        # before still leaves by the old route
+        self.machine.at(self.t, lambda t: self.machine.reset_routes(self, color, rx, tx, where))
+
+    def set_task_priority(self, tid: Any, high: int | None = None) -> None:
+        if high is None:  # from the program's startup list: (task ID, level)
+            tid, high = tid
+        self.priority[self._tid(tid)] = 1 if high else 0
 
     def block(self, tid: Any) -> None:
         self.blocked[self._tid(tid)] = True
@@ -445,7 +465,8 @@ class PE:
                 self.dsrs[(o.kind, o.id)] = (dsd, opts)
 
     def dsd_op(self, spec: D.OpSpec, operands: tuple, index: int | None = None) -> None:
-        self.t += timing.DSD_SETUP
+        if not self.in_map:  # an operation in a @map's function is one step of the map, started once
+            self.t += timing.DSD_SETUP + self.machine.schedule.delay()
         saved: list = []
         if any(isinstance(o, Dsr) for o in operands):
             spec, operands, saved = self._resolve_dsrs(spec, operands)
@@ -455,6 +476,8 @@ class PE:
                 for o in operands
             )
         n = D.op_length(operands)
+        if self.machine.trace_pe is not None:
+            self.machine.trace(self, self.t, f"@{spec.name} of {n} ({spec.where})")
         if saved:
             types = [spec.dtype, *D.src_types(spec)]
             self._advance_dsrs(
@@ -489,7 +512,12 @@ class PE:
         else:
             cycles = 0
         if spec.is_async:
-            self.machine.at(self.t + cycles, lambda t: self.op_finished(spec, t))
+            # An asynchronous operation over memory still occupies its microthread (an explicit
+            # .ut_id) until it ends: another one started on it meanwhile is refused.
+            op = MemAsyncOp(self, spec, self.t + cycles)
+            op.claim()
+            self.micro.append(op)
+            self.machine.at(op.end, op.finish)
         else:
             self.t += cycles
 
@@ -504,6 +532,17 @@ class PE:
         for idx, st in zip(src_idx, stypes, strict=True):
             if idx is not None:
                 self._bounds(idx, st, where)
+        if isinstance(dest, D.ScalarPtr) and n > 1:
+            # `@fmaxs(&m, m, v)`: a pointer destination with its own value as a scalar source is a
+            # running reduction (25-pt-stencil's max and min over a vector check against golden
+            # values): from the second step on, that source reads the destination.
+            current = D.read_mem(self.mem16, didx[:1], spec.dtype, where)[0]
+            for k, (s, st) in enumerate(zip(srcs, stypes, strict=True)):
+                if isinstance(s, D.Scalar) and st == spec.dtype:
+                    if D.scalar_array(s, 1, st)[0].tobytes() == current.tobytes():
+                        src_idx[k] = didx
+            self._sequential(spec, didx, srcs, src_idx, stypes, n)
+            return
         if _hazard(didx, src_idx):
             self._sequential(spec, didx, srcs, src_idx, stypes, n)
             return
@@ -553,11 +592,13 @@ class PE:
 
     def map_op(self, spec: D.MapSpec, operands: tuple) -> None:
         """@map: call the function once per element (inputs in order, then the output, if any)."""
-        self.t += timing.DSD_SETUP
+        self.t += timing.DSD_SETUP + self.machine.schedule.delay()
         saved: list = []
         if any(isinstance(o, Dsr) for o in operands):
             _, operands, saved = self._resolve_dsrs(D.OpSpec("map", 0, "f32", "f32", spec.where), operands)
         n = D.op_length(operands)
+        if self.machine.trace_pe is not None:
+            self.machine.trace(self, self.t, f"@map of {n} ({spec.where})")
         has_output = spec.ret.name != "void"
         ins = operands[:-1] if has_output else operands
         readers = []
@@ -571,14 +612,18 @@ class PE:
         writer = self._element_writer(operands[-1], spec.ret.name, spec.where) if has_output else None
         fn = spec.fn.py
         native = not isinstance(spec.fn, FnSym)
-        for i in range(n):
-            args = [r(i) for r in readers]
-            result = fn(*args) if native else fn(self, *args)
-            if writer is not None:
-                writer(i, result)
+        self.in_map += 1
+        try:
+            for i in range(n):
+                args = [r(i) for r in readers]
+                result = fn(*args) if native else fn(self, *args)
+                if writer is not None:
+                    writer(i, result)
+        finally:
+            self.in_map -= 1
         if saved:
             self._advance_dsrs(saved, n, [2] * len(operands))
-        self.t += n
+        self.t += timing.MAP_STEP * n
 
     def _element_reader(self, o: Any, tname: str, where: str):
         if isinstance(o, Dsd) and o.kind in ("fabin", "fabout"):
@@ -710,10 +755,59 @@ class OutDrain:
             if router.buf.free() <= 0:
                 router.buf.wait_space(self.kick)
                 return
+            if not router.receives("RAMP") and router.waits_for("RAMP", self.kick):
+                return  # the switch takes from the RAMP in another position: wait for it
             self.ch.pop(t)
             router.accept(w, t + timing.CE_TO_ROUTER, "RAMP")
         if q:
             self.kick(t + 1)
+
+
+class MemAsyncOp:
+    """An asynchronous DSD operation with memory operands only: its result is written when it starts
+    (nothing can read it before it ends without a race the SDK leaves undefined); it holds its
+    microthread until `end`, then activates or unblocks as asked."""
+
+    def __init__(self, pe: PE, spec: D.OpSpec, end: int) -> None:
+        self.pe, self.spec, self.end = pe, spec, end
+        self.done = False
+        ut = spec.opts.get("ut_id")
+        self.ut = int(ut) if ut is not None else None
+
+    def describe(self) -> str:
+        return f"@{self.spec.name} ({self.spec.where}) on memory, ending at cycle {self.end}"
+
+    def reads_color(self, color: int) -> bool:
+        return False
+
+    def claim(self) -> None:
+        if self.ut is None:
+            return
+        for m in self.pe.micro:
+            if not m.done and m.ut == self.ut:
+                raise CslRuntimeError(
+                    f"{self.spec.where}: microthread {self.ut} is busy with {m.describe()}; "
+                    "concurrent operations must not share a microthread"
+                )
+
+    def finish(self, t: int) -> None:
+        self.done = True
+        if self in self.pe.micro:
+            self.pe.micro.remove(self)
+        self.pe.op_finished(self.spec, t)
+
+
+def values_per_wavelet(d: Dsd) -> int:
+    """16-bit values a fabric DSD puts in one wavelet: two in any SIMD mode, else one."""
+    return 2 if d.simd_mode else 1
+
+
+def simd_granule(d: Dsd) -> int:
+    """Values one step of an operation moves through this operand (SDK "DSDs", SIMD Mode:
+    `simd_64` stalls until two wavelets are ready, `simd_32_or_64` goes on with one)."""
+    if not d.simd_mode:
+        return 1
+    return 4 if d.simd_mode == "simd_64" else 2
 
 
 class StreamOp:
@@ -748,6 +842,9 @@ class StreamOp:
                 pe._bounds(sidx, st, where)
         if isinstance(self.dest, Dsd) and self.dest.kind == "fabout":
             pe.output_queue(self.dest.queue if self.dest.queue is not None else 0, self.dest.fabric_color.id)
+        for s in self.srcs:
+            if isinstance(s, Dsd) and s.kind == "fabin" and s.queue is not None:
+                pe.check_queue_empty(s.queue, s.fabric_color.id, where)
         if pe.arch.name == "wse3":
             for s in self.srcs:
                 if isinstance(s, Dsd) and s.kind == "fabin":
@@ -758,6 +855,11 @@ class StreamOp:
                             "with @initialize_queue before an operation reads it"
                         )
         self.ut = self._microthread()
+        # Elements moved per step: SIMD-32 packs two 16-bit values per wavelet, SIMD-64 waits for
+        # two wavelets (four values); an operation ends with whatever part of a step is left.
+        self.granule = max(
+            (simd_granule(o) for o in (self.dest, *self.srcs) if isinstance(o, Dsd)), default=1
+        )
         if self.done:
             self.finish(pe.t)
 
@@ -824,37 +926,36 @@ class StreamOp:
             return
         pe = self.pe
         t = max(t, self.t)
-        k = self.n - self.pos
-        blockers: list = []
+        remaining = self.n - self.pos
+        k = remaining
+        # (kind, channel, values it can give or take now): the operands that may hold the step back
+        limits: list[tuple[str, Channel, int]] = []
         later = None
         for s in self.srcs:
             if isinstance(s, Dsd) and s.kind == "fabin":
                 ch = pe.input(s.fabric_color.id)
-                r = ch.ready_data(t, k)
-                if r < k:
-                    k = r
-                    if len(ch.q) > r and ch.q[r][0] > t and not ch.q[r][1] & CTRL:
-                        later = ch.q[r][0] if later is None else min(later, ch.q[r][0])
-                    else:
-                        blockers.append(("data", ch))
+                per = values_per_wavelet(s)
+                r = ch.ready_data(t, -(-remaining // per))
+                limits.append(("data", ch, min(remaining, r * per)))
+                if r * per < remaining and len(ch.q) > r and ch.q[r][0] > t and not ch.q[r][1] & CTRL:
+                    later = ch.q[r][0] if later is None else min(later, ch.q[r][0])
             elif isinstance(s, Fifo):
                 ch = pe.fifos[s.index]
-                r = len(ch.q)
-                if r < k:
-                    k = r
-                    blockers.append(("data", ch))
+                limits.append(("data", ch, len(ch.q)))
         d = self.dest
         if isinstance(d, Dsd) and d.kind == "fabout":
             ch = pe.output_queue(d.queue if d.queue is not None else 0, d.fabric_color.id)
-            if ch.free() < k:
-                k = ch.free()
-                blockers.append(("space", ch))
+            limits.append(("space", ch, ch.free() * values_per_wavelet(d)))
         elif isinstance(d, Fifo):
             ch = pe.fifos[d.index]
-            if ch.free() < k:
-                k = ch.free()
-                blockers.append(("space", ch))
+            limits.append(("space", ch, ch.free()))
+        for _, _, avail in limits:
+            k = min(k, avail)
+        if k < remaining:
+            k -= k % self.granule  # a SIMD mode moves whole steps of wavelets, except the last
         if k <= 0:
+            need = min(self.granule, remaining)
+            blockers = [(kind, ch) for kind, ch, avail in limits if avail < need]
             self.blocked_on = (
                 ", ".join(
                     f"{'no data in' if kind == 'data' else 'no room in'} {ch.name}" for kind, ch in blockers
@@ -869,11 +970,22 @@ class StreamOp:
         self.blocked_on = ""
         self.step(k, t)
         self.pos += k
-        self.t = t + k
+        self.t = t + self.cycles(k)
         if self.pos >= self.n:
             self.finish(self.t)
         else:
             self.kick(self.t)
+
+    def cycles(self, k: int) -> int:
+        """Cycles to move k elements: one wavelet per cycle through each fabric operand (a SIMD mode
+        carries two 16-bit values in one), one element per cycle through a FIFO."""
+        out = 0
+        for o in (self.dest, *self.srcs):
+            if isinstance(o, Dsd) and o.kind in ("fabin", "fabout"):
+                out = max(out, -(-k // values_per_wavelet(o)))
+            elif isinstance(o, Fifo):
+                out = max(out, k)
+        return max(out, 1)
 
     def step(self, k: int, t: int) -> None:
         pe, spec = self.pe, self.spec
@@ -887,7 +999,9 @@ class StreamOp:
                 values.append(D.scalar_array(s, k, st))
             elif isinstance(s, Dsd) and s.kind == "fabin":
                 ch = pe.input(s.fabric_color.id)
-                values.append(D.from_wavelets([ch.pop(t) & 0xFFFFFFFF for _ in range(k)], st))
+                per = values_per_wavelet(s)
+                words = [ch.pop(t) & 0xFFFFFFFF for _ in range(-(-k // per))]
+                values.append(D.from_wavelets(words, st, per)[:k])
             elif isinstance(s, Fifo):
                 ch = pe.fifos[s.index]
                 values.append(D.from_wavelets([ch.pop(t) for _ in range(k)], st))
@@ -896,7 +1010,7 @@ class StreamOp:
         out = D.compute(spec.name, values, spec.dtype, spec.stype)
         d = self.dest
         if isinstance(d, Dsd) and d.kind == "fabout":
-            payloads = D.to_wavelets(out, spec.dtype)
+            payloads = D.to_wavelets(out, spec.dtype, values_per_wavelet(d))
             if d.control:
                 payloads = [p | CTRL for p in payloads]
             pe.send(d.queue, d.fabric_color.id, payloads, t + 1)
@@ -911,6 +1025,8 @@ class StreamOp:
     def finish(self, t: int) -> None:
         self.done = True
         pe = self.pe
+        if pe.machine.trace_pe is not None:
+            pe.machine.trace(pe, t, f"@{self.spec.name} ({self.spec.where}) ends")
         if self in pe.micro:
             pe.micro.remove(self)
         for q in self.queues():

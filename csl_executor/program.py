@@ -67,6 +67,7 @@ class FnSym:
     comptime_args: tuple = ()  # a specialisation of a function with `comptime` parameters
     py: Any = None  # the generated Python function, once compiled
     compiling: bool = False
+    code_instructions: int = 0  # its estimated instruction count (csl_executor.codesize)
     csl_type: Any = None
 
     @property
@@ -137,6 +138,7 @@ class Program:
     functions: list[FnSym] = field(default_factory=list)
     teardown_handler: FnSym | None = None
     control_task_table: bool = False
+    compiled_fns: list[FnSym] = field(default_factory=list)  # every function generated for this program
 
     def __post_init__(self) -> None:
         if not self.memory_image:
@@ -147,7 +149,9 @@ class Program:
         words = ctype.words
         if words <= 0:
             raise CslCompileError(f"{where[0]}:{where[1]}: cannot place {name!r} of type {ctype} in memory")
-        align = 2 if _scalar(ctype).words >= 2 else 1
+        # 32-bit values, and every array, start at an even word: programs move 16-bit arrays with
+        # 32-bit operations (fft-1d-2d copies f16 pairs with @fmovs), which needs the alignment.
+        align = 2 if _scalar(ctype).words >= 2 or isinstance(ctype, ArrayType) else 1
         addr = (self.memory_words + align - 1) // align * align
         if addr + words > PE_MEMORY_WORDS:
             raise CslCompileError(

@@ -86,6 +86,7 @@ def load_output(out_dir: str | Path) -> CompiledLayout:
         channels=o["channels"],
         width_west_buf=o["width_west_buf"],
         width_east_buf=o["width_east_buf"],
+        sdk=o.get("sdk", "1.4"),
     )
     return compile_layout(ex["layout"], options)
 
@@ -110,6 +111,9 @@ class SdkRuntime:
         self.bindir = None if isinstance(bindir, CompiledLayout) else Path(bindir)
         self.compiled = bindir if isinstance(bindir, CompiledLayout) else load_output(bindir)
         self.trace_pe = kwargs.get("trace_pe") or _trace_from_env()
+        # The schedule (csl_executor.schedule): a policy ("local-first", "highest", ...) or "seed:N"; None reads
+        # WAFER_CSL_SCHEDULE / WAFER_CSL_PICKER, so unmodified host scripts can be run under seeds.
+        self.schedule = kwargs.get("schedule")
         self.machine: Machine | None = None
         self.state = "new"
         self.symbols = list(self.compiled.layout.export_names)
@@ -119,7 +123,10 @@ class SdkRuntime:
         if self.state != "new":
             raise CslRuntimeError("SdkRuntime.load() is called once, before run()")
         self.machine = Machine(
-            self.compiled, trace_pe=self.trace_pe, log_dir=self.bindir.parent if self.bindir else None
+            self.compiled,
+            trace_pe=self.trace_pe,
+            log_dir=self.bindir.parent if self.bindir else None,
+            schedule=self.schedule,
         )
         self.state = "loaded"
 

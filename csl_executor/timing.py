@@ -10,12 +10,23 @@ csl_executor/README.md, "What it does not model".
 
 from __future__ import annotations
 
-HOP = 1  # router to router, per wavelet (csl-notes: "router to router 1 cycle")
+# Calibrated on Cerebras hardware: the published CS-3 runs of WaferLLM's MeshGEMV (docs/calibration.md,
+# "The data"; the executor's own table is in csl_executor/README.md, "Timed like hardware"). The cost
+# model (wafer_gpt2.core.cost) fits three constants on them; the executor uses the same three, each where the
+# mechanism it prices happens.
+HOP = 2  # router to router, per wavelet: the fit gives 2.03 cycles (the SDK's "one cycle" between
+# neighbours is the link's rate, one wavelet per cycle); topic-13's simulator log shows a broadcast
+# reaching x = 1, 2, 3 at cycles 1156, 1158, 1160
 ROUTER_TO_CE = 7  # a wavelet stopping at a PE (csl-notes: "router to processor about 7 cycles")
-CE_TO_ROUTER = 1  # output queue to router (assumption: one cycle, symmetric to a hop)
+CE_TO_ROUTER = 1  # output queue to router (assumption: one cycle, a link's rate)
 TASK_START = 20  # picking a task and entering it (assumption, as wafer_gpt2.core.cost.TASK_ACTIVATION_CYCLES)
-STATEMENT = 1  # one scalar statement of a task (assumption: the executor counts statements, not instructions)
-DSD_SETUP = 2  # starting a DSD operation (assumption)
+STATEMENT = 1  # one scalar operation of a task (assumption: the CE issues about one per cycle)
+# Starting a DSD operation: the fit gives 15.4 cycles per operation started, with the scalar
+# control between operations; the executor charges the statement that issues it (STATEMENT) apart.
+DSD_SETUP = 14
+# One step of a @map beyond its function's work: the fit gives 2.0 cycles per step beyond the FMACs;
+# the executor charges the step's statement (STATEMENT) apart.
+MAP_STEP = 1
 ELEMENTS_PER_CYCLE = {  # steps of a DSD operation per cycle, memory operands only (csl-semantics §3)
     ("wse2", 32): 1,
     ("wse2", 16): 4,

@@ -6,7 +6,9 @@ cerebras-appliance 2.10.0, numpy 1.25) with the repository on PYTHONPATH; this t
 subprocesses and skips when that environment is missing. The client compiles a tiny GPT-2 through the
 worker (SdkCompiler), uploads the artifact, creates and starts a runtime (SdkRuntime), round-trips
 memcpy (blocking and non-blocking), runs the host program's steps and compares them with the
-simulator run locally, and launches `clear_slot` on the wafer program.
+simulator run locally, and launches `clear_slot` on the wafer program. The client (cerebras-sdk
+2.10.0, the 2.x line) is not of the kernels' SDK line (1.4): the backend accepts it only because the
+loopback worker says it compiles no CSL, and refuses it towards any other worker or a cluster.
 """
 
 from __future__ import annotations
@@ -106,6 +108,23 @@ try:
 except Exception as exc:
     out["unknown_symbol"] = str(exc)
 runtime.stop()
+# A 2.10 client towards a cluster (no worker address) or a worker that is not the loopback one: the
+# kernels' SDK line is not the client's, so the backend refuses before compiling.
+try:
+    appliance_compile(job, work / "cluster", simulator=True)
+except Exception as exc:
+    out["cluster"] = str(exc)
+import grpc
+from concurrent import futures
+from wafer_gpt2.backends.sdk_appliance import check_sdk_line
+other = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+port = other.add_insecure_port("127.0.0.1:0")
+other.start()
+try:
+    check_sdk_line({"grpc_address": f"127.0.0.1:{port}"})
+except Exception as exc:
+    out["other_worker"] = str(exc)
+other.stop(None)
 print(json.dumps(out))
 """
 
@@ -118,3 +137,18 @@ def test_worker_errors_reach_the_client_with_their_reason(worker, tmp_path):
     assert "compile() failed" in out["tampered_tables"]
     assert "layout.csl is not what wafer_gpt2/codegen/ writes" in result.stderr
     assert "no symbol named 'no_such_symbol'" in out["unknown_symbol"]
+    refusal = "written for the Cerebras SDK 1.4 line"
+    assert refusal in out["cluster"] and "cerebras-sdk 2.10.0, of the 2.x line" in out["cluster"]
+    assert refusal in out["other_worker"]
+
+
+def test_the_loopback_worker_says_it_compiles_no_csl(worker):
+    """The client accepts the loopback worker whatever its own SDK line: the worker compiles no CSL
+    (it checks the upload and runs the plan on the simulator) and answers the identity call."""
+    result = subprocess.run(
+        [str(VENV_PYTHON), "-c", "import sys; from wafer_gpt2.backends.sdk_appliance import client_version, "
+         "is_loopback_worker; print(client_version(), is_loopback_worker(sys.argv[1]))", worker],
+        capture_output=True, text=True, timeout=120, env=appliance_env(), cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["2.10.0", "True"]

@@ -64,7 +64,7 @@ def test_run_dependencies_alone_serve_a_generation(tmp_path):
     python = env_dir / "bin" / "python"
     clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "."],
+        [str(python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check", "."],
         cwd=source,
         env=clean_env,
         capture_output=True,

@@ -99,14 +99,17 @@ def test_a_shared_epilogue_by_hand() -> None:
 
 
 def test_norm_cost_by_hand() -> None:
-    # 16 values on 4 PEs: input, the local sums of x and x^2 (1 + 2 ops per value), one all-reduce of
-    # the two words towards PE 1 (each step passes 2 words, the broadcast too), rsqrt, normalise
+    # 16 values on 4 PEs: input, the local sums of x and x^2 (one @map of 4 steps, each its overhead
+    # and 1 + 2 ops), one all-reduce of the two words towards PE 1 (each step passes 2 words, the
+    # broadcast too), rsqrt, normalise
     two = cost.norm_cost(NormTiling(16, 4, reduction="two_level", group=2))
     allreduce = ((STEP + 2) + H + R + 1 + 2 + T) + (2 * H + R + 2)
+    sums = S + 4 * (M + 3)
+    assert two.phases["local sums (x, x^2)"] == sums
     assert two.phases["two_level all-reduce"] == allreduce
-    assert two.cycles == (R + 4) + 12 + allreduce + 10 + 16
+    assert two.cycles == (R + 4) + sums + allreduce + 10 + 16
     chain = cost.norm_cost(NormTiling(16, 4, reduction="chain"))
-    assert chain.cycles == (R + 4) + 12 + allreduce + 10 + 16
+    assert chain.cycles == (R + 4) + sums + allreduce + 10 + 16
 
 
 def test_attention_cost_by_hand() -> None:
@@ -217,6 +220,14 @@ def test_calibration_within_its_bounds() -> None:
     assert len(rows) == len(calibration.MESHGEMV_WSE3) and any(not r.fitted_on for r in rows)
     assert all(0.67 <= r.ratio <= 1.5 for r in rows), [(r.run, r.ratio) for r in rows]
     assert all(0.9 <= r.ratio <= 1.1 for r in rows if not r.fitted_on)  # the runs not fitted on: within 10%
+
+
+def test_the_executor_is_timed_against_the_same_published_runs() -> None:
+    """The CSL executor keeps its own copy of the CS-3 MeshGEMV runs (it imports nothing of the
+    product): the same runs, in the same order, as the cost model fits on."""
+    from csl_executor.calibrate import HARDWARE
+
+    assert HARDWARE == tuple((r.p, r.m, r.n, r.groups, r.cycles) for r in calibration.MESHGEMV_WSE3)
 
 
 def test_best_choices_are_the_cheapest() -> None:

@@ -148,3 +148,20 @@ def test_sdk_backends_explain_a_missing_sdk():
         import_sdk()
     with pytest.raises(ApplianceUnavailableError, match="cerebras-sdk"):
         import_client()
+
+
+def test_the_appliance_backend_refuses_a_client_of_another_sdk_line():
+    """The kernels are SDK 1.4 CSL (comptime_struct, @concat_structs); cerebras-sdk 2.10.0 (what its
+    package reports) is a client of the 2.x line, whose compiler removed them. Without the loopback
+    worker's word that it compiles nothing, the backend refuses before planning or compiling."""
+    from wafer_gpt2.backends.sdk_appliance import SdkLineMismatchError, check_sdk_line
+    from wafer_gpt2.host.compile import KERNELS_SDK
+
+    assert KERNELS_SDK == "1.4"
+    with pytest.raises(
+        SdkLineMismatchError,
+        match=r"written for the Cerebras SDK 1\.4 line .*comptime_struct.*@concat_structs.*"
+        r"this client is cerebras-sdk 2\.10\.0, of the 2\.x line",
+    ):
+        check_sdk_line({"simulator": True}, version="2.10.0")
+    check_sdk_line({}, version="1.4.0")  # kernels and client on one line

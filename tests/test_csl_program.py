@@ -107,6 +107,39 @@ def test_fp32_scores_equal_the_simulator(tiny_params, arch):
         sim.close()
 
 
+# Two seeds per architecture; CI runs one of each (16-29 s a run measured on 2 busy cores, most of it
+# the weights' upload), -m executor_full the other two. The default schedule runs above.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "seed"),
+    [
+        ("wse2", 1),
+        ("wse3", 2),
+        pytest.param("wse2", 2, marks=pytest.mark.executor_full),
+        pytest.param("wse3", 1, marks=pytest.mark.executor_full),
+    ],
+)
+def test_fp32_scores_equal_the_simulator_under_a_seeded_schedule(tiny_params, arch, seed, monkeypatch):
+    """The program's results do not depend on an order of tasks the SDK does not promise: under
+    `seed:N` every PE picks among its runnable tasks at random and task starts, operation starts and
+    deliveries are a few cycles late (csl_executor/schedule.py), and the scores still equal the
+    simulator's, for a prefill of two slots and a decode step that reads their keys and values."""
+    monkeypatch.setenv("WAFER_CSL_SCHEDULE", f"seed:{seed}")
+    csl, sim = backends(tiny_params, arch, "fp32")
+    try:
+        assert csl.runtime._runner.machine.schedule.seed == seed  # the executor took the seed
+        steps = [
+            [StepItem(0, 0, 5), StepItem(0, 1, 300), StepItem(0, 2, 42, want_scores=True, target=7)]
+            + [StepItem(1, 0, 17, want_scores=True)],
+            [StepItem(0, 3, 9, want_scores=True, target=11), StepItem(1, 1, 60, want_scores=True)],
+        ]
+        for items in steps:
+            assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+    finally:
+        csl.close()
+        sim.close()
+
+
 # WSE-3 with -m executor_full (CI time): the fp32 scores above equal the simulator's on both.
 @pytest.mark.parametrize("arch", ["wse2", pytest.param("wse3", marks=pytest.mark.executor_full)])
 def test_fp32_greedy_equals_the_reference_and_hugging_face(tiny_params, arch, write_checkpoint):
@@ -168,6 +201,81 @@ def test_a_message_with_more_records_than_the_wafer_buffers_needs_the_host_bound
             csl.close()
         except CslDeadlock:
             pass  # the deadlocked program cannot drain its commands
+
+
+class _ApplianceClientOnTheExecutor:
+    """The appliance client's SdkRuntime (cerebras.sdk.client) as `wafer_gpt2.backends.sdk_appliance` uses it, run
+    on the executor's SdkRuntime: the host's memcpy traffic meets memcpy's serialization as on a wafer."""
+
+    def __init__(self, artifact, simulator=False, **options) -> None:
+        from wafer_gpt2.backends.csl import runtime_module
+
+        self._runtime = runtime_module().SdkRuntime(str(artifact))
+
+    def __enter__(self):
+        self._runtime.load()
+        self._runtime.run()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._runtime.stop()
+
+    def memcpy_h2d(self, *args, **kwargs):
+        return self._task(self._runtime.memcpy_h2d(*args, **kwargs))
+
+    def memcpy_d2h(self, *args, **kwargs):
+        return self._task(self._runtime.memcpy_d2h(*args, **kwargs))
+
+    def launch(self, *args, **kwargs):
+        return self._task(self._runtime.launch(*args, **kwargs))
+
+    def get_id(self, name):
+        return self._runtime.get_id(name)
+
+    def _task(self, task):
+        """The client's tasks have wait() and done()."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(
+            wait=lambda: self._runtime.task_wait(task), done=lambda: self._runtime.is_task_done(task)
+        )
+
+
+@pytest.mark.slow
+def test_the_appliance_backend_reads_each_record_before_it_sends_on(tiny_params, monkeypatch):
+    """The sdk-appliance backend sent a step's every scored item before reading any record: 24 of them
+    deadlock memcpy (the H2D waits for io.out, the D2H behind it never starts), as the container path
+    did before. It now says, as every wafer target does, that one record may be in flight."""
+    from types import SimpleNamespace
+
+    from wafer_gpt2.backends import sdk_appliance
+    from wafer_gpt2.backends.csl import compile_plan, runtime_module
+    from wafer_gpt2.host.program import plan_for, start_model
+
+    sdk = runtime_module()
+    enums = (
+        SimpleNamespace(Value=lambda name: getattr(sdk.MemcpyDataType, name)),
+        SimpleNamespace(Value=lambda name: getattr(sdk.MemcpyOrder, name)),
+    )
+    monkeypatch.setattr(sdk_appliance, "import_client", lambda: (None, *enums))
+    monkeypatch.setattr(sdk_appliance, "_classes", lambda: (_ApplianceClientOnTheExecutor, None))
+    monkeypatch.setattr(sdk_appliance, "client_version", lambda: "1.4.0")
+    options = BackendOptions(arch="wse2", dtype="fp32", **OPTIONS)
+    plan = plan_for(tiny_params, options)
+    model = start_model(plan, sdk_appliance.ApplianceRuntime(compile_plan(plan)), tiny_params)
+    items = [StepItem(0, p, 3 * p + 1, want_scores=True) for p in range(24)]
+    try:
+        got = model.step(items)
+    finally:
+        try:
+            model.close()
+        except CslDeadlock:
+            pass  # the deadlocked program cannot drain its commands
+    sim = build_backend("sim", tiny_params, options)
+    try:
+        assert worst_difference(got, sim.step(items), same_ids=True) < FP32_TOLERANCE
+    finally:
+        sim.close()
 
 
 @pytest.mark.executor_full

@@ -6,12 +6,14 @@ modeled latency target (still out of reach, marked so)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from wafer_gpt2.core import cost
-from wafer_gpt2.core.arch import ARCHS
+from wafer_gpt2.core.arch import ARCHS, Arch
+from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.model.config import PRESETS, GPT2Config
 from wafer_gpt2.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
@@ -53,11 +55,13 @@ def check_plan(plan: Plan) -> None:
     assert grid.max() == 1, "regions overlap"
     assert plan.pes_used == int(grid.sum())
     # Memory and colors.
-    assert arch.sram_reserve_bytes == 8 * 1024 and arch.data_bytes_per_pe == 40 * 1024
     for r in plan.regions:
-        assert 0 < r.max_pe_bytes <= arch.data_bytes_per_pe, (r.name, r.max_pe_bytes)
+        # a PE's data beside its own program's code (the executor's estimate) and the stack
+        usable = arch.data_bytes(program_of(r.kind, r.name))
+        assert usable == 48 * 1024 - arch.program_code_bytes(program_of(r.kind, r.name)) - 1024
+        assert 0 < r.max_pe_bytes <= usable, (r.name, r.max_pe_bytes, usable)
         assert 0 < r.colors <= arch.usable_colors == 21, (r.name, r.colors)
-    assert plan.max_pe_bytes <= arch.data_bytes_per_pe and plan.colors_used <= arch.usable_colors
+    assert plan.colors_used <= arch.usable_colors
     # Input queues: every PE role within what the architecture leaves a program (memcpy keeps 0, and 1
     # on WSE-3).
     for r in plan.regions:
@@ -270,13 +274,39 @@ def test_input_queues_per_role_are_checked() -> None:
     assert problem is not None and "input queue(s) [1]" in problem and "wse3" in problem
 
 
-def test_code_size_counts_against_memory_where_estimated() -> None:
-    """With a code estimate for a region's program, its data and that code share the 48 KB (less the
-    stack); without one, data alone meets the 48 KB less the fixed 8 KB reserve."""
+def test_code_size_counts_against_memory() -> None:
+    """A region's data and its own program's code share the 48 KB, less the stack: the check refuses
+    a plan once the code of its fullest region's program takes one byte more than is left beside the data."""
     plan = build_plan(PRESETS["gpt2"], "wse2", "fp16")
+    arch = plan.arch
+    assert check_memory(plan.regions, arch) is None
     worst = max(plan.regions, key=lambda r: r.max_pe_bytes)
-    assert check_memory(plan.regions, plan.arch) is None
-    room = plan.arch.pe_sram_bytes - 1024 - worst.max_pe_bytes  # what code may take beside the data
-    assert check_memory(plan.regions, plan.arch, {worst.kind: room}) is None
-    problem = check_memory(plan.regions, plan.arch, {worst.kind: room + 1})
-    assert problem is not None and "(estimated)" in problem and "1 B over" in problem
+    program = program_of(worst.kind, worst.name)
+    room = arch.pe_sram_bytes - arch.stack_bytes - worst.max_pe_bytes  # what code may take beside the data
+
+    def with_code(size: int) -> Arch:
+        return replace(arch, code_bytes=tuple((p, size if p == program else b) for p, b in arch.code_bytes))
+
+    assert check_memory(plan.regions, with_code(room)) is None
+    problem = check_memory(plan.regions, with_code(room + 1))
+    assert problem is not None and worst.name in problem and "1 B over" in problem
+
+
+@pytest.mark.slow  # compiles the reference plans on the executor (a minute or two per architecture)
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_the_code_table_is_the_executors_estimate(arch) -> None:
+    """The planner's per-program code figures (wafer_gpt2/core/code_bytes.py) are the CSL executor's
+    estimate for today's kernels (csl_executor.codesize), the largest over the reference plans' param
+    sets; after a change to either, `python tools/bench/code_bytes.py --write` regenerates them."""
+    from tools.bench.code_bytes import measure
+    from wafer_gpt2.core.code_bytes import CODE_BYTES
+
+    assert measure(arch) == CODE_BYTES[arch]
+    assert dict(ARCHS[arch].code_bytes) == CODE_BYTES[arch]
+
+
+def test_every_pe_program_has_a_code_figure() -> None:
+    from wafer_gpt2.codegen.build import PE_FILES
+
+    for arch in ARCHS.values():
+        assert set(dict(arch.code_bytes)) == set(PE_FILES)

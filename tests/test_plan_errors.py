@@ -59,10 +59,14 @@ def test_colors_limit() -> None:
         build_plan(TINY, few, slots=2)
 
 
-def test_reserve_limit() -> None:
-    cramped = replace(ARCHS["wse2"], name="cramped", sram_reserve_bytes=46 * 1024)
+def test_code_and_stack_limit() -> None:
+    # programs of 45 KB of code leave every region 2 KB (less 1 KB of stack) for its data
+    code = tuple((program, 45 * 1024) for program, _ in ARCHS["wse2"].code_bytes)
+    cramped = replace(ARCHS["wse2"], name="cramped", code_bytes=code)
     with pytest.raises(
-        PlanError, match=r"per-PE memory: .* [\d,]+ B over the 2,048 B usable .*46 KB reserve"
+        PlanError,
+        match=r"per-PE memory: .* [\d,]+ B over the 2,048 B usable by \w+ \(48 KB less its code, 46,080 B, "
+        r"and the stack, 1,024 B\)",
     ):
         build_plan(PRESETS["gpt2"], cramped, slots=1, context=64)
 

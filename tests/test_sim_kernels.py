@@ -148,7 +148,7 @@ def test_layout_round_trips_through_mirrored_axes_and_the_attention_snake(small_
 def test_a_plan_over_the_pe_memory_is_refused_naming_pe_and_symbol(small_config):
     plan = build_plan(small_config, "wse2", "fp32", slots=2, context=32)
     qkv = plan.region("L0.qkv")
-    budget = plan.arch.data_bytes_per_pe
+    budget = plan.arch.data_bytes("gemv")
     qkv.symbols = {**qkv.symbols, "w": Symbol("f32", budget // 4 + 1)}
     with pytest.raises(PlanMemoryError, match=rf"PE \({qkv.x}, {qkv.y}\) of region 'L0.qkv'.*at symbol 'w'"):
         SimRuntime(plan)
@@ -160,7 +160,7 @@ def test_the_cycle_counter_counts_against_the_pe_budget(small_config):
     qkv = plan.region("L0.qkv")
     assert list(qkv.symbols)[-1] == "cycles"
     others = sum(s.nbytes for name, s in qkv.symbols.items() if name != "w")
-    room = plan.arch.data_bytes_per_pe - others  # bytes left for w next to every other array
+    room = plan.arch.data_bytes("gemv") - others  # bytes left for w next to every other array
     qkv.symbols = {**qkv.symbols, "w": Symbol("f32", room // 4 + 1)}  # would fit without the counter
     with pytest.raises(PlanMemoryError, match=r"region 'L0.qkv'.*at symbol 'cycles'"):
         SimRuntime(plan)

@@ -22,6 +22,8 @@ What it does with each call:
 - get_id, memcpy_h2d (streamed in), memcpy_d2h (streamed out), call (RPC launch): forwarded to the
   SimRuntime in issue order; results of non-blocking memcpy_d2h wait for task_wait / is_task_done.
 - sdk_download_files: files, or directories as a .tar.gz, in chunks.
+- wafer_gpt2.loopback/identity (not part of the SDK's service): says that this worker compiles no
+  CSL, so the client accepts it whatever its SDK line (wafer_gpt2.backends.sdk_appliance.check_sdk_line).
 Errors from the simulator (misuse of the runtime contract) come back as SdkResponse messages, which
 the client raises with that text.
 """
@@ -48,6 +50,7 @@ from cerebras.appliance.pb.sdk.sdk_appliance_pb2_grpc import (
     sdk_applianceServicer,
 )
 
+from wafer_gpt2.backends.sdk_appliance import LOOPBACK_IDENTITY, LOOPBACK_SERVICE
 from wafer_gpt2.core.runtime import MemcpyDataType, MemcpyOrder, WaferRuntimeError
 from wafer_gpt2.errors import InvalidInput
 
@@ -293,6 +296,11 @@ def serve(host: str = "127.0.0.1", port: int = 0, root: str | Path | None = None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])  # fmt: skip
     add_sdk_applianceServicer_to_server(ApplianceServicer(root), server)
+    # Tells the client that this worker compiles no CSL (wafer_gpt2.backends.sdk_appliance.check_sdk_line).
+    identity = grpc.unary_unary_rpc_method_handler(lambda request, context: LOOPBACK_IDENTITY)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(LOOPBACK_SERVICE, {"identity": identity}),)
+    )
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")

@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 from csl_executor_helpers import DATA, Host, compile_program, where
 
+from csl_executor import codesize
 from csl_executor.cli import cslc_main
+from csl_executor.codesize import program_code_bytes
 from csl_executor.errors import CslCompileError, CslError, CslRuntimeError, CslSyntaxError
 from csl_executor.parse import parse_source
 from csl_executor.program import PE_MEMORY_WORDS
@@ -121,14 +123,28 @@ def test_wse2_task_id_collides_only_where_the_color_reaches_the_ramp():
     accepted(10, "wse2")
 
 
-@pytest.mark.parametrize("arch", ["wse2", "wse3"])
-def test_one_color_per_input_queue(arch):
+def test_one_color_per_input_queue_on_wse3():
+    # @initialize_queue binds a WSE-3 queue to one color for the whole run
     first, second = (
         where("rules", "pe.csl", "RULE queue-first"),
         where("rules", "pe.csl", "RULE queue-shared"),
     )
-    assert refusal(8, arch) == (
+    assert refusal(8, "wse3") == (
         f"{first}: input queue 2 serves 2 colors (color 4 at {first}; color 5 at {second}): one color per queue"
+    )
+
+
+def test_wse2_reuses_an_input_queue_for_another_color_only_once_it_is_empty():
+    # A WSE-2 operation names its queue and color, so two DSDs may share a queue (WaferLLM's MeshGEMM
+    # does); reading color 5 while two wavelets of color 4 are still queued (variant 31) is refused.
+    accepted(8, "wse2")
+    host = Host(accepted(31, "wse2"))
+    with pytest.raises(CslRuntimeError) as info:
+        host.launch("go")
+        host.d2h("buf", 4, rect=(1, 0, 1, 1))
+    assert str(info.value) == (
+        f"{where('rules', 'pe.csl', 'RULE queue-reuse')}: input queue 2 on PE (1, 0) still holds 2 wavelet(s) "
+        "of color 4; a queue must be empty before an operation reuses it for color 5"
     )
 
 
@@ -141,15 +157,35 @@ def test_a_color_is_routed_once_per_pe():
 
 @pytest.mark.parametrize("arch", ["wse2", "wse3"])
 def test_48_kb_per_pe(arch):
-    # `big` and `buf` (4 f32 = 8 words) fill the PE's 24576 16-bit words exactly, one more word is refused
+    # Data alone: `big` and `buf` (4 f32 = 8 words) past the PE's 24576 16-bit words are refused where
+    # `big` is declared.
     fits = PE_MEMORY_WORDS - 8
     assert PE_MEMORY_WORDS * 2 == 48 * 1024
-    compiled = accepted(0, arch, big_words=fits)
-    assert [p.memory_words for p in compiled.programs] == [PE_MEMORY_WORDS] * 3
     message = refusal(0, arch, big_words=fits + 1)
     assert message == (
         f"{where('rules', 'pe.csl', 'RULE memory')}: out of PE memory: 'big' needs {2 * (fits + 1)} bytes "
         "at byte 16, past the 48 KB of a PE (largest: buf 16 B)"
+    )
+
+
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_code_and_data_share_the_48_kb(arch):
+    # Each role's program has its own code estimate (csl_executor.codesize): the data that exactly fills
+    # the 48 KB beside the largest one compiles, one word more is refused, naming both parts.
+    small = accepted(0, arch)
+    code = {p.params.get("role"): program_code_bytes(p) for p in small.programs}
+    role, biggest = max(code.items(), key=lambda kv: kv[1])
+    assert all(0 < c < 8 * 1024 for c in code.values()) and biggest % 2 == 0
+    fits = PE_MEMORY_WORDS - 8 - biggest // 2
+    compiled = accepted(0, arch, big_words=fits)
+    assert max(2 * p.memory_words + program_code_bytes(p) for p in compiled.programs) == 48 * 1024
+    message = refusal(0, arch, big_words=fits + 1)
+    prog = next(p for p in small.programs if p.params.get("role") == role)
+    data = 2 * (PE_MEMORY_WORDS - biggest // 2 + 1)
+    assert message == (
+        f"{DATA / 'rules' / 'pe.csl'}:1: code and data exceed the PE's 48 KB: {data} B of data + about "
+        f"{biggest} B of code ({codesize.breakdown(prog)}) = {data + biggest} B > 49152 B "
+        f"(largest: big {2 * (fits + 1)} B, buf 16 B)"
     )
 
 

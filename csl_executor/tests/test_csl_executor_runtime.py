@@ -4,10 +4,11 @@ deadlock report, the trace of one PE and the `<time>` counter, on three programs
 
 What they check comes from the Cerebras SDK documentation (its task, builtin, fabric, host runtime
 and library pages) and the csl-examples programs: a task runs when its ID is activated and unblocked, activation is a flag, tasks run
-to completion (the executor's picker takes the highest ID first, `WAFER_CSL_PICKER` changes it); a
+to completion (by default the executor's picker takes local tasks before wavelet-triggered ones, the lowest ID
+first; `WAFER_CSL_SCHEDULE` changes it); a
 data task runs once per wavelet with the payload split into 16-bit halves for two arguments; a
 control wavelet runs the control task its entrypoint names; an async operation's `.activate` and
-`.unblock` fire when it completes. Wavelets move one hop per cycle (csl_executor/README.md,
+`.unblock` fire when it completes. Wavelets move one hop per `timing.HOP` cycles (csl_executor/README.md,
 `csl_executor/timing.py`), queues and router buffers are finite, so a sender stalls once they are full
 and a program that waits for what never comes stops with a report instead of hanging. memcpy commands
 are serialized, so a streaming H2D larger than what the kernel can hold before the D2H starts
@@ -71,11 +72,12 @@ def logged(words: np.ndarray) -> list[int]:
     return [int(v) for v in words if v]
 
 
-def test_local_tasks_run_to_completion_highest_id_first(tasks):
+def test_local_tasks_run_to_completion_lowest_id_first(tasks):
     _, out = tasks
-    # order_test (1) activates 10 and 12; 12 activates 15 and 11 while it runs, and ends (120) before
-    # either starts; 10 unblocks 13, which was activated but blocked since start-up.
-    assert logged(out["order"]) == [1, 12, 120, 15, 11, 10, 13]
+    # order_test (1) activates 10 and 12; 12 activates 15 and 11 while it runs. Under the default
+    # schedule (local tasks before wavelet-triggered ones, the lowest ID first) 10 runs first and
+    # unblocks 13, which was activated but blocked since start-up; every task ends before the next.
+    assert logged(out["order"]) == [1, 10, 12, 120, 11, 13, 15]
 
 
 def test_activation_is_a_flag_not_a_counter(tasks):
@@ -84,12 +86,13 @@ def test_activation_is_a_flag_not_a_counter(tasks):
 
 
 def test_the_picker_order_is_an_option(monkeypatch):
-    monkeypatch.setenv("WAFER_CSL_PICKER", "lowest")
+    monkeypatch.setenv("WAFER_CSL_SCHEDULE", "highest")
     host = Host(compile_program("tasks", arch="wse2", params={"data_out_queue": 5}))
     host.launch("order_test")
     log = logged(host.d2h("log", 32))
     host.stop()
-    assert log == [1, 10, 12, 120, 11, 13, 15]
+    # 12 ends (120) before 15 and 11 start; 10 unblocks 13
+    assert log == [1, 12, 120, 15, 11, 10, 13]
 
 
 def test_data_task_runs_once_per_wavelet_with_its_halves(tasks):
@@ -105,8 +108,8 @@ def test_control_wavelet_runs_the_control_task_it_names(tasks):
 def test_async_operations_activate_and_unblock_tasks_when_they_complete(tasks):
     _, out = tasks
     # async_test goes on (3) while its send and receive run; the send's .activate runs task 20, the
-    # receive's .unblock releases task 21 (activated, blocked), which unblocks the command stream.
-    assert logged(out["async"])[9:] == [3, 20, 21]
+    # receive's .unblock releases task 24 (activated, blocked), which unblocks the command stream.
+    assert logged(out["async"])[9:] == [3, 20, 24]
     np.testing.assert_array_equal(out["vals"], [1, 2, 3, 4, 1, 2, 3, 4])
 
 
@@ -137,15 +140,14 @@ def test_time_counts_the_cycles_of_dsd_operations(tasks):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_multicast_arrives_one_hop_per_cycle_and_stalls_on_full_queues(arch):
+def test_multicast_arrives_one_hop_at_a_time_and_stalls_on_full_queues(arch):
     host = Host(compile_program("fabric", arch=arch, params={"width": W}))
     host.launch("multicast")
     stamps = tsc(host.d2h("stamp", 3, rect=(0, 0, W, 1), bits=16))
     sums = host.d2h("sum", 1, rect=(0, 0, W, 1))
-    # Every PE enabled its counter at the same cycle: the first wavelet reaches PE x one cycle after
-    # PE x - 1 (timing.HOP), and every receiver got all of it (10 + 20 + 30 + 40).
-    assert timing.HOP == 1
-    assert list(stamps[1:] - stamps[1]) == [0, 1, 2, 3]
+    # Every PE enabled its counter at the same cycle: the first wavelet reaches PE x timing.HOP cycles
+    # after PE x - 1, and every receiver got all of it (10 + 20 + 30 + 40).
+    assert list(stamps[1:] - stamps[1]) == [0, timing.HOP, 2 * timing.HOP, 3 * timing.HOP]
     assert list(sums) == [0, 100, 100, 100, 100]
 
     flood = np.arange(100, 100 + M, dtype=np.uint32)

@@ -17,6 +17,7 @@ from tools.report.data import (
 )
 from tools.report.peers import GPUS
 from tools.report.plots import Figure
+from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.core.cost import SDK_CLOCK_HZ, cycles_to_us
 
 FIGURE_DIR = "performance"  # PNGs live in <out>/performance/, the Markdown in <out>/performance.md
@@ -91,7 +92,12 @@ def render(data: ReportData, figures: list[Figure], command: str) -> str:
                 ["replica footprint", f"{plan.footprint[0]} x {plan.footprint[1]} PEs"],
                 ["PEs per layer", f"{pes_per_layer(plan):,}"],
                 ["SRAM planned", f"{plan.sram_bytes_used / 2**20:,.1f} MiB"],
-                ["fullest PE", f"{plan.max_pe_bytes:,} B of {plan.arch.data_bytes_per_pe:,} B usable"],
+                [
+                    "fullest PE",
+                    f"{plan.fullest_region.max_pe_bytes:,} B ({plan.fullest_region.name}) of "
+                    f"{plan.arch.data_bytes(program_of(plan.fullest_region.kind, plan.fullest_region.name)):,} "
+                    "B usable",
+                ],
                 ["routing colors", f"{plan.colors_used} of {plan.arch.usable_colors} usable"],
                 ["decode latency per token, 1.1 GHz", f"{m['decode_latency_us']:,.2f} us"],
                 ["decode latency per token, 0.85 GHz", f"{slow['decode_latency_us']:,.2f} us"],
@@ -244,11 +250,11 @@ def render(data: ReportData, figures: list[Figure], command: str) -> str:
         + _notes(data.size_notes)
     )
 
-    usable = plan.arch.data_bytes_per_pe
     sram_rows = []
     for name, bytes_by_class in sram_per_pe(plan):
         region = plan.region(name)
         used = sum(bytes_by_class.values())
+        usable = plan.arch.data_bytes(program_of(region.kind, region.name))
         sram_rows.append(
             [name, region.kind, f"{region.pes:,}"]
             + [f"{bytes_by_class[c]:,}" for c in SYMBOL_CLASSES]

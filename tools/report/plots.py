@@ -8,6 +8,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.plan.pyplot import pyplot
 
 plt = pyplot()  # MissingExtra with the install line when matplotlib is left out
@@ -322,7 +323,6 @@ def sizes(data: ReportData, out_dir: Path, command: str) -> Figure:
 
 def sram(data: ReportData, out_dir: Path, command: str) -> Figure:
     plan = data.plan
-    usable = plan.arch.data_bytes_per_pe
     per_pe = sram_per_pe(plan)
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.4), gridspec_kw={"width_ratios": [1.3, 1]})
     names = [name for name, _ in per_pe][::-1]
@@ -331,9 +331,12 @@ def sram(data: ReportData, out_dir: Path, command: str) -> Figure:
         values = [classes[cls] / 1024 for _, classes in per_pe][::-1]
         left.barh(names, values, left=left_edge, color=color, label=cls)
         left_edge = [a + b for a, b in zip(left_edge, values, strict=True)]
-    left.axvline(usable / 1024, color="black", ls="--", lw=1)
+    # each region's limit: 48 KB less its program's code and the stack
+    for y, name in enumerate(names):
+        region = plan.region(name)
+        usable = plan.arch.data_bytes(program_of(region.kind, region.name)) / 1024
+        left.plot([usable, usable], [y - 0.45, y + 0.45], color="black", ls="--", lw=1)
     left.axvline(plan.arch.pe_sram_bytes / 1024, color="#c44e52", ls=":", lw=1)
-    left.text(usable / 1024, len(names) - 0.4, " usable 40 KB", fontsize=8, va="bottom")
     left.text(plan.arch.pe_sram_bytes / 1024, -0.9, " 48 KB", fontsize=8, color="#c44e52")
     left.set_xlim(0, plan.arch.pe_sram_bytes / 1024 * 1.12)
     left.set_xlabel("KB on the fullest PE of the region")
@@ -362,10 +365,10 @@ def sram(data: ReportData, out_dir: Path, command: str) -> Figure:
         "SRAM use per region",
         MODELED,
         "What the plan places on each PE (left: the fullest PE of each region, split into weights, KV cache "
-        "and working buffers such as inputs, partial sums and top-k lists, against the "
-        f"{usable // 1024} KB a region may use, 48 KB minus the reserve for code, stack and memcpy buffers) "
+        "and working buffers such as inputs, partial sums and top-k lists, against what the region may use "
+        "(dashed: 48 KB less its PE program's code, estimated by the CSL executor, and 1 KB of stack) "
         "and in total (right: bytes per PE times PEs, each layer operation summed over the layers). These "
-        "are the plan's allocations, which the simulator enforces; the code reserve is not included.",
+        "are the plan's allocations, which the simulator enforces; code and stack are not included.",
         command,
     )
 

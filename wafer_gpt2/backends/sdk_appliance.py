@@ -14,6 +14,14 @@ patched):
 - `SdkRuntime.launch()` rejects plain Python ints (an AssertionError in its type check):
   `ApplianceRuntime.launch` passes numpy uint32 scalars.
 
+One SDK line per target (`check_sdk_line`): the kernels are written for the SDK 1.4 line
+(`wafer_gpt2.host.compile.KERNELS_SDK`), and cerebras-sdk 2.10.0 is a client of the 2.x line, whose compiler
+removed `comptime_struct` and `@concat_structs`; a cluster of that line cannot compile them, so the
+backend refuses a client whose line is not the kernels'. The loopback worker (`tools.appliance_server`)
+is the exception: it compiles no CSL (it checks the upload is these kernels and runs the plan on the
+embedded simulator), so it serves a client of any line, and says so when asked
+(`LOOPBACK_SERVICE`); nothing else answers that call.
+
     python -m wafer_gpt2.backends.sdk_appliance check --address 127.0.0.1:PORT   # the host flow against a worker
 
 Unverified against a real cluster; verified against the loopback worker (tests/test_appliance_loopback.py).
@@ -22,6 +30,7 @@ Unverified against a real cluster; verified against the loopback worker (tests/t
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
@@ -33,14 +42,79 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from wafer_gpt2.core.runtime import MemcpyDataType, MemcpyOrder
+from wafer_gpt2.core.wire import RECORDS_IN_FLIGHT
 from wafer_gpt2.errors import WaferGPT2Error
 
 if TYPE_CHECKING:
     from wafer_gpt2.host.compile import CompileJob
 
+CLIENT_PACKAGE = "cerebras-sdk"
+# A gRPC method only the loopback worker serves: its answer says that it compiles no CSL.
+LOOPBACK_SERVICE = "wafer_gpt2.loopback"
+LOOPBACK_METHOD = f"/{LOOPBACK_SERVICE}/identity"
+LOOPBACK_IDENTITY = b"tools.appliance_server: embedded simulator, compiles no CSL"
+
 
 class ApplianceUnavailableError(WaferGPT2Error, RuntimeError):
     """cerebras-sdk is not installed in this environment."""
+
+
+class SdkLineMismatchError(WaferGPT2Error, RuntimeError):
+    """The appliance client is of another SDK line than the kernels."""
+
+
+def client_version() -> str:
+    """The installed cerebras-sdk's version (2.10.0 reports "2.10.0")."""
+    try:
+        return importlib.metadata.version(CLIENT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        import_client()  # says what to install
+        raise
+
+
+def sdk_line(version: str) -> str:
+    """The SDK line of a release: its major version ("2.10.0" -> "2", "1.4" -> "1")."""
+    return version.split(".", 1)[0]
+
+
+@cache
+def is_loopback_worker(address: str) -> bool:
+    """Whether the worker at `address` is `tools.appliance_server` (it answers LOOPBACK_METHOD; a
+    Cerebras worker does not know the method)."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(LOOPBACK_METHOD)
+        try:
+            return call(b"", timeout=30) == LOOPBACK_IDENTITY
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return False
+            raise ApplianceUnavailableError(
+                f"the SDK worker at {address} did not answer: {exc.code().name} {exc.details()}"
+            ) from None
+
+
+def check_sdk_line(client_options: dict[str, Any], version: str | None = None) -> None:
+    """Refuse a client whose SDK line is not the kernels' (`version`: the client's, by default the
+    installed cerebras-sdk's), unless its worker is the loopback worker (`grpc_address`), which
+    compiles no CSL and so serves any line."""
+    from wafer_gpt2.host.compile import KERNELS_SDK
+
+    version = client_version() if version is None else version
+    if sdk_line(version) == sdk_line(KERNELS_SDK):
+        return
+    address = client_options.get("grpc_address")
+    if address is not None and is_loopback_worker(address):
+        return
+    raise SdkLineMismatchError(
+        f"backend sdk-appliance: the kernels are written for the Cerebras SDK {KERNELS_SDK} line "
+        f"(csl-examples rel-sdk-{KERNELS_SDK}.0: comptime_struct params, @concat_structs in layout.csl), and "
+        f"this client is {CLIENT_PACKAGE} {version}, of the {sdk_line(version)}.x line, whose compiler "
+        f"removed both: a cluster of that line cannot compile them. Keep kernels and client on one line: "
+        f"a {CLIENT_PACKAGE} {sdk_line(KERNELS_SDK)}.x client with its cluster, or the SDK {KERNELS_SDK} "
+        f"container (--backend sdk-container); docs/kernels.md, 'One SDK line per target'"
+    )
 
 
 def import_client() -> tuple[Any, Any, Any]:
@@ -110,10 +184,14 @@ class ApplianceRuntime:
     """Our runtime contract on the appliance client (same argument conventions as the SDK)."""
 
     backend = "sdk-appliance"  # what `WaferGPT2.describe` reports
+    # The scored items a message may carry (wafer_gpt2.host.program): one, read before the host sends on, as on
+    # every target that runs the wafer program (memcpy serializes the H2D and the D2H behind it).
+    records_in_flight = RECORDS_IN_FLIGHT
     running = False  # set by run() and stop()
 
     def __init__(self, artifact_path: str | Path, simulator: bool = False, **client_options: Any) -> None:
         _, self._data_types, self._orders = import_client()
+        check_sdk_line(client_options)
         self._runtime = _classes()[0](str(artifact_path), simulator=simulator, **client_options)
         self.running = False
 
@@ -183,6 +261,7 @@ def build_backend(params, options, artifact_path: str | Path | None = None, work
             "simulator": True,
             **client_options,
         }
+    check_sdk_line(client_options)  # before planning and compiling
     from wafer_gpt2.host.compile import prepare_sources
     from wafer_gpt2.host.program import plan_for, start_model
 
@@ -278,7 +357,8 @@ def appliance_compile(job: CompileJob, artifact_dir: str | Path, **client_option
 
     try:
         compiler_class = compiler()
-    except ApplianceUnavailableError as exc:
+        check_sdk_line(client_options)
+    except (ApplianceUnavailableError, SdkLineMismatchError) as exc:
         raise CompileError(str(exc)) from None
     Path(artifact_dir).mkdir(parents=True, exist_ok=True)
     with compiler_class(**client_options) as sdk:

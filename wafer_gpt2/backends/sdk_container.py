@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from wafer_gpt2.core.runtime import MemcpyDataType, MemcpyOrder, WaferRuntimeError
+from wafer_gpt2.core.wire import RECORDS_IN_FLIGHT
 from wafer_gpt2.errors import WaferGPT2Error
 
 SDK_MODULE = "cerebras.sdk.runtime.sdkruntimepybind"
@@ -43,9 +44,8 @@ class SdkContainerRuntime:
 
     backend = "sdk-container"  # what `WaferGPT2.describe` reports
 
-    # The scored items a message may carry (wafer_gpt2.host.program): io.out (wafer_gpt2/kernels/pe/io_out.csl) holds one
-    # record, and memcpy runs one command at a time, so the host reads each record before it sends on.
-    records_in_flight = 1
+    # The scored items a message may carry (wafer_gpt2.host.program): one, read before the host sends on.
+    records_in_flight = RECORDS_IN_FLIGHT
     running = False  # set by run() and stop()
 
     def __init__(self, compiled_dir: str | Path, cmaddr: str | None = None, sdk: Any = None) -> None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from wafer_gpt2.codegen.frames import Frame, frame_of
 from wafer_gpt2.codegen.routes import Flow, Pos, assign_colors, make_flow
+from wafer_gpt2.core.arch import ARCHS
 from wafer_gpt2.core.cost import HEAD_CHUNK, TOPK_BINS, embed_reduction
 from wafer_gpt2.core.tiling import ceil_div, meeting_index, reduction_runs
 from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, record_words
@@ -48,12 +49,17 @@ FIRST, MIDDLE, LAST, ALONE, NONE = 0, 1, 2, 3, 4
 # comm/allreduce.csl join roles
 JOIN_NONE, JOIN_SEND, JOIN_ROOT = 0, 1, 2
 
-# Routable colors (0-23 less the three memcpy keeps, 21-23) less the two memcpy streaming colors.
+# Routable colors (0-23 less the three memcpy keeps, 21-23) less the two memcpy streaming colors;
+# the same on both architectures.
 MEMCPY_COLORS = (H2D_COLOR, D2H_COLOR)
-PALETTE = [c for c in range(21) if c not in MEMCPY_COLORS]
-# Local task IDs a PE program may bind: WSE-2 shares 0-30 with the colors and memcpy keeps 27-31;
-# WSE-3 has local IDs 8-30 (0-7 are its input queues' data tasks), memcpy keeps 27-31 there too.
-TASK_POOL = {"wse2": list(range(26, -1, -1)), "wse3": list(range(26, 7, -1))}
+PALETTE = [
+    c
+    for c in range(ARCHS["wse2"].routable_colors)
+    if c not in ARCHS["wse2"].memcpy_reserved_colors and c not in MEMCPY_COLORS
+]
+# Local task IDs a PE program may bind, highest first (wafer_gpt2/core/arch.py: WSE-2 0-30, shared with the
+# colors; WSE-3 8-30; memcpy's 21-23 and 27-31 left out on both).
+TASK_POOL = {name: arch.kernel_task_ids for name, arch in ARCHS.items()}
 
 PE_FILES = {
     "io.in": "pe/io_in.csl",
@@ -693,11 +699,15 @@ def _assign_tasks(tiles: dict[Pos, Tile], flows: list[Flow], arch: str) -> None:
             if not need:
                 region_tasks[region] = None
                 continue
-            used = reaching.get(region, set()) | set(MEMCPY_COLORS)
-            pool = [t for t in TASK_POOL[arch] if t not in used]
+            colors = reaching.get(region, set()) | set(MEMCPY_COLORS)
+            pool = [t for t in TASK_POOL[arch] if t not in colors]
             if len(pool) < need:
+                reserved = ", ".join(str(t) for t in ARCHS[arch].memcpy_task_ids)
+                named = ", ".join(str(c) for c in sorted(c for c in colors if c is not None))
                 raise ProgramError(
-                    f"region {region}: {need} task IDs needed, {len(pool)} left clear of its colors"
+                    f"region {region} ({tile.file}): {need} local task IDs needed, {len(pool)} left on "
+                    f"{arch.upper().replace('WSE', 'WSE-')}: memcpy keeps task IDs {reserved}, and the "
+                    f"IDs of the colors that reach its PEs ({named}) are kept clear of (one ID space on WSE-2)"
                 )
             region_tasks[region] = pool[:need]
         tasks = region_tasks[region]

@@ -317,6 +317,20 @@ class StageCost:
 NORM_STAT_WORDS = 2
 
 
+# The scalar work of one value of LayerNorm's sums: an add into the sum of x, a multiply and an add
+# into the sum of x^2 (wafer_gpt2/kernels/lib/norm_stats.csl and wafer_gpt2/kernels/lib/fmac.csl, in a @map's step).
+NORM_SUM_OPS = 3
+
+
+def norm_sums_cycles(values: int) -> int:
+    """A LayerNorm PE's sums of x and x^2 over its `values` (wafer_gpt2/kernels/lib/norm_stats.csl `sums`): one
+    @map into two scalars, each step the step overhead (MAP_STEP_CYCLES) and its scalar work, and one
+    DSD operation start."""
+    if values <= 0:
+        return 0
+    return DSD_OP_START_CYCLES + values * (MAP_STEP_CYCLES + NORM_SUM_OPS)
+
+
 def map_fmac_cycles(steps: int, width: int, macs_per_cycle: int) -> int:
     """wafer_gpt2/kernels/lib/fmac.csl `accumulate`: one @map of `steps` steps with the accumulator and the matrix
     row in DSD registers, each step `width` FMACs at the SIMD width (fp32 accumulate) plus the step's
@@ -361,7 +375,8 @@ def gemv_cost(
     cost.add("tile FMAC", max(tiling.tile_k, gemv_compute_cycles(tiling, arch, dtype)))
     stats = NORM_STAT_WORDS if tiling.norm_fold else 0
     if tiling.norm_fold:
-        cost.add("LayerNorm sums (x, x^2)", 3 * tiling.tile_k)
+        # in the steps of the FMACs' @map (wafer_gpt2/kernels/lib/fmac.csl `sums`): their scalar work alone
+        cost.add("LayerNorm sums (x, x^2)", NORM_SUM_OPS * tiling.tile_k)
     label = f"{tiling.reduction} reduction" + (
         f" (runs of {tiling.group})" if tiling.reduction == "two_level" else ""
     )
@@ -469,8 +484,8 @@ def best_gemv_reduction(
 
 
 def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
-    """One-pass LayerNorm over a strip (wafer_gpt2/kernels/pe/layernorm.csl): every PE sums its chunk's x (one
-    fp32 add per value) and x^2 (a multiply and an add), the two words are all-reduced over the strip
+    """One-pass LayerNorm over a strip (wafer_gpt2/kernels/pe/layernorm.csl): every PE sums its chunk's x and x^2
+    (`norm_sums_cycles`: one @map into two scalars), the two words are all-reduced over the strip
     at once (`allreduce_cycles`: they stream back to back through every DSD step, towards the middle
     of the strip and back); then mean and
     variance = E[x^2] - mean^2, rstd, and every PE writes ((x - mean) * rstd) * g + b (4 fp32 ops per
@@ -487,7 +502,7 @@ def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
         # routers (wafer_gpt2/codegen/build.py): one hop, which the hand-off counts.
         return cost.add("through its routers", 0)
     cost.add("input", ROUTER_TO_PE_CYCLES + tiling.chunk)
-    cost.add("local sums (x, x^2)", 3 * tiling.chunk)
+    cost.add("local sums (x, x^2)", norm_sums_cycles(tiling.chunk))
     cost.add(
         f"{tiling.reduction} all-reduce",
         allreduce_cycles(tiling.reduction, tiling.pes, NORM_STAT_WORDS, tiling.group),

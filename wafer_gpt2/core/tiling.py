@@ -29,9 +29,9 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
   (the LayerNorm's gain folded in), each PE adds its chunk's sums of x and x^2 to its partial sums as
   two more words of the reduction, and the PE that ends a column's reduction finishes
   y = (s - mean * colsum(diag(g) @ W)) * rstd + (b + beta @ W).
-- Head: the LM head is a GEMV with K = C, N = vocab on `wte` transposed; each output column of PEs
-  also keeps its local top-k and (max, sum-exp) which are merged across the columns (`merge`,
-  `merge_group`).
+- Head: the LM head is a GEMV with K = C, N = vocab on `wte` transposed; the top-k and the
+  log-sum-exp by threshold selection over every column's logits, held by `workers` PEs per column and
+  reduced over a tree of the columns' roots (`tree`, `tree_group`): `HeadTiling`.
 
 Reductions: n partials, indices 0 .. n-1, are combined in one of these orders, each needing two
 colors per level, so every input queue serves one color (wafer_gpt2/kernels/comm):

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from wafer_gpt2.plan.structure import Plan
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+# The Cerebras SDK release whose CSL the kernels are written in: that of csl-examples rel-sdk-1.4.0
+# (`comptime_struct` params, `@concat_structs` in layout.csl, which the 2.x line removed). Compile and
+# run them with a toolchain of the same line (docs/kernels.md, "One SDK line per target").
+KERNELS_SDK = "1.4"
 SOURCE_DIRS = ("pe", "comm", "lib")  # what a compile needs besides the generated layout.csl
 # memcpy takes three columns west and two east of the kernel plus a one-PE halo: offsets 4,1 and a
 # fabric at least 7 wider and 2 taller than the kernel (csl-notes.md, "Compile and run").

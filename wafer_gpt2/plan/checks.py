@@ -7,6 +7,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from wafer_gpt2.core.arch import Arch
+from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.structure import DTYPES, OBJECTIVES, Plan, PlanError, Region, Route
@@ -70,24 +71,25 @@ def check_total_capacity(config: GPT2Config, arch: Arch, dtype: str, slots: int,
 
 
 def memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> tuple[float, str] | None:
-    """(ratio, message) when some region's per-PE data exceeds the usable bytes."""
-    budget = arch.data_bytes_per_pe
+    """(ratio, message) when some region's per-PE data exceeds what its program leaves for data."""
     checks = {
-        "qkv": lt.qkv,
-        "attn": lt.attn,
-        "attn_proj": lt.attn_proj,
-        "fc": lt.fc,
-        "proj": lt.proj,
-        "head": head,
-        "ln_f": lt.ln_f,  # the layers' strips only pass x on
+        "qkv": (lt.qkv, "gemv"),
+        "attn": (lt.attn, "attention"),
+        "attn_proj": (lt.attn_proj, "gemv"),
+        "fc": (lt.fc, "gemv"),
+        "proj": (lt.proj, "gemv"),
+        "head": (head, "embed_head"),
+        "ln_f": (lt.ln_f, "layernorm"),  # the layers' strips only pass x on
     }
-    worst_name, worst = max(((n, _tiling_pe_bytes(t, dtype)) for n, t in checks.items()), key=lambda p: p[1])
-    if worst > budget:
+    ratio, name, need, program = max(
+        (_tiling_pe_bytes(t, dtype) / arch.data_bytes(program), name, _tiling_pe_bytes(t, dtype), program)
+        for name, (t, program) in checks.items()
+    )
+    if ratio > 1:
         return (
-            worst / budget,
-            f"per-PE memory: the {worst_name} region needs {worst:,} B on one PE, "
-            f"{worst - budget:,} B over the {budget:,} B usable (48 KB minus the "
-            f"{arch.sram_reserve_bytes // 1024} KB reserve)",
+            ratio,
+            f"per-PE memory: the {name} region needs {need:,} B on one PE, "
+            f"{need - arch.data_bytes(program):,} B over the {arch.budget_words(program)}",
         )
     return None
 
@@ -115,37 +117,17 @@ def check_colors(regions: list[Region], arch: Arch) -> str | None:
     return None
 
 
-# Per PE program (wafer_gpt2/kernels/pe/*.csl, by region kind), an estimate of its code in bytes, where one is
-# available: the executor's instruction count of the program (csl_executor.codesize on the branch that
-# adds it). With an estimate, a PE's data and its program's code must fit the 48 KB together, less
-# STACK_BYTES for its stack and task tables; without one, data alone must fit the 48 KB less the
-# fixed reserve (Arch.sram_reserve_bytes), which stands for the code, the stack and memcpy's buffers.
-PROGRAM_CODE_BYTES: dict[str, int] = {}
-STACK_BYTES = 1024  # assumption: a PE program's stack and task tables (docs/plan.md, Constraints)
+def check_memory(regions: list[Region], arch: Arch) -> str | None:
+    def over(r: Region) -> float:
+        return r.max_pe_bytes / arch.data_bytes(program_of(r.kind, r.name))
 
-
-def check_memory(regions: list[Region], arch: Arch, code_bytes: dict[str, int] | None = None) -> str | None:
-    """Every region's data within a PE's memory: with `code_bytes` (region kind -> its program's code,
-    default PROGRAM_CODE_BYTES) a region of a kind it names must fit its data and that code in the
-    48 KB less STACK_BYTES; any other region its data in the 48 KB less the fixed reserve."""
-    code_bytes = PROGRAM_CODE_BYTES if code_bytes is None else code_bytes
-    for region in sorted(regions, key=lambda r: -r.max_pe_bytes):
-        code = code_bytes.get(region.kind)
-        if code is None:
-            if region.max_pe_bytes > arch.data_bytes_per_pe:
-                return (
-                    f"per-PE memory: region {region.name} needs {region.max_pe_bytes:,} B on one PE, "
-                    f"{region.max_pe_bytes - arch.data_bytes_per_pe:,} B over the {arch.data_bytes_per_pe:,} B "
-                    f"usable (48 KB minus the {arch.sram_reserve_bytes // 1024} KB reserve)"
-                )
-            continue
-        room = arch.pe_sram_bytes - STACK_BYTES - code
-        if region.max_pe_bytes > room:
-            return (
-                f"per-PE memory: region {region.name} needs {region.max_pe_bytes:,} B of data and its program "
-                f"{code:,} B of code (estimated) on one PE, {region.max_pe_bytes - room:,} B over the 48 KB "
-                f"less {STACK_BYTES:,} B of stack"
-            )
+    worst = max(regions, key=over)
+    program = program_of(worst.kind, worst.name)
+    if worst.max_pe_bytes > arch.data_bytes(program):
+        return (
+            f"per-PE memory: region {worst.name} needs {worst.max_pe_bytes:,} B on one PE, "
+            f"{worst.max_pe_bytes - arch.data_bytes(program):,} B over the {arch.budget_words(program)}"
+        )
     return None
 
 

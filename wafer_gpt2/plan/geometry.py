@@ -212,7 +212,7 @@ def replica_geometry(
     # wpe: each PE of the embed strip holds a block of positions of its dim chunk (+ its fixed buffers).
     fixed = pe_bytes(embed_symbols(0, tile_k, dtype))
     per_position = tile_k * SYMBOL_BYTES[weight_symbol_dtype(dtype)]
-    positions_per_pe = max(1, (arch.data_bytes_per_pe - fixed) // per_position)
+    positions_per_pe = max(1, (arch.data_bytes("embed") - fixed) // per_position)
     embed_rows = ceil_div(config.n_positions, positions_per_pe)
     positions_per_pe = ceil_div(config.n_positions, embed_rows)  # spread evenly over the rows
     pitch = 2 * r + lc

@@ -38,15 +38,16 @@ def _positions_per_pe_max(config: GPT2Config, arch: Arch, dtype: str, slots: int
     one, two = (pe_bytes(attention_symbols(t, dtype)) for t in probe)
     per_position = two - one
     fixed = one - per_position
-    most = (arch.data_bytes_per_pe - fixed) // per_position
+    usable = arch.data_bytes("attention")
+    most = (usable - fixed) // per_position
     if most < 1:
         per_slot = per_position // slots
-        fit = (arch.data_bytes_per_pe - fixed) // per_slot
+        fit = (usable - fixed) // per_slot
         raise PlanError(
             f"{config.name} with {slots} slots does not fit {arch.name}: per-PE memory: an attention PE holds K and V "
             f"of every slot for its positions, and one position of one head for {slots} slots takes {one:,} B with "
-            f"its buffers, {one - arch.data_bytes_per_pe:,} B over the {arch.data_bytes_per_pe:,} B usable "
-            f"(48 KB minus the {arch.sram_reserve_bytes // 1024} KB reserve); at most {fit} slots fit per replica"
+            f"its buffers, {one - usable:,} B over the {arch.budget_words('attention')}; at most {fit} slots fit "
+            f"per replica"
         )
     return most
 

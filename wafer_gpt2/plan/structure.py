@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from wafer_gpt2.core.arch import Arch
+from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.core.cost import CLOCK_HZ, SDK_CLOCK_HZ, StageCost, stream_cycles
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.errors import WaferGPT2Error
@@ -205,6 +206,14 @@ class Plan:
     def max_pe_bytes(self) -> int:
         return max(r.max_pe_bytes for r in self.regions)
 
+    @property
+    def fullest_region(self) -> Region:
+        """The region whose PEs come closest to their limit: data against what their program's code
+        and the stack leave of 48 KB."""
+        return max(
+            self.regions, key=lambda r: r.max_pe_bytes / self.arch.data_bytes(program_of(r.kind, r.name))
+        )
+
     def to_json(self) -> dict:
         c = self.config
         return {
@@ -227,7 +236,8 @@ class Plan:
             "kernel": {"width": self.arch.kernel_w, "height": self.arch.kernel_h},
             "limits": {
                 "pe_sram_bytes": self.arch.pe_sram_bytes,
-                "sram_reserve_bytes": self.arch.sram_reserve_bytes,
+                "code_bytes": dict(self.arch.code_bytes),
+                "stack_bytes": self.arch.stack_bytes,
                 "data_bytes_per_pe": self.arch.data_bytes_per_pe,
                 "usable_colors": self.arch.usable_colors,
             },
@@ -301,6 +311,7 @@ class Plan:
         c, a = self.config, self.arch
         m, slow = self.modeled(CLOCK_HZ), self.modeled(SDK_CLOCK_HZ)
         k = self.knobs
+        fullest = self.fullest_region
         lines = [
             f"plan v{PLAN_VERSION}: {c.name} ({c.n_layer} layers, {c.n_head} heads, C={c.n_embd}) on {a.name} "
             f"({a.kernel_w}x{a.kernel_h} kernel of a {a.fabric_w}x{a.fabric_h} fabric), {self.dtype}, "
@@ -311,8 +322,8 @@ class Plan:
             f"x fold {k.fold} x chain {k.attn_chain}, FC {k.fc_cols} output columns, LM head {k.head_cols} vocab "
             f"columns ({self.candidates_explored} candidates explored)",
             f"  PEs used: {self.pes_used:,} of {a.kernel_pes:,} ({100 * self.pes_used / a.kernel_pes:.1f}%); "
-            f"SRAM planned {self.sram_bytes_used / 2**20:,.1f} MiB; max per PE {self.max_pe_bytes:,} B of "
-            f"{a.data_bytes_per_pe:,} B usable (48 KB - {a.sram_reserve_bytes // 1024} KB reserve)",
+            f"SRAM planned {self.sram_bytes_used / 2**20:,.1f} MiB; fullest PE {fullest.max_pe_bytes:,} B "
+            f"({fullest.name}) of the {a.budget_words(program_of(fullest.kind, fullest.name))}",
             f"  colors: {self.colors_used} of the {a.usable_colors} usable on the busiest PE (routes of its region "
             f"plus routes passing over it)",
             "  one layer (modeled cycles per token): "

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from wafer_gpt2.core.arch import Arch
+from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.core.memory_layout import symbol_dtype
 from wafer_gpt2.core.runtime import MemcpyDataType, WaferRuntimeError
 from wafer_gpt2.errors import WaferGPT2Error
@@ -44,10 +46,10 @@ class WaferMemory:
         self,
         regions: Sequence[Any],
         kernel_wh: tuple[int, int],
-        budget_bytes: int = SRAM_BYTES,
+        arch: Arch | None = None,
     ) -> None:
         self.kernel_wh = kernel_wh
-        self.budget_bytes = budget_bytes
+        self.arch = arch  # None: a PE's whole SRAM for data (no program's code taken off)
         kw, kh = kernel_wh
         self.owner = np.full((kh, kw), -1, dtype=np.int32)  # region index per PE, -1: no program
         self.regions: list[RegionMemory] = []
@@ -86,26 +88,25 @@ class WaferMemory:
         taken[...] = index
 
     def _check_budget(self, region: Any, arrays: dict[str, np.ndarray]) -> None:
-        """The planned symbols (the cycle counter too) must fit the PE's data budget: 48 KB less the
-        reserve for code, stack and memcpy buffers."""
+        """The planned symbols (the cycle counter too) must fit the PE's data budget: 48 KB less its
+        program's code and the stack (`wafer_gpt2.core.arch.Arch.data_bytes`)."""
         sizes = {n: a.shape[2] * a.dtype.itemsize for n, a in arrays.items()}
+        if self.arch is None:
+            budget, words = SRAM_BYTES, f"{SRAM_BYTES} B of SRAM"
+        else:
+            program = program_of(region.kind, region.name)
+            budget, words = self.arch.data_bytes(program), f"the {self.arch.budget_words(program)}"
         used = 0
         for name, size in sizes.items():
             used += size
-            if used > self.budget_bytes:
+            if used > budget:
                 largest = max(sizes, key=sizes.__getitem__)
                 listing = ", ".join(f"{n} {b} B" for n, b in sizes.items())
                 raise PlanMemoryError(
                     f"PE ({region.x}, {region.y}) of region {region.name!r} (and every PE of it) runs out of "
-                    f"memory at symbol {name!r}: its symbols need {sum(sizes.values())} B, more than the "
-                    f"{self.budget_bytes} B a PE has for data (48 KB less the reserve for code, stack and "
-                    f"memcpy buffers); largest {largest!r} {sizes[largest]} B [{listing}]"
+                    f"memory at symbol {name!r}: its symbols need {sum(sizes.values())} B, more than {words}; "
+                    f"largest {largest!r} {sizes[largest]} B [{listing}]"
                 )
-        total = sum(a.shape[2] * a.dtype.itemsize for a in arrays.values())
-        if total > SRAM_BYTES:
-            raise PlanMemoryError(
-                f"PE ({region.x}, {region.y}) of region {region.name!r} needs {total} B > {SRAM_BYTES} B of SRAM"
-            )
 
     # -- lookup ------------------------------------------------------------------------------------
 

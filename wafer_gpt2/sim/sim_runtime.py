@@ -32,7 +32,7 @@ class SimRuntime(CheckedRuntime):
         self.kernel_wh = (plan.arch.kernel_w, plan.arch.kernel_h)
         # The plan lists every array a PE keeps, its `cycles` counter included
         # (`wafer_gpt2.plan.symbols.with_cycles`).
-        self.memory = WaferMemory(plan.regions, self.kernel_wh, plan.arch.data_bytes_per_pe)
+        self.memory = WaferMemory(plan.regions, self.kernel_wh, plan.arch)
         self.program = WaferProgram(plan, self.memory)
         # Streams: words waiting at a PE, per (color, x, y).
         self._inbox: dict[tuple[int, int, int], list[np.ndarray]] = defaultdict(list)
