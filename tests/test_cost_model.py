@@ -98,24 +98,6 @@ def test_a_shared_epilogue_by_hand() -> None:
     assert cost.epilogue_options(GemvTiling(768, 3072, 4, 192, "k_along_x"), g) == [1, 2, 4]
 
 
-def test_a_shared_sum_of_exps_by_hand() -> None:
-    """The head's sum of exps shared by the last PEs of a K-line (wafer_gpt2.core.cost.shared_exp_wait): 8 logits
-    on 2 PEs. The root starts the stream of the other's 4 logits (S), one link on (STEP + 4); a task,
-    their max and exps (4 x (scan + exp)); the pair goes back (S, a link, its second word); the root,
-    idle here, reads it (a task) and adds it (LSE_PAIR_CYCLES)."""
-    scan, e = cost.TOPK_SCAN_CYCLES, cost.EXP_CYCLES
-    back = S + STEP + 4 + T + 4 * (scan + e) + S + STEP + 1
-    assert cost.shared_exp_wait(8, 2, 0) == back + T + cost.LSE_PAIR_CYCLES
-    assert cost.shared_exp_wait(8, 2, 10_000) == T + cost.LSE_PAIR_CYCLES  # hidden behind a busy root
-    head = HeadTiling(vocab=256, dim=16, gemv=GemvTiling(16, 256, 4, 2, "k_along_x"), top_k=8, exp_pes=4)
-    phases = cost.head_cost(head, "wse2", "fp32").phases
-    assert phases["histogram + exp-sum of 1/4"] == S + 128 * cost.TOPK_BIN_CYCLES + 32 * e
-    assert "exp-sums of 3 PEs in" in phases and "exp-sum + histogram" not in phases
-    # offered over a chain reduction only: its links carry the pairs back
-    assert cost.exp_options(head.gemv) == [1, 2, 4]
-    assert cost.exp_options(GemvTiling(16, 256, 4, 2, "k_along_x", "two_level", group=2)) == [1]
-
-
 def test_norm_cost_by_hand() -> None:
     # 16 values on 4 PEs: input, the local sums of x and x^2 (one @map of 4 steps, each its overhead
     # and 1 + 2 ops), one all-reduce of the two words towards PE 1 (each step passes 2 words, the
@@ -188,69 +170,47 @@ def test_attention_cost_by_hand() -> None:
     )
 
 
-def test_head_cost_by_hand() -> None:
-    head = HeadTiling(vocab=8, dim=4, gemv=GemvTiling(4, 8, 2, 2, "k_along_x"), top_k=2, merge="chain")
+def test_the_heads_tree_by_hand() -> None:
+    """One round over the roots' tree of 3 columns (comm/tree.csl): the centre (column 1) folds the
+    left half's (column 0, alone: its own vector) after a DSD operation and a hop, then the right half's
+    (column 2) the same way, each a pass of the words and an add; a longer half chains to its end first
+    and its end folds the last stream into memory."""
+    head = HeadTiling(vocab=96, dim=4, gemv=GemvTiling(4, 96, 2, 3, "k_along_x"), top_k=2, workers=1)
+    assert head.centre == 1 and head.tree_halves() == ([0], [2])
+    join = S + H + R
+    first = max(0 + S, join) + 1 + 5
+    assert cost.head_tree_cycles(head, [0, 0, 0], 5) == max(first + S, join) + 1 + 5
+    five = HeadTiling(vocab=160, dim=4, gemv=GemvTiling(4, 160, 2, 5, "k_along_x"), top_k=2, workers=1)
+    assert five.centre == 2 and five.tree_halves() == ([0, 1], [4, 3])
+    half = STEP + 5  # a chain of two, the end folding the words into memory
+    first = max(S, half + join) + 1 + 5
+    assert cost.head_tree_cycles(five, [0] * 5, 5) == max(first + S, half + join) + 1 + 5
+
+
+def test_head_cost_adds_up_and_the_planner_takes_the_cheapest() -> None:
+    head = HeadTiling(
+        vocab=50257, dim=768, gemv=GemvTiling(768, 50257, 64, 393, "k_along_x"), top_k=64, workers=8
+    )
     c = cost.head_cost(head, "wse2", "fp16")
-    # One streamed merge (topk_merge.csl), k = 2, blocks of 2: the first root's record leaves as one
-    # block (its entries 2k words after a DSD start, its tail one more start and 3 words later); the
-    # second root's first block leaves a hop after, plus the wait for the block's second entry (one
-    # entry's work: half a read and half an emit started, two words each, a compare, the loop), the
-    # block's read and emit (a start and 4 words each), two compares and the loop; its tail after the
-    # unread entries and the tail's read (a start, 3 words), one exp, two compares, and its own start.
-    entry = 2 * ((S + 1) // 2 + 2) + 6 + 4
-    lag = entry + 2 * (S + 4) + 2 * 6 + 4
-    last = S + 2 * 2 + H + R + lag
-    merge_step = max(last, S + 2 * 2 + S + 3 + H + R) + (S + 3 + 20 + 12) + S + 3
-    # 4 logits: the bins' first slots (3 statements per bin), a placement pass (6 per logit), k and a
-    # 64th of a bin kept (10 each, no inversions: fewer logits than bins), the record's copy (k * 5).
-    local_topk = int(3 * 64 + 4 * 6 + (2 + 4 / 64 / 2) * 10 + 2 * 5)
-    assert c.phases == {
-        # the merge runs the way ln_f's output does: only the first column's input is on the path
-        "input to the merge's first column": H + R,
-        "tile FMAC": S + 2 * (M + 1),
-        "chain reduction": STEP + 4,
-        "local max + min": 4 * 4,
-        "exp-sum + histogram": 4 * (20 + 6),
-        "local top-k": local_topk,
-        "top-k/LSE chain merge": merge_step,
-    }
-    assert local_topk == 246 and c.cycles == sum(c.phases.values())
+    assert c.cycles == sum(c.phases.values()) and c.occupancy is None  # the rounds block: occupancy = span
+    # the farthest column's input comes last: 392 hops after the first's
+    assert c.phases["input to the farthest column"] == 392 * H + H + R
+    best = cost.best_head(HeadTiling(vocab=50257, dim=768, gemv=head.gemv, top_k=64), "wse2", "fp16")
+    assert best.gemv.reduction == "chain" and best.gemv.tile_n % best.workers == 0
+    assert cost.head_cost(best, "wse2", "fp16").cycles <= c.cycles
+    assert cost.worker_options(GemvTiling(16, 256, 4, 2, "k_along_x")) == [1, 2]  # fewer than the K-line's 4
+    assert cost.worker_options(GemvTiling(16, 256, 1, 2, "k_along_x")) == []
 
 
-def test_kept_logits() -> None:
-    """A column keeps k logits and half a bin more (logits spread evenly), or all it has."""
-    assert cost.kept_logits(256, 64) == pytest.approx(66) and cost.kept_logits(16, 64) == 16
-
-
-def stream_merge_root_by_root(k: int, steps: int, hops: int) -> int:
-    """cost.stream_merge_cycles as its docstring states it, one root after another."""
-    hop = hops * H + R
-    first, last = S + 2, S + 2 * k
-    tail = last + cost.TAIL_EMIT_CYCLES
-    for _ in range(steps):
-        first += hop + cost.BLOCK_LAG_CYCLES
-        last = max(
-            first + max(k - cost.MERGE_BLOCK, 0) * cost.STREAM_ENTRY_CYCLES,
-            last + hop + cost.BLOCK_LAG_CYCLES,
-        )
-        tail = max(last, tail + hop) + cost.TAIL_COMBINE_CYCLES + cost.TAIL_EMIT_CYCLES
-    return tail
-
-
-def test_the_streamed_merge_in_closed_form_is_the_root_by_root_recurrence() -> None:
-    cases = [(k, steps, hops) for k in (1, 2, 8, 64) for steps in range(40) for hops in (1, 5, 18, 40)]
-    assert [cost.stream_merge_cycles(*c) for c in cases] == [stream_merge_root_by_root(*c) for c in cases]
-
-
-def test_a_streamed_merge_chain_costs_k_entries_once() -> None:
-    """The k entries' time is paid once, not per root; each further root adds a hop and the latency of
-    its first block (which exceeds its tail's: the tails keep up)."""
-    k = 64
-    one, many = cost.stream_merge_cycles(k, 1, 1), cost.stream_merge_cycles(k, 21, 1)
-    per_root = cost.HOP_CYCLES + cost.ROUTER_TO_PE_CYCLES + cost.BLOCK_LAG_CYCLES
-    assert cost.BLOCK_LAG_CYCLES > cost.TAIL_COMBINE_CYCLES + cost.TAIL_EMIT_CYCLES
-    assert many - one == 20 * per_root
-    assert one > k * cost.STREAM_ENTRY_CYCLES
+def test_threshold_bins() -> None:
+    """Round C takes k and half the threshold bin (at least one entry); with fewer columns than k the
+    histogram spans every logit; gpt2's 393 columns of 128: about 69 entries, a bin of about 9 (a
+    Gaussian-logit model, which a NumPy replay of the selection on random normal logits gives as
+    69.0 and 9.5)."""
+    kept, bin_t = cost.threshold_bins(50257, 393, 128, 64)
+    assert kept == pytest.approx(64 + bin_t / 2) and 60 < kept < 75 and 5 < bin_t < 12
+    kept, bin_t = cost.threshold_bins(512, 2, 256, 16)
+    assert bin_t >= 1 and kept == pytest.approx(16 + bin_t / 2)
 
 
 def test_calibration_within_its_bounds() -> None:
@@ -296,3 +256,58 @@ def test_standalone_gemv() -> None:
     assert c.cycles == sum(c.phases.values())
     wide = cost.standalone_gemv_cost("wse2", 16, 4, 64, 64, "fp16")
     assert wide.name.startswith("two_level, runs of")
+
+
+def test_ready_time_reductions_are_the_closed_forms_at_zero_skew() -> None:
+    """The reductions priced from their members' ready times (first word out of the
+    member that ends them) are today's closed forms when every member is ready at once."""
+    for n in (2, 3, 7, 8, 48, 64, 96, 393):
+        zero = [0] * n
+        root = cost.allreduce_root(n)
+        for words in (1, 2, 65, 128):
+            assert cost.chain_times(zero) + words == cost.chain_reduce_cycles(n - 1, words)
+            for g in (2, 3, 5, 8, 18, 64):
+                if g < n:
+                    two = cost.two_level_reduce_cycles(n, words, g)
+                    assert cost.level_times(zero, [g]) + words == two, (n, g)
+                    assert cost.reduce_times("two_level", zero, g) == cost.level_times(zero, [g])
+            # the all-reduce: its reduction to the middle, a task, the broadcast back both ways
+            back = T + max(root, n - 1 - root) * H + R + words
+            for kind, group in cost.reduction_options(n)[:6]:
+                total = cost.mid_times(zero, kind, group, words) + back
+                assert total == cost.allreduce_cycles(kind, n, words, group), (n, kind, group)
+    assert cost.chain_times([0]) == 0 and cost.mid_times([0], "chain", 0, 5) == 5
+
+
+def test_ready_times_follow_the_late_members() -> None:
+    # a chain over 3 members, the last one late: its own add waits for it, not the link
+    assert cost.chain_times([0, 0, 100]) == 100 + 1
+    assert cost.chain_times([0, 0, 0]) == 2 * STEP
+    # a member ready late in the middle of a chain delays everything after it by what it is late
+    assert cost.chain_times([0, 50, 0, 0]) == 50 + 1 + 2 * STEP
+    # two levels, runs of 2 over 4 members ready as an input wave two cycles a member apart: the
+    # second run's end is ready at 6, the first run's sum leaves its end at 2 + 1 and reaches the
+    # second end's CE over 2 hops
+    wave = [0, 2, 4, 6]
+    first_run = max(2, 0 + H + R) + 1
+    second_run = max(6, 4 + H + R) + 1
+    assert cost.level_times(wave, [2]) == max(second_run, first_run + 2 * H + R) + 1
+    # three levels: runs of 2, pairs of their ends, then the chain of those: spans of 2 and 4 members
+    zero = [0] * 8
+    assert cost.level_times(zero, [2, 2]) == STEP + (2 * H + R + 1) + (4 * H + R + 1)
+    # the links' real hops where given: a shorter last run's end sits closer
+    assert cost.level_times([0] * 6, [4], end_hops=[2]) == 3 * STEP + (2 * H + R + 1)
+    # a middle root whose far half joins streamed (a FIFO) instead of after its half is in memory
+    assert cost.mid_times([0] * 4, "chain", 0, 10, streamed_join=True) == max(STEP, STEP + H + R) + 1 + 10
+
+
+def test_occupancy_is_the_span_of_a_blocking_stage() -> None:
+    blocking = cost.StageCost("x").add("a", 10).add("b", 5)
+    assert blocking.busy == blocking.cycles == 15 and blocking.first_word_cycles == 15
+    pipelined = cost.StageCost("y", {"a": 100}, first_word=40, occupancy=30)
+    assert pipelined.busy == 30 and pipelined.first_word_cycles == 40
+    copy = pipelined.renamed("z")
+    assert (copy.name, copy.phases, copy.first_word, copy.occupancy) == ("z", {"a": 100}, 40, 30)
+    assert copy.phases is not pipelined.phases
+    # the residual add streams: its sum's first word leaves a hop, the ramp and an add after the start
+    assert cost.residual_cost(16).first_word == H + R + 1

@@ -298,21 +298,26 @@ def test_full_vocabulary_fp32_scores_equal_the_simulator(arch):
 
 @pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
 def test_two_level_reductions_equal_the_simulator():
-    """A plan whose GEMVs, LayerNorms and head merge all reduce in two levels and whose attention
-    merges meet in the middle of two levels (two_sided; the latency objective picks them for this
-    config), with 8-PE strips, a folded attention snake and gathers between regions: the generator's
-    general case, on WSE-3 (whose queue rules are the tighter ones)."""
+    """A plan whose GEMVs and LayerNorms reduce in two levels and whose attention merges meet in the
+    middle of two levels (two_sided; the latency objective picks them for this config), with 8-PE
+    strips, a folded attention snake and gathers between regions, and the head's tree over its roots
+    in two levels too (runs of 2: set here): the generator's general case, on WSE-3 (whose queue rules
+    are the tighter ones)."""
+    from dataclasses import replace
+
     from wafer_gpt2.plan import build_plan
 
     config = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=200, n_positions=32, name="tiny-two-level")
     plan = build_plan(config, arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
     tilings = [r.tiling for r in plan.regions if r.tiling is not None]
-    kinds = {type(t).__name__: getattr(t, "reduction", getattr(t, "merge", None)) for t in tilings}
-    assert kinds.pop("AttentionTiling") == "two_sided"
-    assert set(kinds.values()) == {"two_level"} and len(kinds) == 3, kinds
+    kinds = {type(t).__name__: getattr(t, "reduction", None) for t in tilings}
+    assert kinds.pop("AttentionTiling") == "two_sided" and kinds.pop("HeadTiling") is None
+    assert set(kinds.values()) == {"two_level"} and len(kinds) == 2, kinds
+    head = plan.region("head")
+    assert head.tiling.gemv.cols >= 4
+    plan.head = head.tiling = replace(head.tiling, tree="two_level", tree_group=2)
     params = GPT2Params.random(config, seed=5)
-    options = BackendOptions(arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
-    csl, sim = build_backend("csl", params, options), build_backend("sim", params, options)
+    csl, sim = start_both(plan, params)
     try:
         items = [
             StepItem(0, p, 3 * p + 1, want_scores=p >= 4, target=9 if p == 5 else None) for p in range(6)
@@ -355,17 +360,15 @@ def test_two_sided_attention_merge_equals_the_simulator():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "vocab", "gelu_pes", "exp_pes"), [("wse2", 100, 4, 5), ("wse3", 86, 2, 5)])
-def test_a_shared_gelu_and_sum_of_exps_equal_the_simulator(arch, vocab, gelu_pes, exp_pes):
+@pytest.mark.parametrize(("arch", "vocab", "gelu_pes", "workers"), [("wse2", 100, 4, 5), ("wse3", 86, 2, 5)])
+def test_a_shared_gelu_and_the_heads_workers_equal_the_simulator(arch, vocab, gelu_pes, workers):
     """fc's GELU shared by the last `gelu_pes` PEs of every K-line (pe/gemv.csl, comm/scatter.csl):
     the root sends the others their slices of the sum back along the line and a gather line carries
     them out through the root's lane; GELU is elementwise, so the numbers are unchanged. The head's
-    sum of exps shared by the last `exp_pes` (pe/head.csl): the root sends the others their slices of
-    its logits, each sums its slice's exps against its own max, and the (max, sum) pairs chain back
-    over the GEMV reduction's links; the simulator combines in that order
-    (wafer_gpt2.sim.kernels._shared_exp_sum). 86 tokens on 6 columns of 15 leave the last column's last
-    slices short or empty (11 logits in slices of 3).
-    (The latency plans of the tests above share the exps by themselves, not the GELU.)"""
+    logits held by the `workers` PEs before each root (pe/head.csl): each sums its slice's exps
+    against its own max and rescales the sum to the global max, the sums added along the K-line's chain
+    links (wafer_gpt2.sim.kernels._logsumexp in that order). 86 tokens on 6 columns of 15 leave the last
+    column's last slices short or empty (11 logits in slices of 3)."""
     from dataclasses import replace
 
     from wafer_gpt2.codegen.build import build_program
@@ -375,37 +378,102 @@ def test_a_shared_gelu_and_sum_of_exps_equal_the_simulator(arch, vocab, gelu_pes
     plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
     fc, head = plan.region("L0.fc"), plan.region("head")
     assert fc.tiling.tile_n % gelu_pes == 0 and fc.tiling.rows >= gelu_pes
-    assert head.tiling.gemv.reduction == "chain" and head.tiling.gemv.tile_n % exp_pes == 0
+    assert head.tiling.gemv.tile_n % workers == 0 and head.tiling.gemv.rows > workers
     fc.tiling = replace(fc.tiling, epilogue_pes=gelu_pes)
-    plan.head = head.tiling = replace(head.tiling, exp_pes=exp_pes)
+    plan.head = head.tiling = replace(head.tiling, workers=workers)
     tiles = build_program(plan).tiles.values()
     # every fc column: one PE sends the slices (FIRST), the farthest keeps the last of them (LAST)
     roles = [tile.params["scatter_role"] for tile in tiles if tile.region == fc.name]
     assert roles.count(0) == fc.tiling.cols and roles.count(2) == fc.tiling.cols
     cols = head.tiling.gemv.cols
-    slots = sorted(tile.params["exp_slot"] for tile in tiles if tile.region == "head")
-    assert slots[: exp_pes * cols] == sorted(list(range(exp_pes)) * cols)
+    slots = sorted(tile.params["worker_slot"] for tile in tiles if tile.region == "head")
+    assert slots[: workers * cols] == sorted(list(range(workers)) * cols)
     two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=7))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["wse2", "wse3"])
-def test_a_two_level_head_gemv_equals_the_simulator(arch):
-    """The head's GEMV reduced in two levels (wafer_gpt2.core.cost.best_head offers it where the exps are not
-    shared), runs of 2 over 8 K-lines: the runs' ends past the first fill and drain a FIFO at once
-    (comm/reduce.csl), so the drain must leave on another queue than the fill's (its microthread):
-    the executor refuses two concurrent operations on one microthread."""
+def test_the_heads_tree_in_two_levels_equals_the_simulator(arch):
+    """The head's rounds over a tree of 19 roots: on either side of the centre a line of 9 in runs of 3
+    (the latency plan's on WSE-2; set on WSE-3), whose runs' ends fold their run into their own before
+    passing the ends' stream on, and whose ends join the centre (comm/tree.csl); round C's lists
+    relayed through all of them in id order."""
     from dataclasses import replace
 
     from wafer_gpt2.plan import build_plan
 
-    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-head-two")
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=600, n_positions=32, name="tiny-head-tree")
     plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
     head = plan.region("head")
-    assert head.tiling.gemv.rows == 8
-    gemv = replace(head.tiling.gemv, reduction="two_level", group=2)
-    plan.head = head.tiling = replace(head.tiling, gemv=gemv, merge="chain", merge_group=0, exp_pes=1)
+    assert head.tiling.gemv.cols >= 10
+    plan.head = head.tiling = replace(head.tiling, tree="two_level", tree_group=3)
     two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=11))
+
+
+def crafted_logits(config: GPT2Config, column0: np.ndarray, seed: int = 13) -> GPT2Params:
+    """Random weights whose final LayerNorm has gain 0 and bias e_0: every item's logits are exactly
+    wte[:, 0] (the head's products with 0 add nothing), which the caller sets."""
+    params = GPT2Params.random(config, seed=seed)
+    params.ln_f_g[:] = 0.0
+    params.ln_f_b[:] = 0.0
+    params.ln_f_b[0] = 1.0
+    params.wte[:, 0] = column0
+    return params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_the_heads_selection_is_exact_on_ties(arch):
+    """Threshold selection keeps the exact top-k (ties to the lower id) and the exact log-sum-exp on
+    the logits that test it hardest (100 tokens on 4 columns of 25, k = 4, so [L, M] runs from the
+    least column max):
+    - a tie across the cut: two clear winners, then four tokens at one value in the threshold bin, of
+      which the two with the lower ids make the k best;
+    - every column's max equal (M = L: the bins' width is 0 and every entry of round C is in bin 0):
+      the first and third token of every column at the max, the four lowest ids win;
+    - every logit equal: round C carries all 100 entries (more than a chunk of the centre's reads)."""
+    from wafer_gpt2.plan import build_plan
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-ties")
+    plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=4, objective="latency")
+    head = plan.head
+    assert head.gemv.cols >= head.top_k and head.gemv.cols * head.gemv.tile_n >= 100
+    rng = np.random.default_rng(1)
+    base = rng.uniform(-2.0, -1.0, 100).astype(np.float32)
+    tie = base.copy()
+    tie[[7, 50]] = [3.0, 2.5]
+    tie[[3, 33, 64, 90]] = 1.0
+    maxima = rng.uniform(-1.0, 0.5, 100).astype(np.float32)
+    at_max = [
+        i for c in range(head.gemv.cols) for i in (c * head.gemv.tile_n, c * head.gemv.tile_n + 2) if i < 100
+    ]
+    maxima[at_max] = 1.0
+    flat = np.full(100, 0.5, dtype=np.float32)
+    expect = {"tie": [7, 50, 3, 33], "maxima": sorted(at_max)[:4], "flat": [0, 1, 2, 3]}
+    for name, column0 in (("tie", tie), ("maxima", maxima), ("flat", flat)):
+        csl, sim = start_both(plan, crafted_logits(config, column0))
+        try:
+            items = [StepItem(0, 0, 3, want_scores=True, target=64), StepItem(0, 1, 8, want_scores=True)]
+            ours, theirs = csl.step(items), sim.step(items)
+            assert worst_difference(ours, theirs, same_ids=True) <= FP32_TOLERANCE, name
+            assert [int(i) for i in ours[0].topk_ids] == expect[name], name
+            logsumexp = np.logaddexp.reduce(column0.astype(np.float64))
+            assert abs(ours[1].logsumexp - logsumexp) < 1e-5, name
+            assert ours[0].target_logit == column0[64]
+        finally:
+            csl.close()
+            sim.close()
+
+
+def start_both(plan, params: GPT2Params):
+    """The host program on the executor and on the simulator, for one plan and its weights."""
+    from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan
+    from wafer_gpt2.host.program import start_model
+    from wafer_gpt2.sim import SimRuntime
+
+    return start_model(plan, CslExecutorRuntime(compile_plan(plan)), params), start_model(
+        plan, SimRuntime(plan), params
+    )
 
 
 def two_steps_equal_the_simulator(plan, params: GPT2Params) -> None:

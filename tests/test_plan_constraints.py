@@ -6,16 +6,18 @@ modeled latency target (still out of reach, marked so)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from wafer_gpt2.core import cost
-from wafer_gpt2.core.arch import ARCHS
+from wafer_gpt2.core.arch import ARCHS, Arch
 from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.model.config import PRESETS, GPT2Config
 from wafer_gpt2.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
+from wafer_gpt2.plan.checks import check_input_queues, check_memory, input_queue_roles
 from wafer_gpt2.plan.search import forget_kept_plans
 
 _plans: dict[tuple, Plan] = {}
@@ -60,6 +62,11 @@ def check_plan(plan: Plan) -> None:
         assert 0 < r.max_pe_bytes <= usable, (r.name, r.max_pe_bytes, usable)
         assert 0 < r.colors <= arch.usable_colors == 21, (r.name, r.colors)
     assert plan.colors_used <= arch.usable_colors
+    # Input queues: every PE role within what the architecture leaves a program (memcpy keeps 0, and 1
+    # on WSE-3).
+    for r in plan.regions:
+        for role, queues in input_queue_roles(r, embed_two_level=arch.name == "wse2").items():
+            assert set(queues) <= set(arch.input_queue_ids), (r.name, role, queues)
 
     for replica in range(plan.replicas):
         by = {r.name: r for r in plan.regions if r.replica == replica}
@@ -252,6 +259,37 @@ def test_price_candidates_is_the_search_build_plan_ranks() -> None:
         assert cand.bottleneck_cycles == max(s.cycles for s in path)
     with pytest.raises(PlanError, match="dtype 'bf16'"):
         price_candidates(config, dtype="bf16")
+
+
+def test_input_queues_per_role_are_checked() -> None:
+    """The planner refuses a plan one of whose PE roles needs more input queues than the architecture
+    leaves a program (WSE-3: 2-7): the present head's root, with its GEMV reduction and its merge both
+    two-level (a seventh queue, 1, for the embedding's run ends on WSE-2) is the case at the limit."""
+    plan = build_plan(PRESETS["gpt2"], "wse3", "fp16")
+    assert check_input_queues(plan.regions, plan.arch, False) is None
+    assert ARCHS["wse2"].input_queue_ids == tuple(range(1, 8))
+    assert ARCHS["wse3"].input_queue_ids == tuple(range(2, 8))
+    head = plan.region("head")
+    problem = check_input_queues([head], ARCHS["wse3"], embed_two_level=True)
+    assert problem is not None and "input queue(s) [1]" in problem and "wse3" in problem
+
+
+def test_code_size_counts_against_memory() -> None:
+    """A region's data and its own program's code share the 48 KB, less the stack: the check refuses
+    a plan once the code of its fullest region's program takes one byte more than is left beside the data."""
+    plan = build_plan(PRESETS["gpt2"], "wse2", "fp16")
+    arch = plan.arch
+    assert check_memory(plan.regions, arch) is None
+    worst = max(plan.regions, key=lambda r: r.max_pe_bytes)
+    program = program_of(worst.kind, worst.name)
+    room = arch.pe_sram_bytes - arch.stack_bytes - worst.max_pe_bytes  # what code may take beside the data
+
+    def with_code(size: int) -> Arch:
+        return replace(arch, code_bytes=tuple((p, size if p == program else b) for p, b in arch.code_bytes))
+
+    assert check_memory(plan.regions, with_code(room)) is None
+    problem = check_memory(plan.regions, with_code(room + 1))
+    assert problem is not None and worst.name in problem and "1 B over" in problem
 
 
 @pytest.mark.slow  # compiles the reference plans on the executor (a minute or two per architecture)

@@ -105,20 +105,23 @@ def test_top_k_breaks_ties_by_lower_id():
     assert ids.tolist() == [[1, 3, 2, 4]] and values.tolist() == [[3.0, 3.0, 2.0, 2.0]]
 
 
-@pytest.mark.parametrize("pes", [2, 4, 8, 16])
-def test_a_shared_sum_of_exps_is_the_log_sum_exp(pes):
-    """The head's log-sum-exp with each column's exps shared by `pes` PEs (their own maxima, combined
-    pairwise, then rescaled on the root) is the float64 log-sum-exp, also where 1000 tokens on 9
-    columns of 112 leave the last column 104 (on 16 PEs its last slice is empty), and on logits far
-    apart (slices whose max is far below another's)."""
+@pytest.mark.parametrize(
+    ("workers", "tree", "group"),
+    [(1, "chain", 0), (2, "chain", 0), (4, "two_level", 2), (16, "two_level", 3)],
+)
+def test_the_heads_log_sum_exp_in_its_rounds_order(workers, tree, group):
+    """The head's log-sum-exp as pe/head.csl sums it (every worker's slice against its own max,
+    rescaled to the global max; the slices of a column added along its K-line; the columns over the
+    roots' tree, both halves towards the centre) is the float64 log-sum-exp, also where 1000 tokens
+    on 9 columns of 112 leave the last column 104 (with 16 workers its last slice is empty), and on
+    logits far apart (slices whose max is far below another's)."""
     rng = np.random.default_rng(0)
-    head = HeadTiling(1000, 16, GemvTiling(16, 1000, 8, 9, "k_along_x"), top_k=8)
+    head = HeadTiling(1000, 16, GemvTiling(16, 1000, 32, 9, "k_along_x"), top_k=8)
     logits = (rng.standard_normal((3, 1000)) * 5).astype(np.float32)
     logits[1, ::7] -= 200.0
     exact = np.log(np.exp(logits.astype(np.float64) - 50.0).sum(axis=1)) + 50.0
-    shared = kernels._logsumexp(logits, replace(head, exp_pes=pes))
-    np.testing.assert_allclose(shared, exact, rtol=0, atol=2e-5)
-    np.testing.assert_allclose(shared, kernels._logsumexp(logits, head), rtol=0, atol=2e-5)
+    ours = kernels._logsumexp(logits, replace(head, workers=workers, tree=tree, tree_group=group))
+    np.testing.assert_allclose(ours, exact, rtol=0, atol=2e-5)
 
 
 def test_layout_round_trips_through_mirrored_axes_and_the_attention_snake(small_config):

@@ -5,8 +5,8 @@
     python tools/bench/code_bytes.py --write    # rewrite it in wafer_gpt2/core/code_bytes.py
 
 Every PE program is compiled on the executor in a few reference plans that together give it every
-role the generator gives (both dtypes; chains, two-level and two-sided reductions, a shared epilogue
-and sum of exps: the configurations of tests/test_csl_program.py), and the table keeps, per program,
+role the generator gives (both dtypes; chains, two-level and two-sided reductions, a shared epilogue,
+the head's workers and its tree in two levels: the configurations of tests/test_csl_program.py), and the table keeps, per program,
 the largest `csl_executor.codesize.program_code_bytes` over its param sets. A few minutes on 2 cores.
 """
 
@@ -31,8 +31,7 @@ def reference_plans(arch: str) -> list[Any]:
 
     plans = []
     for dtype in ("fp32", "fp16"):
-        # the compact plans of the executor's tests, and one whose head roots merge in two levels
-        # and share their sums of exps
+        # the compact plans of the executor's tests
         compact = GPT2Config(n_layer=1, n_head=2, n_embd=64, vocab_size=512, n_positions=64, name="compact")
         plans.append(
             build_plan(compact, arch=arch, dtype=dtype, slots=2, context=64, top_k=16, objective="compact")
@@ -44,21 +43,22 @@ def reference_plans(arch: str) -> list[Any]:
         # two-level reductions everywhere, attention merges meeting in the middle
         levels = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=200, n_positions=32, name="levels")
         plans.append(build_plan(levels, arch=arch, dtype=dtype, slots=2, context=32, top_k=8))
-        # fc's GELU and the head's sum of exps shared by the last PEs of their K-lines
+        # fc's GELU shared by the last PEs of its K-lines; the head's logits held by workers before
+        # each root
         small = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="small")
         shared = build_plan(small, arch=arch, dtype=dtype, slots=1, context=32, top_k=8)
         fc, head = shared.region("L0.fc"), shared.region("head")
         fc_tiling: Any = fc.tiling
         fc.tiling = replace(fc_tiling, epilogue_pes=4 if fc_tiling.tile_n % 4 == 0 else 2)
         head_tiling: Any = head.tiling
-        shared.head = head.tiling = replace(head_tiling, exp_pes=5)
+        shared.head = head.tiling = replace(head_tiling, workers=5)
         plans.append(shared)
-        # the head's GEMV reduced in two levels
-        two = build_plan(small, arch=arch, dtype=dtype, slots=1, context=32, top_k=8)
+        # the head's tree over its roots in two levels
+        tree = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=600, n_positions=32, name="tree")
+        two = build_plan(tree, arch=arch, dtype=dtype, slots=1, context=32, top_k=8)
         head = two.region("head")
         head_tiling = head.tiling
-        gemv = replace(head_tiling.gemv, reduction="two_level", group=2)
-        two.head = head.tiling = replace(head_tiling, gemv=gemv, merge="chain", merge_group=0, exp_pes=1)
+        two.head = head.tiling = replace(head_tiling, tree="two_level", tree_group=3)
         plans.append(two)
     return plans
 

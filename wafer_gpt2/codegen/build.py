@@ -7,7 +7,8 @@ One replica, in the order a token meets it (wafer_gpt2/sim/wafer_program.py walk
     embed --> L0.qkv (and L0.ln_1) --per head group--> L0.attn --> L0.attn_proj --> L0.res_1
               L0.ln_1 --x (residual)------------------------------------------------> L0.res_1
     L0.res_1 --> L0.fc --> L0.proj --> L0.res_2;  L0.res_1 --x--> L0.res_2
-    L(n-1).res_2 --> ln_f --> head K-lines; head roots --merge chain--> io.out
+    L(n-1).res_2 --> ln_f --> head K-lines; their roots --> their workers --rounds--> the roots' tree
+    --> the centre --answers--> every worker;  the centre --> io.out
 
 qkv and fc have their LayerNorms folded in (wafer_gpt2/core/tiling.py GemvTiling.norm_fold): the stream
 enters their K-lines through the routers of the ln_1 and ln_2 strips. ln_1's PEs take their chunks
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from wafer_gpt2.codegen.frames import Frame, frame_of
 from wafer_gpt2.codegen.routes import Flow, Pos, assign_colors, make_flow
 from wafer_gpt2.core.arch import ARCHS
-from wafer_gpt2.core.cost import MERGE_BLOCK, TOPK_BINS, embed_reduction
+from wafer_gpt2.core.cost import HEAD_CHUNK, TOPK_BINS, embed_reduction
 from wafer_gpt2.core.tiling import ceil_div, meeting_index, reduction_runs
 from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, record_words
 from wafer_gpt2.errors import ProgramError
@@ -75,7 +76,7 @@ TASKS = {
     "pe/io_in.csl": 4,
     "pe/io_out.csl": 2,
     "pe/embed.csl": 6,
-    "pe/head.csl": 11,
+    "pe/head.csl": 10,
     "pe/layernorm.csl": 10,
     "pe/residual.csl": 10,
     "pe/gemv.csl": 8,
@@ -312,20 +313,61 @@ class _Builder:
         for layer in range(cfg.n_layer):
             stream, stream_chunk = self.layer(replica, layer, stream, stream_chunk)
 
-        # ln_f -> head K-lines; head roots merge along c -> io.out.
+        # ln_f -> head K-lines; the K-lines' roots -> their workers; the rounds over the tree of the
+        # roots to the centre, its answers to every worker, the output record -> io.out.
         ln_lines = self.layernorm(ln_f, stream, stream_chunk, f"r{replica}.final", "next")
         k_lines = [[hf.pe(r, c) for c in range(head_t.cols)] for r in range(head_t.rows)]
         self.connect(f"r{replica}.ln_f.y", ln_lines, ln_f.tiling.chunk, k_lines, head_t.tile_k, "y", "in")
-        for c in range(head_t.cols):
-            members = [hf.pe(r, c) for r in range(head_t.rows)]
-            self.reduction(f"r{replica}.head.red{c}", members, "red", head_t.reduction, head_t.group)
-        self.share_exps(head, hf)
-        roots = [hf.pe(head_t.rows - 1, c) for c in range(head_t.cols)]
-        last = self.reduction(f"r{replica}.merge", roots, "merge", head.tiling.merge, head.tiling.merge_group)
-        to_io = self.flow(f"r{replica}.scores", last, [(io_out.x, io_out.y)])
-        two_level = self.params[last]["merge_end_role"] != NONE
-        self.params[last]["merge_end_tx" if two_level else "merge_tx"] = to_io
+        centre = self.head_rounds(head, hf, replica)
+        to_io = self.flow(f"r{replica}.scores", centre, [(io_out.x, io_out.y)])
+        self.params[centre]["out_color"] = to_io
         self.params.setdefault((io_out.x, io_out.y), {})["in_color"] = to_io
+
+    def head_rounds(self, head: Any, f: Frame, replica: int) -> Pos:
+        """The LM head's threshold selection (pe/head.csl, comm/tree.csl): every K-line reduced in a
+        chain to its root, which sends its logits to the `workers` PEs before it (comm/scatter.csl:
+        a line from the root back to the farthest); the two halves of the roots' column on either
+        side of the centre each a reduction line towards it (`HeadTiling.tree_halves`), whose ends
+        join the centre; one broadcast from the centre to every worker. Returns the centre."""
+        t = head.tiling
+        g = t.gemv
+        if g.reduction != "chain" or not 1 <= t.workers < g.rows or g.tile_n % t.workers:
+            raise ProgramError(
+                f"{head.name}: threshold selection needs a chain reduction along its K-lines and 1 .. rows - 1 "
+                f"workers dividing tile_n (rows {g.rows}, tile_n {g.tile_n}, workers {t.workers}, {g.reduction})"
+            )
+        tag = f"{head.name}@{replica}"
+        for c in range(g.cols):
+            members = [f.pe(r, c) for r in range(g.rows)]
+            self.reduction(f"{tag}.red{c}", members, "red", "chain", 0)
+            workers = [f.pe(r, c) for r in range(g.rows - 1 - t.workers, g.rows)]  # the root last
+            self.scatter_line(f"{tag}.slices{c}", workers, "worker_slot")
+        roots = [f.pe(g.rows - 1, c) for c in range(g.cols)]
+        centre = roots[t.centre]
+        left, right = t.tree_halves()
+        for pos in roots:
+            self.params[pos].update(join_role=JOIN_NONE, tree_side=0)
+        ends = []
+        for side, half in ((0, left), (1, right)):
+            if not half:
+                ends.append(None)
+                continue
+            members = [roots[c] for c in half]
+            for pos in members:
+                self.params[pos]["tree_side"] = side
+            end = self.reduction(f"{tag}.tree{side}", members, "tree", t.tree, t.tree_group)
+            join = self.flow(f"{tag}.join{side}", end, [centre])
+            self.params[end].update(join_role=JOIN_SEND, join_tx=join)
+            ends.append(join)
+        self.params[centre].update(
+            join_role=JOIN_ROOT, join_left=ends[0], join_right=ends[1],
+            has_left=ends[0] is not None, has_right=ends[1] is not None,
+        )  # fmt: skip
+        workers = [f.pe(r, c) for c in range(g.cols) for r in range(g.rows - 1 - t.workers, g.rows - 1)]
+        bcast = self.flow(f"{tag}.answers", centre, workers)
+        for pos in workers + [centre]:
+            self.params[pos]["bcast_color"] = bcast
+        return centre
 
     def layernorm(self, region: Any, sources: list[Pos], chunk: int, name: str, source_out: str) -> list[Pos]:
         """Connect `sources` (their output `source_out`) into a LayerNorm strip and lay out its
@@ -454,23 +496,6 @@ class _Builder:
                 }
             )
 
-    def share_exps(self, head: Any, f: Frame) -> None:
-        """The last `exp_pes` PEs of every head K-line share the column's sum of exps (pe/head.csl):
-        the root sends the others their slices back along the line; their (max, sum) pairs come back
-        on the GEMV reduction's chain links, which must run through them in K order."""
-        t = head.tiling
-        pes = t.exp_pes
-        if pes <= 1:
-            return
-        if t.gemv.reduction != "chain":
-            raise ProgramError(
-                f"{head.name}: {pes} PEs share its sums of exps, which needs a chain reduction along its "
-                f"K-lines (the pairs travel on its links), not {t.gemv.reduction}"
-            )
-        for c in range(t.gemv.cols):
-            members = [f.pe(r, c) for r in range(t.gemv.rows - pes, t.gemv.rows)]
-            self.scatter_line(f"{head.name}@{head.replica}.exps{c}", members, "exp_slot")
-
     def strip(self, region: Any) -> list[Pos]:
         f = self.frame(region)
         return [f.pe(i) for i in range(f.a_len)]
@@ -565,7 +590,15 @@ OPTIONAL_OUTPUTS = {
         "merge_side": {"on": False, "rx": None},
         "merge_end_side": {"on": False, "rx": None},
     },
-    "pe/head.csl": {"merge": _CHAIN_NONE, "merge_end": _CHAIN_NONE, "scatter": _CHAIN_NONE},
+    "pe/head.csl": {
+        "scatter": _CHAIN_NONE,
+        "tree": {**_CHAIN_NONE, "side": 0},
+        "tree_end": _CHAIN_NONE,
+        "join": {"role": JOIN_NONE, "tx": None, "left": None, "right": None},
+        "has": {"left": False, "right": False},
+        "bcast": {"color": None},
+        "out": {"color": None},
+    },
 }
 # Params a connection sets that a PE program names differently, or does not take.
 RENAMES = {
@@ -598,8 +631,8 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
                        norm_eps=float(cfg.layer_norm_epsilon))  # fmt: skip
         elif kind == "embed_head":
             own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,
-                       topk_bins=TOPK_BINS, topk_block=MERGE_BLOCK,
-                       use_fp16=fp16, exp_pes=t.exp_pes, exp_slot=t.exp_pes)  # fmt: skip
+                       topk_bins=TOPK_BINS, chunk=HEAD_CHUNK, use_fp16=fp16, workers=t.workers,
+                       worker_slot=t.workers, use_col_max=t.gemv.cols >= plan.top_k)  # fmt: skip
         elif kind == "embed":
             ppp, tile_k = embed_geometry(region, cfg.n_embd)
             own.update(tile_k=tile_k, ppp=ppp, use_fp16=fp16)
@@ -643,28 +676,8 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
                         kept = renamed[names] = ([r for r in to if r is not None and r not in dropped], mask)
                     p = dict(zip(kept[0], compress(p.values(), kept[1]), strict=True))
                 params = {**base, **p}
-                if file == PE_FILES["embed_head"]:
-                    _share_end_queue(params)
                 tiles[(x, y)] = Tile(file, key, params)
     return tiles
-
-
-def _share_end_queue(params: dict[str, Any]) -> None:
-    """head.csl's two second-level chains (the GEMV reduction's, the merge's) share input queue 7 and
-    output queue 5: at most one is in use (wafer_gpt2.core.cost.best_head), and the other names its colors, so
-    that every queue names one color. Likewise a root's merge input and the other PEs' slices of the
-    shared sum of exps share input queue 6."""
-    for side in ("rx", "tx"):
-        red, merge = f"red_end_{side}", f"merge_end_{side}"
-        if params.get(red) is not None and params.get(merge) is not None:
-            raise ProgramError(
-                "the head's GEMV reduction and its merge are both two-level: WSE-3 has no queue left"
-            )
-        params[red] = params[merge] = params.get(red) or params.get(merge)
-    # Input queue 6: the merge's record on a root, a slice of the shared sum of exps elsewhere.
-    if params.get("merge_rx") is not None and params.get("scatter_rx") is not None:
-        raise ProgramError("a head root would receive both a record and a slice of exps on input queue 6")
-    params["merge_rx"] = params["scatter_rx"] = params.get("merge_rx") or params.get("scatter_rx")
 
 
 def _assign_tasks(tiles: dict[Pos, Tile], flows: list[Flow], arch: str) -> None:

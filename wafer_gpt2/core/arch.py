@@ -44,6 +44,9 @@ class Arch:
     stack_bytes: int = STACK_BYTES
     routable_colors: int = 24
     memcpy_reserved_colors: tuple[int, ...] = (21, 22, 23)
+    # Input queues a kernel's PE program may use: WSE-2 has 0-7 and memcpy keeps 0; WSE-3 has 0-7 and
+    # memcpy keeps 0 and 1 (the SDK's memcpy rules). One color per queue.
+    input_queue_ids: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
     local_task_ids: range = range(0, 31)
     memcpy_task_ids: tuple[int, ...] = MEMCPY_TASK_IDS
 
@@ -112,6 +115,7 @@ ARCHS: dict[str, Arch] = {
         kernel_w=755,
         kernel_h=1170,
         fp16_macs_per_cycle=8,
+        input_queue_ids=(2, 3, 4, 5, 6, 7),
         local_task_ids=range(8, 31),
         code_bytes=tuple(CODE_BYTES["wse3"].items()),
     ),

@@ -16,9 +16,11 @@ top-k merge) pay a task activation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import pairwise
+from statistics import NormalDist
 
 from wafer_gpt2.core.arch import Arch, resolve_arch
 from wafer_gpt2.core.tiling import (
@@ -30,6 +32,7 @@ from wafer_gpt2.core.tiling import (
     allreduce_root,
     ceil_div,
     meeting_index,
+    reduction_runs,
 )
 
 # --- Named constants --------------------------------------------------------------------------------
@@ -64,44 +67,25 @@ EXP_CYCLES = 20
 GELU_CYCLES = EXP_CYCLES + 18
 # reciprocal square root / division in software. Assumption: 10 cycles (Newton steps on fp32).
 RSQRT_CYCLES = 10
-# The head's top-k (wafer_gpt2/kernels/lib/topk.csl) is scalar code; no public figure prices a CE's scalar
-# instructions, so these count the statements of the CSL as written at one cycle each (assumption,
-# the CSL executor's own rule: csl_executor/README.md).
-# A column's k best: a scan for its max and min (load, two compares); in the exp-sum pass and again
-# in the placement pass a logit's bin (subtract, multiply, clamp, convert) and its count or slot;
-# per kept logit its store and the insertion sort's step; per inversion (logits out of order inside a
-# bin) one move; per entry of the record its copy (id and value, or the empty pair).
+# The head's threshold selection (wafer_gpt2/kernels/lib/topk.csl, pe/head.csl) is scalar code per logit and per
+# entry; no public figure prices a CE's scalar instructions, so these count the statements of the CSL
+# as written at one cycle each (assumption, the CSL executor's own rule: csl_executor/README.md).
+# A worker's slice: its max and min (a load, two compares); in the histogram pass and again in the
+# selection pass a logit's bin (a compare with L, subtract, multiply, clamp, convert) and its count;
+# a kept entry's two stores and its count. The centre per entry of round C: its loads, its bin, the
+# place it takes (or its insertion among bin t's); per inversion (logits out of order inside a bin,
+# sorted at the end) one move; per entry of the output record its copy.
 TOPK_SCAN_CYCLES = 4
 TOPK_BIN_CYCLES = 6
-TOPK_KEEP_CYCLES = 10
+TOPK_ENTRY_CYCLES = 5
+TOPK_TAKE_CYCLES = 12
 TOPK_INVERSION_CYCLES = 4
 TOPK_COPY_CYCLES = 5
-# The histogram a column's top-k is selected with: bins over [min, max] of its logits. More bins leave
-# fewer logits to sort by hand but cost a few statements each in every pass over them.
+# The histogram of round B: bins over [L, M]. More bins leave fewer entries for round C and the centre
+# but cost a word each in round B's vector and a statement each in a worker's histogram.
 TOPK_BINS = 64
-# The streamed merge of the head's records (wafer_gpt2/kernels/lib/topk_merge.csl). A root reads its input
-# MERGE_BLOCK entries at a time (one DSD operation: fewer starts per entry, against a longer wait for
-# the block at every root; 2 is the fastest on GPT-2's chains) and emits runs of entries up to a block
-# as one DSD operation each; per entry it compares (the loads, the compare with the id tie-break) and
-# keeps the loop's count. An entry taken from the input costs its share of a read and of an emit, the
-# two words each, the comparison and the loop (STREAM_ENTRY_CYCLES); a root's first block leaves after
-# the rest of the block has arrived, its read, comparisons and emit (BLOCK_LAG_CYCLES). Then the
-# input's unread entries and tail are read in one DSD operation and combined (one exp: the side with
-# the greater max keeps its sum), and the root's own tail leaves as one more.
-MERGE_BLOCK = 2
-MERGE_COMPARE_CYCLES = 6
-MERGE_LOOP_CYCLES = 4
-STREAM_ENTRY_CYCLES = (
-    2 * (ceil_div(DSD_OP_START_CYCLES, MERGE_BLOCK) + 2) + MERGE_COMPARE_CYCLES + MERGE_LOOP_CYCLES
-)
-BLOCK_LAG_CYCLES = (
-    (MERGE_BLOCK - 1) * STREAM_ENTRY_CYCLES
-    + 2 * (DSD_OP_START_CYCLES + 2 * MERGE_BLOCK)
-    + MERGE_BLOCK * MERGE_COMPARE_CYCLES
-    + MERGE_LOOP_CYCLES
-)
-TAIL_COMBINE_CYCLES = DSD_OP_START_CYCLES + 3 + EXP_CYCLES + 2 * MERGE_COMPARE_CYCLES
-TAIL_EMIT_CYCLES = DSD_OP_START_CYCLES + 3
+# The centre reads round C's entries this many at a time (one DSD operation each).
+HEAD_CHUNK = 32
 
 
 # Words of the header every item carries ahead of its payload on the streams between regions
@@ -167,6 +151,104 @@ def allreduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
     return reduced + farthest * HOP_CYCLES + ROUTER_TO_PE_CYCLES + words
 
 
+# --- Ready-time reductions ---------------------------------------------------------------------------
+# The closed forms above price a reduction whose members all hold their vectors at once. The functions
+# below take each member's ready time instead (a reduction that follows an input wave, members that
+# finish their own work at different times) and give the time the result's FIRST word is out of the
+# member that ends the reduction; the last word follows `words` cycles later, as the vector streams
+# through once. With every member ready at 0 they are the closed forms exactly
+# (tests/test_cost_model.py checks the identities):
+#   chain_times([0] * n) + words                 == chain_reduce_cycles(n - 1, words)
+#   level_times([0] * n, [g]) + words            == two_level_reduce_cycles(n, words, g)
+#   mid_times([0] * n, kind, g, words)           == the reduction part of allreduce_cycles
+
+
+def link_cycles(hops: int) -> int:
+    """A word's way over a link of `hops` routers into the next member's CE."""
+    return hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES
+
+
+def chain_times(ready: list[int], hops: list[int] | int = 1) -> int:
+    """First word of the sum out of the last member of a streamed chain (comm/chain.csl) whose member i
+    holds its vector at ready[i] and whose link i (member i to i + 1) is hops[i] routers long (an int:
+    every link). Member 0 sends from ready[0]; member i adds the arriving stream to its own as it comes:
+    its first word is out at max(ready[i], the previous member's first word + the link) + one add."""
+    if not ready:
+        return 0
+    links = [hops] * (len(ready) - 1) if isinstance(hops, int) else list(hops)
+    first = ready[0]
+    for r, h in zip(ready[1:], links, strict=True):
+        first = max(r, first + link_cycles(h)) + FP32_OPS_PER_CYCLE
+    return first
+
+
+def level_times(ready: list[int], groups: list[int], end_hops: list[int] | None = None) -> int:
+    """First word of the sum at the end of a streamed reduction in len(groups) + 1 levels over members
+    ready at `ready` in line order: runs of groups[0] chain at once (`wafer_gpt2.core.tiling.reduction_runs`),
+    then runs of groups[1] of their ends, ..., then one chain of the last level's ends. A level's ends
+    stream into the next level as they go (comm/reduce.csl's FIFO on a run's end: no task). A link
+    between two ends of level l is priced at the members a run of that level spans (groups[0] *
+    groups[1] * ...: as two_level_reduce_cycles prices it, also for a shorter last run) unless
+    end_hops gives the hops of every level's links in order. [] is a chain; [g] comm/reduce.csl's two
+    levels (the only ones the program implements today)."""
+    if not groups:
+        return chain_times(ready)
+    spans, span = [], 1
+    for g in groups:
+        span *= max(1, g)
+        spans.append(span)
+    hops_left = list(end_hops) if end_hops is not None else None
+    level = (
+        [chain_times(ready[s : s + groups[0]]) for s in range(0, len(ready), groups[0])]
+        if groups[0] > 1
+        else list(ready)
+    )
+    for depth in range(1, len(groups) + 1):
+        g = groups[depth] if depth < len(groups) else len(level)
+        g = max(1, g)
+        nxt = []
+        for s in range(0, len(level), g):
+            part = level[s : s + g]
+            if hops_left is None:
+                hops: list[int] | int = spans[depth - 1]
+            else:
+                hops, hops_left = hops_left[: len(part) - 1], hops_left[len(part) - 1 :]
+            nxt.append(chain_times(part, hops))
+        level = nxt
+    return level[0]
+
+
+def reduce_times(kind: str, ready: list[int], group: int = 0) -> int:
+    """`reduce_cycles` with ready times: the first word of the sum on the line's last member."""
+    if kind == "chain" or not 1 < group < len(ready):
+        return chain_times(ready)
+    if kind == "two_level":
+        return level_times(ready, [group])
+    raise ValueError(f"unknown reduction {kind!r}")
+
+
+def mid_times(ready: list[int], kind: str, group: int, words: int, streamed_join: bool = False) -> int:
+    """A line reduced towards a root in its middle (comm/allreduce.csl's reduction half: members 0 ..
+    root and n-1 .. root + 1 at once, `wafer_gpt2.core.tiling.allreduce_halves`), ready times in line order:
+    the time the root holds the whole sum. The far half's end hands its sum to the root once it holds
+    it (comm/allreduce.csl's join: the root adds it after its own half, one more pass of the words);
+    streamed_join: the far half's stream joins the root's as a two-level run end's does (a FIFO, no
+    second pass)."""
+    n = len(ready)
+    if n <= 1:
+        return words if n else 0
+    root = allreduce_root(n)
+    left = ready[: root + 1]
+    right = ready[root + 1 :][::-1]
+    left_first = reduce_times(kind, left, group) if len(left) > 1 else left[0]
+    right_first = reduce_times(kind, right, group) if len(right) > 1 else right[0]
+    if streamed_join:
+        return max(left_first, right_first + link_cycles(1)) + FP32_OPS_PER_CYCLE + words
+    left_end = left_first + (words if len(left) > 1 else 0)
+    right_end = right_first + (words if len(right) > 1 else 0)
+    return max(left_end, right_end + link_cycles(1)) + FP32_OPS_PER_CYCLE + words
+
+
 def reduction_options(n: int) -> list[tuple[Reduction, int]]:
     """(kind, group) of every reduction the program implements over n PEs: the chain, and the
     two-level reduction with each run length that leaves at least two runs."""
@@ -191,14 +273,37 @@ def embed_reduction(arch: Arch | str, members: int, words: int) -> tuple[str, in
 
 @dataclass
 class StageCost:
-    """Modeled cycles of one stage, phase by phase (phases run one after the other)."""
+    """Modeled cycles of one stage, phase by phase (phases run one after the other).
+
+    `first_word`: cycles from the stage's start to its output's first word leaving (None: not priced
+    apart; a consumer that works on the stream can start then). `occupancy`: the stage's initiation
+    interval, the cycles its busiest PE is taken per item, for a program that takes its next item
+    while the previous one's reductions are still in the fabric; None for a program that blocks (every
+    one today: a PE takes its next item only when its last operation for this one is over), whose
+    occupancy is its whole span (`busy`)."""
 
     name: str
     phases: dict[str, int] = field(default_factory=dict)
+    first_word: int | None = None
+    occupancy: int | None = None
 
     @property
     def cycles(self) -> int:
         return sum(self.phases.values())
+
+    @property
+    def busy(self) -> int:
+        """Modeled initiation interval: the occupancy where the stage has one, else its span."""
+        return self.cycles if self.occupancy is None else self.occupancy
+
+    @property
+    def first_word_cycles(self) -> int:
+        """Modeled cycles to the output's first word: `first_word` where priced, else the whole span."""
+        return self.cycles if self.first_word is None else self.first_word
+
+    def renamed(self, name: str) -> StageCost:
+        """A copy under another name (its phases copied, its first word and occupancy kept)."""
+        return StageCost(name, dict(self.phases), self.first_word, self.occupancy)
 
     def add(self, phase: str, cycles: int) -> StageCost:
         self.phases[phase] = self.phases.get(phase, 0) + int(cycles)
@@ -409,7 +514,10 @@ def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
 
 def residual_cost(chunk: int, name: str = "residual") -> StageCost:
     """Add the residual stream chunk to the arriving chunk and pass it on (fp32, streamed)."""
-    return StageCost(name).add("add + forward", HOP_CYCLES + ROUTER_TO_PE_CYCLES + chunk)
+    # the sum leaves as the chunk arrives: its first word a hop, the ramp and one add after the start
+    link = HOP_CYCLES + ROUTER_TO_PE_CYCLES
+    cost = StageCost(name, first_word=link + FP32_OPS_PER_CYCLE)
+    return cost.add("add + forward", link + chunk)
 
 
 # --- Attention -------------------------------------------------------------------------------------
@@ -470,6 +578,7 @@ def attention_cost(
     # after the previous one's task).
     cost.add("1 / sum", hpp * RSQRT_CYCLES + (hpp - 1) * (TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES))
     # The PE that ends the merge sends the group's output to its O rows (a multicast over them).
+    cost.first_word = cost.cycles
     cost.add("to the O rows", stream_cycles(hpp * dim, width - 1 + tiling.fold - 1))
     return cost
 
@@ -516,158 +625,214 @@ def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> Att
     return min(options, key=lambda t: attention_cost(t, arch, dtype).cycles)
 
 
-# --- Head: final LayerNorm is priced by norm_cost; here the LM head GEMV, top-k and log-sum-exp -----
+# --- Head: final LayerNorm is priced by norm_cost; here the LM head GEMV and its threshold selection ---
+
+
+def threshold_bins(vocab: int, cols: int, tile_n: int, k: int) -> tuple[float, float]:
+    """(entries of round C, entries of the threshold bin) of wafer_gpt2/kernels/pe/head.csl's selection: the
+    logits of the bins up to the first one whose count reaches k, the bins splitting [L, M] in
+    TOPK_BINS. Priced for logits spread like Gaussians (a data assumption): M near the 1 / (2 vocab)
+    upper quantile; L the least column max (at least k columns: near the column max's 1 / cols quantile,
+    Phi(L) = (ln 2 / cols) ** (1 / tile_n)) or the least logit; the threshold bin sits at the k-th
+    best logit, where the density is vocab * pdf(x_k), so it holds about that times a bin's width, and
+    round C takes k and half of it."""
+    normal = NormalDist()
+    top = normal.inv_cdf(1 - 0.5 / vocab)
+    if cols >= k:
+        below = (math.log(2.0) / cols) ** (1.0 / tile_n)
+        low, inside = normal.inv_cdf(below), max(float(cols), vocab * (1.0 - below))
+    else:
+        low, inside = -top, float(vocab)
+    x_k = normal.inv_cdf(1 - min(k, vocab - 1) / vocab)
+    width = (top - low) / TOPK_BINS
+    bin_t = max(1.0, vocab * normal.pdf(x_k) * width)
+    return min(inside, k + bin_t / 2), min(inside, bin_t)
+
+
+def _half_complete(ready: list[int], kind: str, group: int, words: int) -> int:
+    """A half of the head's tree (comm/tree.csl), its members ready at `ready` in line order: when its
+    end holds the half's result. Every operation is synchronous: a run's end folds its run's stream
+    into memory before it passes the ends' stream on (one pass of the words more than a FIFO would),
+    and the half's end folds the last stream into memory."""
+    if len(ready) == 1:
+        return ready[0]
+    runs = reduction_runs(len(ready), kind, group)
+    if len(runs) == 1:
+        return chain_times(ready) + words
+    ends = [
+        (chain_times([ready[i] for i in run]) + words if len(run) > 1 else ready[run[0]])
+        + DSD_OP_START_CYCLES
+        for run in runs
+    ]
+    return chain_times(ends, len(runs[0])) + words
+
+
+def head_tree_cycles(tiling: HeadTiling, ready: list[int], words: int) -> int:
+    """One round over the tree of the head's roots (comm/tree.csl): column c's root ready to send at
+    ready[c]; when the centre holds the round's result. Each half's end hands it on (a DSD operation,
+    a hop), the centre folds the left half's into its own, then the right half's."""
+    left, right = tiling.tree_halves()
+    t = ready[tiling.centre]
+    for half in (left, right):
+        if not half:
+            continue
+        done = _half_complete([ready[c] for c in half], tiling.tree, tiling.tree_group, words)
+        arrives = done + DSD_OP_START_CYCLES + link_cycles(1)
+        t = max(t + DSD_OP_START_CYCLES, arrives) + FP32_OPS_PER_CYCLE + words
+    return t
+
+
+def head_relay_cycles(tiling: HeadTiling, ready: list[int]) -> int:
+    """Round C's counts over the tree of the roots (comm/tree.csl `relay`): column c's root reads the
+    count of each of its inputs (its row's there at ready[c]; every read started before its count
+    comes), sends their sum and relays the entries behind it; when the centre has read its three
+    counts. A count passes a root in a link and one send (a DSD operation and its word)."""
+    step = DSD_OP_START_CYCLES + 1
+
+    def half_counts(members: list[int]) -> int:
+        if len(members) == 1:
+            return ready[members[0]] + step
+        runs = reduction_runs(len(members), tiling.tree, tiling.tree_group)
+        ends = []
+        for run in runs:
+            at = ready[members[run[0]]] + step
+            for i in run[1:]:
+                at = max(ready[members[i]], at + link_cycles(1)) + step
+            ends.append(at)
+        at = ends[0]
+        for e in ends[1:]:
+            at = max(e, at + link_cycles(len(runs[0]))) + step
+        return at
+
+    left, right = tiling.tree_halves()
+    t = ready[tiling.centre] + DSD_OP_START_CYCLES
+    for half in (left, right):
+        if half:
+            t = max(t, half_counts(half) + link_cycles(1)) + DSD_OP_START_CYCLES
+    return t
 
 
 def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "head") -> StageCost:
-    """logits = h @ wte^T, then on the last PE of every output column: (max, sum of exp) over its
-    tile_n logits and its local top-k; the (top-k ids, top-k logits, max, sum, target) records are
-    merged across the columns (chain, or two_level), in the direction ln_f's output travels, and the
-    result leaves for the output port."""
+    """logits = h @ wte^T, then the top-k and the log-sum-exp by threshold selection (wafer_gpt2/kernels/pe/
+    head.csl), from ln_f's output leaving ln_f to the output record leaving the centre. Every column's
+    input arrives a hop after the column before it (ln_f sits under the head), so the columns, their
+    workers and the roots of the tree are priced each at its own time (the ready-time reductions);
+    the phases below are the increments of the critical path.
+
+    1. every K-line: its window, the tile's FMACs, the chain of partial logits to its root;
+    2. the root's logits to its `workers` (comm/scatter.csl), each a slice of tile_n / workers;
+    3. round A: a worker's max and min, the K chain's links to the root ([max, -min], folded by
+       maxima), the root's [m, -m, -min], the tree; the centre's M, L and scale, broadcast; the
+       workers' sums of exps meanwhile;
+    4. round B: a worker's rescaled sum and its histogram, [counts | S | target] summed the same way;
+       the centre's log-sum-exp and threshold bin, broadcast;
+    5. round C: a worker's entries of the bins up to t, the counts and the lists relayed in id order
+       to the centre, which keeps the k best as they come (a chunk at a time) and sends the record."""
     arch = resolve_arch(arch)
-    # ln_f's output reaches the columns one after another along the strip, and the merge runs the same
-    # way (wafer_gpt2/plan/geometry.py strip_rects): a column's input arrives HOP_CYCLES after its
-    # neighbour's, and the merge reaches it at least a link and a root's lag later, so only the first
-    # column's input is on the path.
-    first_column = ("input to the merge's first column", HOP_CYCLES + ROUTER_TO_PE_CYCLES)
-    cost = gemv_cost(tiling.gemv, arch, dtype, name=name, input_phase=first_column, epilogue=False)
-    g, k = tiling.gemv, tiling.top_k
-    cost.add("local max + min", g.tile_n * TOPK_SCAN_CYCLES)
-    top = local_topk_cycles(g.tile_n, k)
-    if tiling.exp_pes <= 1:
-        cost.add("exp-sum + histogram", g.tile_n * (EXP_CYCLES + TOPK_BIN_CYCLES))
-        cost.add("local top-k", top)
-    else:
-        own = DSD_OP_START_CYCLES + g.tile_n * TOPK_BIN_CYCLES + tiling.exp_slice * EXP_CYCLES
-        cost.add(f"histogram + exp-sum of 1/{tiling.exp_pes}", own)
-        cost.add("local top-k", top)
-        wait = shared_exp_wait(g.tile_n, tiling.exp_pes, own + top)
-        cost.add(f"exp-sums of {tiling.exp_pes - 1} PEs in", wait)
-    cost.add(f"top-k/LSE {tiling.merge} merge", head_merge_cycles(tiling))
+    g = tiling.gemv
+    cols, e, part, k = g.cols, tiling.workers, tiling.slice, tiling.top_k
+    m = tiling.centre
+    cost = StageCost(name)
+    # 1. the K-lines
+    window = max(g.tile_k, gemv_compute_cycles(g, arch, dtype))
+    chain = chain_reduce_cycles(g.rows - 1, g.tile_n)
+    logits = [c * HOP_CYCLES + link_cycles(1) + window + chain for c in range(cols)]
+    cost.add("input to the farthest column", (cols - 1) * HOP_CYCLES + link_cycles(1))
+    cost.add("tile FMAC", window)
+    cost.add("chain reduction", chain)
+    # 2. the slices (the root's scatter, its first DSD operation; a task on the worker)
+    slices = [t + TASK_ACTIVATION_CYCLES for t in _scattered(e + 1, part, DSD_OP_START_CYCLES)]
+    # 3. round A: a worker's scan, then its part of the K chain's links (a synchronous operation)
+    scan = part * TOPK_SCAN_CYCLES + 4 + DSD_OP_START_CYCLES
+    worker_a = [s + scan for s in slices]
+    row_a = chain_times(worker_a) + link_cycles(1) + 2  # the root has the column's [max, -min]
+    root_a = [t + row_a + 4 + DSD_OP_START_CYCLES for t in logits]
+    # A worker's exps start when its round-A operation is over: the worker before it has sent.
+    sent_a = [chain_times(worker_a[: j + 1]) + 2 for j in range(e)]
+    exps = [t + part * (EXP_CYCLES + 2) for t in sent_a]
+    centre_a = head_tree_cycles(tiling, root_a, 3)
+    answer = 6 + RSQRT_CYCLES + DSD_OP_START_CYCLES + 3  # M, L, the scale (a division); the broadcast
+    cost.add("round A: slice max and min reduced to the centre", centre_a - logits[-1])
+    cost.add("the centre's M, L, scale, broadcast", answer)
+    a_out = centre_a + answer
+
+    def heard(t: int, c: int, j: int, words: int) -> int:  # a worker's task with the answer
+        return t + link_cycles(abs(c - m) + (e - j)) + words + TASK_ACTIVATION_CYCLES
+
+    # 4. round B: the rescale (one exp), the counts zeroed, the histogram, the row's operation
+    hist = EXP_CYCLES + 2 * TOPK_BINS + part * (TOPK_BIN_CYCLES + 2) + DSD_OP_START_CYCLES
+    words_b = TOPK_BINS + 2
+    root_b = []
+    for c in range(cols):
+        ready_b = [max(heard(a_out, c, j, 3), logits[c] + exps[j]) + hist for j in range(e)]
+        row = chain_times(ready_b) + link_cycles(1) + words_b
+        root_b.append(max(row, root_a[c] + DSD_OP_START_CYCLES) + DSD_OP_START_CYCLES)
+    centre_b = head_tree_cycles(tiling, root_b, words_b)
+    cost.add("round B: histogram and sum of exps reduced to the centre", centre_b - a_out)
+    verdict = EXP_CYCLES + 4 * TOPK_BINS + 8 + DSD_OP_START_CYCLES + 1  # log S, t, the broadcast
+    cost.add("the centre's log-sum-exp, threshold bin, broadcast", verdict)
+    b_out = centre_b + verdict
+    # 5. round C: a worker's selection pass, its count (after the worker before it: its read of that
+    # count was started before it comes, so a count passes a worker or a root in one send) and its
+    # entries after those it relays
+    kept, bin_t = threshold_bins(tiling.vocab, cols, g.tile_n, k)
+    select = part * TOPK_BIN_CYCLES + int(kept / (cols * e) * TOPK_ENTRY_CYCLES)
+    step = DSD_OP_START_CYCLES + 1
+    root_c = []
+    for c in range(cols):
+        at = 0
+        for j in range(e):
+            ready = heard(b_out, c, j, 1) + select + DSD_OP_START_CYCLES
+            at = (ready if j == 0 else max(ready, at + link_cycles(1))) + step
+        root_c.append(at + link_cycles(1))
+    counts = head_relay_cycles(tiling, root_c)
+    cost.add("round C: the lists merged to the centre (their counts)", counts - b_out)
+    # The centre takes the entries as they come (slower than their words), a chunk at a time from
+    # each of its three inputs; bin t's are inserted among its remaining places (about a move each),
+    # the bins before t sorted inside at the end (entries in id order: about a quarter of a bin's
+    # count of moves each, the bins before t half as full as bin t).
+    chunks = 3 + int(kept // HEAD_CHUNK)
+    before = max(0.0, kept - bin_t)
+    take = kept * (2 + TOPK_TAKE_CYCLES) + chunks * DSD_OP_START_CYCLES + bin_t * TOPK_INVERSION_CYCLES
+    cost.add("round C: the entries taken by the centre", int(take))
+    inversions = before * max(0.0, bin_t / 2 - 1) / 4
+    finish = 2 * TOPK_BINS + 2 * k + inversions * TOPK_INVERSION_CYCLES + k * TOPK_COPY_CYCLES
+    cost.add("the centre's sort inside the bins, the output record", int(finish) + DSD_OP_START_CYCLES)
     return cost
-
-
-def head_merge_cycles(tiling: HeadTiling) -> int:
-    """The records' merge across the head's columns: a chain, or the runs at the same time and then
-    the chain of their ends once every run's record is complete."""
-    cols, k = tiling.gemv.cols, tiling.top_k
-    if tiling.merge == "chain" or not 1 < tiling.merge_group < cols:
-        return stream_merge_cycles(k, cols - 1, 1)
-    run = tiling.merge_group
-    return stream_merge_cycles(k, run - 1, 1) + stream_merge_cycles(k, ceil_div(cols, run) - 1, run)
-
-
-# Combining two (max, sum of exps) pairs (wafer_gpt2/kernels/lib/topk.csl `add_pair`): one exp, and a compare,
-# a multiply, an add and the choice of the greater max.
-LSE_PAIR_CYCLES = EXP_CYCLES + 4
-
-
-@lru_cache(maxsize=4096)  # pure, and priced for every candidate of the search
-def shared_exp_wait(tile_n: int, pes: int, root_busy: int) -> int:
-    """A head root whose column's sum of exps is shared by the last `pes` PEs of its K-line
-    (wafer_gpt2/kernels/pe/head.csl): from the stream of the others' slices starting (the root meanwhile works
-    for `root_busy` cycles: its histogram, its own slice's exps, its top-k) to their sums being in its
-    record. PE j of the others (0 the farthest) gets its slice as in `epilogue_cycles` (a PE that
-    passes words on reads its own a task and a DSD operation later), then a task, the slice's max and
-    exps; PE 0 sends (max, sum) on the GEMV reduction's link, every later PE reads the incoming pair
-    (a task), combines it with its own and sends the result on; the root reads the last pair and adds
-    it, rescaled to its column max."""
-    part = tile_n // pes
-    incoming = 0
-    for j, kept in enumerate(_scattered(pes, part, DSD_OP_START_CYCLES)):
-        own = kept + TASK_ACTIVATION_CYCLES + part * (TOPK_SCAN_CYCLES + EXP_CYCLES)
-        sent = own if j == 0 else max(own, incoming) + TASK_ACTIVATION_CYCLES + LSE_PAIR_CYCLES
-        incoming = sent + DSD_OP_START_CYCLES + _RELAY + 1  # the pair's two words, a link on
-    return max(0, incoming - root_busy) + TASK_ACTIVATION_CYCLES + LSE_PAIR_CYCLES
-
-
-def exp_options(gemv: GemvTiling) -> list[int]:
-    """The exp_pes the head program implements: 1, and over a chain reduction (whose links carry the
-    (max, sum) pairs back) every divisor of tile_n up to the K-line's length."""
-    if gemv.reduction != "chain":
-        return [1]
-    return _sharing_options(gemv.tile_n, gemv.rows)
-
-
-def stream_merge_cycles(k: int, steps: int, hops: int) -> int:
-    """A chain of `steps` merging roots `hops` apart (wafer_gpt2/kernels/lib/topk_merge.csl), from the first
-    root's record leaving to the last root holding the merged one. The first root emits its record as
-    one block; every later root emits its first block BLOCK_LAG_CYCLES after its input's first entry
-    arrives (`first`), its last at most STREAM_ENTRY_CYCLES per further entry after that and never
-    before its input's last has arrived (`last`: the worst case, every entry taken from the input),
-    and its tail once its entries are out and its input's tail has arrived (`tail`)."""
-    hop = hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES
-    first = DSD_OP_START_CYCLES + 2
-    last = DSD_OP_START_CYCLES + 2 * k
-    tail = last + TAIL_EMIT_CYCLES
-    if steps <= 0:
-        return tail
-    # The recurrence in closed form (the planner prices thousands of chains): per root `first` and
-    # `last` grow by hop + BLOCK_LAG_CYCLES, and a tail by at least hop + its own work, whose longest
-    # path leaves the entries' line at the last root (or the first, were a tail slower than a block).
-    tail_work = TAIL_COMBINE_CYCLES + TAIL_EMIT_CYCLES
-    entries = max(first + max(k - MERGE_BLOCK, 0) * STREAM_ENTRY_CYCLES, last)  # `last` minus the lags
-    leave = steps if BLOCK_LAG_CYCLES >= tail_work else 1
-    return max(
-        tail + steps * (hop + tail_work),
-        entries + tail_work + steps * (hop + tail_work) + leave * (BLOCK_LAG_CYCLES - tail_work),
-    )
-
-
-def kept_logits(n: int, k: int) -> float:
-    """Logits a column keeps after its histogram (wafer_gpt2/kernels/lib/topk.csl): the bins up to the one that
-    reaches k, so k and about half a bin more (logits spread evenly over the bins: a data assumption)."""
-    return float(n) if n <= k else min(float(n), k + n / TOPK_BINS / 2)
-
-
-@lru_cache(maxsize=4096)  # pure, and priced for every candidate of the search
-def local_topk_cycles(n: int, k: int) -> int:
-    """A column's k best of its n logits, best first, as wafer_gpt2/kernels/lib/topk.csl selects them after the
-    exp-sum pass has counted the histogram: the bins' first slots, the placement pass, the insertion
-    sort (inversions only between logits of one bin: n / BINS per bin in random order), the copy into
-    the record. The heap it falls back to (a column with an infinite logit) is not priced."""
-    kept = kept_logits(n, k)
-    per_bin = n / TOPK_BINS
-    inversions = kept * max(0.0, per_bin - 1) / 4
-    return int(
-        3 * TOPK_BINS
-        + n * TOPK_BIN_CYCLES
-        + kept * TOPK_KEEP_CYCLES
-        + inversions * TOPK_INVERSION_CYCLES
-        + k * TOPK_COPY_CYCLES
-    )
 
 
 @lru_cache(maxsize=4096)
 def best_head(tiling: HeadTiling, arch: Arch | str, dtype: str) -> HeadTiling:
-    """The head tiling (its GEMV's reduction, the merge across columns) the model finds fastest. At most
-    one of the two is two-level: a root PE also takes requests, embedding chunks and its lane, and
-    WSE-3 leaves a program six input queues (wafer_gpt2/kernels/pe/head.csl)."""
-    best = best_gemv_reduction(tiling.gemv, arch, dtype)
-    chain = GemvTiling(**{**vars(tiling.gemv), "reduction": "chain", "group": 0})
-    options = [HeadTiling(**{**vars(tiling), "gemv": best, "merge": "chain", "merge_group": 0})]
-    options += [
-        HeadTiling(**{**vars(tiling), "gemv": chain, "merge": kind, "merge_group": group})
-        for kind, group in reduction_options(tiling.gemv.cols)
-        if kind == "two_level"
+    """The head tiling the model finds fastest: its K-lines reduced in a chain (the rounds ride its
+    links), the workers (a divisor of tile_n, fewer than the K-line's PEs) and each half of the roots'
+    tree (a chain, or two levels) the model prices fastest; the workers with a chained tree first,
+    then the tree with those workers."""
+    g = GemvTiling(**{**vars(tiling.gemv), "reduction": "chain", "group": 0})
+    base = HeadTiling(**{**vars(tiling), "gemv": g, "tree": "chain", "tree_group": 0})
+    options = worker_options(g)
+    if not options:
+        raise ValueError(f"a head K-line of {g.rows} PE(s) leaves no PE to hold its logits")
+    workers = min(
+        options, key=lambda w: head_cost(HeadTiling(**{**vars(base), "workers": w}), arch, dtype).cycles
+    )
+    base = HeadTiling(**{**vars(base), "workers": workers})
+    half = max(len(h) for h in base.tree_halves())
+    trees = [base] + [
+        HeadTiling(**{**vars(base), "tree": "two_level", "tree_group": group})
+        for group in TREE_GROUPS
+        if group < half
     ]
-    # The columns' own work and their merge add up: the columns' part (with the sharing of the exps)
-    # is priced once per GEMV, the merge per option.
-    columns: dict[GemvTiling, tuple[int, int]] = {}  # exp_pes, cycles before the merge
-    for t in options:
-        if t.gemv not in columns:
-            shared = HeadTiling(**{**vars(t), "exp_pes": _best_exp_pes(t, arch, dtype)})
-            columns[t.gemv] = (
-                shared.exp_pes,
-                head_cost(shared, arch, dtype).cycles - head_merge_cycles(shared),
-            )
-    best_option = min(options, key=lambda t: columns[t.gemv][1] + head_merge_cycles(t))
-    return HeadTiling(**{**vars(best_option), "exp_pes": columns[best_option.gemv][0]})
+    return min(trees, key=lambda t: head_cost(t, arch, dtype).cycles)
 
 
-def _best_exp_pes(tiling: HeadTiling, arch: Arch | str, dtype: str) -> int:
-    options = [HeadTiling(**{**vars(tiling), "exp_pes": pes}) for pes in exp_options(tiling.gemv)]
-    return min(options, key=lambda t: head_cost(t, arch, dtype).cycles).exp_pes
+# The run lengths offered for the halves of the head's tree (the halves span up to a few thousand
+# columns; a handful keeps the search fast).
+TREE_GROUPS = (2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64)
+
+
+def worker_options(gemv: GemvTiling) -> list[int]:
+    """The workers a head K-line can have: divisors of tile_n up to the K-line's PEs less its root."""
+    return [w for w in range(1, min(gemv.tile_n, gemv.rows - 1, 64) + 1) if gemv.tile_n % w == 0]
 
 
 def route_cost(words: int, hops: int, name: str) -> StageCost:

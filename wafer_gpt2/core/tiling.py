@@ -29,9 +29,9 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
   (the LayerNorm's gain folded in), each PE adds its chunk's sums of x and x^2 to its partial sums as
   two more words of the reduction, and the PE that ends a column's reduction finishes
   y = (s - mean * colsum(diag(g) @ W)) * rstd + (b + beta @ W).
-- Head: the LM head is a GEMV with K = C, N = vocab on `wte` transposed; each output column of PEs
-  also keeps its local top-k and (max, sum-exp) which are merged across the columns (`merge`,
-  `merge_group`).
+- Head: the LM head is a GEMV with K = C, N = vocab on `wte` transposed; the top-k and the
+  log-sum-exp by threshold selection over every column's logits, held by `workers` PEs per column and
+  reduced over a tree of the columns' roots (`tree`, `tree_group`): `HeadTiling`.
 
 Reductions: n partials, indices 0 .. n-1, are combined in one of these orders, each needing two
 colors per level, so every input queue serves one color (wafer_gpt2/kernels/comm):
@@ -214,25 +214,43 @@ class NormTiling:
 
 @dataclass(frozen=True)
 class HeadTiling:
+    """The LM head: logits = h @ wte^T on `gemv` (K = dim along x, reduced in a chain to each K-line's
+    root; N = vocab, one column of tile_n logits per K-line), then the top-k and the log-sum-exp by
+    threshold selection (wafer_gpt2/kernels/pe/head.csl): the root hands its logits to the `workers` PEs before it
+    on its K-line (slices of tile_n // workers; the root keeps none), and three rounds over every
+    slice reduce to the centre column and come back by one broadcast: A the max and the range of the
+    histogram, B a histogram of the logits in it and the sum of exps, C the entries of the bins that
+    hold the k best. The rounds ride the K-line's chain links to its root, then a tree over the roots:
+    the columns on either side of the centre (`tree_halves`) reduce towards it (each half a chain or in
+    two levels: `tree`, `tree_group`), and the halves' ends join the centre."""
+
     vocab: int
     dim: int
-    gemv: GemvTiling  # K = dim, N = vocab
+    gemv: GemvTiling  # K = dim, N = vocab; reduced in a chain (the rounds ride its links)
     top_k: int = 64
-    merge: Reduction = "chain"  # how the per-column (top-k, max, sum-exp) are merged across columns
-    merge_group: int = 0  # two_level only: columns per first-level run
-    # PEs at the end of every K-line that share a column's sum of exps: the root sends the others
-    # their slices of the logits, each sums its slice's exps against its own max, and the (max, sum)
-    # pairs chain back to the root over the GEMV reduction's links (a chain reduction only)
-    exp_pes: int = 1
+    workers: int = 1  # PEs before every K-line's root holding its logits (workers divides tile_n)
+    tree: Reduction = "chain"  # each half of the tree over the roots
+    tree_group: int = 0  # two_level only: roots per first-level run
 
     @property
-    def exp_slice(self) -> int:
-        """Logits of a column each of the exp_pes PEs sums (exp_pes divides tile_n)."""
-        return self.gemv.tile_n // self.exp_pes
+    def slice(self) -> int:
+        """Logits each worker holds."""
+        return self.gemv.tile_n // self.workers
 
     @property
     def pes(self) -> int:
         return self.gemv.pes
 
-    def merge_runs(self) -> list[range]:
-        return reduction_runs(self.gemv.cols, self.merge, self.merge_group)
+    @property
+    def centre(self) -> int:
+        """The column whose root ends the tree (the middle: both halves about cols / 2)."""
+        return allreduce_root(self.gemv.cols)
+
+    def tree_halves(self) -> tuple[list[int], list[int]]:
+        """The two lines of columns that reduce towards the centre, each in its reduction order: 0 ..
+        centre - 1 and cols - 1 down to centre + 1 (either may be empty); their ends join the centre."""
+        c, n = self.centre, self.gemv.cols
+        return list(range(c)), list(range(n - 1, c, -1))
+
+    def half_runs(self, members: int) -> list[range]:
+        return reduction_runs(members, self.tree, self.tree_group)

@@ -131,6 +131,60 @@ def check_memory(regions: list[Region], arch: Arch) -> str | None:
     return None
 
 
+def input_queue_roles(region: Region, embed_two_level: bool = False) -> dict[str, tuple[int, ...]]:
+    """The input queues (by number, as wafer_gpt2/kernels/pe/*.csl fix them) of each PE role the region's tiling
+    gives its program: a role's count must fit what the architecture leaves a program (WSE-2 1-7,
+    WSE-3 2-7: memcpy keeps 0, and 1 on WSE-3), one color per queue. `embed_two_level`: the
+    embedding's line runs in two levels (wafer_gpt2.core.cost.embed_reduction), whose chain of run ends takes
+    head.csl's queue 1 (WSE-2 only)."""
+    t = region.tiling
+    two = lambda kind: kind == "two_level"  # noqa: E731
+    roles: dict[str, tuple[int, ...]] = {}
+    if isinstance(t, HeadTiling):
+        # the request, the embedding, ln_f's lane, the K chain (and the rounds along it); a worker's
+        # slice (the scatter) and the centre's answers; a root's run of the tree and the runs' ends;
+        # the centre's two halves
+        base = (2, 3, 4, 5) + ((1,) if embed_two_level else ())
+        roles["K-line member"] = base + ((7,) if two(t.gemv.reduction) else ())
+        roles["worker"] = base + (6, 7)
+        roles["root"] = base + (6,) + ((7,) if two(t.tree) else ())
+        roles["centre"] = base + (6, 7)
+    elif isinstance(t, GemvTiling):
+        # the input stream, the reduction's run; a gather line's links (an output that is gathered)
+        base = (2, 3, 4) + ((5,) if two(t.reduction) else ())
+        roles["K-line member"] = base
+        if t.epilogue_pes > 1:
+            roles["PE sharing the epilogue"] = base + (6,)
+    elif isinstance(t, AttentionTiling):
+        base = (2, 3, 4) + ((5,) if t.reduction in ("two_level", "two_sided") else ())
+        roles["chain member"] = base + ((6, 7) if t.reduction == "two_sided" else ())
+    elif isinstance(t, NormTiling):
+        # input, run, broadcast (the join on the root), y and x gathers, run ends
+        roles["strip member"] = (2, 3, 4, 5, 6) + ((7,) if two(t.reduction) else ())
+    elif region.kind == "embed":
+        roles["embed member"] = (2, 3, 4, 5)
+    elif region.kind == "residual":
+        roles["residual member"] = (2, 3, 4, 5)
+    else:
+        roles["port"] = (2,)
+    return roles
+
+
+def check_input_queues(regions: list[Region], arch: Arch, embed_two_level: bool) -> str | None:
+    """Every PE role within the input queues the architecture leaves a program."""
+    allowed = set(arch.input_queue_ids)
+    for region in regions:
+        for role, queues in input_queue_roles(region, embed_two_level).items():
+            extra = sorted(set(queues) - allowed)
+            if extra:
+                return (
+                    f"input queues: a {role} of region {region.name} needs input queue(s) {extra} "
+                    f"({len(queues)} in all), which {arch.name} does not leave a program "
+                    f"(it has {', '.join(map(str, arch.input_queue_ids))})"
+                )
+    return None
+
+
 def reduction_colors(kind: str, n: int) -> int:
     """Colors a reduction over n PEs needs: a chain alternates two (a PE never receives and sends on
     the same color); a two-level reduction has a chain on each level; two_sided (two chains per level
@@ -144,12 +198,10 @@ def assign_colors(regions: list[Region], routes: list[Route]) -> None:
     for reg in regions:
         t = reg.tiling
         if isinstance(t, HeadTiling):
-            own = (
-                2
-                + reduction_colors(t.gemv.reduction, t.gemv.rows)
-                + reduction_colors(t.merge, t.gemv.cols)
-                + 2
-            )
+            # request, lane; the K chain; the slices; the tree's halves and the joins; the answers; the
+            # output record
+            half = max(len(h) for h in t.tree_halves())
+            own = 2 + reduction_colors("chain", t.gemv.rows) + 2 + reduction_colors(t.tree, half) + 2 + 1 + 1
         elif isinstance(t, GemvTiling):
             own = 2 + reduction_colors(t.reduction, t.rows)  # in/multicast + reduction + out
         elif isinstance(t, AttentionTiling):

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from wafer_gpt2.core.abi import LAYER_OPS
 from wafer_gpt2.core.arch import Arch
-from wafer_gpt2.core.tiling import HeadTiling, ceil_div
+from wafer_gpt2.core.tiling import HeadTiling, allreduce_root, ceil_div
 from wafer_gpt2.core.wire import record_words
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.structure import SYMBOL_BYTES, Knobs
@@ -52,7 +52,7 @@ class Dirs:
     rows: str  # qkv N = attention head groups = attn_proj K (exit south)
     stream_2: str  # attn_proj N = res_1 = ln_2 = fc K (exit east)
     hidden: str  # fc N = proj K (exit north)
-    head_k: str  # the head's K (exit east, to the merge column); the strip is never mirrored
+    head_k: str  # the head's K (exit east, to its roots' column); the strip is never mirrored
     attn_position: str = "-x"  # the attention chain's snake (see `_layer_rects`)
 
     @staticmethod
@@ -139,8 +139,8 @@ class Geometry:
         its input travels, so that a column's input arrives as the line reaches it:
         - the token's request enters at the bottom and runs up, as the embedding's line does (every
           head column, then the wpe rows, then layer 0 at the top);
-        - ln_f's output runs up the head, as the head's merge does, which ends next to io.out
-          (`wafer_gpt2.core.cost.head_cost`)."""
+        - ln_f's output runs up the head; the head's rounds end on its centre column's root, which
+          sends the output record up to io.out (`wafer_gpt2.core.cost.head_cost`)."""
         e, v, r = self.embed_rows, self.head_cols, self.r
         return {
             "io.out": (0, 0, 1, 1),
@@ -187,10 +187,11 @@ class Geometry:
 
     def route_legs(self, src: str, dst: str) -> tuple[int, tuple[tuple[int, int, int, int], ...]]:
         """(hops, legs) of a bundle of lanes from src to dst: along x at src's rows, then along y at
-        dst's columns. "head.root" is the PE where the top-k merge ends (the head's north-east PE)."""
+        dst's columns. "head.root" is the PE where the head's selection ends: the root of its centre
+        column (`HeadTiling.centre`; column 0 is the bottom row, next to ln_f)."""
         if src == "head.root":
-            hx, hy, hw, _ = self.rect("head")
-            sx, sy, sw, sh = hx + hw - 1, hy, 1, 1
+            hx, hy, hw, hh = self.rect("head")
+            sx, sy, sw, sh = hx + hw - 1, hy + hh - 1 - allreduce_root(self.head_cols), 1, 1
         else:
             sx, sy, sw, sh = self.rect(src)
         dx, dy, dw, dh = self.rect(dst)

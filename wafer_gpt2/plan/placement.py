@@ -45,13 +45,12 @@ def place_replica(
             None,
             {"k": geo.dirs.head_k, "position": "+y"},
         ),
-        # the merge of the columns ends on the last column, at the top: it runs away from ln_f
-        # (geometry.strip_rects)
+        # column 0 at the bottom, next to ln_f: ln_f's output runs up the head (geometry.strip_rects)
         "head": (
             "embed_head",
             head_symbols(head, dtype),
             head,
-            {"k": geo.dirs.head_k, "n": exit_dirs(head.merge, "north")},
+            {"k": geo.dirs.head_k, "n": exit_dirs("chain", "north")},
         ),
         "ln_f": ("layernorm", norm_symbols(ln_f), ln_f, {"i": geo.dirs.head_k}),
         "io.out": ("io", io_symbols(head.top_k, False), None, {}),

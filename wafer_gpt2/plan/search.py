@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from wafer_gpt2.core.arch import Arch, resolve_arch
-from wafer_gpt2.core.cost import CLOCK_HZ, StageCost
+from wafer_gpt2.core.cost import CLOCK_HZ, StageCost, embed_reduction
 from wafer_gpt2.core.tiling import AttentionTiling, HeadTiling, ceil_div
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.checks import (
     assign_colors,
     check_colors,
     check_geometry,
+    check_input_queues,
     check_memory,
     check_request,
     check_total_capacity,
@@ -59,7 +60,8 @@ DEFAULT_TOP_K = 64  # candidates the head returns per token
 STREAM_WIDTHS = (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128)
 HEAD_TILES = (16, 32, 64, 128, 256)
 # `compact` also tries the narrowest strips and the widest vocabulary tiles: fewest PEs, not speed.
-COMPACT_STREAM_WIDTHS = (1, 2, 4)
+# A strip is at least 2 PEs wide: a head K-line's root hands its logits to PEs before it (HeadTiling).
+COMPACT_STREAM_WIDTHS = (2, 4)
 COMPACT_HEAD_TILES = (512, 1024)
 
 
@@ -107,7 +109,7 @@ class PricedCandidate:
     layer_stages: list[StageCost]  # one layer's stages
     outer: tuple[list[StageCost], dict[str, StageCost], list[StageCost]]  # see `outer_stage_costs`
     decode_cycles: int  # modeled critical path of one token at full context
-    bottleneck_cycles: int  # modeled slowest stage
+    bottleneck_cycles: int  # modeled initiation interval: the largest stage occupancy (StageCost.busy)
 
     @property
     def footprint_pes(self) -> int:
@@ -164,7 +166,8 @@ def price_candidates(
         outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
         layer_cycles = [s.cycles for s in layer_stages]
         latency = config.n_layer * sum(layer_cycles) + sum(outer_cycles)
-        bottleneck = max(max(layer_cycles), max(outer_cycles))
+        # the initiation interval: the busiest stage (a blocking stage's whole span, StageCost.busy)
+        bottleneck = max(s.busy for s in layer_stages + outer[0] + list(outer[1].values()) + outer[2])
         priced.append(
             PricedCandidate(index, knobs, lt, head, geo, fit, layer_stages, outer, latency, bottleneck)
         )
@@ -311,7 +314,12 @@ def _assemble(
         routes.extend(placed_routes)
     check_geometry(regions, arch)
     assign_colors(regions, routes)
-    problem = check_colors(regions, arch) or check_memory(regions, arch)
+    embed_two_level = embed_reduction(arch, geo.embed_rows + geo.head_cols, ceil_div(config.n_embd, geo.r))[0]
+    problem = (
+        check_colors(regions, arch)
+        or check_memory(regions, arch)
+        or check_input_queues(regions, arch, embed_two_level == "two_level")
+    )
     if problem is not None:
         return problem
     layers = [
@@ -333,7 +341,7 @@ def _assemble(
         knobs=cand.knobs,
         routes=routes,
         stage_costs=cand.critical_path(),
-        layer_stage_costs=[StageCost(s.name, dict(s.phases)) for s in cand.layer_stages],
+        layer_stage_costs=[s.renamed(s.name) for s in cand.layer_stages],
         top_k=top_k,
         footprint=(geo.width, geo.height),
         colors_used=max(region.colors for region in regions),

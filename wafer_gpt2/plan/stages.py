@@ -44,7 +44,7 @@ def layer_stage_costs(lt: LayerTilings, arch: Arch, dtype: str) -> list[StageCos
         residual_cost(chunk, "res_2"),
     ]
     # Every hand-off between touching regions is one hop (the receiving phase counts its ramp).
-    return [StageCost(f"layer.{c.name}", dict(c.phases)).add("hand-off", HANDOFF_CYCLES) for c in costs]
+    return [c.renamed(f"layer.{c.name}").add("hand-off", HANDOFF_CYCLES) for c in costs]
 
 
 def _edge_hops(ox: int) -> int:
@@ -106,11 +106,11 @@ def outer_stage_costs(
         for name in ends
         if name.startswith("turn.")
     }
-    ln_f_phases, head_phases = _tail_phases(ln_f, head, arch, dtype)
+    ln_f_stage, head_stage = _tail_stages(ln_f, head, arch, dtype)
     after = [
         StageCost("to ln_f").add("route", route("final")),
-        StageCost("ln_f", dict(ln_f_phases)),
-        StageCost("head", dict(head_phases)),
+        ln_f_stage.renamed("ln_f"),
+        head_stage.renamed("head"),
         StageCost("io.out")
         .add("scores to output port", route("scores"))
         .add("output port -> memcpy edge", stream_cycles(record_words(head.top_k), _edge_hops(ox))),
@@ -119,12 +119,10 @@ def outer_stage_costs(
 
 
 @lru_cache(maxsize=1024)  # the same for every candidate with this strip and head: priced once
-def _tail_phases(
-    ln_f: NormTiling, head: HeadTiling, arch: Arch, dtype: str
-) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
-    """The phases of the final LayerNorm (with its hand-off) and of the LM head."""
+def _tail_stages(ln_f: NormTiling, head: HeadTiling, arch: Arch, dtype: str) -> tuple[StageCost, StageCost]:
+    """The final LayerNorm (with its hand-off) and the LM head (callers copy them: `renamed`)."""
     ln = norm_cost(ln_f, "ln_f").add("hand-off", HANDOFF_CYCLES)
-    return tuple(ln.phases.items()), tuple(head_cost(head, arch, dtype, name="head").phases.items())
+    return ln, head_cost(head, arch, dtype, name="head")
 
 
 def token_critical_path(n_layer: int, layer_stages: list[StageCost], outer) -> list[StageCost]:
@@ -133,7 +131,7 @@ def token_critical_path(n_layer: int, layer_stages: list[StageCost], outer) -> l
     stages = list(before)
     for layer in range(n_layer):
         for s in layer_stages:
-            stages.append(StageCost(f"L{layer}.{s.name.split('.', 1)[1]}", dict(s.phases)))
+            stages.append(s.renamed(f"L{layer}.{s.name.split('.', 1)[1]}"))
         if f"turn.{layer}" in turns:
             stages.append(turns[f"turn.{layer}"])
     return stages + list(after)

@@ -173,9 +173,16 @@ class Plan:
         return sum(s.cycles for s in self.stage_costs)
 
     @property
+    def occupancy_cycles(self) -> int:
+        """Modeled initiation interval of one replica: the largest stage occupancy (`StageCost.busy`:
+        a blocking stage's whole span, a pipelined one's busiest PE per item); one replica accepts a
+        new item this often."""
+        return max(s.busy for s in self.stage_costs)
+
+    @property
     def bottleneck_cycles(self) -> int:
-        """Modeled occupancy of the slowest stage: one replica accepts a new item this often."""
-        return max(s.cycles for s in self.stage_costs)
+        """The initiation interval under its older name (`occupancy_cycles`)."""
+        return self.occupancy_cycles
 
     @property
     def imbalance(self) -> float:
@@ -184,9 +191,7 @@ class Plan:
         return max(times) / (sum(times) / len(times))
 
     def modeled(self, clock_hz: float = CLOCK_HZ) -> dict[str, float]:
-        return modeled_figures(
-            self.decode_cycles, self.bottleneck_cycles, self.slots, self.replicas, clock_hz
-        )
+        return modeled_figures(self.decode_cycles, self.occupancy_cycles, self.slots, self.replicas, clock_hz)
 
     @property
     def pes_used(self) -> int:
@@ -288,7 +293,16 @@ class Plan:
                     "at_0_85_ghz": self.modeled(SDK_CLOCK_HZ),
                     "context_positions": self.context,
                     "note": "modeled by wafer_gpt2.core.cost, not measured; decode at full context, batch 1 per slot",
-                    "critical_path": [{"stage": s.name, "cycles": s.cycles} for s in self.stage_costs],
+                    "occupancy_cycles": self.occupancy_cycles,
+                    "critical_path": [
+                        {
+                            "stage": s.name,
+                            "cycles": s.cycles,
+                            "first_word": s.first_word_cycles,
+                            "occupancy": s.busy,
+                        }
+                        for s in self.stage_costs
+                    ],
                 },
             },
         }
@@ -333,9 +347,9 @@ def _tiling_json(tiling: object | None) -> dict | None:
             "vocab": tiling.vocab,
             "dim": tiling.dim,
             "top_k": tiling.top_k,
-            "merge": tiling.merge,
-            "merge_group": tiling.merge_group,
-            "exp_pes": tiling.exp_pes,
+            "workers": tiling.workers,
+            "tree": tiling.tree,
+            "tree_group": tiling.tree_group,
             "gemv": _tiling_json(tiling.gemv),
         }
     data = {"type": type(tiling).__name__}
@@ -344,19 +358,21 @@ def _tiling_json(tiling: object | None) -> dict | None:
 
 
 def modeled_figures(
-    decode_cycles: int, bottleneck_cycles: int, slots: int, replicas: int, clock_hz: float = CLOCK_HZ
+    decode_cycles: int, occupancy_cycles: int, slots: int, replicas: int, clock_hz: float = CLOCK_HZ
 ) -> dict[str, float]:
-    """Latency and throughput of a pipeline (`Plan.modeled`; the report's operating points use it too)."""
+    """Latency and throughput of a pipeline (`Plan.modeled`; the report's operating points use it too).
+    `occupancy_cycles` is the replica's initiation interval (`Plan.occupancy_cycles`)."""
     latency_s = decode_cycles / clock_hz
     single = 1.0 / latency_s
     # Decode: a slot's next token needs its previous one, so one replica has at most `slots`
-    # items in flight; it also cannot accept items faster than its slowest stage.
-    per_replica = min(slots / latency_s, clock_hz / bottleneck_cycles)
+    # items in flight; it also cannot accept items faster than its busiest stage takes them
+    # (a blocking stage's whole span: StageCost.busy).
+    per_replica = min(slots / latency_s, clock_hz / occupancy_cycles)
     return {
         "clock_ghz": clock_hz / 1e9,
         "decode_latency_us": round(latency_s * 1e6, 3),
         "tokens_per_s_single_stream": round(single, 1),
         "tokens_per_s_per_replica": round(per_replica, 1),
         "tokens_per_s_total": round(per_replica * replicas, 1),
-        "bottleneck_stage_us": round(bottleneck_cycles / clock_hz * 1e6, 3),
+        "bottleneck_stage_us": round(occupancy_cycles / clock_hz * 1e6, 3),
     }

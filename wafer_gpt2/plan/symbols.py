@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 from wafer_gpt2.core.abi import CYCLES_SYMBOL
-from wafer_gpt2.core.cost import NORM_STAT_WORDS, TOPK_BINS
+from wafer_gpt2.core.cost import HEAD_CHUNK, NORM_STAT_WORDS, TOPK_BINS
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.core.wire import ITEM_WORDS
 from wafer_gpt2.plan.structure import Symbol
@@ -98,22 +98,22 @@ def attention_symbols(t: AttentionTiling, dtype: str) -> dict[str, Symbol]:
 
 
 def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
-    """wafer_gpt2/kernels/pe/head.csl's arrays (and lib/topk.csl's)."""
+    """wafer_gpt2/kernels/pe/head.csl's arrays (and lib/topk.csl's, comm/tree.csl's), the largest of its roles: a
+    worker's slice and entries, a root's round vectors, the centre's k best and its output record."""
     g = t.gemv
-    record = 2 * t.top_k + 3  # ids, logits, max, sum, target
+    record = 2 * t.top_k + 3  # item, ids, logits, log-sum-exp, target
     return {
         "w": Symbol(weight_symbol_dtype(dtype), g.tile_k * g.tile_n),  # wte^T tile; no bias (tied)
         "row": Symbol("f32", g.tile_k),  # the token's wte chunk on its way to the embed region
         "x": Symbol("f32", g.tile_k),
-        "acc": Symbol("f32", g.tile_n),  # logits of the column
-        "records": Symbol("u32", 4 * record),  # own, its run's, the merged one, the output-stream one
-        "topk_bins": Symbol("u16", TOPK_BINS),  # lib/topk.csl's histogram of the column's logits
-        "topk_order": Symbol("u16", g.tile_n),  # and its counting sort's indices
-        "exp_pairs": Symbol("f32", 4),  # a shared sum of exps: this PE's (max, sum), the incoming one
-        # lib/topk_merge.csl, imported twice (a run, the runs' ends): the input's words, its own tail
-        "topk_merge": Symbol("u32", 2 * (record + 3)),
+        "acc": Symbol("f32", g.tile_n),  # the column's logits (a worker: then its slice)
+        "rounds": Symbol("f32", 3 + TOPK_BINS + 2 + 3),  # round A's and B's vectors, the centre's answer
+        "entries": Symbol("u32", 2 * t.slice + 4),  # a worker's (id, logit) pairs of round C; counts
+        "topk_best": Symbol("u32", 2 * t.top_k),  # the centre's k best (lib/topk.csl)
+        "topk_bins": Symbol("u16", TOPK_BINS),  # and its bins' next places
+        "chunk": Symbol("u32", 2 * HEAD_CHUNK),  # the centre's entries as they are read
+        "wire": Symbol("u32", record),  # the centre's output record
         "comm": COMM,
-        **reduction_symbols(g.reduction),
         "emb_pass": REDUCE_PASS,  # the embedding's line may be two-level (wafer_gpt2.core.cost.embed_reduction)
     }
 

@@ -436,62 +436,33 @@ def head_scores(
 
 
 def _logsumexp(logits: np.ndarray, head: HeadTiling) -> np.ndarray:
-    """[B, V] -> [B]: every column of PEs keeps (max, sum of exp) over its logits; the columns merge in
-    the head's order."""
+    """[B, V] -> [B], summed in the order of wafer_gpt2/kernels/pe/head.csl's rounds A and B: every worker's slice
+    sums exp(l - its max) in index order and rescales the sum to the global max M by one exp; a column's
+    slices are added along its K-line's chain links (worker 0 first); the columns' sums are combined
+    over the tree of the roots (`HeadTiling.tree_halves`: each half in its order, then the centre's own
+    plus the left half's, plus the right half's); LSE = M + log(sum)."""
     tiling = head.gemv
     batch = logits.shape[0]
+    workers, part = head.workers, head.slice
     tiled = np.full((batch, tiling.cols * tiling.tile_n), -np.inf, dtype=F32)
     tiled[:, : tiling.n] = logits
-    by_index = np.ascontiguousarray(np.moveaxis(tiled.reshape(batch, tiling.cols, tiling.tile_n), 2, 0))
-    column_max = np.maximum.reduce(by_index, axis=0)  # [B, cols]; -inf for a column past the vocabulary
-    finite_max = np.where(np.isfinite(column_max), column_max, F32(0))
-    if head.exp_pes > 1:
-        column_sum = _shared_exp_sum(by_index, finite_max, head.exp_pes)
-    else:
-        column_sum = chain_sum(np.exp(by_index - finite_max))  # each column sums its exps in index order
-    peak = column_max.max(axis=1)
-    rescaled = column_sum * np.exp(column_max - peak[:, None])  # [B, cols]
-    total = combine(np.ascontiguousarray(rescaled.T), head.merge, head.merge_group)
+    # [slice index, batch, column, slot]: every worker's logits in index order along axis 0
+    by_slice = np.ascontiguousarray(np.moveaxis(tiled.reshape(batch, tiling.cols, workers, part), 3, 0))
+    slice_max = np.maximum.reduce(by_slice, axis=0)  # -inf for an empty slice
+    finite_max = np.where(np.isfinite(slice_max), slice_max, F32(0))
+    peak = np.max(logits, axis=1).astype(F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        sums = chain_sum(np.exp(by_slice - finite_max))  # each slice in index order
+        sums = np.where(np.isfinite(slice_max), sums * np.exp(finite_max - peak[:, None, None]), F32(0))
+    columns = chain_sum(np.ascontiguousarray(np.moveaxis(sums.astype(F32), 2, 0)))  # [B, cols]
+    left, right = head.tree_halves()
+    per_column = np.ascontiguousarray(columns.T)  # [cols, B]
+    total = per_column[head.centre]
+    if left:
+        total = total + combine(np.ascontiguousarray(per_column[left]), head.tree, head.tree_group)
+    if right:
+        total = total + combine(np.ascontiguousarray(per_column[right]), head.tree, head.tree_group)
     return (peak + np.log(total)).astype(F32)
-
-
-def _shared_exp_sum(by_index: np.ndarray, finite_max: np.ndarray, pes: int) -> np.ndarray:
-    """A column's sum of exps shared by the last `pes` PEs of its K-line (wafer_gpt2/kernels/pe/head.csl): PE j
-    of the others (0 the farthest) sums its slice's exps against the slice's own max, the (max, sum)
-    pairs chain towards the root, each PE combining the incoming pair with its own (`_lse_pair`), and
-    the root adds the chain's sum, rescaled to the column max, to its own slice's."""
-    part = by_index.shape[0] // pes
-    own = chain_sum(np.exp(by_index[(pes - 1) * part :] - finite_max))
-
-    def piece(j: int) -> tuple[np.ndarray, np.ndarray]:
-        logits = by_index[j * part : (j + 1) * part]
-        top = np.maximum.reduce(logits, axis=0)
-        return top, chain_sum(np.exp(logits - np.where(np.isfinite(top), top, F32(0))))
-
-    carried_max, carried_sum = piece(0)
-    for j in range(1, pes - 1):
-        carried_max, carried_sum = _lse_pair(carried_max, carried_sum, *piece(j))
-    with np.errstate(invalid="ignore", over="ignore"):
-        return np.where(carried_sum != 0, own + carried_sum * np.exp(carried_max - finite_max), own)
-
-
-def _lse_pair(
-    in_max: np.ndarray, in_sum: np.ndarray, own_max: np.ndarray, own_sum: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """(max, sum of exps) of two parts, as a PE of the shared exp sum combines the incoming pair with
-    its own: an empty side (sum 0) gives way; otherwise the side with the greater max keeps its sum
-    and the other's is rescaled by one exp."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        in_ahead = in_max > own_max
-        both = np.where(
-            in_ahead,
-            in_sum + own_sum * np.exp(own_max - in_max),
-            in_sum * np.exp(in_max - own_max) + own_sum,
-        )
-        total_max = np.where(in_ahead, in_max, own_max)
-    total_max = np.where(in_sum == 0, own_max, np.where(own_sum == 0, in_max, total_max))
-    total = np.where(in_sum == 0, own_sum, np.where(own_sum == 0, in_sum, both))
-    return total_max.astype(F32), total.astype(F32)
 
 
 def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

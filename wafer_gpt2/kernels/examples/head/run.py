@@ -1,6 +1,7 @@
 #!/usr/bin/env cs_python
 """Run the head kernel (wafer_gpt2/kernels/pe/head.csl) alone: embedding lookups of wte rows, then scoring
-(logits = h @ wte^T, top-k with ties to the lower id, log-sum-exp, target logit) against NumPy."""
+(logits = h @ wte^T, top-k with ties to the lower id, log-sum-exp, target logit: threshold selection
+over the roots' tree, the record from the centre column) against NumPy."""
 
 import argparse
 import json
@@ -91,7 +92,7 @@ for index, target in enumerate([None, 3, vocab - 1]):
         record,
         d2h,
         rows + 1,
-        cols,
+        2,  # the centre column (1)'s row, east of its root
         1,
         1,
         record.size,
