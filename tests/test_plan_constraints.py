@@ -292,8 +292,10 @@ def test_code_size_counts_against_memory() -> None:
     assert problem is not None and worst.name in problem and "1 B over" in problem
 
 
-@pytest.mark.slow  # compiles the reference plans on the executor (a minute or two per architecture)
-@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+# Compiles the reference plans on the executor (about a minute per architecture): CI checks WSE-2's
+# column, which a change to the kernels moves with WSE-3's; `-m executor_full` checks WSE-3's.
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["wse2", pytest.param("wse3", marks=pytest.mark.executor_full)])
 def test_the_code_table_is_the_executors_estimate(arch) -> None:
     """The planner's per-program code figures (wafer_gpt2/core/code_bytes.py) are the CSL executor's
     estimate for today's kernels (csl_executor.codesize), the largest over the reference plans' param

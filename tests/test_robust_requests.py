@@ -332,12 +332,12 @@ def test_bodies_json_cannot_take_get_a_4xx_and_the_connection_stays_open(server,
 
 
 def test_an_unexpected_error_answers_without_its_internal_text(server, monkeypatch, caplog):
-    import wafer_gpt2.service.api
+    from wafer_gpt2.service.routes import tgi_routes
 
     def broken(*args, **kwargs):
         raise RuntimeError("secret internal state 0xfeedface")
 
-    monkeypatch.setattr(wafer_gpt2.service.api, "tgi_response", broken)
+    monkeypatch.setattr(tgi_routes, "tgi_response", broken)
     with server.client() as client:
         response = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
     assert response.status_code == 500, response.text
