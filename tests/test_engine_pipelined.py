@@ -123,6 +123,28 @@ def test_a_request_in_flight_is_not_stepped_again_and_keeps_its_slot_until_its_s
     assert scheduler.admit() == [second] and second.slot == 0
 
 
+def test_a_pipelined_backend_gets_the_running_requests_in_groups_one_step_each():
+    # Five running requests, two steps at a time: at most ceil(5 / 2) = 3 a step, so that the other
+    # group's step can go out while one computes; what returns joins the next step.
+    scheduler = Scheduler(KVSlotManager(5, 64), max_queue=0, step_token_budget=16)
+    states = [_state(1) for _ in range(4)] + [_state(2)]
+    for state in states:
+        scheduler.add(state)
+    scheduler.admit()
+    first = scheduler.build_step(groups=2)
+    assert first.owners == states[:3]
+    second = scheduler.build_step(groups=2)
+    assert second.owners == states[3:4] + states[4:] * 2  # the last request's whole prompt
+    assert not scheduler.build_step(groups=2).items
+    scheduler.step_returned(first.owners)
+    for state in states[:3]:
+        state.computed, state.pending_token = 1, 7
+    assert scheduler.build_step(groups=2).owners == states[:3]
+    # One group (a backend that takes one step at a time): every ready request in one step.
+    scheduler.step_returned(states)
+    assert len(scheduler.build_step().owners) == 3 + 1 + 2
+
+
 # ----- the engine -----------------------------------------------------------------------------------
 
 
@@ -266,3 +288,84 @@ def test_a_step_the_backend_refused_leaves_its_requests_ready_to_step_again():
     while core.has_work():  # a caller that retries gets the request through
         events += [event for _, event in core.step()]
     assert isinstance(events[-1], FinishEvent) and len(events[-1].tokens) == 3
+
+
+# ----- the host program on the simulator ------------------------------------------------------------
+
+
+def test_the_host_program_keeps_steps_in_flight_and_answers_as_one_step_at_a_time(plan, small_params):
+    from wafer_gpt2.host.program import start_model
+    from wafer_gpt2.sim import SimRuntime
+
+    pipelined = start_model(plan, SimRuntime(plan), small_params, steps_in_flight=2)
+    serial = start_model(plan, SimRuntime(plan), small_params)
+    assert steps_in_flight(pipelined) == 2 and steps_in_flight(serial) == 1
+    # Two steps on disjoint slots, both replicas, one with a prompt's logprob target.
+    first = [StepItem(0, 0, 11), StepItem(0, 1, 12, target=13), StepItem(2, 0, 14)]
+    second = [StepItem(1, 0, 21), StepItem(3, 0, 22), StepItem(3, 1, 23)]
+    pipelined.submit(first)
+    pipelined.submit(second)
+    with pytest.raises(BackendError, match="2 steps are in flight already"):
+        pipelined.submit([StepItem(1, 1, 5)])
+    with pytest.raises(BackendError, match="slot 0 has items in a step still in flight"):
+        pipelined.free_slot(0)
+    got = [pipelined.collect(), pipelined.collect()]
+    with pytest.raises(BackendError, match="no step is in flight"):
+        pipelined.collect()
+    for step, scores in zip((first, second), got, strict=True):
+        expected = serial.step(step)
+        np.testing.assert_array_equal(scores.index, expected.index)
+        np.testing.assert_array_equal(scores.topk_ids, expected.topk_ids)
+        np.testing.assert_array_equal(scores.topk_logits, expected.topk_logits)
+        np.testing.assert_array_equal(scores.logsumexp, expected.logsumexp)
+        np.testing.assert_array_equal(scores.target_logit, expected.target_logit)
+    # A slot in a step in flight takes no item of the next one; once collected it goes on.
+    pipelined.submit([StepItem(0, 2, 31)])
+    with pytest.raises(BackendError, match=r"slots \[0\] have items in a step still in flight"):
+        pipelined.submit([StepItem(0, 3, 32)])
+    assert pipelined.collect().count == 1
+    pipelined.free_slot(0)
+    for backend in (pipelined, serial):
+        backend.close()
+
+
+def test_the_engine_on_the_simulator_gives_the_same_tokens_with_steps_in_flight(
+    plan, small_params, monkeypatch
+):
+    from wafer_gpt2.host.program import WaferGPT2, start_model
+    from wafer_gpt2.sim import SimRuntime
+
+    depths: list[int] = []  # steps already in flight at each submit
+    submit = WaferGPT2.submit
+
+    def counting(self, items):
+        depths.append(len(self._in_flight))
+        submit(self, items)
+
+    monkeypatch.setattr(WaferGPT2, "submit", counting)
+
+    requests = [
+        GenerationRequest(tuple(range(300, 300 + n)), new, ignore_eos=True)
+        for n, new in ((3, 5), (2, 6), (4, 4), (1, 7), (5, 3))
+    ]
+    outcomes = {}
+    for in_flight in (1, 2):
+        engine = Engine(
+            lambda n=in_flight: start_model(plan, SimRuntime(plan), small_params, steps_in_flight=n),
+            gpt2_tokenizer_hooks(),
+            ServiceMetrics("test"),
+            max_queue=16,
+            step_token_budget=64,
+        )
+        engine.start()
+        assert engine.wait_ready(30)
+        loop = Loop()
+        try:
+            states = [engine.submit(request, stream=True, sink=loop) for request in requests]
+            loop.wait(len(requests))
+        finally:
+            engine.shutdown(5)
+        outcomes[in_flight] = [_outcome(loop.events[state.id]) for state in states]
+        assert max(depths) == in_flight - 1  # 2: the second group's step went out beside the first's
+        depths.clear()
+    assert outcomes[2] == outcomes[1]

@@ -88,7 +88,8 @@ class Cell:
     streams: int
     route: str
     runs: list[LoadResult] = field(default_factory=list)
-    server_cpu_s: list[float] = field(default_factory=list)
+    server_cpu_s: list[float] = field(default_factory=list)  # both processes
+    engine_cpu_s: list[float] = field(default_factory=list)  # the engine process's share of it
     modeled_busy_s: list[float] = field(default_factory=list)
     overshoot_s: list[float] = field(default_factory=list)
     idle_s: list[float] = field(default_factory=list)  # the engine waited with no request to step
@@ -106,6 +107,15 @@ class Cell:
     def server_us_per_token(self) -> float:
         return self.median(
             [1e6 * cpu / max(r.tokens, 1) for cpu, r in zip(self.server_cpu_s, self.runs, strict=True)]
+        )
+
+    @property
+    def engine_us_per_token(self) -> float | None:
+        """The engine process's CPU per token (None: the engine ran on a thread of the HTTP process)."""
+        if not self.engine_cpu_s:
+            return None
+        return self.median(
+            [1e6 * cpu / max(r.tokens, 1) for cpu, r in zip(self.engine_cpu_s, self.runs, strict=True)]
         )
 
     @property
@@ -209,15 +219,18 @@ def bench_server(backend: Backend, streams: int, engine_process: bool) -> BenchS
     return BenchServer(backend, settings, "gpt2", ready_timeout_s=120, backend_factory=factory)
 
 
-def _cpu(server: BenchServer) -> float:
-    """CPU seconds of the server: this process, and the engine's when it runs in one of its own."""
+def _cpu(server: BenchServer) -> tuple[float, float | None]:
+    """CPU seconds of the server: this process and the engine's, and the engine's alone when it runs in
+    a process of its own (None: on a thread of this one)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     total = usage.ru_utime + usage.ru_stime
     pid = getattr(server.engine, "pid", None)
-    if pid is not None:  # utime and stime, fields 14 and 15 of /proc/PID/stat, in clock ticks
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    if pid is None:
+        return total, None
+    # utime and stime, fields 14 and 15 of /proc/PID/stat, in clock ticks
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    engine = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total + engine, engine
 
 
 def measure(
@@ -341,7 +354,9 @@ def _run_cell(
     if result.errors:
         raise BenchFailed(f"{cell.route}: {result.errors} failed responses; the first: {result.first_error}")
     cell.runs.append(result)
-    cell.server_cpu_s.append(cpu1 - cpu0)
+    cell.server_cpu_s.append(cpu1[0] - cpu0[0])
+    if cpu1[1] is not None and cpu0[1] is not None:
+        cell.engine_cpu_s.append(cpu1[1] - cpu0[1])
     cell.steps.append(steps1 - steps0)
     cell.idle_s.append(idle1 - idle0)
     if hasattr(backend, "modeled_busy_s"):
@@ -374,8 +389,13 @@ def _cell_line(cell: Cell) -> str:
     extra = "" if utilisation is None else f", wafer {100 * utilisation:.0f}% busy (modeled)"
     return (
         f"  {cell.backend:<8}{cell.streams:>4} streams {cell.route:<14}{cell.runs[-1].tokens_per_s:>10,.0f} tokens/s, "
-        f"server {1e6 * cell.server_cpu_s[-1] / max(cell.runs[-1].tokens, 1):.1f} us CPU/token, "
-        f"client {100 * cell.runs[-1].cpu_s / cell.runs[-1].window_s:.0f}% of a core{extra}"
+        f"server {1e6 * cell.server_cpu_s[-1] / max(cell.runs[-1].tokens, 1):.1f} us CPU/token"
+        + (
+            f" (engine process {1e6 * cell.engine_cpu_s[-1] / max(cell.runs[-1].tokens, 1):.1f}), "
+            if cell.engine_cpu_s
+            else ", "
+        )
+        + f"client {100 * cell.runs[-1].cpu_s / cell.runs[-1].window_s:.0f}% of a core{extra}"
     )
 
 
@@ -383,7 +403,7 @@ def print_result(
     cells: list[Cell], labels: dict[str, str], new_tokens: int, seconds: float, reps: int
 ) -> None:
     print(
-        f"{'backend':<9}{'streams':>8} {'route':<15}{'tokens/s':>10}{'ceiling':>10}{'us CPU/tok':>11}"
+        f"{'backend':<9}{'streams':>8} {'route':<15}{'tokens/s':>10}{'ceiling':>10}{'us CPU/tok':>11}{'engine':>7}"
         f"{'client %':>9}{'tok/step':>9}{'wafer busy':>11}{'late':>6}{'no work':>8}{'host':>6}"
     )
     for cell in cells:
@@ -400,14 +420,16 @@ def print_result(
             rest = 1 - utilisation - cell.share(cell.overshoot_s) - cell.share(cell.idle_s)
             host = f"{100 * rest:.1f}"
         ceiling = f"{cell.ceiling.tokens_per_s:,.0f}" if cell.ceiling else "-"
+        engine = "-" if cell.engine_us_per_token is None else f"{cell.engine_us_per_token:.1f}"
         print(
             f"{cell.backend:<9}{cell.streams:>8} {cell.route:<15}{cell.tokens_per_s:>10,.0f}{ceiling:>10}"
-            f"{cell.server_us_per_token:>11.1f}{100 * cell.client_cpu_share:>9.0f}{cell.tokens_per_step:>9.1f}{busy:>11}{late:>6}{idle:>8}{host:>6}"
+            f"{cell.server_us_per_token:>11.1f}{engine:>7}{100 * cell.client_cpu_share:>9.0f}{cell.tokens_per_step:>9.1f}{busy:>11}{late:>6}{idle:>8}{host:>6}"
         )
     print(
         f"tokens/s: received by the clients (a process of their own), median of {reps} window(s) of {seconds:g} s; "
         f"{new_tokens} new tokens per request, greedy; ceiling: the same client against a replay of a recorded "
-        "response (its own limit); us CPU/tok: the server process's CPU time per token; client %: the client "
+        "response (its own limit); us CPU/tok: the server's CPU time per token (the HTTP and the engine process), "
+        "engine: the engine process's alone; client %: the client "
         "process's CPU, of one core; wafer busy: modeled busy time / wall time (modeled backend only), and the rest "
         "in % of wall time: late (steps returned after their modeled end: GIL hand-over, timer jitter), no work (the engine waited "
         "with no request: the clients' turnaround), host (the host's work between steps)"

@@ -87,4 +87,5 @@ def build_backend(params, options, out_dir: str | Path | None = None):
     if options.objective is None:
         options = dataclasses.replace(options, objective="compact")
     plan = plan_for(params, options)
-    return start_model(plan, CslExecutorRuntime(compile_plan(plan, out_dir)), params)
+    runtime = CslExecutorRuntime(compile_plan(plan, out_dir))
+    return start_model(plan, runtime, params, steps_in_flight=options.steps_in_flight)

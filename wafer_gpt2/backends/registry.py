@@ -27,7 +27,9 @@ def build_backend(backend: str, params: GPT2Params, options: BackendOptions | No
         from wafer_gpt2.backends import stand_ins
 
         if backend == "modeled":
-            return stand_ins.ModeledWaferBackend(plan_for(params, options))
+            return stand_ins.ModeledWaferBackend(
+                plan_for(params, options), steps_in_flight=options.steps_in_flight
+            )
         context = options.context or params.config.n_positions
         return stand_ins.NullBackend(
             params.config.vocab_size, slots=options.slots, context=context, top_k=options.top_k
@@ -52,7 +54,7 @@ def build_sim_backend(params: GPT2Params, options: BackendOptions, progress: boo
     from wafer_gpt2.sim import SimRuntime
 
     plan = plan_for(params, options)
-    return start_model(plan, SimRuntime(plan), params, progress)
+    return start_model(plan, SimRuntime(plan), params, progress, options.steps_in_flight)
 
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "BackendOptions", "build_backend", "build_sim_backend"]

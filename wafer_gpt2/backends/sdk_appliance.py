@@ -269,7 +269,8 @@ def build_backend(params, options, artifact_path: str | Path | None = None, work
     if artifact_path is None:
         job = prepare_sources(plan, Path(work_dir) / "csl", simfabric=client_options.get("simulator", False))
         artifact_path = appliance_compile(job, Path(work_dir) / "artifact", **client_options)
-    return start_model(plan, ApplianceRuntime(artifact_path, **client_options), params)
+    runtime = ApplianceRuntime(artifact_path, **client_options)
+    return start_model(plan, runtime, params, steps_in_flight=options.steps_in_flight)
 
 
 # ----------------------------------------------------------------------------------------------------

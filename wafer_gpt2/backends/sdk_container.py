@@ -114,4 +114,5 @@ def build_backend(params, options, out_dir: str | Path = "build/sdk-container", 
     plan = plan_for(params, options)
     job = prepare_sources(plan, out_dir, simfabric=cmaddr is None)
     compile_program(job)
-    return start_model(plan, SdkContainerRuntime(job.bin_dir, cmaddr=cmaddr), params)
+    runtime = SdkContainerRuntime(job.bin_dir, cmaddr=cmaddr)
+    return start_model(plan, runtime, params, steps_in_flight=options.steps_in_flight)

@@ -111,6 +111,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="pipeline replicas on the wafer; --max-concurrent slots are shared among them (1)",
     )
     parser.add_argument(
+        "--steps-in-flight",
+        type=int,
+        default=1,
+        metavar="N",
+        help="steps the host program keeps on a wafer backend (sim, csl, sdk-*, modeled) at a time: the "
+        "running requests are stepped in N groups, the next group's step sent while one computes (1)",
+    )
+    parser.add_argument(
         "--step-token-budget",
         type=int,
         default=defaults.step_token_budget,
@@ -303,6 +311,7 @@ def settings_from_args(args: argparse.Namespace, model_id: str) -> ServerSetting
         ("--port", args.port, 0),
         ("--max-concurrent", args.max_concurrent, 1),
         ("--replicas", args.replicas, 1),
+        ("--steps-in-flight", args.steps_in_flight, 1),
         ("--max-queue", args.max_queue, 0),
         ("--top-k", args.top_k, 1),
         ("--step-token-budget", args.step_token_budget, 1),
@@ -412,6 +421,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=settings.dtype,
         top_k=settings.top_k,
         replicas=args.replicas,
+        steps_in_flight=args.steps_in_flight,
     )
 
     # With --engine-process what crosses to the engine process is the checkpoint's path, not the weights

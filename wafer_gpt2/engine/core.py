@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wafer_gpt2.core.steps import Backend, BackendError, StepItem, StepScores, TokenScores
+from wafer_gpt2.core.steps import Backend, BackendError, StepItem, StepScores, TokenScores, steps_in_flight
 from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
 from wafer_gpt2.engine.failures import RequestFailed, RequestTimedOut, RequestValidationFailed, ServiceError
 from wafer_gpt2.engine.kv_slots import KVSlotManager
@@ -130,6 +130,8 @@ class EngineCore:
         self._latencies: tuple[list[float], list[float]] = ([], [])
         self._gauged: tuple | None = None  # what the gauges were last set from (`record_gauges`)
         self.backend: Backend | None = backend
+        # The running requests are stepped in as many groups as the backend takes steps at a time.
+        self._groups = steps_in_flight(backend)
         self.scheduler: Scheduler = self._new_scheduler(backend)
         self.record_gauges()
 
@@ -140,6 +142,7 @@ class EngineCore:
         scheduler = self._new_scheduler(backend)
         scheduler.waiting.extend(self.scheduler.waiting)
         self.backend, self.scheduler = backend, scheduler
+        self._groups = steps_in_flight(backend)
         self._free_later = []  # slots of the old backend
         self.record_gauges()
 
@@ -216,7 +219,7 @@ class EngineCore:
         self.release_slots()  # no step runs now: slots of requests that ended during one go free
         self._reap()
         self.scheduler.admit()
-        batch = self.scheduler.build_step()
+        batch = self.scheduler.build_step(groups=self._groups)
         self.record_gauges()
         self._flush()
         if not batch.items:  # idle: the figures queued for the metrics go in now, not at the next render

@@ -6,6 +6,12 @@ so a new request joins the running batch without waiting for the batch to finish
 2. prompt tokens of requests still prefilling, in admission order, chunked to what is left of the
    per-step token budget, so a long prompt never stalls the decodes of the others.
 
+A backend that takes several steps at a time (a pipelined wafer) gets the running requests in as many
+groups (micro-batches, as in pipeline-parallel serving): each step carries at most a 1/groups share of
+them, so that while one group's step computes the other's is chosen and sent, and the wafer's layer
+pipeline takes items from both back to back. One step of every request would leave nothing ready to
+send until it returned.
+
 Not thread-safe: the engine calls it under its own lock.
 """
 
@@ -115,15 +121,19 @@ class Scheduler:
             admitted.append(sequence)
         return admitted
 
-    def build_step(self) -> StepBatch:
+    def build_step(self, groups: int = 1) -> StepBatch:
         """The next step's items, from the requests with none in a step still in flight (a
-        `PipelinedBackend` runs several: one takes what became ready while another computes)."""
+        `PipelinedBackend` runs several: one takes what became ready while another computes), at most
+        ceil(running / groups) requests of them."""
         items: list[StepItem] = []
         owners: list[RequestState] = []
         prefilling: list[RequestState] = []  # in admission order, as `running`
+        room = -(-len(self.running) // groups) if groups > 1 else len(self.running)
         for sequence in self.running:
             if sequence.in_flight:
                 continue
+            if room == 0:
+                break
             if sequence.computed < len(sequence.request.prompt_ids):  # `prefilling`, without the call
                 prefilling.append(sequence)
             elif sequence.pending_token is not None:
@@ -132,9 +142,10 @@ class Scheduler:
                 )
                 owners.append(sequence)
                 sequence.in_flight = True
+                room -= 1
 
         budget = self.step_token_budget - len(items)
-        for sequence in prefilling:
+        for sequence in prefilling[:room]:
             if budget <= 0:
                 break
             sequence.in_flight = True

@@ -4,15 +4,19 @@
     model = WaferGPT2(plan, runtime)                # load() + run()
     model.upload(params)                            # every region's symbols, memcpy_h2d copy mode
     scores = model.step([StepItem(slot, position, token), ...])   # a StepScores
+    model.submit(items); ...; scores = model.collect()            # steps in flight
 
 Each step sends one message per pipeline replica onto its input stream and reads back one record per
-item that asked for scores (`wafer_gpt2.core.wire`). Slots are numbered across replicas: replica r owns slots
+item that asked for scores (`wafer_gpt2.core.wire`). Both are non-blocking memcpy commands issued
+together (`submit`); `collect` waits for the oldest step's records. With `steps_in_flight` above 1 the
+engine sends the next step while the wafer computes one, on slots the earlier ones do not touch. Slots are numbered across replicas: replica r owns slots
 r * plan.slots .. (r + 1) * plan.slots - 1. The host never looks inside the runtime: everything it
 knows about the wafer comes from the plan and from what memcpy returns.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -55,14 +59,39 @@ PLAN_SUMMARY_KEYS = (
 )
 
 
+@dataclass(frozen=True)
+class _Read:
+    """The records of one message's scored items, asked for when it was sent: its items (as the step's
+    item numbers), which of them are scored (message numbering), which asked for a target, the buffer
+    the runtime fills and the runtime's task."""
+
+    indices: list[int]
+    scored: list[int]
+    asked: list[bool]
+    words: np.ndarray
+    task: Any
+
+
 class WaferGPT2:
-    """GPT-2 on a wafer: implements `wafer_gpt2.core.steps.Backend`."""
+    """GPT-2 on a wafer: implements `wafer_gpt2.core.steps.PipelinedBackend` (`step`, or `submit` and
+    `collect` apart with up to `steps_in_flight` steps in flight)."""
 
     def __init__(
-        self, plan: Plan, runtime: Runtime, params: GPT2Params | None = None, progress: bool = False
+        self,
+        plan: Plan,
+        runtime: Runtime,
+        params: GPT2Params | None = None,
+        progress: bool = False,
+        steps_in_flight: int = 1,
     ) -> None:
         """Start the program (load + run, unless the runtime already runs) and, given `params`, upload them."""
+        if steps_in_flight < 1:
+            raise InvalidInput(f"steps_in_flight must be at least 1, got {steps_in_flight}")
         self.plan = plan
+        self.steps_in_flight = steps_in_flight
+        # (items, records asked for, slots) of each step submitted and not collected, oldest first
+        self._in_flight: deque[tuple[int, list[_Read], set[int]]] = deque()
+        self._slots_in_flight: set[int] = set()
         self.runtime = runtime
         self.num_slots = plan.slots * plan.replicas
         self.context_length = plan.context
@@ -151,80 +180,108 @@ class WaferGPT2:
     # -- steps -------------------------------------------------------------------------------------
 
     def step(self, items: Sequence[StepItem]) -> StepScores:
+        if self._in_flight:
+            raise BackendError("step() with steps in flight: collect them first")
+        self.submit(items)
+        return self.collect()
+
+    def submit(self, items: Sequence[StepItem]) -> None:
+        """Send a step's messages and ask for its records at once (non-blocking memcpy both ways), so the
+        host prepares the next step while the wafer computes this one; `collect` waits for them."""
+        if len(self._in_flight) >= self.steps_in_flight:
+            raise BackendError(f"{len(self._in_flight)} steps are in flight already: collect one first")
         validate_items(items, self.num_slots, self.context_length, self.vocab_size)
         first_position: dict[int, tuple[int, int]] = {}
         for index, item in enumerate(items):
             first_position.setdefault(item.slot, (index, item.position))
+        if busy := first_position.keys() & self._slots_in_flight:
+            raise BackendError(f"slots {sorted(busy)} have items in a step still in flight")
         for slot, (index, position) in first_position.items():
             if position > self._lengths[slot]:
                 raise BackendError(
                     f"item {index}: slot {slot} position {position} leaves a gap (the slot holds "
                     f"{self._lengths[slot]} positions)"
                 )
-        if not items:
-            return StepScores.empty(0, self.top_k)
-
         per_replica: list[list[int]] = [[] for _ in range(self.plan.replicas)]
         for index, item in enumerate(items):
             per_replica[item.slot // self.plan.slots].append(index)
-        parts: list[StepScores] = []
+        reads: list[_Read | None] = []
         bound = getattr(self.runtime, "records_in_flight", None)
         if bound is None:
-            # Stream every replica's message in, then read every replica's records back.
-            messages = [(replica, indices) for replica, indices in enumerate(per_replica) if indices]
-            for replica, indices in messages:
-                self._send(replica, [items[i] for i in indices])
-            for replica, indices in messages:
-                self._collect(replica, indices, items, parts)
+            # Stream every replica's message in, then ask for every replica's records.
+            messages = [indices for indices in per_replica if indices]
+            for indices in messages:
+                self._send([items[i] for i in indices])
+            reads = [self._ask(indices, items) for indices in messages]
         else:
             # memcpy runs one command at a time: a message whose records do not fit what the wafer
             # program buffers before io.out would stall the H2D before the first D2H starts. Each
-            # message carries at most `bound` scored items, and its records are read before the next.
-            for replica, indices in enumerate(per_replica):
+            # message carries at most `bound` scored items, and its records are asked for before the
+            # next is sent.
+            for indices in per_replica:
                 for part in _parts(indices, [items[i].want_scores for i in indices], bound):
-                    self._send(replica, [items[i] for i in part])
-                    self._collect(replica, part, items, parts)
+                    self._send([items[i] for i in part])
+                    reads.append(self._ask(part, items))
         for item in items:
             self._lengths[item.slot] = item.position + 1
-        return StepScores.concat(parts, len(items)) if parts else StepScores.empty(len(items), self.top_k)
+        slots = set(first_position)
+        self._in_flight.append((len(items), [read for read in reads if read is not None], slots))
+        self._slots_in_flight |= slots
 
-    def _collect(
-        self, replica: int, indices: list[int], items: Sequence[StepItem], parts: list[StepScores]
-    ) -> None:
-        """Read the records of one message's scored items into `parts`, numbered as the step's items."""
+    def collect(self) -> StepScores:
+        """The oldest step in flight's scores, once its records are read (waiting for them)."""
+        if not self._in_flight:
+            raise BackendError("no step is in flight")
+        count, reads, slots = self._in_flight.popleft()
+        self._slots_in_flight -= slots
+        parts = [self._decode(read, count) for read in reads]
+        return StepScores.concat(parts, count) if parts else StepScores.empty(count, self.top_k)
+
+    def _ask(self, indices: list[int], items: Sequence[StepItem]) -> _Read | None:
+        """Ask (non-blocking) for the records of one message's scored items (None: it has none)."""
         scored = [n for n, i in enumerate(indices) if items[i].want_scores]
         if not scored:
-            return
-        records = self._receive(replica, len(scored))
+            return None
         asked = [items[indices[n]].target is not None for n in scored]
-        # The message's item n is the step's item indices[n]: the same number when it is the whole step.
-        whole = len(indices) == len(items)
-        index = None if whole else np.array([indices[n] for n in scored], dtype=np.int64)
-        parts.append(decode_scores(records, self.top_k, scored, asked, count=len(indices), index=index))
+        _, port_out = self.plan.io_ports(items[indices[0]].slot // self.plan.slots)
+        words = np.zeros(len(scored) * record_words(self.top_k), dtype=np.uint32)
+        task = self.runtime.memcpy_d2h(
+            words, D2H_COLOR, port_out.x, port_out.y, 1, 1, words.size, streaming=True, nonblock=True
+        )
+        return _Read(indices, scored, asked, words, task)
 
-    def _send(self, replica: int, items: list[StepItem]) -> None:
+    def _decode(self, read: _Read, count: int) -> StepScores:
+        """Wait for one message's records and decode them, numbered as the step's items."""
+        self.runtime.task_wait(read.task)
+        # The message's item n is the step's item indices[n]: the same number when it is the whole step.
+        whole = len(read.indices) == count
+        index = None if whole else np.array([read.indices[n] for n in read.scored], dtype=np.int64)
+        return decode_scores(
+            read.words, self.top_k, read.scored, read.asked, count=len(read.indices), index=index
+        )
+
+    def _send(self, items: list[StepItem]) -> None:
+        replica = items[0].slot // self.plan.slots
         port_in, _ = self.plan.io_ports(replica)
         words = step_message(items, self.plan.slots)
         self.runtime.memcpy_h2d(
             H2D_COLOR, words, port_in.x, port_in.y, 1, 1, words.size, streaming=True, nonblock=True
         )
 
-    def _receive(self, replica: int, count: int) -> np.ndarray:
-        _, port_out = self.plan.io_ports(replica)
-        words = np.zeros(count * record_words(self.top_k), dtype=np.uint32)
-        self.runtime.memcpy_d2h(words, D2H_COLOR, port_out.x, port_out.y, 1, 1, words.size, streaming=True)
-        return words
-
     # -- slots ---------------------------------------------------------------------------------------
 
     def free_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise BackendError(f"slot {slot} outside 0..{self.num_slots - 1}")
+        if slot in self._slots_in_flight:
+            raise BackendError(f"slot {slot} has items in a step still in flight: it cannot be freed yet")
         replica, local = divmod(slot, self.plan.slots)
         self.runtime.launch("clear_slot", np.uint16(replica), np.uint16(local))
         self._lengths[slot] = 0
 
     def reset(self) -> None:
+        self._in_flight.clear()  # their records are not read: a reset follows a failed step
+        self._slots_in_flight.clear()
         for slot in range(self.num_slots):
             if self._lengths[slot]:
                 self.free_slot(slot)
@@ -315,6 +372,7 @@ class BackendOptions:
     arch: str = "wse2"
     replicas: int = 1  # pipeline replicas on the wafer (sim / SDK); slots are divided among them
     objective: str | None = None  # the plan's objective; None: latency, compact for the csl backend
+    steps_in_flight: int = 1  # steps the host program keeps on the wafer at a time (`WaferGPT2.submit`)
 
 
 def plan_for(params: GPT2Params, options: BackendOptions) -> Plan:
@@ -338,11 +396,13 @@ def plan_for(params: GPT2Params, options: BackendOptions) -> Plan:
     )
 
 
-def start_model(plan: Plan, runtime: Runtime, params: GPT2Params, progress: bool = False) -> Backend:
+def start_model(
+    plan: Plan, runtime: Runtime, params: GPT2Params, progress: bool = False, steps_in_flight: int = 1
+) -> Backend:
     """The host program on a runtime: load and run the wafer program, upload the weights; if any of
     that fails the runtime is stopped (no half-started wafer is left behind)."""
     try:
-        return WaferGPT2(plan, runtime, params, progress=progress)
+        return WaferGPT2(plan, runtime, params, progress=progress, steps_in_flight=steps_in_flight)
     except BaseException:
         runtime.stop()
         raise
