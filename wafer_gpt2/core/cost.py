@@ -22,6 +22,8 @@ from functools import lru_cache
 from itertools import pairwise
 from statistics import NormalDist
 
+import numpy as np
+
 from wafer_gpt2.core.arch import Arch, resolve_arch
 from wafer_gpt2.core.tiling import (
     AttentionTiling,
@@ -256,6 +258,7 @@ def reduction_options(n: int) -> list[tuple[Reduction, int]]:
     return chain + [("two_level", g) for g in range(2, n) if n > 2]
 
 
+@lru_cache(maxsize=4096)  # the planner asks again for every candidate of the same strip
 def best_reduction(n: int, words: int) -> tuple[str, int]:
     """The (kind, group) the model finds fastest for n PEs and `words` per partial."""
     return min(reduction_options(n), key=lambda kg: reduce_cycles(kg[0], n, words, kg[1]))
@@ -756,17 +759,27 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     cost.add("the centre's M, L, scale, broadcast", answer)
     a_out = centre_a + answer
 
-    def heard(t: int, c: int, j: int, words: int) -> int:  # a worker's task with the answer
-        return t + link_cycles(abs(c - m) + (e - j)) + words + TASK_ACTIVATION_CYCLES
+    # The columns' times as arrays (one element per column): the rounds' per-column arithmetic is the
+    # planner's inner loop, priced for every candidate head.
+    distance = np.abs(np.arange(cols, dtype=np.int64) - m)
+    logits_at = np.array(logits, dtype=np.int64)
+
+    def heard(t: int, j: int, words: int) -> np.ndarray:  # each column's worker j's task with the answer
+        return t + link_cycles(0) + (distance + (e - j)) * HOP_CYCLES + words + TASK_ACTIVATION_CYCLES
+
+    def chained(ready: list[np.ndarray], step: int) -> np.ndarray:  # `chain_times` down each column's row
+        first = ready[0]
+        for r in ready[1:]:
+            first = np.maximum(r, first + link_cycles(1)) + step
+        return first
 
     # 4. round B: the rescale (one exp), the counts zeroed, the histogram, the row's operation
     hist = EXP_CYCLES + 2 * TOPK_BINS + part * (TOPK_BIN_CYCLES + 2) + DSD_OP_START_CYCLES
     words_b = TOPK_BINS + 2
-    root_b = []
-    for c in range(cols):
-        ready_b = [max(heard(a_out, c, j, 3), logits[c] + exps[j]) + hist for j in range(e)]
-        row = chain_times(ready_b) + link_cycles(1) + words_b
-        root_b.append(max(row, root_a[c] + DSD_OP_START_CYCLES) + DSD_OP_START_CYCLES)
+    ready_b = [np.maximum(heard(a_out, j, 3), logits_at + exps[j]) + hist for j in range(e)]
+    row = chained(ready_b, FP32_OPS_PER_CYCLE) + link_cycles(1) + words_b
+    root_a_at = np.array(root_a, dtype=np.int64)
+    root_b = (np.maximum(row, root_a_at + DSD_OP_START_CYCLES) + DSD_OP_START_CYCLES).tolist()
     centre_b = head_tree_cycles(tiling, root_b, words_b)
     cost.add("round B: histogram and sum of exps reduced to the centre", centre_b - a_out)
     verdict = EXP_CYCLES + 4 * TOPK_BINS + 8 + DSD_OP_START_CYCLES + 1  # log S, t, the broadcast
@@ -778,13 +791,8 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     kept, bin_t = threshold_bins(tiling.vocab, cols, g.tile_n, k)
     select = part * TOPK_BIN_CYCLES + int(kept / (cols * e) * TOPK_ENTRY_CYCLES)
     step = DSD_OP_START_CYCLES + 1
-    root_c = []
-    for c in range(cols):
-        at = 0
-        for j in range(e):
-            ready = heard(b_out, c, j, 1) + select + DSD_OP_START_CYCLES
-            at = (ready if j == 0 else max(ready, at + link_cycles(1))) + step
-        root_c.append(at + link_cycles(1))
+    ready_c = [heard(b_out, j, 1) + select + DSD_OP_START_CYCLES for j in range(e)]
+    root_c = (chained([ready_c[0] + step, *ready_c[1:]], step) + link_cycles(1)).tolist()
     counts = head_relay_cycles(tiling, root_c)
     cost.add("round C: the lists merged to the centre (their counts)", counts - b_out)
     # The centre takes the entries as they come (slower than their words), a chunk at a time from
