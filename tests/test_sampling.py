@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -233,3 +234,52 @@ def test_candidates_outside_the_tokenizer_are_never_chosen():
     for params in (SamplingParams(), SamplingParams(do_sample=True, seed=2)):
         sampler = Sampler(params, vocab_size=50257)
         assert {sampler.choose(scores, [])[0] for _ in range(50)} <= {17, 50256}
+
+
+def test_sample_batch_chooses_what_choose_does_with_the_same_seeds():
+    from wafer_gpt2.core.steps import StepScores
+    from wafer_gpt2.engine.sampling import sample_batch
+
+    rng = np.random.default_rng(7)
+    params = [
+        SamplingParams(do_sample=True),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(top_k=1),  # one survivor: no draw
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.01, temperature=0.5),  # only the best survives
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.95, min_p=0.05),
+        SamplingParams(do_sample=True, min_p=0.2),
+        SamplingParams(temperature=1e-4),
+    ]
+    m, k, vocab = 4 * len(params), 64, 1000
+    batch = [Sampler(replace(params[i % len(params)], seed=100 + i), vocab_size=vocab) for i in range(m)]
+    alone = [Sampler(replace(params[i % len(params)], seed=100 + i), vocab_size=vocab) for i in range(m)]
+    for step in range(6):
+        ids = np.stack([rng.choice(vocab + 8, size=k, replace=False) for _ in range(m)]).astype(np.int32)
+        logits = np.sort(rng.normal(0, 3, (m, k)).astype(np.float32), axis=1)[:, ::-1].copy()
+        if step % 2:  # not in order, a duplicate id, a NaN, an unknown id, ties
+            logits[0] = rng.permutation(logits[0])
+            ids[1, 5] = ids[1, 2]
+            logits[2, 3] = np.nan
+            logits[4, 1] = logits[4, 0]
+        else:
+            ids[ids >= vocab] -= vocab  # every id known, no NaN: every row batched
+        lse = np.log(np.exp(logits.astype(np.float64)).sum(axis=1, where=~np.isnan(logits))) + 2.0
+        scores = StepScores(
+            count=m,
+            index=np.arange(m),
+            topk_ids=ids,
+            topk_logits=logits,
+            logsumexp=lse,
+            target_logit=np.full(m, np.nan),
+            has_target=np.zeros(m, dtype=bool),
+        )
+        picks = sample_batch(scores, list(range(m)), batch, vocab)
+        left = 0
+        for row, pick in enumerate(picks):
+            if pick is None:  # left to `choose`, as the engine does
+                left += 1
+                pick = batch[row].choose(scores.row(row), ())
+            assert pick == alone[row].choose(scores.row(row), ()), (step, row, params[row % len(params)])
+        assert left == 0 if step % 2 == 0 else left >= 1

@@ -42,7 +42,14 @@ from wafer_gpt2.engine.request import (
     generated_token_of,
     token_event_of,
 )
-from wafer_gpt2.engine.sampling import Sampler, greedy_batch
+from wafer_gpt2.engine.sampling import (
+    BATCH_GREEDY,
+    BATCH_NONE,
+    BATCH_SAMPLING,
+    Sampler,
+    greedy_batch,
+    sample_batch,
+)
 from wafer_gpt2.engine.scheduler import Scheduler, StepBatch
 
 log = logging.getLogger(__name__)
@@ -344,18 +351,30 @@ class EngineCore:
                     to_sample.append((state, row))
             except Exception:
                 self._request_failed(state)
-        # Plain-greedy requests choose together, in a few array operations for the whole step.
-        fast = [
-            state.sampler.plain_greedy and len(state.tokens) >= state.request.min_tokens
+        # Requests with no penalty and nothing banned choose together, in a few array operations for
+        # the whole step: the greedy ones, then the sampling ones (each with its own generator).
+        kinds = [
+            state.sampler.batched if len(state.tokens) >= state.request.min_tokens else BATCH_NONE
             for state, _ in to_sample
         ]
-        rows = [row for (_, row), greedy in zip(to_sample, fast, strict=True) if greedy]
+        vocab_size = self._tokenizer.vocab_size
+        rows = [row for (_, row), kind in zip(to_sample, kinds, strict=True) if kind == BATCH_GREEDY]
         try:
-            picks = iter(greedy_batch(results, rows, self._tokenizer.vocab_size))
+            greedy = iter(greedy_batch(results, rows, vocab_size))
         except Exception:  # a malformed step: every request chooses alone (and fails alone)
-            picks = iter([None] * len(rows))
-        for (state, row), greedy in zip(to_sample, fast, strict=True):
-            pick = next(picks) if greedy else None
+            greedy = iter([None] * len(rows))
+        sampling = iter(())
+        if BATCH_SAMPLING in kinds:
+            chosen = [(row, state.sampler) for (state, row), kind in zip(to_sample, kinds, strict=True)
+                      if kind == BATCH_SAMPLING]  # fmt: skip
+            try:
+                sampling = iter(sample_batch(results, *map(list, zip(*chosen, strict=True)), vocab_size))
+            except Exception:
+                sampling = iter([None] * len(chosen))
+        for (state, row), kind in zip(to_sample, kinds, strict=True):
+            pick = (
+                next(greedy) if kind == BATCH_GREEDY else next(sampling) if kind == BATCH_SAMPLING else None
+            )
             try:
                 self._sample(state, results, row, pick)
             except Exception:

@@ -90,6 +90,11 @@ class SamplingParams:
         )
 
 
+# The batched choosers a request's tokens go to (`Sampler.batched`): none (`choose`, one request at a
+# time: a penalty reads its history), `greedy_batch`, `sample_batch`.
+BATCH_NONE, BATCH_GREEDY, BATCH_SAMPLING = 0, 1, 2
+
+
 class Sampler:
     """One request's token chooser. `seed` is the seed in use (None when greedy); ids at or above
     `vocab_size` (the tokenizer's, when the model's vocabulary is padded beyond it) are never chosen."""
@@ -101,14 +106,15 @@ class Sampler:
         if params.sampling:
             self.seed = params.seed if params.seed is not None else secrets.randbits(64)
             self._rng = np.random.default_rng(self.seed)
-        # Greedy with no penalty: the choice is the best usable candidate, which `greedy_batch` finds for
-        # a whole step at once. Read per token; the parameters are frozen, so it is worked out once.
-        self.plain_greedy = (
-            not params.sampling
-            and params.repetition_penalty == 1.0
+        # With no penalty the choice reads no history, so a whole step's requests choose at once
+        # (`greedy_batch`, `sample_batch`) when nothing is banned. Read per token; the parameters are
+        # frozen, so it is worked out once.
+        no_penalty = (
+            params.repetition_penalty == 1.0
             and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0
         )
+        self.batched = BATCH_NONE if not no_penalty else BATCH_SAMPLING if params.sampling else BATCH_GREEDY
 
     def distribution(
         self,
@@ -240,3 +246,68 @@ def greedy_batch(
     if np.count_nonzero(usable) < m:
         chosen = [pick if ok else None for pick, ok in zip(chosen, usable.tolist(), strict=True)]
     return chosen
+
+
+def sample_batch(
+    scores: StepScores, rows: Sequence[int], samplers: Sequence[Sampler], vocab_size: int | None
+) -> list[tuple[int, float] | None]:
+    """`Sampler.choose` for sampling requests with no penalty and nothing banned, for the given rows of
+    a step's scores at once (`samplers[i]` the request of `rows[i]`): temperature, top-k, top-p and
+    min-p as array operations over [rows, k], then one uniform draw from each request's own generator
+    where more than one candidate survives (as `choose` draws), so a seed gives the same tokens as one
+    row at a time. None for a row it leaves to `choose` (a candidate `distribution` would filter: a NaN
+    or an unknown id; a best that is not finite), whose generator it has not drawn from. Every candidate
+    set the warpers keep is a head of the sorted row, so the draws compare against the same running
+    sums as `choose`'s."""
+    m = len(rows)
+    if not m:
+        return []
+    picked = np.asarray(rows, dtype=np.intp)
+    raw_ids, raw_logits = scores.topk_ids[picked], scores.topk_logits[picked]
+    k = raw_ids.shape[1]
+    if not k:
+        return [None] * m
+    ids, logits = raw_ids.astype(np.int64), raw_logits.astype(np.float64)
+    usable = ~np.isnan(logits)
+    if vocab_size is not None:
+        usable &= ids < vocab_size
+    order = np.argsort(-logits, axis=1, kind="stable")
+    logits, ids = np.take_along_axis(logits, order, 1), np.take_along_axis(ids, order, 1)
+    best = logits[:, :1]
+    ok = usable.all(axis=1) & np.isfinite(best[:, 0])
+    params = [sampler.params for sampler in samplers]
+    temperature = np.array([p.temperature for p in params])[:, None]
+    top_k = np.array([k if p.top_k is None else p.top_k for p in params])[:, None]
+    top_p = np.array([1.0 if p.top_p is None else p.top_p for p in params])
+    min_p = np.array([p.min_p for p in params])
+    alive = np.arange(k) < top_k
+    with np.errstate(invalid="ignore", over="ignore"):  # rows left to `choose` may hold NaN or inf
+        probs = np.where(alive, np.exp((logits - best) / temperature), 0.0)
+        probs /= probs.sum(axis=1, keepdims=True)
+        for warper, active in (("top_p", top_p < 1.0), ("min_p", min_p > 0.0)):
+            if not active.any():
+                continue
+            if warper == "top_p":  # the mass of the candidates above each is below top_p
+                keep = np.cumsum(probs, axis=1) - probs < top_p[:, None]
+            else:  # at least min_p of the best
+                keep = probs >= (min_p * probs.max(axis=1))[:, None]
+            keep[:, 0] = True  # the best always stays
+            keep |= ~active[:, None]
+            alive &= keep
+            probs = np.where(alive, probs, 0.0)
+            probs = np.where(active[:, None], probs / probs.sum(axis=1, keepdims=True), probs)
+    survivors = np.count_nonzero(alive, axis=1)
+    draws = np.zeros(m)
+    for row in np.flatnonzero(ok & (survivors > 1)).tolist():
+        draws[row] = samplers[row]._rng.random()
+    # np.searchsorted(cumsum, u * sum, side="right"): how many running sums are at or below the draw
+    index = np.count_nonzero(np.cumsum(probs, axis=1) <= (draws * probs.sum(axis=1))[:, None], axis=1)
+    index = np.minimum(index, survivors - 1)
+    tokens = ids[np.arange(m), index]
+    # The logprob is the model's: the logit of the chosen id's first occurrence among the candidates.
+    first = (raw_ids == tokens[:, None]).argmax(axis=1)
+    logprobs = raw_logits[np.arange(m), first].astype(np.float64) - scores.logsumexp[picked]
+    return [
+        (token, logprob) if good else None
+        for token, logprob, good in zip(tokens.tolist(), logprobs.tolist(), ok.tolist(), strict=True)
+    ]
