@@ -10,7 +10,9 @@ sampling renormalise over those k. The reported logprob is the model's own, unaf
 penalty or the warpers: logit - logsumexp over the whole vocabulary.
 
 Each request owns a `Sampler` with its own seeded generator, so a seed gives the same tokens whatever
-else shares the batch.
+else shares the batch. The requests of a step that need no history (no penalty, nothing banned)
+choose together, as array operations over the step's rows: `greedy_batch` and `sample_batch` (one
+draw from each request's generator, as `choose` draws); the others choose one at a time.
 
 The sampler is total: the parameters are bounded to what the arithmetic carries (temperature and
 repetition penalty in [1e-4, 1e4], finite), the warpers work on logits shifted so that the best is 0
