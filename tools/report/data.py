@@ -45,6 +45,8 @@ class ReportSettings:
     top_k: int = 64
     sizes: tuple[str, ...] = SIZES  # the presets compared side by side
     replica_counts: tuple[int | str, ...] = (1, 2, 4, "auto")  # "auto": as many as fit
+    # KV slots per replica compared for the whole wafer's throughput (as many replicas as fit)
+    slot_counts: tuple[int, ...] = (16, 32, 64)
 
 
 @functools.lru_cache(maxsize=64)
@@ -262,6 +264,7 @@ class ReportData:
     sizes: dict[str, Plan]
     candidates: list[Candidate]
     replica_curves: list[ReplicaCurve]
+    slot_plans: dict[int, Plan]  # slots per replica -> the throughput plan with as many replicas as fit
     floors: list[BandwidthFloor]
     published: tuple[PublishedFigure, ...] = PUBLISHED
     measured: Measured | None = None  # when --measure ran
@@ -290,6 +293,19 @@ def replica_curves(config: GPT2Config, settings: ReportSettings, notes: list[str
     return curves
 
 
+def slot_plans(config: GPT2Config, settings: ReportSettings, notes: list[str]) -> dict[int, Plan]:
+    """For each count of KV slots per replica, the throughput plan with as many replicas as fit."""
+    plans: dict[int, Plan] = {}
+    for slots in settings.slot_counts:
+        try:
+            plans[slots] = cached_plan(
+                config, settings.arch, settings.dtype, slots, "throughput", "auto", settings.top_k
+            )
+        except planner.PlanError as exc:
+            notes.append(f"{slots} slots per replica: no plan ({exc})")
+    return plans
+
+
 def collect(settings: ReportSettings | None = None, progress=None) -> ReportData:
     """Build every plan the report needs (a few seconds each) and regroup their figures."""
     settings = settings or ReportSettings()
@@ -312,6 +328,8 @@ def collect(settings: ReportSettings | None = None, progress=None) -> ReportData
     candidates = explore_candidates(config, settings.arch, settings.dtype, settings.slots, settings.top_k)
     say("planning replicas")
     curves = replica_curves(config, settings, replica_notes)
+    say("planning slots per replica")
+    by_slots = slot_plans(config, settings, replica_notes)
     floors = [bandwidth_floor(PRESETS[name], gpu) for name in sizes for gpu in GPUS]
     return ReportData(
         settings,
@@ -320,6 +338,7 @@ def collect(settings: ReportSettings | None = None, progress=None) -> ReportData
         sizes,
         candidates,
         curves,
+        by_slots,
         floors,
         size_notes=size_notes,
         replica_notes=replica_notes,

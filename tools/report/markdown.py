@@ -210,6 +210,8 @@ def render(data: ReportData, figures: list[Figure], command: str) -> str:
             ],
             replica_rows,
         )
+        + "\n\n"
+        + _slots_table(data)
         + _notes(data.replica_notes)
     )
 
@@ -360,3 +362,38 @@ def _measured(data: ReportData, fig, by_name: dict) -> str:
     if "measured.png" in by_name:
         text += "\n\n" + fig("measured.png")
     return text
+
+
+def _slots_table(data: ReportData) -> str:
+    """The whole wafer's throughput against KV slots per replica, as many replicas as fit."""
+    rows = []
+    for slots, plan in data.slot_plans.items():
+        m = plan.modeled()
+        slowest = max(plan.stage_costs, key=lambda stage: stage.busy)
+        rows.append(
+            [
+                str(slots),
+                str(plan.replicas),
+                f"{m['decode_latency_us']:,.2f}",
+                f"{slowest.name} {m['bottleneck_stage_us']:,.2f}",
+                f"{m['tokens_per_s_per_replica']:,.0f}",
+                f"{m['tokens_per_s_total']:,.0f}",
+            ]
+        )
+    return (
+        "The whole wafer against KV slots per replica (objective throughput, as many replicas as fit, "
+        "full context, every slot busy): more slots per replica hold more KV cache, so fewer replicas "
+        "fit, and a replica's tokens/s is capped by its slowest stage (a replica takes one item per "
+        "slowest-stage time).\n\n"
+        + _table(
+            [
+                "slots per replica",
+                "replicas",
+                "latency (us)",
+                "slowest stage (us)",
+                "tokens/s per replica",
+                "tokens/s, whole wafer",
+            ],
+            rows,
+        )
+    )
