@@ -363,14 +363,16 @@ class EngineCore:
             greedy = iter(greedy_batch(results, rows, vocab_size))
         except Exception:  # a malformed step: every request chooses alone (and fails alone)
             greedy = iter([None] * len(rows))
-        sampling = iter(())
+        sampled: list[tuple[int, float] | None] = []
         if BATCH_SAMPLING in kinds:
             chosen = [(row, state.sampler) for (state, row), kind in zip(to_sample, kinds, strict=True)
                       if kind == BATCH_SAMPLING]  # fmt: skip
+            rows = [row for row, _ in chosen]
             try:
-                sampling = iter(sample_batch(results, *map(list, zip(*chosen, strict=True)), vocab_size))
+                sampled = sample_batch(results, rows, [sampler for _, sampler in chosen], vocab_size)
             except Exception:
-                sampling = iter([None] * len(chosen))
+                sampled = [None] * len(chosen)
+        sampling = iter(sampled)
         for (state, row), kind in zip(to_sample, kinds, strict=True):
             pick = (
                 next(greedy) if kind == BATCH_GREEDY else next(sampling) if kind == BATCH_SAMPLING else None
