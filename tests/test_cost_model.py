@@ -121,53 +121,50 @@ def test_attention_cost_by_hand() -> None:
     c = cost.attention_cost(t, "wse2", "fp16")
     assert c.phases["q multicast"] == 3 * H + R + 8
     assert c.phases["k/v to the owner (not hidden)"] == 0  # 16 words arrive while it works on 1 position (24)
-    assert (c.phases["scores q.k"], c.phases["exp"], c.phases["weighted V"]) == (
-        S + 8 * (M + 1) + T,
-        2 * 20,
-        S + 2 * (M + 2),
-    )
-    merge_step = H + R + 20 + S  # a link: one exp per head, the start of the merged (m, l)'s send
-    assert c.phases["LSE chain merge"] == 3 * merge_step + (8 + 2)
+    assert c.phases["scores q.k"] == S + 8 * (M + 1) + T
+    weights = 2 * 20 + S + 2 * (M + 2)
+    assert c.phases["exp + weighted V"] == weights
+    # The max round: a copy and the start of the round, the word through 3 chain steps; PE 3 (the
+    # chain's end) takes its task after its own weights, copies M and sends it (two DSD operations);
+    # PE 0, 3 hops away, takes a task when it is in.
+    assert max(2 * S + 3 * STEP + 1, weights) == weights
+    sent = weights + T + 2 * S
+    known = sent + (3 * H + R + 1) + T
+    assert c.phases["max merge round + M multicast (beyond the weights)"] == known - weights
+    # Each PE: its factor (one exp), l times it, acc times it (an @fmuls of 8 words), the round's start.
+    rescale = (20 + 1 + S + 8) + S
+    assert c.phases["rescale"] == rescale
+    # The sum round along the chain, PE i ready when M reached it (PE 3 at once), then the record of
+    # 9 words ([l | acc]) and the task of the chain's end.
+    ready = [known + rescale - 2 * i for i in range(3)] + [sent + rescale]
+    first = ready[0]
+    for r in ready[1:]:
+        first = max(r, first + H + R) + 1
+    assert c.phases["sum merge round (chain)"] == first + 9 + T - known - rescale
     # 1/l (one head: no second send to chain), the multiply riding the output's stream
     assert (c.phases["1 / sum"], c.phases["to the O rows"]) == (10, 3 * H + R + 8)
     assert c.cycles == sum(c.phases.values())
+    # Runs of 2: PEs 0 -> 1 and 2 -> 3 at once, then the ends (PE 1 -> PE 3, 2 hops apart) on the
+    # stream of PE 3's run (comm/reduce.csl's FIFO).
     two = AttentionTiling(**{**vars(t), "reduction": "two_level", "group": 2})
     c2 = cost.attention_cost(two, "wse2", "fp16")
-    # runs of 2: one step and a pass of the record, then the ends (2 hops apart) one step and a pass
-    assert c2.phases["LSE two_level merge"] == merge_step + 10 + (merge_step + H) + 10
-    assert c2.cycles == c.cycles - c.phases["LSE chain merge"] + c2.phases["LSE two_level merge"]
-    # two_sided over the 4 PEs: 0 -> 1 -> 2 <- 3; the meeting PE takes 3's partials (one link) and its
-    # record first, then 1's (two links away; here its step waits for 3's record: link + record + step
-    # > 2 * link), then 1's record
-    link, step = merge_step, 20 + S
-    sided = cost.attention_cost(AttentionTiling(**{**vars(t), "reduction": "two_sided"}), "wse2", "fp16")
-    assert sided.phases["LSE two_sided merge"] == max(2 * link, link + 10 + step) + 10
-    # two_sided in runs of 2: each run a chain (nothing on the far side), the 2 runs' results likewise
-    sided2 = cost.attention_cost(
-        AttentionTiling(**{**vars(t), "reduction": "two_sided", "group": 2}), "wse2", "fp16"
+    assert cost._run_end_links(two) == [2]
+    end1 = max(ready[1], ready[0] + H + R) + 1
+    end3 = max(ready[3], ready[2] + H + R) + 1
+    assert (
+        c2.phases["sum merge round (two_level)"] == max(end3, end1 + 2 * H + R) + 1 + 9 + T - known - rescale
     )
-    assert sided2.phases["LSE two_sided merge"] == c2.phases["LSE two_level merge"]
-    # Folded: the runs' ends are linked by direct routes, so on a snake of two rows of 5 the meeting
-    # PEs of runs that are rows (indices 2 and 7) sit one hop apart, and the runs' last PEs (4, 9) five
+    # Folded: the runs' ends are linked by direct routes: on a snake of two rows of 5 the runs' last
+    # PEs (4 and 9) sit at the two ends of their rows, five hops apart
     folded = AttentionTiling(**{**vars(t), "chain": 10, "context": 10, "fold": 2, "group": 5})
-    assert cost._run_end_links(AttentionTiling(**{**vars(folded), "reduction": "two_sided"})) == [1]
     assert cost._run_end_links(AttentionTiling(**{**vars(folded), "reduction": "two_level"})) == [5]
-    sided_rows = cost.attention_cost(
-        AttentionTiling(**{**vars(folded), "reduction": "two_sided"}), "wse2", "fp16"
-    )
-    row = max(2 * link, 2 * link + 10 + step) + 10  # 0 1 [2] 3 4: two links each side
-    assert sided_rows.phases["LSE two_sided merge"] == row + (H + R + step) + 10
-    # The first token: only the owner works, and it waits for its k and v; the merge still runs the
-    # whole chain (the empty PEs pass (-inf, 0, 0) on).
-    first = cost.attention_cost(t, "wse2", "fp16", positions=1)
-    assert first.phases["k/v to the owner (not hidden)"] == 16
-    assert first.phases["LSE chain merge"] == c.phases["LSE chain merge"]
+    # The first token: only the owner works, and it waits for its k and v; both rounds still run the
+    # whole chain (the empty PEs send (-inf) and then zeros).
+    first_token = cost.attention_cost(t, "wse2", "fp16", positions=1)
+    assert first_token.phases["k/v to the owner (not hidden)"] == 16
     # the scores' @map still runs over both positions of the PE; the weighted V over the visible one
-    assert (first.phases["scores q.k"], first.phases["exp"], first.phases["weighted V"]) == (
-        S + 8 * (M + 1) + T,
-        20,
-        S + (M + 2),
-    )
+    assert first_token.phases["scores q.k"] == S + 8 * (M + 1) + T
+    assert first_token.phases["exp + weighted V"] == 20 + S + (M + 2)
 
 
 def test_the_heads_tree_by_hand() -> None:

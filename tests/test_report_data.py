@@ -70,7 +70,7 @@ def test_path_by_class_keeps_every_cycle_of_the_path(plan):
 
 def test_phase_classes():
     assert phase_class("two_level reduction (runs of 16)") == "reduction / merge"
-    assert phase_class("LSE two_level merge") == "reduction / merge"
+    assert phase_class("sum merge round (two_level)") == "reduction / merge"
     assert phase_class("mean: two_level all-reduce") == "reduction / merge"
     assert phase_class("input multicast") == "data movement"
     assert phase_class("hand-off") == "data movement"

@@ -34,25 +34,6 @@ def test_reductions_follow_the_tiling_order_bit_for_bit(n):
         total = total + run
     assert np.array_equal(kernels.combine(partials.copy(), "two_level", 3), total)
 
-    # two_sided, runs of 3: each run's chains meet on its index 1 (0 -> 1 <- 2), the runs' results
-    # on run len(runs) // 2 the same way
-    def meet(values: list[np.ndarray]) -> np.ndarray:
-        r = len(values) // 2
-        near = values[0].copy()
-        for v in values[1 : r + 1]:
-            near = near + v
-        if r + 1 == len(values):
-            return near
-        far = values[-1].copy()
-        for v in values[r + 1 : -1][::-1]:
-            far = far + v
-        return near + far
-
-    runs = [meet(list(partials[start : start + 3])) for start in range(0, n, 3)]
-    expected = meet(runs) if n > 3 else runs[0]
-    assert np.array_equal(kernels.combine(partials.copy(), "two_sided", 3), expected)
-    assert np.array_equal(kernels.combine(partials.copy(), "two_sided", 0), meet(list(partials)))
-
 
 def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
     rng = np.random.default_rng(0)

@@ -5,7 +5,7 @@
     python tools/bench/code_bytes.py --write    # rewrite it in wafer_gpt2/core/code_bytes.py
 
 Every PE program is compiled on the executor in a few reference plans that together give it every
-role the generator gives (both dtypes; chains, two-level and two-sided reductions, a shared epilogue,
+role the generator gives (both dtypes; chains and two-level reductions, a shared epilogue,
 the head's workers and its tree in two levels: the configurations of tests/test_csl_program.py), and the table keeps, per program,
 the largest `csl_executor.codesize.program_code_bytes` over its param sets. A few minutes on 2 cores.
 """
@@ -40,7 +40,7 @@ def reference_plans(arch: str) -> list[Any]:
         plans.append(
             build_plan(wider, arch=arch, dtype=dtype, slots=2, context=128, top_k=16, objective="compact")
         )
-        # two-level reductions everywhere, attention merges meeting in the middle
+        # two-level reductions everywhere, attention's merge rounds included
         levels = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=200, n_positions=32, name="levels")
         plans.append(build_plan(levels, arch=arch, dtype=dtype, slots=2, context=32, top_k=8))
         # fc's GELU shared by the last PEs of its K-lines; the head's logits held by workers before

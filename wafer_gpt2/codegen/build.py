@@ -36,7 +36,7 @@ from wafer_gpt2.codegen.frames import Frame, frame_of
 from wafer_gpt2.codegen.routes import Flow, Pos, assign_colors, make_flow
 from wafer_gpt2.core.arch import ARCHS
 from wafer_gpt2.core.cost import HEAD_CHUNK, TOPK_BINS, embed_reduction
-from wafer_gpt2.core.tiling import ceil_div, meeting_index, reduction_runs
+from wafer_gpt2.core.tiling import ceil_div, reduction_runs
 from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, record_words
 from wafer_gpt2.errors import ProgramError
 from wafer_gpt2.plan.checks import check_layer_norms_folded
@@ -80,7 +80,7 @@ TASKS = {
     "pe/layernorm.csl": 10,
     "pe/residual.csl": 10,
     "pe/gemv.csl": 8,
-    "pe/attention.csl": 5,
+    "pe/attention.csl": 7,
     "pe/idle.csl": 0,
 }
 
@@ -164,42 +164,19 @@ class _Builder:
     def reduction(self, name: str, members: list[Pos], prefix: str, kind: str, group: int) -> Pos:
         """A reduction along `members` in the tiling's order (comm/reduce.csl): the runs chain
         ({prefix}_role/_rx/_tx), then the runs' last PEs ({prefix}_end_role/_end_rx/_end_tx; ROLE_NONE
-        elsewhere, and everywhere for a single run). two_sided (pe/attention.csl only): each chain
-        meets in its middle (`meet`). Returns the PE that ends with the result."""
+        elsewhere, and everywhere for a single run). Returns the PE that ends with the result."""
         runs = reduction_runs(len(members), kind, group)
-        two_sided = kind == "two_sided"
         for pos in members:
             self.params.setdefault(pos, {}).update(
                 {f"{prefix}_end_role": NONE, f"{prefix}_end_rx": None, f"{prefix}_end_tx": None}
             )
-        roots = [self.meet(f"{name}.run{j}", [members[i] for i in run], prefix, two_sided)
-                 for j, run in enumerate(runs)]  # fmt: skip
+        for j, run in enumerate(runs):
+            self.chain(f"{name}.run{j}", [members[i] for i in run], prefix)
         if len(runs) == 1:
-            return roots[0]
-        return self.meet(f"{name}.ends", roots, f"{prefix}_end", two_sided)
-
-    def meet(self, name: str, members: list[Pos], prefix: str, two_sided: bool) -> Pos:
-        """One level: a chain along `members`, or (two_sided) the chain from the first member to the
-        meeting index and the one from the last member back to it, whose final link comes in on the
-        meeting PE's {prefix}_side_rx ({prefix}_side_on; OPTIONAL_OUTPUTS has them off elsewhere).
-        Returns the PE that ends with the level's result."""
-        if not two_sided:
-            self.chain(name, members, prefix)
             return members[-1]
-        r = meeting_index(len(members))
-        self.chain(f"{name}.near", members[: r + 1], prefix)
-        far = members[r + 1 :][::-1]
-        if far:
-            # the links nearest the meeting PE first, so that greedy coloring alternates two colors
-            links = [self.flow(f"{name}.far{i}", far[i], [members[r] if i == len(far) - 1 else far[i + 1]])
-                     for i in reversed(range(len(far)))][::-1]  # fmt: skip
-            for i, pos in enumerate(far):
-                p = self.params[pos]
-                p[f"{prefix}_role"] = FIRST if i == 0 else MIDDLE
-                p[f"{prefix}_rx"] = links[i - 1] if i > 0 else None
-                p[f"{prefix}_tx"] = links[i]
-            self.params[members[r]].update({f"{prefix}_side_on": True, f"{prefix}_side_rx": links[-1]})
-        return members[r]
+        ends = [members[run[-1]] for run in runs]
+        self.chain(f"{name}.ends", ends, f"{prefix}_end")
+        return ends[-1]
 
     def connect(
         self,
@@ -527,6 +504,12 @@ class _Builder:
             self.connect(f"{tag}.qkv.g{g}", qkv_roots[g * cols_per_group : (g + 1) * cols_per_group], q.tile_n,
                          [snake], 3 * cols_per_group * q.segment_tile, "out", "in")  # fmt: skip
             root = self.reduction(f"{tag}.attn.g{g}", snake, "merge", t.reduction, t.group)
+            # the max round's result M from the PE that ends the merge back to the group's others
+            others = [pos for pos in snake if pos != root]
+            if others:
+                bcast = self.flow(f"{tag}.attn.m{g}", root, others)
+                for pos in snake:
+                    self.params[pos].update(bcast_on=True, bcast_color=bcast)
             rows = [ap_frame.pe(r, c) for r in range(g * rows_per_group, (g + 1) * rows_per_group)
                     for c in range(ap.cols)]  # fmt: skip
             out = self.flow(f"{tag}.attn.out{g}", root, rows)
@@ -585,11 +568,7 @@ OPTIONAL_OUTPUTS = {
     "pe/layernorm.csl": {"y": _GATHER_NONE, "resid": _GATHER_NONE},
     "pe/residual.csl": {"next": _GATHER_NONE, "fwd": _GATHER_NONE},
     "pe/embed.csl": {"out": _GATHER_NONE},
-    "pe/attention.csl": {
-        "out": _CHAIN_NONE,
-        "merge_side": {"on": False, "rx": None},
-        "merge_end_side": {"on": False, "rx": None},
-    },
+    "pe/attention.csl": {"out": _CHAIN_NONE, "bcast": {"on": False, "color": None}},
     "pe/head.csl": {
         "scatter": _CHAIN_NONE,
         "tree": {**_CHAIN_NONE, "side": 0},

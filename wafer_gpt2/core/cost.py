@@ -33,7 +33,6 @@ from wafer_gpt2.core.tiling import (
     Reduction,
     allreduce_root,
     ceil_div,
-    meeting_index,
     reduction_runs,
 )
 
@@ -532,25 +531,26 @@ def attention_cost(
     dtype: str,
     positions: int | None = None,
     name: str = "attention",
+    segment: int | None = None,
 ) -> StageCost:
     """One decode item attending to `positions` cached positions (default: the whole context).
 
     1. q of a head group enters the group's rows and is multicast over its block (every PE needs all
        of q); k and v follow on the same lanes and are kept by the PE that owns the new position, which
-       meanwhile works on its older positions (only the excess over that work delays it).
-    2. each PE, per head (wafer_gpt2/kernels/pe/attention.csl `local_partials`): the scores of all its positions
-       as one @map over the head dimension (K stored transposed: step d adds q_d * K^T[d, :], ppp
-       FMACs), exp per visible position, then the exp-weighted V as one @map over the visible
-       positions (step j adds e_j * V[j, :], head_dim FMACs): both `map_fmac_cycles`.
-    3. log-sum-exp merge of (max, sum, acc[hpp * head_dim]) along the whole chain (wafer_gpt2/kernels/pe/
-       attention.csl merges every PE, an empty one as (-inf, 0, 0)) with synchronous DSD operations:
-       a step is the read of the predecessor's (m, l), started before they arrive, one exp per head
-       (the side with the greater max keeps a factor of 1) and the start of the merged (m, l)'s
-       send; then the incoming acc streams in and on, folded with one FMAC per word. two_level: the
-       runs merge at the same time, then the runs' ends merge theirs, a second pass of the record,
-       each link as many hops as the direct route between them (`_run_end_links`). two_sided: every
-       chain of the two levels meets in its middle (`merge_level_cycles`).
-    4. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV, the output
+       meanwhile works on its older positions (only the excess over that work delays it). The stream
+       holds the group's qkv columns of `segment` values of each of q, k and v (default: one column);
+       every PE moves q into place, the owner k and v into its cache (`_unpack_cycles`).
+    2. each PE, per head (wafer_gpt2/kernels/pe/attention.csl `scores_and_max`): the scores of all its
+       positions as one @map over the head dimension (K stored transposed: step d adds q_d * K^T[d, :],
+       ppp FMACs) and their max.
+    3. the max round (`merge_rounds`): the maxima (hpp words) reduced over the group's chain in the
+       tiling's order with @fmaxs, in the fabric while every PE makes its exps and the exp-weighted V
+       as one @map over the visible positions (step j adds e_j * V[j, :], head_dim FMACs); the PE that
+       ends it multicasts M back once its own work is done.
+    4. the sum round: when M is in, each PE's [l | acc] times exp(m - M) (an exp and an @fmuls per
+       head) is summed over the same links, a plain streamed add (comm/reduce.csl), every PE ready at
+       its own time (M reaches the far ones later).
+    5. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV, the output
        multiplied by it as it leaves (wafer_gpt2/kernels/comm/gather.csl send_scaled).
     """
     arch = resolve_arch(arch)
@@ -563,20 +563,18 @@ def attention_cost(
     cost = StageCost(name)
     cost.add("q multicast", stream_cycles(hpp * dim, (width - 1) + (tiling.fold - 1)))
     cost.add("k/v to the owner (not hidden)", max(0, 2 * hpp * dim - (local - 1) * per_position))
+    q_cycles, kv_cycles = _unpack_cycles(tiling, segment, dtype)
+    cost.add("q into place", q_cycles)
+    cost.add("k, v into the cache (the owner)", kv_cycles)
     # The scores' @map runs over all positions_per_pe (its K^T register steps a whole row per step);
     # the later steps see only the visible ones.
     cost.add("scores q.k", hpp * map_fmac_cycles(dim, tiling.positions_per_pe, macs) + TASK_ACTIVATION_CYCLES)
-    cost.add("exp", local * hpp * EXP_CYCLES)
-    cost.add("weighted V", hpp * map_fmac_cycles(local, dim, macs))
-    step = hpp * EXP_CYCLES + DSD_OP_START_CYCLES
-    record = hpp * (dim + 2)
-    kind, runs = tiling.reduction, tiling.runs()
-    link = HOP_CYCLES + ROUTER_TO_PE_CYCLES + step
-    merge = merge_level_cycles(kind, [link] * (len(runs[0]) - 1), step, record)
-    if len(runs) > 1:
-        ends = [hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES + step for hops in _run_end_links(tiling)]
-        merge += merge_level_cycles(kind, ends, step, record)
-    cost.add(f"LSE {tiling.reduction} merge", merge)
+    weights = local * hpp * EXP_CYCLES + hpp * map_fmac_cycles(local, dim, macs)
+    rounds = merge_rounds(tiling, weights)
+    cost.add("exp + weighted V", weights)
+    cost.add("max merge round + M multicast (beyond the weights)", rounds.m_known - weights)
+    cost.add("rescale", rounds.rescale)
+    cost.add(f"sum merge round ({tiling.reduction})", rounds.summed - rounds.m_known - rounds.rescale)
     # 1/l per head; acc * (1/l) is made as the output leaves (one @fmuls into the fabric per head, each
     # after the previous one's task).
     cost.add("1 / sum", hpp * RSQRT_CYCLES + (hpp - 1) * (TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES))
@@ -586,44 +584,87 @@ def attention_cost(
     return cost
 
 
-def merge_level_cycles(kind: str, links: list[int], step: int, record: int) -> int:
-    """One level of attention's log-sum-exp merge over len(links) + 1 PEs (wafer_gpt2/kernels/pe/attention.csl):
-    links[i] (hops, ramp and the receiver's step) between member i and i + 1, then one pass of the
-    `record`. chain and two_level: one chain. two_sided: the chains from both ends meet at index
-    members // 2 (wafer_gpt2.core.tiling.meeting_index); the meeting PE takes the far side's chain first, then
-    the near side's (whose step waits for the far record if that is still streaming), one record each."""
-    if not links:
-        return 0
-    if kind != "two_sided":
-        return sum(links) + record
-    near = meeting_index(len(links) + 1)
-    if near == len(links):
-        return sum(links) + record
-    return max(sum(links[:near]), sum(links[near:]) + record + step) + record
+def _unpack_cycles(tiling: AttentionTiling, segment: int | None, dtype: str) -> tuple[int, int]:
+    """wafer_gpt2/kernels/pe/attention.csl `unpack_and_store`: q of every qkv column moved into place
+    (one DSD move per column; lib/fmac.csl rounds it to fp16 as it multiplies), then on the owner k and
+    v (one operation each per head a column covers): DSD moves in fp32, @maps that round each value to
+    the fp16 cache in fp16 (a step: its overhead and the conversion)."""
+    width, dim = tiling.heads_per_pe * tiling.head_dim, tiling.head_dim
+    seg = width if segment is None else segment
+    cols = ceil_div(width, seg)
+    pieces = sum((min(c * seg + seg, width) - 1) // dim - c * seg // dim + 1 for c in range(cols))
+    per_value = MAP_STEP_CYCLES + FP32_OPS_PER_CYCLE if dtype == "fp16" else FP32_OPS_PER_CYCLE
+    q = cols * DSD_OP_START_CYCLES + width * FP32_OPS_PER_CYCLE
+    return q, 2 * (pieces * DSD_OP_START_CYCLES + width * per_value)
+
+
+@dataclass(frozen=True)
+class MergeRounds:
+    """attention.csl's two rounds, in cycles from the start of the max round (every PE's scores and
+    maxima done): `m_known` when the last PE holds M, `rescale` each PE's work between M and its
+    send, `summed` when the PE that ends the merge holds the sums (its task started)."""
+
+    m_known: int
+    rescale: int
+    summed: int
+
+
+def merge_rounds(tiling: AttentionTiling, weights: int) -> MergeRounds:
+    """The max round and the sum round over a head group's chain (wafer_gpt2/kernels/pe/attention.csl,
+    comm/reduce.csl), `weights` the cycles each PE spends on its exps and weighted V meanwhile.
+
+    Max round: each PE copies its maxima and starts the round (two DSD operations); the hpp words
+    stream through the chain (or its runs, then the runs' ends, linked by direct routes:
+    `_run_end_links`). The PE that ends it takes its task once its own weights are done, and sends M
+    (a copy and a send) over one multicast; each other PE takes a task when M is in.
+    Sum round: a PE's factor (one exp per head), the l it scales and its acc (an @fmuls per head) and
+    the start of the round's operation; then the record [l | acc] streams through the same links, each
+    PE ready at its own time; the last add ends its task. A group of one PE goes straight on to 1/l."""
+    hpp = tiling.heads_per_pe
+    record = hpp * (tiling.head_dim + 1)
+    n = tiling.chain
+    if n == 1:  # a group of one PE has no rounds: its own max is M
+        return MergeRounds(weights, 0, weights)
+    spots = [tiling.snake(p) for p in range(n)]
+    root = spots[-1]
+    far = [abs(a - root[0]) + abs(b - root[1]) for a, b in spots]
+    start = 2 * DSD_OP_START_CYCLES
+    m_done = start + _merge_first([0] * n, tiling) + hpp
+    sent = max(m_done, weights) + TASK_ACTIVATION_CYCLES + 2 * DSD_OP_START_CYCLES
+    known = [sent + stream_cycles(hpp, h) + TASK_ACTIVATION_CYCLES for h in far[:-1]]
+    known.append(sent)  # the PE that ends the round holds M at once
+    rescale = (
+        hpp * (EXP_CYCLES + FP32_OPS_PER_CYCLE + DSD_OP_START_CYCLES + tiling.head_dim) + DSD_OP_START_CYCLES
+    )
+    ready = [k + rescale for k in known]
+    summed = _merge_first(ready, tiling) + record + TASK_ACTIVATION_CYCLES
+    return MergeRounds(max(known), rescale, summed)
+
+
+def _merge_first(ready: list[int], tiling: AttentionTiling) -> int:
+    """First word of a round's result on the PE that ends the merge, members ready at `ready`: a
+    chain along the snake (neighbours a hop apart), or its runs and then their ends."""
+    runs = tiling.runs()
+    if len(runs) == 1:
+        return chain_times(ready)
+    return level_times(ready, [len(runs[0])], _run_end_links(tiling))
 
 
 def _run_end_links(tiling: AttentionTiling) -> list[int]:
-    """Hops between consecutive runs' ends (two_sided: their meeting PEs) of an attention chain, which
-    wafer_gpt2/codegen/build.py links by direct routes: the snake runs along rows of ceil(chain / fold)
-    PEs, every other row backwards, so ends a row apart can sit one hop apart."""
-    ends = [
-        run[meeting_index(len(run))] if tiling.reduction == "two_sided" else run[-1] for run in tiling.runs()
-    ]
-    spots = [tiling.snake(p) for p in ends]
+    """Hops between consecutive runs' ends of an attention chain, which wafer_gpt2/codegen/build.py
+    links by direct routes: the snake runs along rows of ceil(chain / fold) PEs, every other row
+    backwards, so ends a row apart can sit one hop apart."""
+    spots = [tiling.snake(run[-1]) for run in tiling.runs()]
     return [abs(a[0] - b[0]) + abs(a[1] - b[1]) for a, b in pairwise(spots)]
 
 
 @lru_cache(maxsize=4096)
 def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> AttentionTiling:
-    """The attention tiling the model finds fastest: chain, two_level or two_sided (attention.csl's
-    merge implements all three), each with its best run length."""
+    """The attention tiling the model finds fastest: chain or two_level (attention.csl's merge rounds
+    run on comm/reduce.csl), each with its best run length."""
     options = [
         AttentionTiling(**{**vars(tiling), "reduction": kind, "group": group})
         for kind, group in reduction_options(tiling.chain)
-    ]
-    options += [
-        AttentionTiling(**{**vars(tiling), "reduction": "two_sided", "group": group})
-        for kind, group in [("chain", 0), *reduction_options(tiling.chain)[1:]]
     ]
     return min(options, key=lambda t: attention_cost(t, arch, dtype).cycles)
 

@@ -17,8 +17,8 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
   alternate orientation, so the output of one leaves along the axis the next one takes as input.
 - Attention for one layer: `head_groups` PEs across heads, `chain` PEs along positions. PE (g, p)
   holds K and V of heads [g*heads_per_pe, ...) for positions [p*positions_per_pe, ...) of every slot.
-  Per-PE partial (max, sum, weighted V) are merged with log-sum-exp over p, in the order of
-  `reduction` and `group`. On the fabric a head group's chain is folded
+  Per-PE partial (max, sum, weighted V) are merged in two rounds over p, both in the order of
+  `reduction` and `group`: the max, then (sum, weighted V) rescaled to it. On the fabric a head group's chain is folded
   into `fold` rows of `chain // fold` PEs (row-major, snake order), so the region is
   (chain // fold) x (head_groups * fold) PEs.
 - LayerNorm over C values: `pes` PEs each hold `chunk` values. One pass: every PE's sums of x and
@@ -39,12 +39,6 @@ colors per level, so every input queue serves one color (wafer_gpt2/kernels/comm
 - "two_level" with `group` = g: the indices split into runs of g (the last may be shorter), each run
   chains to its last index at the same time as the others, then those ends chain in run order:
   S_j = chain of run j, total = ((S_0 + S_1) + S_2) + ... . About g + n/g steps instead of n.
-- "two_sided" with `group` = g (attention's merge only, wafer_gpt2/kernels/pe/attention.csl): the runs of
-  "two_level" (one run when g is 0 or >= n), but every chain meets in its middle: index r = len // 2
-  of a run (`meeting_index`) ends the chain of indices 0 .. r and receives the chain r+1 .. from the
-  far end, total = chain(0 .. r) + chain(len-1 down to r+1); the runs' results meet the same way at
-  run len(runs) // 2. Half the steps of "two_level", plus one step and one pass of the record at each
-  meeting PE. The result ends on the meeting PE of the middle run, not on index n-1.
 """
 
 from __future__ import annotations
@@ -53,8 +47,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Orientation = Literal["k_along_y", "k_along_x"]
-Reduction = Literal["chain", "two_level", "two_sided"]
-REDUCTIONS = ("chain", "two_level", "two_sided")
+Reduction = Literal["chain", "two_level"]
+REDUCTIONS = ("chain", "two_level")
 Axis = Literal["x", "y"]
 
 
@@ -64,18 +58,12 @@ def ceil_div(a: int, b: int) -> int:
 
 def reduction_runs(n: int, reduction: str, group: int) -> list[range]:
     """The runs of indices that are combined first (one run for a chain); their results then combine
-    in run order (two_level) or meeting in the middle (two_sided)."""
+    in run order (two_level)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}")
     if reduction == "chain" or group <= 0 or group >= n:
         return [range(n)]
     return [range(start, min(start + group, n)) for start in range(0, n, group)]
-
-
-def meeting_index(length: int) -> int:
-    """two_sided: the index of a run of `length` (or of the list of runs) where its two chains meet:
-    the chain from the near end is never the shorter one."""
-    return length // 2
 
 
 def allreduce_root(n: int) -> int:

@@ -156,8 +156,9 @@ def input_queue_roles(region: Region, embed_two_level: bool = False) -> dict[str
         if t.epilogue_pes > 1:
             roles["PE sharing the epilogue"] = base + (6,)
     elif isinstance(t, AttentionTiling):
-        base = (2, 3, 4) + ((5,) if t.reduction in ("two_level", "two_sided") else ())
-        roles["chain member"] = base + ((6, 7) if t.reduction == "two_sided" else ())
+        # the input, the merge's run (and the runs' ends), the output; M's multicast
+        base = (2, 3, 4) + ((5,) if two(t.reduction) else ())
+        roles["chain member"] = base + ((6,) if t.chain > 1 else ())
     elif isinstance(t, NormTiling):
         # input, run, broadcast (the join on the root), y and x gathers, run ends
         roles["strip member"] = (2, 3, 4, 5, 6) + ((7,) if two(t.reduction) else ())
@@ -187,8 +188,7 @@ def check_input_queues(regions: list[Region], arch: Arch, embed_two_level: bool)
 
 def reduction_colors(kind: str, n: int) -> int:
     """Colors a reduction over n PEs needs: a chain alternates two (a PE never receives and sends on
-    the same color); a two-level reduction has a chain on each level; two_sided (two chains per level
-    meeting on one PE, the generator's greedy coloring alternating them too) is counted like it."""
+    the same color); a two-level reduction has a chain on each level."""
     if n <= 1:
         return 0
     return 2 if kind == "chain" else 4
@@ -205,7 +205,8 @@ def assign_colors(regions: list[Region], routes: list[Route]) -> None:
         elif isinstance(t, GemvTiling):
             own = 2 + reduction_colors(t.reduction, t.rows)  # in/multicast + reduction + out
         elif isinstance(t, AttentionTiling):
-            own = 1 + t.fold + reduction_colors(t.reduction, t.chain) + 1  # in, gather rows, merge, out
+            # in, gather rows, merge, M's multicast, out
+            own = 1 + t.fold + reduction_colors(t.reduction, t.chain) + (t.chain > 1) + 1
         elif isinstance(t, NormTiling):
             own = (
                 1 + reduction_colors(t.reduction, t.pes) + 1 + 1 + 1

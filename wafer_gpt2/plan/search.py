@@ -30,7 +30,8 @@ from wafer_gpt2.plan.tilings import LayerTilings, head_tiling, layer_tilings
 
 
 def _positions_per_pe_max(config: GPT2Config, arch: Arch, dtype: str, slots: int, context: int) -> int:
-    """How many positions (of every slot, one head) an attention PE can hold; raises when not even one."""
+    """How many positions (of every slot, one head) an attention PE can hold (at most
+    MAX_POSITIONS_PER_PE); raises when not even one."""
     probe = [
         AttentionTiling(config.n_head, config.head_dim, slots, context, config.n_head, ceil_div(context, p))
         for p in (1, 2)
@@ -49,7 +50,12 @@ def _positions_per_pe_max(config: GPT2Config, arch: Arch, dtype: str, slots: int
             f"its buffers, {one - usable:,} B over the {arch.budget_words('attention')}; at most {fit} slots fit "
             f"per replica"
         )
-    return most
+    return min(most, MAX_POSITIONS_PER_PE)
+
+
+# wafer_gpt2/kernels/pe/attention.csl stores a position's k as a column of K^T, its values ppp apart:
+# a mem1d DSD's stride is an i8.
+MAX_POSITIONS_PER_PE = 127
 
 
 # `build_plan`'s defaults, which `largest_slots`' probes ask for too.

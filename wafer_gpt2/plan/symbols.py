@@ -90,9 +90,9 @@ def attention_symbols(t: AttentionTiling, dtype: str) -> dict[str, Symbol]:
         "v_cache": Symbol(wd, cache),  # [slot][head in PE][position in PE][head_dim]
         "qkv": Symbol("f32", 3 * hd),  # the group's [q | k | v] as it arrives
         "q": Symbol("f32", hd),
-        "scores": Symbol("f32", t.positions_per_pe),  # one head's scores
-        "acc": Symbol("f32", hd),  # exp-weighted V
-        "stats": Symbol("f32", 5 * t.heads_per_pe),  # max and sum per head, a partner's, the factors
+        "scores": Symbol("f32", t.heads_per_pe * t.positions_per_pe),  # every head's scores, then weights
+        "rec": Symbol("f32", t.heads_per_pe + hd),  # [sum per head | exp-weighted V]
+        "stats": Symbol("f32", 4 * t.heads_per_pe),  # own max, the max round's, M, the factors
         "comm": COMM,
     }
 

@@ -30,7 +30,6 @@ from wafer_gpt2.core.tiling import (
     NormTiling,
     allreduce_halves,
     ceil_div,
-    meeting_index,
     reduction_runs,
 )
 from wafer_gpt2.sim import parallel
@@ -50,22 +49,11 @@ def chain_sum(partials: np.ndarray) -> np.ndarray:
 
 def combine(partials: np.ndarray, reduction: str, group: int = 0) -> np.ndarray:
     """Sum over axis 0 in the order of `wafer_gpt2.core.tiling.reduction_runs`: each run chained, then the runs'
-    sums chained; two_sided: every chain meets in its middle (`meet`). May overwrite `partials`."""
+    sums chained. May overwrite `partials`."""
     runs = reduction_runs(partials.shape[0], reduction, group)
-    total = meet if reduction == "two_sided" else chain_sum
     if len(runs) == 1:
-        return total(partials)
-    return total(np.stack([total(partials[run.start : run.stop]) for run in runs]))
-
-
-def meet(partials: np.ndarray) -> np.ndarray:
-    """two_sided (wafer_gpt2.core.tiling): the chain from index 0 to the meeting index r, plus the chain from the
-    far end down to r + 1, added on r."""
-    r = meeting_index(partials.shape[0])
-    near = chain_sum(partials[: r + 1])
-    if r + 1 == partials.shape[0]:
-        return near
-    return near + chain_sum(partials[r + 1 :][::-1])
+        return chain_sum(partials)
+    return chain_sum(np.stack([chain_sum(partials[run.start : run.stop]) for run in runs]))
 
 
 def allreduce_sum(partials: np.ndarray, reduction: str, group: int = 0) -> np.ndarray:
@@ -384,7 +372,8 @@ def _attend_group(
     finite_max = np.where(np.isfinite(local_max), local_max, F32(0))
     weights = np.exp(per_pe - finite_max[..., None])  # 0 at masked positions
     local_sum = weights.sum(axis=4)
-    # Merge along the chain: every PE's partials are rescaled to the global max (log-sum-exp rule).
+    # The merge's two rounds (wafer_gpt2/kernels/pe/attention.csl): the max over the chain (a max in any
+    # order), then every PE's (l, acc) times exp(m_p - M), summed in the tiling's order.
     global_max = local_max.max(axis=3)  # position 0 is always visible, so this is finite
     rescale = np.exp(local_max - global_max[..., None])  # [S, H, n, used]; 0 for empty PEs
     total = combine(

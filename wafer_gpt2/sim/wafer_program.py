@@ -93,7 +93,7 @@ class WaferProgram:
         self._kv: dict[tuple[int, str], tuple[int, np.ndarray]] = {}
         self._coords: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._costs: dict[int, _PipelineCosts] = {}
-        self._attention_tables: dict[AttentionTiling, np.ndarray] = {}
+        self._attention_tables: dict[tuple[AttentionTiling, int], np.ndarray] = {}
         self.total_cycles = np.zeros(len(memory.regions), dtype=np.uint64)
 
     @staticmethod
@@ -332,7 +332,8 @@ class WaferProgram:
                 # The plan prices attention at full context; here each item pays for its own length.
                 tiling = region.region.tiling
                 handoff = stage.phases.get("hand-off", 0) if stage is not None else 0
-                attention[row] = self._attention_table(tiling) + handoff
+                qkv = self.plan.region(region.region.name.replace(".attn", ".qkv"), region.region.replica)
+                attention[row] = self._attention_table(tiling, qkv.tiling.segment_tile) + handoff
                 per_item.append(0)
             else:
                 per_item.append(stage.cycles if stage is not None else 0)
@@ -347,15 +348,18 @@ class WaferProgram:
         self._costs[pipe.replica] = costs
         return costs
 
-    def _attention_table(self, tiling: AttentionTiling) -> np.ndarray:
-        """Modeled cycles of one item attending to p positions, for p = 0..context."""
-        if tiling not in self._attention_tables:
+    def _attention_table(self, tiling: AttentionTiling, segment: int) -> np.ndarray:
+        """Modeled cycles of one item attending to p positions, for p = 0..context (qkv's columns of
+        `segment` values each)."""
+        key = (tiling, segment)
+        if key not in self._attention_tables:
             arch, dtype = self.plan.arch, self.plan.dtype
             cycles = [0] + [
-                attention_cost(tiling, arch, dtype, p).cycles for p in range(1, tiling.context + 1)
+                attention_cost(tiling, arch, dtype, p, segment=segment).cycles
+                for p in range(1, tiling.context + 1)
             ]
-            self._attention_tables[tiling] = np.array(cycles, dtype=np.int64)
-        return self._attention_tables[tiling]
+            self._attention_tables[key] = np.array(cycles, dtype=np.int64)
+        return self._attention_tables[key]
 
     def reset_cycles(self) -> None:
         self.total_cycles[...] = 0
