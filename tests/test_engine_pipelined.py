@@ -124,25 +124,27 @@ def test_a_request_in_flight_is_not_stepped_again_and_keeps_its_slot_until_its_s
 
 
 def test_a_pipelined_backend_gets_the_running_requests_in_groups_one_step_each():
-    # Five running requests, two steps at a time: at most ceil(5 / 2) = 3 a step, so that the other
-    # group's step can go out while one computes; what returns joins the next step.
+    # Five requests on slots 0..4, two steps at a time: group 0 holds slots 0, 2 and 4, group 1 slots
+    # 1 and 3. A step carries one group with no step in flight; what returns goes out together again.
     scheduler = Scheduler(KVSlotManager(5, 64), max_queue=0, step_token_budget=16)
     states = [_state(1) for _ in range(4)] + [_state(2)]
     for state in states:
         scheduler.add(state)
     scheduler.admit()
+    assert [state.slot for state in states] == [0, 1, 2, 3, 4]
     first = scheduler.build_step(groups=2)
-    assert first.owners == states[:3]
+    assert first.owners == [states[0], states[2], states[4], states[4]]  # the last one's whole prompt
     second = scheduler.build_step(groups=2)
-    assert second.owners == states[3:4] + states[4:] * 2  # the last request's whole prompt
-    assert not scheduler.build_step(groups=2).items
-    scheduler.step_returned(first.owners)
-    for state in states[:3]:
+    assert second.owners == [states[1], states[3]]
+    assert not scheduler.build_step(groups=2).items  # both groups in flight
+    scheduler.step_returned(second.owners)
+    for state in (states[1], states[3]):
         state.computed, state.pending_token = 1, 7
-    assert scheduler.build_step(groups=2).owners == states[:3]
+    # Group 1 is back (group 0 still computes): it goes out whole.
+    assert scheduler.build_step(groups=2).owners == [states[1], states[3]]
     # One group (a backend that takes one step at a time): every ready request in one step.
     scheduler.step_returned(states)
-    assert len(scheduler.build_step().owners) == 3 + 1 + 2
+    assert len(scheduler.build_step().owners) == 6  # three prompts (1, 1, 2 tokens), two decodes
 
 
 # ----- the engine -----------------------------------------------------------------------------------

@@ -158,7 +158,7 @@ def _records_of(table: StepScores) -> np.ndarray:
 
 class _Records:
     """A step's output records as the wafer sends them, per replica's message: the table row of each
-    scored item, numbered as the message's items. Built while the modeled wafer computes; `decode` reads
+    scored item, numbered as the message's items. Built at `collect`, inside the modeled wait; `decode` reads
     them as `wafer_gpt2.host.program.WaferGPT2._collect` does, after the step."""
 
     def __init__(self, items: Sequence[StepItem], per_message: list[list[int]], table: np.ndarray) -> None:
@@ -271,8 +271,9 @@ class ModeledWaferBackend(NullBackend):
         self._cycles = (plan.decode_cycles, plan.bottleneck_cycles)
         self._input_free = [0.0] * plan.replicas  # when each replica's pipeline takes its next item
         self._busy_until = 0.0  # the end of the latest modeled span
-        # (modeled end, slots, results) of each step submitted and not collected, oldest first
-        self._in_flight: deque[tuple[float, set[int], _Records]] = deque()
+        # (modeled end, slots, (items, their indices per replica's message)) of each step submitted and
+        # not collected, oldest first
+        self._in_flight: deque[tuple[float, set[int], tuple[list[StepItem], list[list[int]]]]] = deque()
         self._records = _records_of(self._table)  # the wafer's side of the wire
         self._k = self._table.topk_ids.shape[1]  # the records' k (below top_k for a tiny vocabulary)
         self._slots_in_flight: set[int] = set()
@@ -293,20 +294,22 @@ class ModeledWaferBackend(NullBackend):
             if indices:
                 step_message([items[i] for i in indices], self.plan.slots)
         now = time.perf_counter()
-        out = _Records(items, per_message, self._records)  # the wafer's side, while it computes
         decode, bottleneck = (cycles / self.clock_hz for cycles in self._cycles)
         per_replica = items_per_replica(self.plan, [item.slot for item in items])
         first, end = pipelined_span(now, self._input_free, per_replica, decode, bottleneck)
         self.modeled_busy_s += max(0.0, end - max(first, self._busy_until))
         self._busy_until = max(self._busy_until, end)
-        self._in_flight.append((end, slots, out))
+        # The wafer's output records are built at collect, inside the modeled wait: the wafer's work,
+        # not the host's.
+        self._in_flight.append((end, slots, (list(items), per_message)))
         self._slots_in_flight |= slots
 
     def collect(self) -> StepScores:
         if not self._in_flight:
             raise BackendError("no step is in flight")
-        end, slots, out = self._in_flight.popleft()
+        end, slots, (items, per_message) = self._in_flight.popleft()
         self._slots_in_flight -= slots
+        out = _Records(items, per_message, self._records)  # the wafer's side, before its step ends
         remaining = end - time.perf_counter() - self.timer_late_s
         if remaining > 0:
             time.sleep(remaining)

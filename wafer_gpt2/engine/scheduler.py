@@ -7,10 +7,12 @@ so a new request joins the running batch without waiting for the batch to finish
    per-step token budget, so a long prompt never stalls the decodes of the others.
 
 A backend that takes several steps at a time (a pipelined wafer) gets the running requests in as many
-groups (micro-batches, as in pipeline-parallel serving): each step carries at most a 1/groups share of
-them, so that while one group's step computes the other's is chosen and sent, and the wafer's layer
-pipeline takes items from both back to back. One step of every request would leave nothing ready to
-send until it returned.
+groups (micro-batches, as in pipeline-parallel serving): a request's group is its KV slot modulo the
+number of groups, and a step carries the ready requests of one group with no step in flight. While one
+group's step computes, another's is chosen and sent, and the wafer's layer pipeline takes items from
+both back to back; a group's requests return together and go out together, so steps keep their size
+(a step of whatever happened to be ready would shrink to a few items, each paying a whole step's host
+work). One step of every request would leave nothing ready to send until it returned.
 
 Not thread-safe: the engine calls it under its own lock.
 """
@@ -123,17 +125,22 @@ class Scheduler:
 
     def build_step(self, groups: int = 1) -> StepBatch:
         """The next step's items, from the requests with none in a step still in flight (a
-        `PipelinedBackend` runs several: one takes what became ready while another computes), at most
-        ceil(running / groups) requests of them."""
+        `PipelinedBackend` runs several: one takes what became ready while another computes); with
+        `groups` above 1, those of the first group (slot modulo groups) that has no step in flight."""
         items: list[StepItem] = []
         owners: list[RequestState] = []
         prefilling: list[RequestState] = []  # in admission order, as `running`
-        room = -(-len(self.running) // groups) if groups > 1 else len(self.running)
-        for sequence in self.running:
+        candidates = self.running
+        if groups > 1:
+            busy = {_slot(sequence) % groups for sequence in self.running if sequence.in_flight}
+            free = [group for group in range(groups) if group not in busy]
+            ready = [s for s in self.running if _slot(s) % groups in free]
+            steppable = (s for s in ready if s.pending_token is not None or s.computed < len(s.prompt))
+            group = min((_slot(s) % groups for s in steppable), default=None)
+            candidates = [s for s in ready if _slot(s) % groups == group]
+        for sequence in candidates:
             if sequence.in_flight:
                 continue
-            if room == 0:
-                break
             if sequence.computed < len(sequence.request.prompt_ids):  # `prefilling`, without the call
                 prefilling.append(sequence)
             elif sequence.pending_token is not None:
@@ -142,10 +149,9 @@ class Scheduler:
                 )
                 owners.append(sequence)
                 sequence.in_flight = True
-                room -= 1
 
         budget = self.step_token_budget - len(items)
-        for sequence in prefilling[:room]:
+        for sequence in prefilling:
             if budget <= 0:
                 break
             sequence.in_flight = True
