@@ -13,14 +13,14 @@ from them are rebuilt whenever the host writes the symbol again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from wafer_gpt2.core import memory_layout
 from wafer_gpt2.core.abi import CYCLES_SYMBOL, LAYER_OPS
 from wafer_gpt2.core.cost import attention_cost
-from wafer_gpt2.core.tiling import AttentionTiling
+from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling
 from wafer_gpt2.core.wire import WireItems, encode_scores
 from wafer_gpt2.sim import kernels, parallel
 from wafer_gpt2.sim.memory import RegionMemory, WaferMemory
@@ -333,7 +333,8 @@ class WaferProgram:
                 tiling = region.region.tiling
                 handoff = stage.phases.get("hand-off", 0) if stage is not None else 0
                 qkv = self.plan.region(region.region.name.replace(".attn", ".qkv"), region.region.replica)
-                attention[row] = self._attention_table(tiling, qkv.tiling.segment_tile) + handoff
+                qkv_tiling = cast(GemvTiling, qkv.tiling)
+                attention[row] = self._attention_table(tiling, qkv_tiling.segment_tile) + handoff
                 per_item.append(0)
             else:
                 per_item.append(stage.cycles if stage is not None else 0)
