@@ -362,7 +362,10 @@ def test_two_level_attention_merge_equals_the_simulator():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "vocab", "gelu_pes", "workers"), [("wse2", 100, 4, 5), ("wse3", 86, 2, 5)])
+@pytest.mark.parametrize(
+    ("arch", "vocab", "gelu_pes", "workers"),
+    [("wse2", 100, 4, 5), pytest.param("wse3", 86, 2, 5, marks=pytest.mark.executor_full)],
+)
 def test_a_shared_gelu_and_the_heads_workers_equal_the_simulator(arch, vocab, gelu_pes, workers):
     """fc's GELU shared by the last `gelu_pes` PEs of every K-line (pe/gemv.csl, comm/scatter.csl):
     the root sends the others their slices of the sum back along the line and a gather line carries
@@ -394,7 +397,9 @@ def test_a_shared_gelu_and_the_heads_workers_equal_the_simulator(arch, vocab, ge
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+@pytest.mark.parametrize(
+    "arch", ["wse2", pytest.param("wse3", marks=pytest.mark.executor_full)]
+)  # CI time: WSE-3's with -m executor_full
 def test_the_heads_tree_in_two_levels_equals_the_simulator(arch):
     """The head's rounds over a tree of 19 roots: on either side of the centre a line of 9 in runs of 3
     (the latency plan's on WSE-2; set on WSE-3), whose runs' ends fold their run into their own before
@@ -424,7 +429,9 @@ def crafted_logits(config: GPT2Config, column0: np.ndarray, seed: int = 13) -> G
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+@pytest.mark.parametrize(
+    "arch", ["wse2", pytest.param("wse3", marks=pytest.mark.executor_full)]
+)  # CI time: WSE-3's with -m executor_full
 def test_the_heads_selection_is_exact_on_ties(arch):
     """Threshold selection keeps the exact top-k (ties to the lower id) and the exact log-sum-exp on
     the logits that test it hardest (100 tokens on 4 columns of 25, k = 4, so [L, M] runs from the
