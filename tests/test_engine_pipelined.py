@@ -181,13 +181,13 @@ def _engine(
                 hang.wait(10)  # the first submit hangs until the test lets it go
             super().submit(items)
 
+    return _started(lambda: Counting(plan, timer_late_s=0.0, steps_in_flight=in_flight), **limits)
+
+
+def _started(factory, **limits) -> Engine:
+    """A running engine over the backends `factory` builds."""
     engine = Engine(
-        lambda: Counting(plan, timer_late_s=0.0, steps_in_flight=in_flight),
-        gpt2_tokenizer_hooks(),
-        ServiceMetrics("test"),
-        max_queue=16,
-        step_token_budget=64,
-        **limits,
+        factory, gpt2_tokenizer_hooks(), ServiceMetrics("test"), max_queue=16, step_token_budget=64, **limits
     )
     engine.start()
     assert engine.wait_ready(30)
@@ -352,15 +352,9 @@ def test_the_engine_on_the_simulator_gives_the_same_tokens_with_steps_in_flight(
     ]
     outcomes = {}
     for in_flight in (1, 2):
-        engine = Engine(
-            lambda n=in_flight: start_model(plan, SimRuntime(plan), small_params, steps_in_flight=n),
-            gpt2_tokenizer_hooks(),
-            ServiceMetrics("test"),
-            max_queue=16,
-            step_token_budget=64,
+        engine = _started(
+            lambda n=in_flight: start_model(plan, SimRuntime(plan), small_params, steps_in_flight=n)
         )
-        engine.start()
-        assert engine.wait_ready(30)
         loop = Loop()
         try:
             states = [engine.submit(request, stream=True, sink=loop) for request in requests]
