@@ -121,8 +121,13 @@ def test_a_multicast_epilogue_by_hand() -> None:
         GemvTiling(768, 3072, 64, 96, "k_along_x", norm_fold=True), "wse2", "fp16", g
     )
     assert (fc.epilogue_pes, fc.epilogue_multicast) == (8, True)
+    # fc has its LayerNorm folded in: the multicast carries all 32 raw sums and the 2 statistics, and
+    # every PE applies the LayerNorm to its 4 (rsqrt and 2 operations per output) before its GELUs
     phases = cost.gemv_cost(fc, "wse2", "fp16", g).phases
-    assert phases["epilogue (shared by 8 PEs, multicast)"] == cost.epilogue_cycles(32, 8, g, False, True)
+    assert "LayerNorm (mean, rstd) + bias" not in phases
+    far = S + (7 * H + R + 34) + T + (cost.RSQRT_CYCLES + 2 * 4) + 4 * g + S
+    assert phases["LayerNorm + epilogue (shared by 8 PEs, multicast)"] == far + 7 * STEP + 28 + T
+    assert far + 7 * STEP + 28 + T == cost.epilogue_cycles(32, 8, g, False, True, True)
 
 
 def test_norm_cost_by_hand() -> None:
