@@ -368,7 +368,7 @@ def test_two_level_attention_merge_equals_the_simulator():
         ("wse2", 100, 4, False, 5),
         pytest.param("wse3", 86, 2, False, 5, marks=pytest.mark.executor_full),
         ("wse2", 100, 4, True, 5),
-        ("wse3", 86, 4, True, 5),
+        pytest.param("wse3", 86, 4, True, 5, marks=pytest.mark.executor_full),
     ],
 )
 def test_a_shared_gelu_and_the_heads_workers_equal_the_simulator(arch, vocab, gelu_pes, multicast, workers):
