@@ -98,6 +98,38 @@ def test_a_shared_epilogue_by_hand() -> None:
     assert cost.epilogue_options(GemvTiling(768, 3072, 4, 192, "k_along_x"), g) == [1, 2, 4]
 
 
+def test_a_multicast_epilogue_by_hand() -> None:
+    """The epilogue shared through comm/spread.csl: 16 outputs on 2 PEs. The root biases all 16 (16)
+    and starts the multicast of the other PE's 8 sums (S), which are in that PE a link and 8 words
+    later; a task, its 8 GELUs, the start of its part of the sum (S). The root's own 8 GELUs and its
+    read of the sum (S) are done before the sum comes: one chain step on, 8 words, a task to start
+    the lane."""
+    g = cost.GELU_CYCLES
+    far = 16 + S + (H + R + 8) + T + 8 * g + S
+    assert cost.epilogue_cycles(16, 2, g, multicast=True) == far + STEP + 8 + T
+    # 8 PEs for 32 outputs: the farthest PE's multicast is in 7 links away, the chain of 7 steps
+    far = S + (7 * H + R + 28) + T + 4 * g + S
+    assert cost.epilogue_cycles(32, 8, g, bias=False, multicast=True) == far + 7 * STEP + 28 + T
+    # where the relay pays (2 PEs) and where the multicast does (4 and more): both are offered
+    assert cost.epilogue_cycles(32, 2, g, False, True) > cost.epilogue_cycles(32, 2, g, False)
+    for pes in (4, 8, 16):
+        assert cost.epilogue_cycles(32, pes, g, False, True) < cost.epilogue_cycles(32, pes, g, False)
+    four = GemvTiling(768, 3072, 4, 192, "k_along_x")
+    assert cost.epilogue_ways(four, g) == [(1, False), (2, False), (2, True), (4, False), (4, True)]
+    assert cost.epilogue_ways(four, 0) == [(1, False)]
+    fc = cost.best_gemv_reduction(
+        GemvTiling(768, 3072, 64, 96, "k_along_x", norm_fold=True), "wse2", "fp16", g
+    )
+    assert (fc.epilogue_pes, fc.epilogue_multicast) == (8, True)
+    # fc has its LayerNorm folded in: the multicast carries all 32 raw sums and the 2 statistics, and
+    # every PE applies the LayerNorm to its 4 (rsqrt and 2 operations per output) before its GELUs
+    phases = cost.gemv_cost(fc, "wse2", "fp16", g).phases
+    assert "LayerNorm (mean, rstd) + bias" not in phases
+    far = S + (7 * H + R + 34) + T + (cost.RSQRT_CYCLES + 2 * 4) + 4 * g + S
+    assert phases["LayerNorm + epilogue (shared by 8 PEs, multicast)"] == far + 7 * STEP + 28 + T
+    assert far + 7 * STEP + 28 + T == cost.epilogue_cycles(32, 8, g, False, True, True)
+
+
 def test_norm_cost_by_hand() -> None:
     # 16 values on 4 PEs: input, the local sums of x and x^2 (one @map of 4 steps, each its overhead
     # and 1 + 2 ops), one all-reduce of the two words towards PE 1 (each step passes 2 words, the

@@ -363,13 +363,21 @@ def test_two_level_attention_merge_equals_the_simulator():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("arch", "vocab", "gelu_pes", "workers"),
-    [("wse2", 100, 4, 5), pytest.param("wse3", 86, 2, 5, marks=pytest.mark.executor_full)],
+    ("arch", "vocab", "gelu_pes", "multicast", "workers"),
+    [
+        ("wse2", 100, 4, False, 5),
+        pytest.param("wse3", 86, 2, False, 5, marks=pytest.mark.executor_full),
+        ("wse2", 100, 4, True, 5),
+        pytest.param("wse3", 86, 4, True, 5, marks=pytest.mark.executor_full),
+    ],
 )
-def test_a_shared_gelu_and_the_heads_workers_equal_the_simulator(arch, vocab, gelu_pes, workers):
-    """fc's GELU shared by the last `gelu_pes` PEs of every K-line (pe/gemv.csl, comm/scatter.csl):
-    the root sends the others their slices of the sum back along the line and a gather line carries
-    them out through the root's lane; GELU is elementwise, so the numbers are unchanged. The head's
+def test_a_shared_gelu_and_the_heads_workers_equal_the_simulator(arch, vocab, gelu_pes, multicast, workers):
+    """fc's GELU shared by the last `gelu_pes` PEs of every K-line (pe/gemv.csl): relayed
+    (comm/scatter.csl), the root sends the others their slices of the sum back along the line and a
+    gather line carries them out through the root's lane; multicast (comm/spread.csl), the root sends
+    the others' sums in one multicast and their results come back as one chain sum, each PE's vector
+    zero outside its slice. GELU is elementwise and a sum with zeros exact, so the numbers are
+    unchanged. The head's
     logits held by the `workers` PEs before each root (pe/head.csl): each sums its slice's exps
     against its own max and rescales the sum to the global max, the sums added along the K-line's chain
     links (wafer_gpt2.sim.kernels._logsumexp in that order). 86 tokens on 6 columns of 15 leave the last
@@ -384,11 +392,16 @@ def test_a_shared_gelu_and_the_heads_workers_equal_the_simulator(arch, vocab, ge
     fc, head = plan.region("L0.fc"), plan.region("head")
     assert fc.tiling.tile_n % gelu_pes == 0 and fc.tiling.rows >= gelu_pes
     assert head.tiling.gemv.tile_n % workers == 0 and head.tiling.gemv.rows > workers
-    fc.tiling = replace(fc.tiling, epilogue_pes=gelu_pes)
+    fc.tiling = replace(fc.tiling, epilogue_pes=gelu_pes, epilogue_multicast=multicast)
     plan.head = head.tiling = replace(head.tiling, workers=workers)
     tiles = build_program(plan).tiles.values()
-    # every fc column: one PE sends the slices (FIRST), the farthest keeps the last of them (LAST)
-    roles = [tile.params["scatter_role"] for tile in tiles if tile.region == fc.name]
+    # every fc column: one PE sends the slices (FIRST), the farthest keeps the last of them (LAST);
+    # multicast: the farthest starts the sum (FIRST), the root ends it (LAST)
+    roles = [
+        tile.params["spread_role" if multicast else "scatter_role"]
+        for tile in tiles
+        if tile.region == fc.name
+    ]
     assert roles.count(0) == fc.tiling.cols and roles.count(2) == fc.tiling.cols
     cols = head.tiling.gemv.cols
     slots = sorted(tile.params["worker_slot"] for tile in tiles if tile.region == "head")

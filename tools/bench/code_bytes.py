@@ -5,7 +5,7 @@
     python tools/bench/code_bytes.py --write    # rewrite it in wafer_gpt2/core/code_bytes.py
 
 Every PE program is compiled on the executor in a few reference plans that together give it every
-role the generator gives (both dtypes; chains and two-level reductions, a shared epilogue,
+role the generator gives (both dtypes; chains and two-level reductions, a shared epilogue relayed or multicast,
 the head's workers and its tree in two levels: the configurations of tests/test_csl_program.py), and the table keeps, per program,
 the largest `csl_executor.codesize.program_code_bytes` over its param sets. A few minutes on 2 cores.
 """
@@ -53,6 +53,14 @@ def reference_plans(arch: str) -> list[Any]:
         head_tiling: Any = head.tiling
         shared.head = head.tiling = replace(head_tiling, workers=5)
         plans.append(shared)
+        # the same GELU shared by a multicast and a chain sum (comm/spread.csl)
+        spread = build_plan(small, arch=arch, dtype=dtype, slots=1, context=32, top_k=8)
+        fc = spread.region("L0.fc")
+        fc_tiling = fc.tiling
+        fc.tiling = replace(
+            fc_tiling, epilogue_pes=4 if fc_tiling.tile_n % 4 == 0 else 2, epilogue_multicast=True
+        )
+        plans.append(spread)
         # the head's tree over its roots in two levels
         tree = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=600, n_positions=32, name="tree")
         two = build_plan(tree, arch=arch, dtype=dtype, slots=1, context=32, top_k=8)

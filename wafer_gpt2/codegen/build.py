@@ -434,7 +434,8 @@ class _Builder:
         """The last `epilogue_pes` PEs of every K-line share the GEMV's epilogue (pe/gemv.csl): the
         root sends the others their slices back along the line (comm/scatter.csl: a chain of links
         from the root to the farthest), and a gather line from the farthest through the root carries
-        [header | slices] into the lane `connect` gave the root."""
+        [header | slices] into the lane `connect` gave the root. `epilogue_multicast`: comm/spread.csl,
+        one multicast from the root to the others and a chain from the farthest to the root (`spread`)."""
         t = region.tiling
         pes = t.epilogue_pes
         if pes <= 1:
@@ -448,6 +449,9 @@ class _Builder:
                     f"{region.name}: {pes} PEs share its epilogue, which needs one lane per output column "
                     f"into the next region, but its output column {c} feeds a gather line"
                 )
+            if t.epilogue_multicast:
+                self.spread(f"{name}.spread{c}", members)  # the root keeps its lane
+                continue
             lane = root.pop("out_tx")
             del root["out_role"]
             self.scatter_line(f"{name}.scatter{c}", members, "epi_slot")
@@ -457,6 +461,21 @@ class _Builder:
             for i, pos in enumerate(members):
                 tx = gather[i] if i < pes - 1 else lane
                 self._out(pos, "out", FIRST if i == 0 else MIDDLE, gather[i - 1] if i > 0 else None, tx, pes)
+
+    def spread(self, name: str, members: list[Pos]) -> None:
+        """comm/spread.csl over `members` (the farthest first, the root last): the root's multicast to
+        the others, and a chain of links from the farthest to the root for the sum; spread_role/_bcast/
+        _rx/_tx and epi_slot (the index in `members`) per member."""
+        bcast = self.flow(f"{name}.bcast", members[-1], members[:-1])
+        links = [self.flow(f"{name}.sum{i}", members[i], [members[i + 1]]) for i in range(len(members) - 1)]
+        for i, pos in enumerate(members):
+            self.params[pos].update(
+                spread_role=FIRST if i == 0 else LAST if i == len(members) - 1 else MIDDLE,
+                spread_bcast=bcast,
+                spread_rx=links[i - 1] if i > 0 else None,
+                spread_tx=links[i] if i < len(links) else None,
+                epi_slot=i,
+            )
 
     def scatter_line(self, name: str, members: list[Pos], slot: str) -> None:
         """A scatter line (comm/scatter.csl) from the last of `members` (the root) back to the first:
@@ -564,7 +583,11 @@ def _build_program(plan: Plan) -> Program:
 _GATHER_NONE = {"role": NONE, "rx": None, "tx": None, "line": 1, "rev": False}
 _CHAIN_NONE = {"role": NONE, "rx": None, "tx": None}
 OPTIONAL_OUTPUTS = {
-    "pe/gemv.csl": {"out": _GATHER_NONE, "scatter": _CHAIN_NONE},
+    "pe/gemv.csl": {
+        "out": _GATHER_NONE,
+        "scatter": _CHAIN_NONE,
+        "spread": {"role": NONE, "bcast": None, "rx": None, "tx": None},
+    },
     "pe/layernorm.csl": {"y": _GATHER_NONE, "resid": _GATHER_NONE},
     "pe/residual.csl": {"next": _GATHER_NONE, "fwd": _GATHER_NONE},
     "pe/embed.csl": {"out": _GATHER_NONE},
@@ -606,7 +629,8 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
             own.update(to_host=D2H, record_words=record_words(plan.top_k))
         elif kind == "gemv":
             own.update(tile_k=t.tile_k, tile_n=t.tile_n, use_fp16=fp16, gelu_out=region.name.endswith(".fc"),
-                       epi_pes=t.epilogue_pes, epi_slot=t.epilogue_pes, norm_dim=t.k if t.norm_fold else 0,
+                       epi_pes=t.epilogue_pes, epi_slot=t.epilogue_pes, epi_multicast=t.epilogue_multicast,
+                       norm_dim=t.k if t.norm_fold else 0,
                        norm_eps=float(cfg.layer_norm_epsilon))  # fmt: skip
         elif kind == "embed_head":
             own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,

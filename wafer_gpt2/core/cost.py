@@ -383,24 +383,38 @@ def gemv_cost(
         f" (runs of {tiling.group})" if tiling.reduction == "two_level" else ""
     )
     cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group))
-    if tiling.norm_fold:  # the bias rides the multiply by rstd (an FMAC): not a pass of its own
+    # shared through comm/spread.csl, every PE applies the LayerNorm to its own slice (in the epilogue)
+    spread_norm = epilogue and tiling.norm_fold and tiling.epilogue_multicast and tiling.epilogue_pes > 1
+    if tiling.norm_fold and not spread_norm:  # the bias rides the multiply by rstd: not a pass of its own
         cost.add("LayerNorm (mean, rstd) + bias", RSQRT_CYCLES + 2 * tiling.tile_n)
     if not epilogue:
         return cost
     cycles = epilogue_cycles(
-        tiling.tile_n, tiling.epilogue_pes, epilogue_cycles_per_output, not tiling.norm_fold
+        tiling.tile_n,
+        tiling.epilogue_pes,
+        epilogue_cycles_per_output,
+        not tiling.norm_fold,
+        tiling.epilogue_multicast,
+        spread_norm,
     )
     if cycles or not tiling.norm_fold:
-        shared = f" (shared by {tiling.epilogue_pes} PEs)" if tiling.epilogue_pes > 1 else ""
-        cost.add(("epilogue" if tiling.norm_fold else "bias + epilogue") + shared, cycles)
+        how = ", multicast" if tiling.epilogue_multicast else ""
+        shared = f" (shared by {tiling.epilogue_pes} PEs{how})" if tiling.epilogue_pes > 1 else ""
+        what = (
+            "LayerNorm + epilogue" if spread_norm else "epilogue" if tiling.norm_fold else "bias + epilogue"
+        )
+        cost.add(what + shared, cycles)
     return cost
 
 
 @lru_cache(maxsize=4096)  # pure, and priced for every candidate of the search
-def epilogue_cycles(tile_n: int, pes: int, per_output: int, bias: bool = True) -> int:
+def epilogue_cycles(
+    tile_n: int, pes: int, per_output: int, bias: bool = True, multicast: bool = False, norm: bool = False
+) -> int:
     """The bias (unless it was added already: `bias` False) and the epilogue of one output column,
     from its sum being complete on the K-line's last PE to the output's lane starting (its header and
-    tile_n words then stream as before).
+    tile_n words then stream as before). `multicast`: shared as `multicast_epilogue_cycles` prices
+    (`norm`: with the folded LayerNorm on every PE's slice).
 
     One PE: the bias and the epilogue, output after output. Shared by the last `pes` PEs of the line
     (wafer_gpt2/kernels/pe/gemv.csl, comm/scatter.csl, comm/gather.csl), priced step by step as the CSL takes
@@ -421,6 +435,8 @@ def epilogue_cycles(tile_n: int, pes: int, per_output: int, bias: bool = True) -
         return added + tile_n * per_output
     if tile_n % pes:
         raise ValueError(f"{pes} epilogue PEs do not split {tile_n} outputs evenly")
+    if multicast:
+        return multicast_epilogue_cycles(tile_n, pes, per_output, 0 if norm else added, norm)
     part = tile_n // pes
     work = part * per_output
     sent = added + DSD_OP_START_CYCLES  # the slices' stream leaves the last PE
@@ -435,6 +451,32 @@ def epilogue_cycles(tile_n: int, pes: int, per_output: int, bias: bool = True) -
         end = passed + _TASK_STEP + part
     lane = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + _TASK_STEP + tile_n
     return end - lane
+
+
+def multicast_epilogue_cycles(tile_n: int, pes: int, per_output: int, added: int, norm: bool = False) -> int:
+    """The epilogue shared by the last `pes` PEs as wafer_gpt2/kernels/comm/spread.csl takes it, after
+    `added` cycles of bias on the root:
+    - the root starts one multicast of the others' (pes - 1) * part sums back along the line (`norm`:
+      all tile_n raw sums and the LayerNorm's two statistics) and applies the epilogue to its own
+      slice (the last) meanwhile, then starts its read of the sum;
+    - PE j (0 the farthest) reads every word of the multicast (one operation set up long before), a
+      task activation later (`norm`: applies the LayerNorm to its slice, priced as the root's phase
+      prices it for all outputs) applies the epilogue to its slice, writing it into a vector of the same
+      length that is zero elsewhere, and starts its part of a streamed chain sum of those vectors
+      towards the root (comm/chain.csl's links: the windows side by side, every word one nonzero
+      term), which the root reads into its sums' place;
+    - a task activation on the root when the sum is in, which starts the lane as an unshared root does."""
+    part = tile_n // pes
+    words = (pes - 1) * part
+    sent_words = tile_n + NORM_STAT_WORDS if norm else words
+    work = part * per_output + (RSQRT_CYCLES + 2 * part if norm else 0)
+    sent = added + DSD_OP_START_CYCLES  # the multicast leaves the root
+    ready = [
+        sent + stream_cycles(sent_words, pes - 1 - j) + TASK_ACTIVATION_CYCLES + work + DSD_OP_START_CYCLES
+        for j in range(pes - 1)
+    ]
+    ready.append(sent + work + DSD_OP_START_CYCLES)  # the root's read of the sum
+    return chain_times(ready) + words + TASK_ACTIVATION_CYCLES
 
 
 # A word passed on through a PE (a hop, the ramp, the CE's move), and the next DSD operation of a PE
@@ -467,6 +509,14 @@ def epilogue_options(tiling: GemvTiling, per_output: int) -> list[int]:
     return _sharing_options(tiling.tile_n, tiling.rows)
 
 
+def epilogue_ways(tiling: GemvTiling, per_output: int) -> list[tuple[int, bool]]:
+    """(epilogue_pes, epilogue_multicast) of every way the program shares an epilogue: alone, and
+    each sharing relayed (comm/scatter.csl, comm/gather.csl) or multicast (comm/spread.csl)."""
+    return [
+        (p, m) for p in epilogue_options(tiling, per_output) for m in ((False,) if p == 1 else (False, True))
+    ]
+
+
 @lru_cache(maxsize=8192)
 def best_gemv_reduction(
     tiling: GemvTiling, arch: Arch | str, dtype: str, epilogue_cycles_per_output: int = 0
@@ -475,9 +525,17 @@ def best_gemv_reduction(
     sharing (`epilogue_options`) the model finds fastest. Only what wafer_gpt2/kernels/comm implements is offered:
     a faster plan the CSL cannot run is worth nothing."""
     options = [
-        GemvTiling(**{**vars(tiling), "reduction": kind, "group": group, "epilogue_pes": pes})
+        GemvTiling(
+            **{
+                **vars(tiling),
+                "reduction": kind,
+                "group": group,
+                "epilogue_pes": pes,
+                "epilogue_multicast": mc,
+            }
+        )
         for kind, group in reduction_options(tiling.rows)
-        for pes in epilogue_options(tiling, epilogue_cycles_per_output)
+        for pes, mc in epilogue_ways(tiling, epilogue_cycles_per_output)
     ]
     return min(options, key=lambda t: gemv_cost(t, arch, dtype, epilogue_cycles_per_output).cycles)
 

@@ -95,6 +95,10 @@ class GemvTiling:
     # slices back along the line, each applies the epilogue to its slice, a gather line sends them out
     # (epilogue_pes divides tile_n)
     epilogue_pes: int = 1
+    # how they share it: False, the slices relayed back along the line and gathered (comm/scatter.csl,
+    # comm/gather.csl); True, the root multicasts the others' sums in one stream and their results
+    # come back as one streamed sum, each PE's vector zero outside its slice (comm/spread.csl)
+    epilogue_multicast: bool = False
     norm_fold: bool = False  # the LayerNorm before this GEMV is folded in (module docstring)
 
     @property

@@ -57,6 +57,12 @@ def gemv_symbols(t: GemvTiling, dtype: str) -> dict[str, Symbol]:
         "acc": Symbol("f32", t.tile_n + (NORM_STAT_WORDS if t.norm_fold else 0)),  # fp32 partial sums
         "comm": COMM,
         **reduction_symbols(t.reduction),
+        # comm/spread.csl: a PE sharing the epilogue writes its slice into a vector zero elsewhere
+        **(
+            {"epi": Symbol("f32", (t.epilogue_pes - 1) * (t.tile_n // t.epilogue_pes))}
+            if t.epilogue_multicast and t.epilogue_pes > 1
+            else {}
+        ),
     }
 
 
