@@ -141,6 +141,11 @@ def test_attention_cost_by_hand() -> None:
     for r in ready[1:]:
         first = max(r, first + H + R) + 1
     assert c.phases["sum merge round (chain)"] == first + 9 + T - known - rescale
+    # The new position (7) is PE 3's, which ends the merge: it stores k (one @map of 8 steps, a step
+    # its overhead and the rounding) before its scores and v before its weights, so M and all after it
+    # come that much later.
+    store = S + 8 * (M + 1)
+    assert c.phases["the owner's k, v store (not hidden)"] == 2 * store
     # 1/l (one head: no second send to chain), the multiply riding the output's stream
     assert (c.phases["1 / sum"], c.phases["to the O rows"]) == (10, 3 * H + R + 8)
     assert c.cycles == sum(c.phases.values())
@@ -165,6 +170,18 @@ def test_attention_cost_by_hand() -> None:
     # the scores' @map still runs over both positions of the PE; the weighted V over the visible one
     assert first_token.phases["scores q.k"] == S + 8 * (M + 1) + T
     assert first_token.phases["exp + weighted V"] == 20 + S + (M + 2)
+    # PE 0 owns position 0: its maximum joins the chain `store` late, after the others' weights (a
+    # single position: 20 + S + M + 2), so M is late for all; its own weights end after both stores.
+    w1 = 20 + S + (M + 2)
+    plain_sent = max(2 * S + 3 * STEP + 1, w1) + T + 2 * S
+    sent = max(2 * S + store + 3 * STEP + 1, w1) + T + 2 * S
+    known0 = max(sent + 3 * H + R + 1, 2 * store + w1) + T
+    ready = (
+        [known0 + rescale] + [sent + (2 * (3 - i) + R + 1) + T + rescale for i in (1, 2)] + [sent + rescale]
+    )
+    plain = [plain_sent + (2 * (3 - i) + R + 1) + T + rescale for i in range(3)] + [plain_sent + rescale]
+    late = cost.chain_times(ready) - cost.chain_times(plain)
+    assert first_token.phases["the owner's k, v store (not hidden)"] == late > 0
 
 
 def test_the_heads_tree_by_hand() -> None:
