@@ -119,8 +119,8 @@ def test_attention_cost_by_hand() -> None:
     # 4 PEs x 2 positions, one head per PE: the scores are one @map of 8 steps (head dimensions) over
     # 2 positions, the weighted V one @map of 2 steps (positions) over 8 dimensions.
     c = cost.attention_cost(t, "wse2", "fp16")
-    assert c.phases["q multicast"] == 3 * H + R + 8
-    assert c.phases["k/v to the owner (not hidden)"] == 0  # 16 words arrive while it works on 1 position (24)
+    # every PE reads the header and all of [q | k | v] (5 + 3 x 8 words) before its task starts
+    assert c.phases["q, k, v multicast"] == 3 * H + R + 5 + 24
     assert c.phases["scores q.k"] == S + 8 * (M + 1) + T
     weights = 2 * 20 + S + 2 * (M + 2)
     assert c.phases["exp + weighted V"] == weights
@@ -163,10 +163,9 @@ def test_attention_cost_by_hand() -> None:
     # PEs (4 and 9) sit at the two ends of their rows, five hops apart
     folded = AttentionTiling(**{**vars(t), "chain": 10, "context": 10, "fold": 2, "group": 5})
     assert cost._run_end_links(AttentionTiling(**{**vars(folded), "reduction": "two_level"})) == [5]
-    # The first token: only the owner works, and it waits for its k and v; both rounds still run the
-    # whole chain (the empty PEs send (-inf) and then zeros).
+    # The first token: only the owner has a position; both rounds still run the whole chain (the
+    # empty PEs send (-inf) and then zeros).
     first_token = cost.attention_cost(t, "wse2", "fp16", positions=1)
-    assert first_token.phases["k/v to the owner (not hidden)"] == 16
     # the scores' @map still runs over both positions of the PE; the weighted V over the visible one
     assert first_token.phases["scores q.k"] == S + 8 * (M + 1) + T
     assert first_token.phases["exp + weighted V"] == 20 + S + (M + 2)

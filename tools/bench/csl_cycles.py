@@ -30,7 +30,7 @@ from wafer_gpt2.model.config import GPT2Config  # noqa: E402
 from wafer_gpt2.model.params import GPT2Params  # noqa: E402
 from wafer_gpt2.plan import build_plan  # noqa: E402
 
-INPUT_PHASES = ("input", "input multicast", "q multicast", "hand-off", "input to the farthest column")
+INPUT_PHASES = ("input", "input multicast", "q, k, v multicast", "hand-off", "input to the farthest column")
 
 
 def region_spans(model: WaferGPT2, replica: int = 0) -> dict[str, int]:

@@ -560,9 +560,9 @@ def attention_cost(
     hpp, dim = tiling.heads_per_pe, tiling.head_dim
     local = min(tiling.positions_per_pe, positions)
     cost = StageCost(name)
-    per_position = hpp * (2 * ceil_div(dim, macs) + EXP_CYCLES)
-    cost.add("q multicast", stream_cycles(hpp * dim, (width - 1) + (tiling.fold - 1)))
-    cost.add("k/v to the owner (not hidden)", max(0, 2 * hpp * dim - (local - 1) * per_position))
+    # Every PE reads the header and all of [q | k | v] before its task starts.
+    stream = ITEM_HEADER_WORDS + 3 * hpp * dim
+    cost.add("q, k, v multicast", stream_cycles(stream, (width - 1) + (tiling.fold - 1)))
     q_cycles, kv_cycles = _unpack_cycles(tiling, segment, dtype)
     cost.add("q into place", q_cycles)
     # The scores' @map runs over all positions_per_pe (its K^T register steps a whole row per step);
