@@ -131,8 +131,12 @@ def test_attention_cost_by_hand() -> None:
     sent = weights + T + 2 * S
     known = sent + (3 * H + R + 1) + T
     assert c.phases["max merge round + M multicast (beyond the weights)"] == known - weights
-    # Each PE: its factor (one exp), l times it, acc times it (an @fmuls of 8 words), the round's start.
-    rescale = (20 + 1 + S + 8) + S
+    # Each PE: its factor (one exp) and the round's start; one head per PE, so the round's operation
+    # multiplies [l | acc] by it as it goes (an FMAC with the arriving stream).
+    rescale = 20 + S
+    # Two heads per PE: a factor each, l times it, acc times it (an @fmuls of 8 words), then the start.
+    two_heads = AttentionTiling(**{**vars(t), "n_head": 4})
+    assert cost.attention_cost(two_heads, "wse2", "fp16").phases["rescale"] == 2 * (20 + 1 + S + 8) + S
     assert c.phases["rescale"] == rescale
     # The sum round along the chain, PE i ready when M reached it (PE 3 at once), then the record of
     # 9 words ([l | acc]) and the task of the chain's end.

@@ -547,7 +547,7 @@ def attention_cost(
        as one @map over the visible positions (step j adds e_j * V[j, :], head_dim FMACs); the owner
        stores its v first. The PE that ends it multicasts M back once its own work is done.
     4. the sum round: when M is in, each PE's [l | acc] times exp(m - M) (an exp and an @fmuls per
-       head) is summed over the same links, a plain streamed add (comm/reduce.csl), every PE ready at
+       head; with one head per PE the round's FMAC multiplies) is summed over the same links, a plain streamed add (comm/reduce.csl), every PE ready at
        its own time (M reaches the far ones later, the owner is later by what its stores cost beyond
        its wait for M: "the owner's k, v store (not hidden)").
     5. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV, the output
@@ -625,7 +625,8 @@ def merge_rounds(
     (a copy and a send) over one multicast; each other PE takes a task when M is in and its own
     weights are done.
     Sum round: a PE's factor (one exp per head), the l it scales and its acc (an @fmuls per head) and
-    the start of the round's operation; then the record [l | acc] streams through the same links, each
+    the start of the round's operation (one head per PE: the exp and the start, the operation an FMAC
+    that scales as it sends); then the record [l | acc] streams through the same links, each
     PE ready at its own time; the last add ends its task. A group of one PE goes straight on to 1/l."""
     hpp = tiling.heads_per_pe
     record = hpp * (tiling.head_dim + 1)
@@ -652,6 +653,8 @@ def merge_rounds(
     rescale = (
         hpp * (EXP_CYCLES + FP32_OPS_PER_CYCLE + DSD_OP_START_CYCLES + tiling.head_dim) + DSD_OP_START_CYCLES
     )
+    if hpp == 1:  # the round's own operation multiplies by the factor as the record leaves (an FMAC)
+        rescale = EXP_CYCLES + DSD_OP_START_CYCLES
     ready = [k + rescale for k in known]
     summed = _merge_first(ready, tiling) + record + TASK_ACTIVATION_CYCLES
     return MergeRounds(max(known), rescale, summed)
