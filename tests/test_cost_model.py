@@ -151,8 +151,8 @@ def test_attention_cost_by_hand() -> None:
     # 4 PEs x 2 positions, one head per PE: the scores are one @map of 8 steps (head dimensions) over
     # 2 positions, the weighted V one @map of 2 steps (positions) over 8 dimensions.
     c = cost.attention_cost(t, "wse2", "fp16")
-    assert c.phases["q multicast"] == 3 * H + R + 8
-    assert c.phases["k/v to the owner (not hidden)"] == 0  # 16 words arrive while it works on 1 position (24)
+    # every PE reads the header and all of [q | k | v] (5 + 3 x 8 words) before its task starts
+    assert c.phases["q, k, v multicast"] == 3 * H + R + 5 + 24
     assert c.phases["scores q.k"] == S + 8 * (M + 1) + T
     weights = 2 * 20 + S + 2 * (M + 2)
     assert c.phases["exp + weighted V"] == weights
@@ -163,8 +163,12 @@ def test_attention_cost_by_hand() -> None:
     sent = weights + T + 2 * S
     known = sent + (3 * H + R + 1) + T
     assert c.phases["max merge round + M multicast (beyond the weights)"] == known - weights
-    # Each PE: its factor (one exp), l times it, acc times it (an @fmuls of 8 words), the round's start.
-    rescale = (20 + 1 + S + 8) + S
+    # Each PE: its factor (one exp) and the round's start; one head per PE, so the round's operation
+    # multiplies [l | acc] by it as it goes (an FMAC with the arriving stream).
+    rescale = 20 + S
+    # Two heads per PE: a factor each, l times it, acc times it (an @fmuls of 8 words), then the start.
+    two_heads = AttentionTiling(**{**vars(t), "n_head": 4})
+    assert cost.attention_cost(two_heads, "wse2", "fp16").phases["rescale"] == 2 * (20 + 1 + S + 8) + S
     assert c.phases["rescale"] == rescale
     # The sum round along the chain, PE i ready when M reached it (PE 3 at once), then the record of
     # 9 words ([l | acc]) and the task of the chain's end.
@@ -173,6 +177,11 @@ def test_attention_cost_by_hand() -> None:
     for r in ready[1:]:
         first = max(r, first + H + R) + 1
     assert c.phases["sum merge round (chain)"] == first + 9 + T - known - rescale
+    # The new position (7) is PE 3's, which ends the merge: it stores k (one @map of 8 steps, a step
+    # its overhead and the rounding) before its scores and v before its weights, so M and all after it
+    # come that much later.
+    store = S + 8 * (M + 1)
+    assert c.phases["the owner's k, v store (not hidden)"] == 2 * store
     # 1/l (one head: no second send to chain), the multiply riding the output's stream
     assert (c.phases["1 / sum"], c.phases["to the O rows"]) == (10, 3 * H + R + 8)
     assert c.cycles == sum(c.phases.values())
@@ -190,13 +199,24 @@ def test_attention_cost_by_hand() -> None:
     # PEs (4 and 9) sit at the two ends of their rows, five hops apart
     folded = AttentionTiling(**{**vars(t), "chain": 10, "context": 10, "fold": 2, "group": 5})
     assert cost._run_end_links(AttentionTiling(**{**vars(folded), "reduction": "two_level"})) == [5]
-    # The first token: only the owner works, and it waits for its k and v; both rounds still run the
-    # whole chain (the empty PEs send (-inf) and then zeros).
+    # The first token: only the owner has a position; both rounds still run the whole chain (the
+    # empty PEs send (-inf) and then zeros).
     first_token = cost.attention_cost(t, "wse2", "fp16", positions=1)
-    assert first_token.phases["k/v to the owner (not hidden)"] == 16
     # the scores' @map still runs over both positions of the PE; the weighted V over the visible one
     assert first_token.phases["scores q.k"] == S + 8 * (M + 1) + T
     assert first_token.phases["exp + weighted V"] == 20 + S + (M + 2)
+    # PE 0 owns position 0: its maximum joins the chain `store` late, after the others' weights (a
+    # single position: 20 + S + M + 2), so M is late for all; its own weights end after both stores.
+    w1 = 20 + S + (M + 2)
+    plain_sent = max(2 * S + 3 * STEP + 1, w1) + T + 2 * S
+    sent = max(2 * S + store + 3 * STEP + 1, w1) + T + 2 * S
+    known0 = max(sent + 3 * H + R + 1, 2 * store + w1) + T
+    ready = (
+        [known0 + rescale] + [sent + (2 * (3 - i) + R + 1) + T + rescale for i in (1, 2)] + [sent + rescale]
+    )
+    plain = [plain_sent + (2 * (3 - i) + R + 1) + T + rescale for i in range(3)] + [plain_sent + rescale]
+    late = cost.chain_times(ready) - cost.chain_times(plain)
+    assert first_token.phases["the owner's k, v store (not hidden)"] == late > 0
 
 
 def test_the_heads_tree_by_hand() -> None:

@@ -7,7 +7,7 @@ longest busy span of any of its PEs for one decode item: from the moment its inp
 (residual adds: the GEMV output's arrival) to the moment its output has left (wafer_gpt2/kernels/lib/timing.csl);
 the model's is the stage without its input phase, which the executor span leaves out.
 
-    python tools/bench/csl_cycles.py [--arch wse2] [--vocab 50257] [--objective compact] [--position 32]
+    python tools/bench/csl_cycles.py [--arch wse2] [--vocab 50257] [--objective compact] [--position 32] [--idle]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from wafer_gpt2.model.config import GPT2Config  # noqa: E402
 from wafer_gpt2.model.params import GPT2Params  # noqa: E402
 from wafer_gpt2.plan import build_plan  # noqa: E402
 
-INPUT_PHASES = ("input", "input multicast", "q multicast", "hand-off", "input to the farthest column")
+INPUT_PHASES = ("input", "input multicast", "q, k, v multicast", "hand-off", "input to the farthest column")
 
 
 def region_spans(model: WaferGPT2, replica: int = 0) -> dict[str, int]:
@@ -70,6 +70,12 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--objective", default="compact")
     p.add_argument("--position", type=int, default=32, help="the decode item's position (its context)")
+    p.add_argument(
+        "--idle",
+        action="store_true",
+        help="score the prompt's last item first, so that the decode item runs on an idle wafer (a "
+        "chained region's PEs then start it together, not as each finishes the prompt's items)",
+    )
     p.add_argument("--json", help="write the table here")
     args = p.parse_args()
     config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=args.vocab, n_positions=64, name="tiny")
@@ -78,7 +84,10 @@ def main() -> int:
     model = WaferGPT2(plan, CslExecutorRuntime(compile_plan(plan)), params)
     try:
         rng = np.random.default_rng(0)
-        prompt = [StepItem(0, i, int(rng.integers(args.vocab))) for i in range(args.position)]
+        prompt = [
+            StepItem(0, i, int(rng.integers(args.vocab)), want_scores=args.idle and i == args.position - 1)
+            for i in range(args.position)
+        ]
         if prompt:
             model.step(prompt)
         model.step([StepItem(0, args.position, 1, want_scores=True)])

@@ -593,21 +593,21 @@ def attention_cost(
 ) -> StageCost:
     """One decode item attending to `positions` cached positions (default: the whole context).
 
-    1. q of a head group enters the group's rows and is multicast over its block (every PE needs all
-       of q); k and v follow on the same lanes and are kept by the PE that owns the new position, which
-       meanwhile works on its older positions (only the excess over that work delays it). The stream
-       holds the group's qkv columns of `segment` values of each of q, k and v (default: one column);
-       every PE moves q into place, the owner k and v into its cache (`_unpack_cycles`).
+    1. the group's stream of [q | k | v] (the group's qkv columns of `segment` values of each of the
+       three, default one column) enters the group's rows and is multicast over its block: every PE
+       reads all of it (comm/recv.csl) before its task starts; every PE moves q into place, and the PE
+       that owns the new position its k into the cache (`_unpack_cycles`).
     2. each PE, per head (wafer_gpt2/kernels/pe/attention.csl `scores_and_max`): the scores of all its
        positions as one @map over the head dimension (K stored transposed: step d adds q_d * K^T[d, :],
        ppp FMACs) and their max.
     3. the max round (`merge_rounds`): the maxima (hpp words) reduced over the group's chain in the
        tiling's order with @fmaxs, in the fabric while every PE makes its exps and the exp-weighted V
-       as one @map over the visible positions (step j adds e_j * V[j, :], head_dim FMACs); the PE that
-       ends it multicasts M back once its own work is done.
+       as one @map over the visible positions (step j adds e_j * V[j, :], head_dim FMACs); the owner
+       stores its v first. The PE that ends it multicasts M back once its own work is done.
     4. the sum round: when M is in, each PE's [l | acc] times exp(m - M) (an exp and an @fmuls per
-       head) is summed over the same links, a plain streamed add (comm/reduce.csl), every PE ready at
-       its own time (M reaches the far ones later).
+       head; with one head per PE the round's FMAC multiplies) is summed over the same links, a plain streamed add (comm/reduce.csl), every PE ready at
+       its own time (M reaches the far ones later, the owner is later by what its stores cost beyond
+       its wait for M: "the owner's k, v store (not hidden)").
     5. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV, the output
        multiplied by it as it leaves (wafer_gpt2/kernels/comm/gather.csl send_scaled).
     """
@@ -617,22 +617,24 @@ def attention_cost(
     width, _ = tiling.grid_wh
     hpp, dim = tiling.heads_per_pe, tiling.head_dim
     local = min(tiling.positions_per_pe, positions)
-    per_position = hpp * (2 * ceil_div(dim, macs) + EXP_CYCLES)
     cost = StageCost(name)
-    cost.add("q multicast", stream_cycles(hpp * dim, (width - 1) + (tiling.fold - 1)))
-    cost.add("k/v to the owner (not hidden)", max(0, 2 * hpp * dim - (local - 1) * per_position))
+    # Every PE reads the header and all of [q | k | v] before its task starts.
+    stream = ITEM_HEADER_WORDS + 3 * hpp * dim
+    cost.add("q, k, v multicast", stream_cycles(stream, (width - 1) + (tiling.fold - 1)))
     q_cycles, kv_cycles = _unpack_cycles(tiling, segment, dtype)
     cost.add("q into place", q_cycles)
-    cost.add("k, v into the cache (the owner)", kv_cycles)
     # The scores' @map runs over all positions_per_pe (its K^T register steps a whole row per step);
     # the later steps see only the visible ones.
     cost.add("scores q.k", hpp * map_fmac_cycles(dim, tiling.positions_per_pe, macs) + TASK_ACTIVATION_CYCLES)
     weights = local * hpp * EXP_CYCLES + hpp * map_fmac_cycles(local, dim, macs)
     rounds = merge_rounds(tiling, weights)
+    owner = (positions - 1) // tiling.positions_per_pe
+    stored = merge_rounds(tiling, weights, owner, kv_cycles // 2, kv_cycles // 2)
     cost.add("exp + weighted V", weights)
     cost.add("max merge round + M multicast (beyond the weights)", rounds.m_known - weights)
     cost.add("rescale", rounds.rescale)
     cost.add(f"sum merge round ({tiling.reduction})", rounds.summed - rounds.m_known - rounds.rescale)
+    cost.add("the owner's k, v store (not hidden)", stored.summed - rounds.summed)
     # 1/l per head; acc * (1/l) is made as the output leaves (one @fmuls into the fabric per head, each
     # after the previous one's task).
     cost.add("1 / sum", hpp * RSQRT_CYCLES + (hpp - 1) * (TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES))
@@ -667,33 +669,50 @@ class MergeRounds:
     summed: int
 
 
-def merge_rounds(tiling: AttentionTiling, weights: int) -> MergeRounds:
+def merge_rounds(
+    tiling: AttentionTiling, weights: int, owner: int | None = None, k_store: int = 0, v_store: int = 0
+) -> MergeRounds:
     """The max round and the sum round over a head group's chain (wafer_gpt2/kernels/pe/attention.csl,
-    comm/reduce.csl), `weights` the cycles each PE spends on its exps and weighted V meanwhile.
+    comm/reduce.csl), `weights` the cycles each PE spends on its exps and weighted V meanwhile; PE
+    `owner` (the new position's) stores k (`k_store` cycles) before its scores and v (`v_store`)
+    after it has started the max round, before its weights.
 
     Max round: each PE copies its maxima and starts the round (two DSD operations); the hpp words
     stream through the chain (or its runs, then the runs' ends, linked by direct routes:
     `_run_end_links`). The PE that ends it takes its task once its own weights are done, and sends M
-    (a copy and a send) over one multicast; each other PE takes a task when M is in.
+    (a copy and a send) over one multicast; each other PE takes a task when M is in and its own
+    weights are done.
     Sum round: a PE's factor (one exp per head), the l it scales and its acc (an @fmuls per head) and
-    the start of the round's operation; then the record [l | acc] streams through the same links, each
+    the start of the round's operation (one head per PE: the exp and the start, the operation an FMAC
+    that scales as it sends); then the record [l | acc] streams through the same links, each
     PE ready at its own time; the last add ends its task. A group of one PE goes straight on to 1/l."""
     hpp = tiling.heads_per_pe
     record = hpp * (tiling.head_dim + 1)
     n = tiling.chain
     if n == 1:  # a group of one PE has no rounds: its own max is M
-        return MergeRounds(weights, 0, weights)
+        late = k_store + v_store if owner is not None else 0
+        return MergeRounds(weights + late, 0, weights + late)
+    begins = [0] * n  # when a PE's scores are done
+    done = [weights] * n  # when its weights are
+    if owner is not None:
+        begins[owner] = k_store
+        done[owner] = k_store + v_store + weights
     spots = [tiling.snake(p) for p in range(n)]
     root = spots[-1]
     far = [abs(a - root[0]) + abs(b - root[1]) for a, b in spots]
     start = 2 * DSD_OP_START_CYCLES
-    m_done = start + _merge_first([0] * n, tiling) + hpp
-    sent = max(m_done, weights) + TASK_ACTIVATION_CYCLES + 2 * DSD_OP_START_CYCLES
-    known = [sent + stream_cycles(hpp, h) + TASK_ACTIVATION_CYCLES for h in far[:-1]]
+    m_done = start + _merge_first(begins, tiling) + hpp
+    sent = max(m_done, done[-1]) + TASK_ACTIVATION_CYCLES + 2 * DSD_OP_START_CYCLES
+    known = [
+        max(sent + stream_cycles(hpp, h), d) + TASK_ACTIVATION_CYCLES
+        for h, d in zip(far[:-1], done, strict=False)
+    ]
     known.append(sent)  # the PE that ends the round holds M at once
     rescale = (
         hpp * (EXP_CYCLES + FP32_OPS_PER_CYCLE + DSD_OP_START_CYCLES + tiling.head_dim) + DSD_OP_START_CYCLES
     )
+    if hpp == 1:  # the round's own operation multiplies by the factor as the record leaves (an FMAC)
+        rescale = EXP_CYCLES + DSD_OP_START_CYCLES
     ready = [k + rescale for k in known]
     summed = _merge_first(ready, tiling) + record + TASK_ACTIVATION_CYCLES
     return MergeRounds(max(known), rescale, summed)
