@@ -189,7 +189,7 @@ def test_attention_cost_by_hand() -> None:
     # stream of PE 3's run (comm/reduce.csl's FIFO).
     two = AttentionTiling(**{**vars(t), "reduction": "two_level", "group": 2})
     c2 = cost.attention_cost(two, "wse2", "fp16")
-    assert cost._run_end_links(two) == [2]
+    assert cost._run_end_links(two) == (2,)
     end1 = max(ready[1], ready[0] + H + R) + 1
     end3 = max(ready[3], ready[2] + H + R) + 1
     assert (
@@ -198,7 +198,7 @@ def test_attention_cost_by_hand() -> None:
     # Folded: the runs' ends are linked by direct routes: on a snake of two rows of 5 the runs' last
     # PEs (4 and 9) sit at the two ends of their rows, five hops apart
     folded = AttentionTiling(**{**vars(t), "chain": 10, "context": 10, "fold": 2, "group": 5})
-    assert cost._run_end_links(AttentionTiling(**{**vars(folded), "reduction": "two_level"})) == [5]
+    assert cost._run_end_links(AttentionTiling(**{**vars(folded), "reduction": "two_level"})) == (5,)
     # The first token: only the owner has a position; both rounds still run the whole chain (the
     # empty PEs send (-inf) and then zeros).
     first_token = cost.attention_cost(t, "wse2", "fp16", positions=1)

@@ -17,6 +17,7 @@ top-k merge) pay a task activation.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import pairwise
@@ -176,14 +177,21 @@ def chain_times(ready: list[int], hops: list[int] | int = 1) -> int:
     its first word is out at max(ready[i], the previous member's first word + the link) + one add."""
     if not ready:
         return 0
-    links = [hops] * (len(ready) - 1) if isinstance(hops, int) else list(hops)
     first = ready[0]
-    for r, h in zip(ready[1:], links, strict=True):
-        first = max(r, first + link_cycles(h)) + FP32_OPS_PER_CYCLE
+    # The planner's inner loop: `link_cycles` and max inlined (the same integers).
+    if isinstance(hops, int):
+        link = hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES
+        for r in ready[1:]:
+            first += link
+            first = (r if r > first else first) + FP32_OPS_PER_CYCLE
+        return first
+    for r, h in zip(ready[1:], hops, strict=True):
+        first += h * HOP_CYCLES + ROUTER_TO_PE_CYCLES
+        first = (r if r > first else first) + FP32_OPS_PER_CYCLE
     return first
 
 
-def level_times(ready: list[int], groups: list[int], end_hops: list[int] | None = None) -> int:
+def level_times(ready: list[int], groups: list[int], end_hops: Sequence[int] | None = None) -> int:
     """First word of the sum at the end of a streamed reduction in len(groups) + 1 levels over members
     ready at `ready` in line order: runs of groups[0] chain at once (`wafer_gpt2.core.tiling.reduction_runs`),
     then runs of groups[1] of their ends, ..., then one chain of the last level's ends. A level's ends
@@ -697,14 +705,15 @@ def merge_rounds(
     if owner is not None:
         begins[owner] = k_store
         done[owner] = k_store + v_store + weights
-    spots = [tiling.snake(p) for p in range(n)]
-    root = spots[-1]
-    far = [abs(a - root[0]) + abs(b - root[1]) for a, b in spots]
+    far = _hops_to_end(tiling)
     start = 2 * DSD_OP_START_CYCLES
     m_done = start + _merge_first(begins, tiling) + hpp
     sent = max(m_done, done[-1]) + TASK_ACTIVATION_CYCLES + 2 * DSD_OP_START_CYCLES
+    # M's multicast reaches PE i at sent + stream_cycles(hpp, far[i]) (the planner's inner loop:
+    # the arithmetic inlined)
+    arrives = sent + stream_cycles(hpp, 0)
     known = [
-        max(sent + stream_cycles(hpp, h), d) + TASK_ACTIVATION_CYCLES
+        (m if (m := arrives + h * HOP_CYCLES) > d else d) + TASK_ACTIVATION_CYCLES
         for h, d in zip(far[:-1], done, strict=False)
     ]
     known.append(sent)  # the PE that ends the round holds M at once
@@ -718,6 +727,14 @@ def merge_rounds(
     return MergeRounds(max(known), rescale, summed)
 
 
+@lru_cache(maxsize=4096)
+def _hops_to_end(tiling: AttentionTiling) -> tuple[int, ...]:
+    """Hops from each PE of a head group's snake to its last, which ends the merge."""
+    spots = [tiling.snake(p) for p in range(tiling.chain)]
+    end = spots[-1]
+    return tuple(abs(a - end[0]) + abs(b - end[1]) for a, b in spots)
+
+
 def _merge_first(ready: list[int], tiling: AttentionTiling) -> int:
     """First word of a round's result on the PE that ends the merge, members ready at `ready`: a
     chain along the snake (neighbours a hop apart), or its runs and then their ends."""
@@ -727,12 +744,13 @@ def _merge_first(ready: list[int], tiling: AttentionTiling) -> int:
     return level_times(ready, [len(runs[0])], _run_end_links(tiling))
 
 
-def _run_end_links(tiling: AttentionTiling) -> list[int]:
+@lru_cache(maxsize=4096)
+def _run_end_links(tiling: AttentionTiling) -> tuple[int, ...]:
     """Hops between consecutive runs' ends of an attention chain, which wafer_gpt2/codegen/build.py
     links by direct routes: the snake runs along rows of ceil(chain / fold) PEs, every other row
     backwards, so ends a row apart can sit one hop apart."""
     spots = [tiling.snake(run[-1]) for run in tiling.runs()]
-    return [abs(a[0] - b[0]) + abs(a[1] - b[1]) for a, b in pairwise(spots)]
+    return tuple(abs(a[0] - b[0]) + abs(a[1] - b[1]) for a, b in pairwise(spots))
 
 
 @lru_cache(maxsize=4096)
