@@ -32,6 +32,12 @@ from csl_executor.types import BOOL, F16, F32, IntType, PointerType
 OUT_JSON = "out.json"
 TRACES_JSON = "executor_traces.json"
 
+# The layout `write_output` wrote last in this process, by its folder: the next `load_output` of that
+# folder takes it instead of compiling the same sources again (a compile then a run in one process, as
+# tests and servers do). Taken once, so a runtime never shares its program with another; only the last
+# is kept, so a compile that is never run holds no more than one layout.
+_WRITTEN: dict[Path, tuple[str, CompiledLayout]] = {}
+
 
 def _sources(compiled: CompiledLayout) -> dict[str, str]:
     files = {compiled.layout.path}
@@ -61,6 +67,8 @@ def write_output(compiled: CompiledLayout, out_dir: str | Path) -> Path:
         },
     }
     (out / OUT_JSON).write_text(json.dumps(meta, indent=2))
+    _WRITTEN.clear()
+    _WRITTEN[out.resolve()] = (json.dumps(meta["executor"], sort_keys=True), compiled)
     return out
 
 
@@ -75,6 +83,9 @@ def load_output(out_dir: str | Path) -> CompiledLayout:
     for src, digest in ex["sources"].items():
         if not Path(src).is_file() or hashlib.sha256(Path(src).read_bytes()).hexdigest() != digest:
             raise CslRuntimeError(f"{src} changed since cslc compiled {out_dir}: compile again")
+    written = _WRITTEN.pop(path.parent.resolve(), None)
+    if written is not None and written[0] == json.dumps(ex, sort_keys=True):  # the same compile
+        return written[1]
     o = ex["options"]
     options = Options(
         arch=o["arch"],

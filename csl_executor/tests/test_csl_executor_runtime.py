@@ -339,3 +339,15 @@ def test_a_stream_larger_than_the_kernel_holds_deadlocks_at_the_exact_size(arch)
         in err.report.splitlines()
     )
     assert f"output queue 2 holds {rules.output_queues[2]} wavelet(s) for color 4" in err.report
+
+
+def test_the_program_just_written_is_loaded_once_without_compiling_it_again(tmp_path):
+    """`cslc -o OUT` then `SdkRuntime(OUT)` in one process: the load takes the layout the compile wrote
+    (once: a second runtime gets its own, compiled from the sources)."""
+    from csl_executor.sdk import load_output, write_output
+
+    compiled = compile_program("tasks", params={"data_out_queue": 5})
+    write_output(compiled, tmp_path)
+    assert load_output(tmp_path) is compiled
+    again = load_output(tmp_path)
+    assert again is not compiled and again.rectangle == compiled.rectangle

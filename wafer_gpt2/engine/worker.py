@@ -68,8 +68,11 @@ RELOAD_ATTEMPTS = 3
 # has the previous step's token work done beside it, on the helper thread: handing it over costs a GIL
 # hand-off, which a shorter wait cannot hide. The threshold is low enough that a modeled GPT-2 124M step
 # overlaps (it keeps the modeled wafer busier with the engine in its own process), high enough that a
-# backend computing on the worker's thread (null, reference) does not.
+# backend computing on the worker's thread (null, reference) does not. The wait must hold for a few steps
+# in a row: one step that measured a wait because the OS preempted the worker (a busy machine) is no
+# wafer's wait.
 OVERLAP_MIN_WAIT_S = 0.1e-3
+OVERLAP_STEPS_IN_A_ROW = 3
 
 
 class HelperThread:
@@ -203,6 +206,7 @@ class Engine:
         self._arrivals: collections.deque[_Arrival] = collections.deque()
         self._parked = False
         self._helper_cpu_s = 0.0  # CPU time of the helper's jobs (under the lock): not the backend's wait
+        self._waits_in_a_row = 0  # steps in a row that left the GIL free for OVERLAP_MIN_WAIT_S or more
 
     # ----- lifecycle -------------------------------------------------------------------------------
 
@@ -436,7 +440,9 @@ class Engine:
                         # wafer's wait (the simulator's runtime thread's, the stand-in's sleep), not the
                         # worker's own computing (the null and reference backends) nor the helper's job
                         # (which would otherwise make every later step look like a wait).
-                        defer = took - computing - (self._helper_cpu_s - helped) >= OVERLAP_MIN_WAIT_S
+                        waited = took - computing - (self._helper_cpu_s - helped) >= OVERLAP_MIN_WAIT_S
+                        self._waits_in_a_row = self._waits_in_a_row + 1 if waited else 0
+                        defer = self._waits_in_a_row >= OVERLAP_STEPS_IN_A_ROW
                         self._step = None
                         core.complete_deferred()  # what the helper did not get to
                         core.finish(batch, results, defer=defer)  # the events went to the event loops
