@@ -78,6 +78,9 @@ class Machine:
         self.active: Command | None = None
         self.blocked_pes = 0
         self.last_command_end = 0
+        # (kind, start, end) of the latest host commands, in cycles: a step's edge-to-edge time is the
+        # span from its first H2D's start to its last D2H's end (tools/bench/csl_cycles.py).
+        self.command_times: deque[tuple[str, int, int]] = deque(maxlen=64)
         self.log_lines: list[str] = []
         self.collectives: dict = {}
         self.warnings: list[str] = []
@@ -211,12 +214,14 @@ class Machine:
         cmd = self.commands.popleft()
         self.active = cmd
         start = max(self.now, self.last_command_end) + timing.COMMAND_LATENCY
+        cmd.started_at = start
         self.at(start, cmd.start)
 
     def command_done(self, cmd: Command, t: int) -> None:
         cmd.done = True
         self.active = None
         self.last_command_end = t
+        self.command_times.append((type(cmd).__name__, cmd.started_at, t))
         self._next_command()
 
     def cmd_unblocked(self, pe: PE) -> None:
@@ -309,6 +314,7 @@ class Machine:
 
 class Command:
     done = False
+    started_at = 0  # the cycle the machine started it (`_next_command`)
 
     def __init__(self, machine: Machine) -> None:
         self.m = machine

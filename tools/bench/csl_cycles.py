@@ -5,7 +5,9 @@ Both figures are modeled: the executor's come from its per-event costs (csl_exec
 the real CSL, the cost model's from wafer_gpt2/core/cost.py's formulas. Per region the executor figure is the
 longest busy span of any of its PEs for one decode item: from the moment its input is in memory
 (residual adds: the GEMV output's arrival) to the moment its output has left (wafer_gpt2/kernels/lib/timing.csl);
-the model's is the stage without its input phase, which the executor span leaves out.
+the model's is the stage without its input phase, which the executor span leaves out. The last row
+is the whole token, like for like: the executor's cycles from the decode step's first H2D command to its
+last D2H (memcpy edge in to edge out) against the sum of the model's stages at that position.
 
     python tools/bench/csl_cycles.py [--arch wse2] [--vocab 50257] [--objective compact] [--position 32] [--idle]
 """
@@ -47,7 +49,9 @@ def region_spans(model: WaferGPT2, replica: int = 0) -> dict[str, int]:
     return spans
 
 
-def modeled(plan, position: int) -> dict[str, int]:
+def modeled(plan, position: int, whole: bool = False) -> dict[str, int]:
+    """Per stage, the model's cycles for a decode item at `position` (attention priced at that context);
+    without `whole`, less the input phases the executor's span leaves out."""
     out = {}
     for stage in plan.stage_costs:
         phases = dict(stage.phases)
@@ -59,8 +63,17 @@ def modeled(plan, position: int) -> dict[str, int]:
                     region.tiling, plan.arch, plan.dtype, position + 1, segment=qkv.segment_tile
                 ).phases
             )
-        out[stage.name] = sum(v for k, v in phases.items() if k not in INPUT_PHASES)
+        out[stage.name] = sum(v for k, v in phases.items() if whole or k not in INPUT_PHASES)
     return out
+
+
+def edge_to_edge(model: WaferGPT2) -> int:
+    """The executor's cycles from the step's first H2D command starting to its last D2H ending: the
+    token's whole path, memcpy edge in to memcpy edge out, as the model's `decode_cycles` counts it."""
+    times = model.runtime._runner.machine.command_times  # the executor's record of host commands
+    starts = [start for kind, start, _ in times if kind == "StreamH2D"]
+    ends = [end for kind, _, end in times if kind == "StreamD2H"]
+    return max(ends) - min(starts)
 
 
 def main() -> int:
@@ -90,8 +103,10 @@ def main() -> int:
         ]
         if prompt:
             model.step(prompt)
+        model.runtime._runner.machine.command_times.clear()  # the decode step's commands only
         model.step([StepItem(0, args.position, 1, want_scores=True)])
         spans = region_spans(model)
+        token = edge_to_edge(model)
     finally:
         model.close()
     model_cycles = modeled(plan, args.position)
@@ -109,6 +124,9 @@ def main() -> int:
             {"region": name, "executor": span, "cost_model": model_cycles[name], "ratio": round(ratio, 2)}
         )
         print(f"{name:<14}{span:>10,}{model_cycles[name]:>12,}{ratio:>8.2f}")
+    path = sum(modeled(plan, args.position, whole=True).values())
+    rows.append({"region": "token", "executor": token, "cost_model": path, "ratio": round(token / path, 2)})
+    print(f"{'token (edge to edge)':<14}{token:>10,}{path:>12,}{token / path:>8.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
