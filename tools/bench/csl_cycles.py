@@ -67,10 +67,10 @@ def modeled(plan, position: int, whole: bool = False) -> dict[str, int]:
     return out
 
 
-def edge_to_edge(model: WaferGPT2) -> int:
+def edge_to_edge(runtime: CslExecutorRuntime) -> int:
     """The executor's cycles from the step's first H2D command starting to its last D2H ending: the
     token's whole path, memcpy edge in to memcpy edge out, as the model's `decode_cycles` counts it."""
-    times = model.runtime._runner.machine.command_times  # the executor's record of host commands
+    times = runtime.machine.command_times
     starts = [start for kind, start, _ in times if kind == "StreamH2D"]
     ends = [end for kind, _, end in times if kind == "StreamD2H"]
     return max(ends) - min(starts)
@@ -94,7 +94,8 @@ def main() -> int:
     config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=args.vocab, n_positions=64, name="tiny")
     plan = build_plan(config, arch=args.arch, dtype=args.dtype, slots=2, context=64, objective=args.objective)
     params = GPT2Params.random(config, seed=3)
-    model = WaferGPT2(plan, CslExecutorRuntime(compile_plan(plan)), params)
+    runtime = CslExecutorRuntime(compile_plan(plan))
+    model = WaferGPT2(plan, runtime, params)
     try:
         rng = np.random.default_rng(0)
         prompt = [
@@ -103,10 +104,10 @@ def main() -> int:
         ]
         if prompt:
             model.step(prompt)
-        model.runtime._runner.machine.command_times.clear()  # the decode step's commands only
+        runtime.machine.command_times.clear()  # the decode step's commands only
         model.step([StepItem(0, args.position, 1, want_scores=True)])
         spans = region_spans(model)
-        token = edge_to_edge(model)
+        token = edge_to_edge(runtime)
     finally:
         model.close()
     model_cycles = modeled(plan, args.position)

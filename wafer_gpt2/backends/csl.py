@@ -13,7 +13,7 @@ import fcntl
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from wafer_gpt2.backends.sdk_container import SdkContainerRuntime
 
@@ -77,6 +77,12 @@ class CslExecutorRuntime(SdkContainerRuntime):
 
     def __init__(self, compiled_dir: str | Path) -> None:
         super().__init__(compiled_dir, cmaddr=None, sdk=runtime_module())
+
+    @property
+    def machine(self) -> Any:
+        """The executor's machine (csl_executor.machine.Machine): its clock and its record of host
+        commands, which tools/bench/csl_cycles.py reads; None before the program is loaded."""
+        return self._runner.machine
 
 
 def build_backend(params, options, out_dir: str | Path | None = None):
