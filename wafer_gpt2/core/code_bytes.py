@@ -28,7 +28,7 @@ STACK_BYTES = 1024
 # BEGIN GENERATED (python tools/bench/code_bytes.py --write)
 CODE_BYTES: dict[str, dict[str, int]] = {
     "wse2": {
-        "attention": 4508,
+        "attention": 4424,
         "embed": 2668,
         "embed_head": 6436,
         "gemv": 4076,
@@ -39,7 +39,7 @@ CODE_BYTES: dict[str, dict[str, int]] = {
         "residual": 3212,
     },
     "wse3": {
-        "attention": 4508,
+        "attention": 4424,
         "embed": 2668,
         "embed_head": 6428,
         "gemv": 4076,

@@ -616,8 +616,9 @@ def attention_cost(
        head; with one head per PE the round's FMAC multiplies) is summed over the same links, a plain streamed add (comm/reduce.csl), every PE ready at
        its own time (M reaches the far ones later, the owner is later by what its stores cost beyond
        its wait for M: "the owner's k, v store (not hidden)").
-    5. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV, the output
-       multiplied by it as it leaves (wafer_gpt2/kernels/comm/gather.csl send_scaled).
+    5. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV: the header, then
+       (a task later) the output, multiplied by it as it leaves (wafer_gpt2/kernels/comm/gather.csl
+       send_scaled).
     """
     arch = resolve_arch(arch)
     positions = tiling.context if positions is None else max(1, min(positions, tiling.context))
@@ -629,15 +630,17 @@ def attention_cost(
     # Every PE reads the header and all of [q | k | v] before its task starts.
     stream = ITEM_HEADER_WORDS + 3 * hpp * dim
     cost.add("q, k, v multicast", stream_cycles(stream, (width - 1) + (tiling.fold - 1)))
-    q_cycles, kv_cycles = _unpack_cycles(tiling, segment, dtype)
+    q_cycles, k_cycles, v_cycles = _unpack_cycles(tiling, segment, dtype)
     cost.add("q into place", q_cycles)
     # The scores' @map runs over all positions_per_pe (its K^T register steps a whole row per step);
     # the later steps see only the visible ones.
     cost.add("scores q.k", hpp * map_fmac_cycles(dim, tiling.positions_per_pe, macs) + TASK_ACTIVATION_CYCLES)
+    # per head, the visible scores times 1 / sqrt(head_dim) (@fmuls) and their max (@fmaxs)
+    cost.add("scale + max", hpp * 2 * (DSD_OP_START_CYCLES + local * FP32_OPS_PER_CYCLE))
     weights = local * hpp * EXP_CYCLES + hpp * map_fmac_cycles(local, dim, macs)
     rounds = merge_rounds(tiling, weights)
     owner = (positions - 1) // tiling.positions_per_pe
-    stored = merge_rounds(tiling, weights, owner, kv_cycles // 2, kv_cycles // 2)
+    stored = merge_rounds(tiling, weights, owner, k_cycles, v_cycles)
     cost.add("exp + weighted V", weights)
     cost.add("max merge round + M multicast (beyond the weights)", rounds.m_known - weights)
     cost.add("rescale", rounds.rescale)
@@ -646,24 +649,31 @@ def attention_cost(
     # 1/l per head; acc * (1/l) is made as the output leaves (one @fmuls into the fabric per head, each
     # after the previous one's task).
     cost.add("1 / sum", hpp * RSQRT_CYCLES + (hpp - 1) * (TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES))
+    # comm/gather.csl's lane: the header leaves first (a DSD operation), then a task starts the first
+    # head's operation.
+    cost.add("the output's header", DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + _TASK_STEP)
     # The PE that ends the merge sends the group's output to its O rows (a multicast over them).
     cost.first_word = cost.cycles
     cost.add("to the O rows", stream_cycles(hpp * dim, width - 1 + tiling.fold - 1))
     return cost
 
 
-def _unpack_cycles(tiling: AttentionTiling, segment: int | None, dtype: str) -> tuple[int, int]:
-    """wafer_gpt2/kernels/pe/attention.csl `unpack_and_store`: q of every qkv column moved into place
-    (one DSD move per column; lib/fmac.csl rounds it to fp16 as it multiplies), then on the owner k and
-    v (one operation each per head a column covers): DSD moves in fp32, @maps that round each value to
-    the fp16 cache in fp16 (a step: its overhead and the conversion)."""
+def _unpack_cycles(tiling: AttentionTiling, segment: int | None, dtype: str) -> tuple[int, int, int]:
+    """wafer_gpt2/kernels/pe/attention.csl `unpack_q_and_store_k` and `store_v`, (q, k, v) cycles: q of
+    every qkv column moved into place (one DSD move per column, its DSDs stepped by
+    @increment_dsd_offset; lib/fmac.csl rounds it to fp16 as it multiplies), then on the owner k (one
+    operation per column: K^T's rows follow each other across heads) and v (one per piece of a column
+    within one head: V's rows are per head). k and v are DSD moves in fp32, @maps that round each value
+    to the fp16 cache in fp16 (a step: its overhead and the conversion)."""
     width, dim = tiling.heads_per_pe * tiling.head_dim, tiling.head_dim
     seg = width if segment is None else segment
     cols = ceil_div(width, seg)
     pieces = sum((min(c * seg + seg, width) - 1) // dim - c * seg // dim + 1 for c in range(cols))
     per_value = MAP_STEP_CYCLES + FP32_OPS_PER_CYCLE if dtype == "fp16" else FP32_OPS_PER_CYCLE
     q = cols * DSD_OP_START_CYCLES + width * FP32_OPS_PER_CYCLE
-    return q, 2 * (pieces * DSD_OP_START_CYCLES + width * per_value)
+    k = cols * DSD_OP_START_CYCLES + width * per_value
+    v = pieces * DSD_OP_START_CYCLES + width * per_value
+    return q, k, v
 
 
 @dataclass(frozen=True)
