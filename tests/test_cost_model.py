@@ -55,18 +55,21 @@ def test_streams_and_reductions() -> None:
 def test_gemv_cost_by_hand() -> None:
     small = GemvTiling(4, 4, 2, 2)  # tile 2x2, chain over 2 rows
     c = cost.gemv_cost(small, "wse2", "fp16")
-    # one @map started, over 2 inputs, each step ceil(2 / 4) = 1 cycle of FMACs
+    # the accumulator zeroed (an @fmovs of the tile's 2 outputs), then one @map started, over 2
+    # inputs, each step ceil(2 / 4) = 1 cycle of FMACs
+    zero = S + 2
     assert c.phases == {
         "input multicast": H + R,
-        "tile FMAC": S + 2 * (M + 1),
+        "tile FMAC": zero + S + 2 * (M + 1),
         "chain reduction": STEP + 2,
         "bias + epilogue": 2,
     }
-    assert c.cycles == (H + R) + S + 2 * (M + 1) + (STEP + 2) + 2
+    assert c.cycles == (H + R) + zero + S + 2 * (M + 1) + (STEP + 2) + 2
     assert cost.gemv_cost(small, "wse2", "fp32").cycles == c.cycles + 2  # 2 outputs at 1 per cycle
     wide = GemvTiling(64, 64, 4, 1)  # tile 16x64
-    assert cost.gemv_cost(wide, "wse2", "fp16").cycles == R + S + 16 * (M + 16) + (3 * STEP + 64) + 64
-    assert cost.gemv_cost(wide, "wse3", "fp16").cycles == R + S + 16 * (M + 8) + (3 * STEP + 64) + 64
+    zero = S + 64
+    assert cost.gemv_cost(wide, "wse2", "fp16").cycles == R + zero + S + 16 * (M + 16) + (3 * STEP + 64) + 64
+    assert cost.gemv_cost(wide, "wse3", "fp16").cycles == R + zero + S + 16 * (M + 8) + (3 * STEP + 64) + 64
     two = GemvTiling(64, 64, 4, 1, reduction="two_level", group=2)
     c = cost.gemv_cost(two, "wse2", "fp16", epilogue_cycles_per_output=cost.GELU_CYCLES)
     assert c.phases["two_level reduction (runs of 2)"] == STEP + (2 * H + R + 1) + 64
@@ -153,8 +156,9 @@ def test_attention_cost_by_hand() -> None:
     c = cost.attention_cost(t, "wse2", "fp16")
     # every PE reads the header and all of [q | k | v] (5 + 3 x 8 words) before its task starts
     assert c.phases["q, k, v multicast"] == 3 * H + R + 5 + 24
-    assert c.phases["scores q.k"] == S + 8 * (M + 1) + T
-    weights = 2 * 20 + S + 2 * (M + 2)
+    # the scores' accumulator zeroed first (an @fmovs of the 2 positions), as every accumulate does
+    assert c.phases["scores q.k"] == (S + 2) + S + 8 * (M + 1) + T
+    weights = 2 * 20 + (S + 8) + S + 2 * (M + 2)  # the weighted V's accumulator (8 words) zeroed too
     assert c.phases["exp + weighted V"] == weights
     # The max round: a copy and the start of the round, the word through 3 chain steps; PE 3 (the
     # chain's end) takes its task after its own weights, copies M and sends it (two DSD operations);
@@ -203,11 +207,12 @@ def test_attention_cost_by_hand() -> None:
     # empty PEs send (-inf) and then zeros).
     first_token = cost.attention_cost(t, "wse2", "fp16", positions=1)
     # the scores' @map still runs over both positions of the PE; the weighted V over the visible one
-    assert first_token.phases["scores q.k"] == S + 8 * (M + 1) + T
-    assert first_token.phases["exp + weighted V"] == 20 + S + (M + 2)
+    assert first_token.phases["scores q.k"] == (S + 2) + S + 8 * (M + 1) + T
+    assert first_token.phases["exp + weighted V"] == 20 + (S + 8) + S + (M + 2)
     # PE 0 owns position 0: its maximum joins the chain `store` late, after the others' weights (a
-    # single position: 20 + S + M + 2), so M is late for all; its own weights end after both stores.
-    w1 = 20 + S + (M + 2)
+    # single position: 20 + zeroing + S + M + 2), so M is late for all; its own weights end after both
+    # stores.
+    w1 = 20 + (S + 8) + S + (M + 2)
     plain_sent = max(2 * S + 3 * STEP + 1, w1) + T + 2 * S
     sent = max(2 * S + store + 3 * STEP + 1, w1) + T + 2 * S
     known0 = max(sent + 3 * H + R + 1, 2 * store + w1) + T
@@ -298,7 +303,7 @@ def test_standalone_gemv() -> None:
     assert c.phases == {
         "input injection": R + 2,
         "input multicast": H + R,
-        "tile FMAC": S + 2 * (M + 1),
+        "tile FMAC": (S + 2) + S + 2 * (M + 1),
         "chain reduction": STEP + 2,
         "bias + epilogue": 2,
     }

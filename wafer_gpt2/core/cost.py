@@ -344,8 +344,10 @@ def norm_sums_cycles(values: int) -> int:
 def map_fmac_cycles(steps: int, width: int, macs_per_cycle: int) -> int:
     """wafer_gpt2/kernels/lib/fmac.csl `accumulate`: one @map of `steps` steps with the accumulator and the matrix
     row in DSD registers, each step `width` FMACs at the SIMD width (fp32 accumulate) plus the step's
-    overhead (calibrated, MAP_STEP_CYCLES); one DSD operation start for the whole @map."""
-    return DSD_OP_START_CYCLES + steps * (MAP_STEP_CYCLES + ceil_div(width, macs_per_cycle))
+    overhead (calibrated, MAP_STEP_CYCLES); one DSD operation start for the whole @map, after the
+    accumulator's zeroing (an @fmovs of `width` fp32 words)."""
+    zero = DSD_OP_START_CYCLES + width * FP32_OPS_PER_CYCLE
+    return zero + DSD_OP_START_CYCLES + steps * (MAP_STEP_CYCLES + ceil_div(width, macs_per_cycle))
 
 
 def gemv_compute_cycles(tiling: GemvTiling, arch: Arch, dtype: str) -> int:
