@@ -13,6 +13,7 @@ the largest `csl_executor.codesize.program_code_bytes` over its param sets. A fe
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import sys
 import tempfile
@@ -91,8 +92,22 @@ def measure(arch: str) -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
+def sources_digest() -> str:
+    """A digest of what the measurement reads besides the planner: the kernels, the generator and the
+    modules it reads (those a compile is keyed by) and the executor's code estimate. The table records
+    the digest it was measured on, so a change to any of them without a new measurement fails a fast
+    test."""
+    from wafer_gpt2.backends.csl import program_sources
+
+    digest = hashlib.sha256()
+    for path in [*program_sources(), ROOT / "csl_executor" / "codesize.py"]:
+        digest.update(path.resolve().relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def table_text(tables: dict[str, dict[str, int]]) -> str:
-    lines = ["CODE_BYTES: dict[str, dict[str, int]] = {"]
+    lines = [f'CODE_SOURCES = "{sources_digest()}"  # tools/bench/code_bytes.py sources_digest()']
+    lines.append("CODE_BYTES: dict[str, dict[str, int]] = {")
     for arch, table in tables.items():
         lines.append(f'    "{arch}": {{')
         lines += [f'        "{program}": {size},' for program, size in table.items()]

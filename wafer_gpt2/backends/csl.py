@@ -34,19 +34,22 @@ def runtime_module():
     return sdkruntimepybind
 
 
+def program_sources() -> list[Path]:
+    """What a plan's program is made from besides the plan: the kernels, the generator and the modules it
+    reads."""
+    from wafer_gpt2.host.compile import KERNEL_DIR, SOURCE_DIRS
+
+    kernels = [source for name in SOURCE_DIRS for source in sorted((KERNEL_DIR / name).glob("*.csl"))]
+    return [*kernels, *sorted((PACKAGE_DIR / "codegen").glob("*.py")), *GENERATOR_INPUTS]
+
+
 def compile_plan(plan: Plan, out_dir: str | Path | None = None) -> Path:
     """Generate and compile `plan`'s CSL on the executor; returns the output folder for SdkRuntime.
     The default folder is keyed by the plan itself (its regions and tilings: a plan changed after
     `build_plan`, as tests do, is another program) and the program's sources (the kernels, the
     generator and the modules it reads), so a rebuild happens only when either changed; a folder
     given by the caller is always rebuilt."""
-    from wafer_gpt2.host.compile import (
-        KERNEL_DIR,
-        SOURCE_DIRS,
-        compile_program,
-        plan_request,
-        prepare_sources,
-    )
+    from wafer_gpt2.host.compile import compile_program, plan_request, prepare_sources
 
     if out_dir is not None:
         job = prepare_sources(plan, out_dir, simfabric=True)
@@ -54,10 +57,7 @@ def compile_plan(plan: Plan, out_dir: str | Path | None = None) -> Path:
         return job.bin_dir
     layout = {k: v for k, v in plan.to_json().items() if k != "summary"}
     digest = hashlib.sha256(json.dumps([plan_request(plan), layout], sort_keys=True, default=str).encode())
-    for name in SOURCE_DIRS:
-        for source in sorted((KERNEL_DIR / name).glob("*.csl")):
-            digest.update(source.read_bytes())
-    for source in [*sorted((PACKAGE_DIR / "codegen").glob("*.py")), *GENERATOR_INPUTS]:
+    for source in program_sources():
         digest.update(source.read_bytes())
     out_dir = BUILD_DIR / digest.hexdigest()[:16]
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,8 @@ count of every function at 4 bytes, plus memcpy's component 1 KB), the largest o
 of the PE program in a few reference plans (both dtypes, and the roles a plan may give: chains,
 two-level reductions, a shared epilogue, the head's workers and its tree in two
 levels). It is a table so that planning never imports the executor; `tools/bench/code_bytes.py`
-measures it, `tests/test_plan_constraints.py` checks it against a fresh measurement, and
+measures it, `tests/test_plan_constraints.py` checks that it was measured on today's sources (a
+digest, `CODE_SOURCES`) and, with `-m executor_full`, against a fresh measurement, and
 
     python tools/bench/code_bytes.py --write
 
@@ -26,6 +27,7 @@ STACK_BYTES = 1024
 
 # Per architecture and PE program (the region kind, or the io region's name), in bytes.
 # BEGIN GENERATED (python tools/bench/code_bytes.py --write)
+CODE_SOURCES = "9653ff4cca213a9a"  # tools/bench/code_bytes.py sources_digest()
 CODE_BYTES: dict[str, dict[str, int]] = {
     "wse2": {
         "attention": 4424,
