@@ -42,13 +42,14 @@ generate: $(RUN_STAMP)
 # Everything CI runs: lint, the type checker (mypy on wafer_gpt2/, csl_executor/ and tools/, pyproject's
 # [tool.mypy]), the import contracts (layers, the CSL executor's independence, no cycles: pyproject's
 # [tool.importlinter]), then every test, the slow ones included, on one pytest-xdist worker per core (the
-# tests are single-threaded and CPU-bound).
+# tests are single-threaded and CPU-bound). mypy (one thread, about half a minute without its cache)
+# runs beside the tests, in the time their waits on servers and subprocesses leave a core idle; either
+# failing fails the target.
 test: installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -n auto
+	$(PY) -m mypy & mypy=$$!; $(PY) -m pytest -n auto; tests=$$?; wait $$mypy && exit $$tests
 
 # Both environments and HAProxy, installed side by side: each pip run keeps one core busy, and the
 # appliance's (about 30 s) then costs CI nothing.

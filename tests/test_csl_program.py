@@ -25,6 +25,9 @@ TINY = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=64
 FP32_TOLERANCE = 1e-5  # |logit|, |log-sum-exp| and |target logit| differences from the simulator
 FP16_BOUND = 0.01  # tests/test_sim_fp16.py's bound between the simulator's fp16 and fp32 modes
 OPTIONS = dict(slots=2, context=64, top_k=16, objective="compact")
+# Scored items in one message: more records than this plan's pipeline and io.out hold (15 fill them:
+# 14 pass unbounded), so sending them all before reading any deadlocks memcpy.
+RECORDS = 18
 
 
 @pytest.fixture(scope="module")
@@ -186,12 +189,12 @@ def test_a_message_with_more_records_than_the_wafer_buffers_needs_the_host_bound
     time, so when a message's records fill what the pipeline and io.out hold, the H2D never ends and
     the D2H behind it never starts. The runtime says how many records may be in flight; the host
     splits messages to match."""
-    items = [StepItem(0, p, 3 * p + 1, want_scores=True) for p in range(24)]
+    items = [StepItem(0, p, 3 * p + 1, want_scores=True) for p in range(RECORDS)]
     csl = build_backend("csl", tiny_params, BackendOptions(arch="wse2", dtype="fp32", **OPTIONS))
     try:
         assert csl.runtime.records_in_flight == 1
         bounded = csl.step(items)
-        assert bounded.count == 24 and bounded.index.tolist() == list(range(24))
+        assert bounded.count == RECORDS and bounded.index.tolist() == list(range(RECORDS))
         csl.reset()
         csl.runtime.records_in_flight = None  # what the host did before
         with pytest.raises(CslDeadlock, match="memcpy_d2h"):
@@ -243,7 +246,7 @@ class _ApplianceClientOnTheExecutor:
 
 @pytest.mark.slow
 def test_the_appliance_backend_reads_each_record_before_it_sends_on(tiny_params, monkeypatch):
-    """The sdk-appliance backend sent a step's every scored item before reading any record: 24 of them
+    """The sdk-appliance backend sent a step's every scored item before reading any record: RECORDS of them
     deadlock memcpy (the H2D waits for io.out, the D2H behind it never starts), as the container path
     did before. It now says, as every wafer target does, that one record may be in flight."""
     from types import SimpleNamespace
@@ -263,7 +266,7 @@ def test_the_appliance_backend_reads_each_record_before_it_sends_on(tiny_params,
     options = BackendOptions(arch="wse2", dtype="fp32", **OPTIONS)
     plan = plan_for(tiny_params, options)
     model = start_model(plan, sdk_appliance.ApplianceRuntime(compile_plan(plan)), tiny_params)
-    items = [StepItem(0, p, 3 * p + 1, want_scores=True) for p in range(24)]
+    items = [StepItem(0, p, 3 * p + 1, want_scores=True) for p in range(RECORDS)]
     try:
         got = model.step(items)
     finally:

@@ -191,6 +191,15 @@ def chain_times(ready: list[int], hops: list[int] | int = 1) -> int:
     return first
 
 
+def _chain_prefixes(ready: list[int]) -> list[int]:
+    """chain_times(ready[: j + 1]) for every j: when each member of a streamed chain sends its first word."""
+    out = [ready[0]]
+    link = link_cycles(1)
+    for r in ready[1:]:
+        out.append(max(r, out[-1] + link) + FP32_OPS_PER_CYCLE)
+    return out
+
+
 def level_times(ready: list[int], groups: list[int], end_hops: Sequence[int] | None = None) -> int:
     """First word of the sum at the end of a streamed reduction in len(groups) + 1 levels over members
     ready at `ready` in line order: runs of groups[0] chain at once (`wafer_gpt2.core.tiling.reduction_runs`),
@@ -800,67 +809,88 @@ def threshold_bins(vocab: int, cols: int, tile_n: int, k: int) -> tuple[float, f
     return min(inside, k + bin_t / 2), min(inside, bin_t)
 
 
-def _half_complete(ready: list[int], kind: str, group: int, words: int) -> int:
+def _run_ends(ready: np.ndarray, group: int, link: int, step: int, first_step: int) -> np.ndarray:
+    """The chain recurrence of `chain_times` over each run of `group` consecutive members (the last
+    run may be shorter), for all runs at once: a run's end is
+    max(ready[0] + first_step, max(ready[i], end_(i-1) + link) + step ...), whose closed form is the
+    largest of ready[i] + (first_step if i == 0 else step) + (m - 1 - i) * (link + step) over the run's
+    m members. Integers throughout: the same figures as the loop."""
+    n = len(ready)
+    runs = -(-n // group)
+    short = runs * group - n
+    per = link + step
+    place = np.arange(group, dtype=np.int64)
+    offsets = (group - 1 - place) * per + np.where(place > 0, step, first_step)
+    padded = np.full(runs * group, _FAR_PAST, dtype=np.int64)
+    padded[:n] = ready
+    ends = (padded.reshape(runs, group) + offsets).max(axis=1)
+    if short:
+        ends[-1] -= short * per
+    return ends
+
+
+_FAR_PAST = -(2**40)  # a member that is not there (a short last run's padding)
+
+
+def _half_complete(ready: np.ndarray, kind: str, group: int, words: int) -> int:
     """A half of the head's tree (comm/tree.csl), its members ready at `ready` in line order: when its
     end holds the half's result. Every operation is synchronous: a run's end folds its run's stream
     into memory before it passes the ends' stream on (one pass of the words more than a FIFO would),
     and the half's end folds the last stream into memory."""
-    if len(ready) == 1:
-        return ready[0]
-    runs = reduction_runs(len(ready), kind, group)
-    if len(runs) == 1:
-        return chain_times(ready) + words
-    ends = [
-        (chain_times([ready[i] for i in run]) + words if len(run) > 1 else ready[run[0]])
-        + DSD_OP_START_CYCLES
-        for run in runs
-    ]
-    return chain_times(ends, len(runs[0])) + words
+    n = len(ready)
+    if n == 1:
+        return int(ready[0])
+    if len(reduction_runs(n, kind, group)) == 1:
+        return int(_run_ends(ready, n, link_cycles(1), FP32_OPS_PER_CYCLE, 0)[0]) + words
+    if group == 1:  # runs of one member fold nothing: each is ready as it is
+        ends = ready.copy()
+    else:
+        ends = _run_ends(ready, group, link_cycles(1), FP32_OPS_PER_CYCLE, 0) + words
+        if n % group == 1:  # so is a last run of one
+            ends[-1] = ready[-1]
+    ends += DSD_OP_START_CYCLES
+    return int(_run_ends(ends, len(ends), link_cycles(group), FP32_OPS_PER_CYCLE, 0)[0]) + words
 
 
-def head_tree_cycles(tiling: HeadTiling, ready: list[int], words: int) -> int:
+def head_tree_cycles(tiling: HeadTiling, ready: np.ndarray | list[int], words: int) -> int:
     """One round over the tree of the head's roots (comm/tree.csl): column c's root ready to send at
     ready[c]; when the centre holds the round's result. Each half's end hands it on (a DSD operation,
     a hop), the centre folds the left half's into its own, then the right half's."""
-    left, right = tiling.tree_halves()
-    t = ready[tiling.centre]
-    for half in (left, right):
-        if not half:
+    at = np.asarray(ready, dtype=np.int64)
+    t = int(at[tiling.centre])
+    for half in _tree_halves(at, tiling.centre):
+        if not len(half):
             continue
-        done = _half_complete([ready[c] for c in half], tiling.tree, tiling.tree_group, words)
+        done = _half_complete(half, tiling.tree, tiling.tree_group, words)
         arrives = done + DSD_OP_START_CYCLES + link_cycles(1)
         t = max(t + DSD_OP_START_CYCLES, arrives) + FP32_OPS_PER_CYCLE + words
     return t
 
 
-def head_relay_cycles(tiling: HeadTiling, ready: list[int]) -> int:
+def head_relay_cycles(tiling: HeadTiling, ready: np.ndarray | list[int]) -> int:
     """Round C's counts over the tree of the roots (comm/tree.csl `relay`): column c's root reads the
     count of each of its inputs (its row's there at ready[c]; every read started before its count
     comes), sends their sum and relays the entries behind it; when the centre has read its three
     counts. A count passes a root in a link and one send (a DSD operation and its word)."""
     step = DSD_OP_START_CYCLES + 1
 
-    def half_counts(members: list[int]) -> int:
-        if len(members) == 1:
-            return ready[members[0]] + step
-        runs = reduction_runs(len(members), tiling.tree, tiling.tree_group)
-        ends = []
-        for run in runs:
-            at = ready[members[run[0]]] + step
-            for i in run[1:]:
-                at = max(ready[members[i]], at + link_cycles(1)) + step
-            ends.append(at)
-        at = ends[0]
-        for e in ends[1:]:
-            at = max(e, at + link_cycles(len(runs[0]))) + step
-        return at
+    def half_counts(members: np.ndarray) -> int:
+        group = tiling.half_runs(len(members))[0].stop  # every run's length but a shorter last one
+        ends = _run_ends(members, group, link_cycles(1), step, step)
+        return int(_run_ends(ends, len(ends), link_cycles(group), step, 0)[0])
 
-    left, right = tiling.tree_halves()
-    t = ready[tiling.centre] + DSD_OP_START_CYCLES
-    for half in (left, right):
-        if half:
+    at = np.asarray(ready, dtype=np.int64)
+    t = int(at[tiling.centre]) + DSD_OP_START_CYCLES
+    for half in _tree_halves(at, tiling.centre):
+        if len(half):
             t = max(t, half_counts(half) + link_cycles(1)) + DSD_OP_START_CYCLES
     return t
+
+
+def _tree_halves(ready: np.ndarray, centre: int) -> tuple[np.ndarray, np.ndarray]:
+    """`HeadTiling.tree_halves` applied to the columns' times: 0 .. centre - 1, and the last column
+    down to centre + 1."""
+    return ready[:centre], ready[centre + 1 :][::-1]
 
 
 def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "head") -> StageCost:
@@ -887,7 +917,9 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     # 1. the K-lines
     window = max(g.tile_k, gemv_compute_cycles(g, arch, dtype))
     chain = chain_reduce_cycles(g.rows - 1, g.tile_n)
-    logits = [c * HOP_CYCLES + link_cycles(1) + window + chain for c in range(cols)]
+    # The columns' times are arrays (one element per column): the rounds' per-column arithmetic is the
+    # planner's inner loop, priced for every candidate head.
+    logits_at = np.arange(cols, dtype=np.int64) * HOP_CYCLES + (link_cycles(1) + window + chain)
     cost.add("input to the farthest column", (cols - 1) * HOP_CYCLES + link_cycles(1))
     cost.add("tile FMAC", window)
     cost.add("chain reduction", chain)
@@ -897,20 +929,17 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     scan = part * TOPK_SCAN_CYCLES + 4 + DSD_OP_START_CYCLES
     worker_a = [s + scan for s in slices]
     row_a = chain_times(worker_a) + link_cycles(1) + 2  # the root has the column's [max, -min]
-    root_a = [t + row_a + 4 + DSD_OP_START_CYCLES for t in logits]
+    root_a_at = logits_at + (row_a + 4 + DSD_OP_START_CYCLES)
     # A worker's exps start when its round-A operation is over: the worker before it has sent.
-    sent_a = [chain_times(worker_a[: j + 1]) + 2 for j in range(e)]
+    sent_a = [int(t) + 2 for t in _chain_prefixes(worker_a)]
     exps = [t + part * (EXP_CYCLES + 2) for t in sent_a]
-    centre_a = head_tree_cycles(tiling, root_a, 3)
+    centre_a = head_tree_cycles(tiling, root_a_at, 3)
     answer = 6 + RSQRT_CYCLES + DSD_OP_START_CYCLES + 3  # M, L, the scale (a division); the broadcast
-    cost.add("round A: slice max and min reduced to the centre", centre_a - logits[-1])
+    cost.add("round A: slice max and min reduced to the centre", centre_a - int(logits_at[-1]))
     cost.add("the centre's M, L, scale, broadcast", answer)
     a_out = centre_a + answer
 
-    # The columns' times as arrays (one element per column): the rounds' per-column arithmetic is the
-    # planner's inner loop, priced for every candidate head.
     distance = np.abs(np.arange(cols, dtype=np.int64) - m)
-    logits_at = np.array(logits, dtype=np.int64)
 
     def heard(t: int, j: int, words: int) -> np.ndarray:  # each column's worker j's task with the answer
         return t + link_cycles(0) + (distance + (e - j)) * HOP_CYCLES + words + TASK_ACTIVATION_CYCLES
@@ -926,8 +955,7 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     words_b = TOPK_BINS + 2
     ready_b = [np.maximum(heard(a_out, j, 3), logits_at + exps[j]) + hist for j in range(e)]
     row = chained(ready_b, FP32_OPS_PER_CYCLE) + link_cycles(1) + words_b
-    root_a_at = np.array(root_a, dtype=np.int64)
-    root_b = (np.maximum(row, root_a_at + DSD_OP_START_CYCLES) + DSD_OP_START_CYCLES).tolist()
+    root_b = np.maximum(row, root_a_at + DSD_OP_START_CYCLES) + DSD_OP_START_CYCLES
     centre_b = head_tree_cycles(tiling, root_b, words_b)
     cost.add("round B: histogram and sum of exps reduced to the centre", centre_b - a_out)
     verdict = EXP_CYCLES + 4 * TOPK_BINS + 8 + DSD_OP_START_CYCLES + 1  # log S, t, the broadcast
@@ -940,7 +968,7 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     select = part * TOPK_BIN_CYCLES + int(kept / (cols * e) * TOPK_ENTRY_CYCLES)
     step = DSD_OP_START_CYCLES + 1
     ready_c = [heard(b_out, j, 1) + select + DSD_OP_START_CYCLES for j in range(e)]
-    root_c = (chained([ready_c[0] + step, *ready_c[1:]], step) + link_cycles(1)).tolist()
+    root_c = chained([ready_c[0] + step, *ready_c[1:]], step) + link_cycles(1)
     counts = head_relay_cycles(tiling, root_c)
     cost.add("round C: the lists merged to the centre (their counts)", counts - b_out)
     # The centre takes the entries as they come (slower than their words), a chunk at a time from
