@@ -1,6 +1,10 @@
 # Two entry points for a fresh machine: `make serve` and `make test` (`make test-fast` is the inner loop).
 # Each creates (or reuses) .venv and installs what it needs; the stamps make reruns cheap.
 PYTHON ?= python3
+# Python keeps the bytecode of what it imports: where the environment sets PYTHONDONTWRITEBYTECODE (as
+# some CI images do), every test's server or CLI process would compile torch, transformers and the
+# service's modules from source again (a third of a 4-file sample of the suite's time).
+unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
