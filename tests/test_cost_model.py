@@ -81,11 +81,12 @@ def test_a_shared_epilogue_by_hand() -> None:
     The root biases all 16 (16) and starts the stream of slice 0 back (S), which reaches the other PE
     one link later with its 8 words (STEP + 8); a task activation there, 8 GELUs (the root's own 8
     are done long before). The gather line: the far PE's header (S + 5), a task and a DSD operation,
-    its 8 words; the root passes the header on (STEP), a task and an operation, the 8 words, another
-    task and operation, its own 8. Less the unshared lane's S + 5 + (T + S) + 16."""
+    its 8 words; the root, its own slice long done, passes the header and those 8 words on in one
+    operation (STEP after the far PE's last word), then a task and an operation, its own 8. Less the
+    unshared lane's S + 5 + (T + S) + 16."""
     g = cost.GELU_CYCLES
     far = 16 + S + STEP + 8 + T + 8 * g
-    end = far + S + 5 + STEP + (T + S) + 8 + (T + S) + 8
+    end = far + S + 5 + (T + S) + 8 + STEP + (T + S) + 8
     assert cost.epilogue_cycles(16, 2, g) == end - (S + 5 + (T + S) + 16)
     assert cost.epilogue_cycles(16, 1, g) == 16 * (1 + g)  # the last PE alone, as before
     shared = GemvTiling(768, 3072, 32, 192, "k_along_x", epilogue_pes=4)

@@ -444,8 +444,8 @@ def epilogue_cycles(
       beyond it as they come, then (a task and a DSD operation later) reads its own; its epilogue starts
       a task activation after the slice is in;
     - a gather line from PE 0 carries [header | slice 0 | ... | slice pes-1] out through the last PE:
-      every PE passes the header on, then the words before its slice, then appends its own, with a task
-      activation and a DSD operation between the three (comm/gather.csl's steps).
+      every PE passes the header and the words before its slice on in one operation, then appends its
+      own, a task activation and a DSD operation later (comm/gather.csl's steps).
     Priced as the time the gathered stream has left, less what the unshared lane takes for the same
     stream (its header, one task and two DSD operations, tile_n words), which the model leaves to the
     hand-off."""
@@ -462,11 +462,10 @@ def epilogue_cycles(
     # ready[j]: PE j's slice done (the last PE's own meanwhile)
     ready = [kept + TASK_ACTIVATION_CYCLES + work for kept in _scattered(pes, part, sent)]
     ready.append(sent + work)
-    header = ready[0] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS  # the header's last word leaves PE 0
-    end = header + _TASK_STEP + part
+    end = ready[0] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + _TASK_STEP + part  # PE 0's slice has left
     for j in range(1, pes):
-        header = max(ready[j] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS, header + _RELAY)
-        passed = max(header + _TASK_STEP + j * part, end + _RELAY)
+        # PE j passes the header and the j slices before its own on in one operation, then its own
+        passed = max(ready[j] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + j * part, end + _RELAY)
         end = passed + _TASK_STEP + part
     lane = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + _TASK_STEP + tile_n
     return end - lane
