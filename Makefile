@@ -3,7 +3,7 @@
 PYTHON ?= python3
 # Python keeps the bytecode of what it imports: where the environment sets PYTHONDONTWRITEBYTECODE (as
 # some CI images do), every test's server or CLI process would compile torch, transformers and the
-# service's modules from source again (a third of a 4-file sample of the suite's time).
+# service's modules from source again (a quarter of a 4-file sample of the suite's time).
 unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 PY := $(VENV)/bin/python
