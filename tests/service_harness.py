@@ -21,7 +21,7 @@ import numpy as np
 
 from wafer_gpt2.backends.reference import ReferenceBackend
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
-from wafer_gpt2.core.steps import Backend, StepItem
+from wafer_gpt2.core.steps import Backend, StepInputs, StepItem
 from wafer_gpt2.engine.worker import Engine
 from wafer_gpt2.model import tokenizer
 from wafer_gpt2.model.params import GPT2Params
@@ -77,9 +77,9 @@ class SlowBackend:
         self.vocab_size = inner.vocab_size
         self.top_k = inner.top_k
 
-    def step(self, items):
+    def step(self, inputs):
         time.sleep(self.delay_s)
-        return self.inner.step(items)
+        return self.inner.step(inputs)
 
     def free_slot(self, slot: int) -> None:
         self.inner.free_slot(slot)
@@ -122,12 +122,12 @@ class HangingBackend(SlowBackend):
     def release(self) -> None:
         self._released.set()
 
-    def step(self, items):
+    def step(self, inputs):
         if self._armed.is_set():
             self._armed.clear()
             self.hanging.set()
             self._released.wait()
-        return self.inner.step(items)
+        return self.inner.step(inputs)
 
 
 @contextmanager
@@ -171,7 +171,7 @@ def reference_greedy(params, prompt: list[int], n_new: int) -> tuple[list[int], 
     items = [
         StepItem(0, p, t, target=prompt[p + 1] if p + 1 < len(prompt) else None) for p, t in enumerate(prompt)
     ]
-    scores = backend.step(items).rows()
+    scores = backend.step(StepInputs.of_items(items)).rows()
     prompt_logprobs = [s.logprob(s.target_logit) for s in scores[:-1]]
     tokens, logprobs, last = [], [], scores[-1]
     for i in range(n_new):
@@ -179,7 +179,7 @@ def reference_greedy(params, prompt: list[int], n_new: int) -> tuple[list[int], 
         tokens.append(token)
         logprobs.append(last.logprob(last.topk_logits[0]))
         if i < n_new - 1:
-            (last,) = backend.step([StepItem(0, len(prompt) + i, token)]).rows()
+            (last,) = backend.step(StepInputs.of_items([StepItem(0, len(prompt) + i, token)])).rows()
     return tokens, logprobs, prompt_logprobs
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from csl_executor.errors import CslDeadlock
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
-from wafer_gpt2.core.steps import StepItem
+from wafer_gpt2.core.steps import StepInputs, StepItem
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.model.params import GPT2Params
 
@@ -84,11 +84,13 @@ def worst_difference(ours, theirs, same_ids: bool) -> float:
 
 def greedy(backend, prompt: list[int], new_tokens: int, slot: int = 0) -> list[int]:
     scores = backend.step(
-        [StepItem(slot, p, t, want_scores=p == len(prompt) - 1) for p, t in enumerate(prompt)]
+        StepInputs.of_items(
+            [StepItem(slot, p, t, want_scores=p == len(prompt) - 1) for p, t in enumerate(prompt)]
+        )
     )
     out = [int(scores.topk_ids[-1, 0])]
     for n in range(new_tokens - 1):
-        scores = backend.step([StepItem(slot, len(prompt) + n, out[-1])])
+        scores = backend.step(StepInputs.of_items([StepItem(slot, len(prompt) + n, out[-1])]))
         out.append(int(scores.topk_ids[0, 0]))
     return out
 
@@ -99,12 +101,22 @@ def test_fp32_scores_equal_the_simulator(tiny_params, arch):
     csl, sim = backends(tiny_params, arch, "fp32")
     try:
         for items in scripted_steps(TINY.vocab_size):
-            assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+            assert (
+                worst_difference(
+                    csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=True
+                )
+                <= FP32_TOLERANCE
+            )
         # A freed slot starts again from position 0 and sees none of its old keys and values.
         csl.free_slot(1)
         sim.free_slot(1)
         items = [StepItem(1, 0, 11, want_scores=True)]
-        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+        assert (
+            worst_difference(
+                csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=True
+            )
+            <= FP32_TOLERANCE
+        )
     finally:
         csl.close()
         sim.close()
@@ -137,7 +149,12 @@ def test_fp32_scores_equal_the_simulator_under_a_seeded_schedule(tiny_params, ar
             [StepItem(0, 3, 9, want_scores=True, target=11), StepItem(1, 1, 60, want_scores=True)],
         ]
         for items in steps:
-            assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+            assert (
+                worst_difference(
+                    csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=True
+                )
+                <= FP32_TOLERANCE
+            )
     finally:
         csl.close()
         sim.close()
@@ -173,7 +190,12 @@ def test_fp16_stays_within_the_simulators_bound(tiny_params):
     csl, sim = backends(tiny_params, "wse2", "fp16")
     try:
         for items in scripted_steps(TINY.vocab_size, seed=1):
-            assert worst_difference(csl.step(items), sim.step(items), same_ids=False) < FP16_BOUND
+            assert (
+                worst_difference(
+                    csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=False
+                )
+                < FP16_BOUND
+            )
         prompt = [9, 8, 7, 6]
         csl.reset()
         sim.reset()
@@ -193,12 +215,12 @@ def test_a_message_with_more_records_than_the_wafer_buffers_needs_the_host_bound
     csl = build_backend("csl", tiny_params, BackendOptions(arch="wse2", dtype="fp32", **OPTIONS))
     try:
         assert csl.runtime.records_in_flight == 1
-        bounded = csl.step(items)
+        bounded = csl.step(StepInputs.of_items(items))
         assert bounded.count == RECORDS and bounded.index.tolist() == list(range(RECORDS))
         csl.reset()
         csl.runtime.records_in_flight = None  # what the host did before
         with pytest.raises(CslDeadlock, match="memcpy_d2h"):
-            csl.step(items)
+            csl.step(StepInputs.of_items(items))
     finally:
         try:
             csl.close()
@@ -268,7 +290,7 @@ def test_the_appliance_backend_reads_each_record_before_it_sends_on(tiny_params,
     model = start_model(plan, sdk_appliance.ApplianceRuntime(compile_plan(plan)), tiny_params)
     items = [StepItem(0, p, 3 * p + 1, want_scores=True) for p in range(RECORDS)]
     try:
-        got = model.step(items)
+        got = model.step(StepInputs.of_items(items))
     finally:
         try:
             model.close()
@@ -276,7 +298,7 @@ def test_the_appliance_backend_reads_each_record_before_it_sends_on(tiny_params,
             pass  # the deadlocked program cannot drain its commands
     sim = build_backend("sim", tiny_params, options)
     try:
-        assert worst_difference(got, sim.step(items), same_ids=True) < FP32_TOLERANCE
+        assert worst_difference(got, sim.step(StepInputs.of_items(items)), same_ids=True) < FP32_TOLERANCE
     finally:
         sim.close()
 
@@ -293,7 +315,12 @@ def test_full_vocabulary_fp32_scores_equal_the_simulator(arch):
     csl, sim = build_backend("csl", params, options), build_backend("sim", params, options)
     try:
         for items in scripted_steps(config.vocab_size)[:2]:
-            assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+            assert (
+                worst_difference(
+                    csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=True
+                )
+                <= FP32_TOLERANCE
+            )
     finally:
         csl.close()
         sim.close()
@@ -326,7 +353,12 @@ def test_two_level_reductions_equal_the_simulator():
             StepItem(0, p, 3 * p + 1, want_scores=p >= 4, target=9 if p == 5 else None) for p in range(6)
         ]
         items.append(StepItem(1, 0, 5, want_scores=True))
-        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+        assert (
+            worst_difference(
+                csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=True
+            )
+            <= FP32_TOLERANCE
+        )
     finally:
         csl.close()
         sim.close()
@@ -358,7 +390,12 @@ def test_two_level_attention_merge_equals_the_simulator():
     sim = start_model(plan, SimRuntime(plan), params)
     try:
         items = [StepItem(0, p, (5 * p + 2) % 100, want_scores=p in (3, 11, 21)) for p in range(22)]
-        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+        assert (
+            worst_difference(
+                csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=True
+            )
+            <= FP32_TOLERANCE
+        )
     finally:
         csl.close()
         sim.close()
@@ -480,7 +517,7 @@ def test_the_heads_selection_is_exact_on_ties(arch):
         csl, sim = start_both(plan, crafted_logits(config, column0))
         try:
             items = [StepItem(0, 0, 3, want_scores=True, target=64), StepItem(0, 1, 8, want_scores=True)]
-            ours, theirs = csl.step(items), sim.step(items)
+            ours, theirs = csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items))
             assert worst_difference(ours, theirs, same_ids=True) <= FP32_TOLERANCE, name
             first, second = ours.row(0), ours.row(1)
             assert [int(i) for i in first.topk_ids] == expect[name], name
@@ -516,9 +553,19 @@ def two_steps_equal_the_simulator(plan, params: GPT2Params) -> None:
     try:
         items = [StepItem(0, p, (5 * p + 2) % vocab, want_scores=p in (3, 7), target=1 if p == 7 else None)
                  for p in range(8)]  # fmt: skip
-        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+        assert (
+            worst_difference(
+                csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=True
+            )
+            <= FP32_TOLERANCE
+        )
         items = [StepItem(0, 8, 11, want_scores=True)]
-        assert worst_difference(csl.step(items), sim.step(items), same_ids=True) <= FP32_TOLERANCE
+        assert (
+            worst_difference(
+                csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=True
+            )
+            <= FP32_TOLERANCE
+        )
     finally:
         csl.close()
         sim.close()

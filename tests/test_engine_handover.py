@@ -359,9 +359,9 @@ def test_a_request_is_forgotten_when_it_ends_or_is_cancelled():
 class WaitingBackend(NullBackend):
     """Answers like the null backend after a wait that leaves the GIL free (as a wafer's step does)."""
 
-    def step(self, items):
+    def step(self, inputs):
         time.sleep(0.002)
-        return super().step(items)
+        return super().step(inputs)
 
 
 def test_the_helper_finishes_tokens_beside_steps_that_wait_and_not_beside_steps_that_compute():

@@ -20,7 +20,7 @@ from wafer_gpt2.backends.stand_ins import (
     modeled_step_seconds,
     pipelined_span,
 )
-from wafer_gpt2.core.steps import BackendError, StepItem, steps_in_flight
+from wafer_gpt2.core.steps import BackendError, StepInputs, StepItem, steps_in_flight
 from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
 from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
 from wafer_gpt2.engine.failures import GenerationFailed, StepTimedOut
@@ -71,19 +71,19 @@ def test_the_modeled_wafer_takes_steps_in_flight_oldest_first_and_checks_the_con
     assert twin_factory(backend)().steps_in_flight == 2  # what `bench host`'s engine process builds
     first = [StepItem(0, 0, 100), StepItem(1, 0, 101)]
     second = [StepItem(2, 0, 102)]
-    backend.submit(first)
+    backend.submit(StepInputs.of_items(first))
     with pytest.raises(BackendError, match=r"slots \[1\] have items in a step still in flight"):
-        backend.submit([StepItem(1, 1, 5)])
-    backend.submit(second)
+        backend.submit(StepInputs.of_items([StepItem(1, 1, 5)]))
+    backend.submit(StepInputs.of_items(second))
     with pytest.raises(BackendError, match="slot 1 has items in a step still in flight"):
         backend.free_slot(1)
     with pytest.raises(BackendError, match="2 steps are in flight already"):
-        backend.submit([StepItem(3, 0, 5)])
+        backend.submit(StepInputs.of_items([StepItem(3, 0, 5)]))
     with pytest.raises(BackendError, match="collect them first"):
-        backend.step([StepItem(3, 0, 5)])
+        backend.step(StepInputs.of_items([StepItem(3, 0, 5)]))
     null = NullBackend(plan.config.vocab_size, slots=4, context=32, top_k=plan.top_k)
     for items in (first, second):  # oldest first, the null backend's answers
-        got, expected = backend.collect(), null.step(items)
+        got, expected = backend.collect(), null.step(StepInputs.of_items(items))
         assert got.topk_ids.tolist() == expected.topk_ids.tolist()
         assert got.index.tolist() == expected.index.tolist()
     with pytest.raises(BackendError, match="no step is in flight"):
@@ -115,7 +115,7 @@ def test_a_request_in_flight_is_not_stepped_again_and_keeps_its_slot_until_its_s
     scheduler.admit()
     step = scheduler.build_step()
     assert step.owners == [first] * 3 and first.in_flight
-    assert not scheduler.build_step().items  # its prompt is on the backend: nothing to add
+    assert not scheduler.build_step()  # its prompt is on the backend: nothing to add
     # It ends (cancelled, failed) while its step computes: the wafer still writes its slot.
     assert scheduler.remove(first) is None and first.status is RequestStatus.FINISHED
     assert scheduler.admit() == []  # the slot is not given to the next request yet
@@ -136,7 +136,7 @@ def test_a_pipelined_backend_gets_the_running_requests_in_groups_one_step_each()
     assert first.owners == [states[0], states[2], states[4], states[4]]  # the last one's whole prompt
     second = scheduler.build_step(groups=2)
     assert second.owners == [states[1], states[3]]
-    assert not scheduler.build_step(groups=2).items  # both groups in flight
+    assert not scheduler.build_step(groups=2)  # both groups in flight
     scheduler.step_returned(second.owners)
     for state in (states[1], states[3]):
         state.computed, state.pending_token = 1, 7
@@ -175,11 +175,11 @@ def _engine(
     plan, in_flight: int, submits: list[int], hang: threading.Event | None = None, **limits
 ) -> Engine:
     class Counting(ModeledWaferBackend):  # records how many steps were in flight at each submit
-        def submit(self, items):
+        def submit(self, inputs):
             submits.append(len(self._in_flight))
             if hang is not None and len(submits) == 1:
                 hang.wait(10)  # the first submit hangs until the test lets it go
-            super().submit(items)
+            super().submit(inputs)
 
     return _started(lambda: Counting(plan, timer_late_s=0.0, steps_in_flight=in_flight), **limits)
 
@@ -275,11 +275,11 @@ def test_a_step_the_backend_refused_leaves_its_requests_ready_to_step_again():
     class FailsOnce(NullBackend):
         failed = False
 
-        def step(self, items):
+        def step(self, inputs):
             if not self.failed:
                 self.failed = True
                 raise BackendError("the wafer refused the step")
-            return super().step(items)
+            return super().step(inputs)
 
     core = EngineCore(FailsOnce(50257, slots=2, context=32), gpt2_tokenizer_hooks(), 4, 64)
     state = core.add(GenerationRequest((464, 2068), 3, ignore_eos=True))
@@ -305,26 +305,26 @@ def test_the_host_program_keeps_steps_in_flight_and_answers_as_one_step_at_a_tim
     # Two steps on disjoint slots, both replicas, one with a prompt's logprob target.
     first = [StepItem(0, 0, 11), StepItem(0, 1, 12, target=13), StepItem(2, 0, 14)]
     second = [StepItem(1, 0, 21), StepItem(3, 0, 22), StepItem(3, 1, 23)]
-    pipelined.submit(first)
-    pipelined.submit(second)
+    pipelined.submit(StepInputs.of_items(first))
+    pipelined.submit(StepInputs.of_items(second))
     with pytest.raises(BackendError, match="2 steps are in flight already"):
-        pipelined.submit([StepItem(1, 1, 5)])
+        pipelined.submit(StepInputs.of_items([StepItem(1, 1, 5)]))
     with pytest.raises(BackendError, match="slot 0 has items in a step still in flight"):
         pipelined.free_slot(0)
     got = [pipelined.collect(), pipelined.collect()]
     with pytest.raises(BackendError, match="no step is in flight"):
         pipelined.collect()
     for step, scores in zip((first, second), got, strict=True):
-        expected = serial.step(step)
+        expected = serial.step(StepInputs.of_items(step))
         np.testing.assert_array_equal(scores.index, expected.index)
         np.testing.assert_array_equal(scores.topk_ids, expected.topk_ids)
         np.testing.assert_array_equal(scores.topk_logits, expected.topk_logits)
         np.testing.assert_array_equal(scores.logsumexp, expected.logsumexp)
         np.testing.assert_array_equal(scores.target_logit, expected.target_logit)
     # A slot in a step in flight takes no item of the next one; once collected it goes on.
-    pipelined.submit([StepItem(0, 2, 31)])
+    pipelined.submit(StepInputs.of_items([StepItem(0, 2, 31)]))
     with pytest.raises(BackendError, match=r"slots \[0\] have items in a step still in flight"):
-        pipelined.submit([StepItem(0, 3, 32)])
+        pipelined.submit(StepInputs.of_items([StepItem(0, 3, 32)]))
     assert pipelined.collect().count == 1
     pipelined.free_slot(0)
     for backend in (pipelined, serial):

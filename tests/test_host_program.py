@@ -12,9 +12,15 @@ from tools.bench.bench_sim import main as bench_main
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
 from wafer_gpt2.cli.main import main
 from wafer_gpt2.core.runtime import MemcpyDataType, from_wire, to_wire
-from wafer_gpt2.core.steps import StepItem
+from wafer_gpt2.core.steps import HAS_TARGET, WANT_SCORES, BackendError, StepInputs, StepItem
 from wafer_gpt2.core.tiling import ceil_div
-from wafer_gpt2.core.wire import WireError, decode_scores, encode_items, encode_scores, step_message
+from wafer_gpt2.core.wire import (
+    WireError,
+    decode_items,
+    decode_scores,
+    encode_scores,
+    step_message,
+)
 from wafer_gpt2.plan.structure import PlanError
 
 
@@ -107,11 +113,11 @@ def test_output_records_decode_to_the_scores_the_wafer_sent():
     logits = np.sort(rng.normal(size=(n, k)).astype(np.float32))[:, ::-1]
     lse = rng.normal(size=n).astype(np.float32)
     targets = rng.normal(size=n).astype(np.float32)
-    expected = [0, 2, 3, 6, 7]
-    asked = [False, True, False, True, False]
+    expected = np.array([0, 2, 3, 6, 7])
+    asked = np.array([False, True, False, True, False])
     words = encode_scores(np.array(expected), ids, logits, lse, targets)
     decoded = decode_scores(words, k, expected, asked)
-    assert decoded.count == 8 and decoded.index.tolist() == expected
+    assert decoded.count == 8 and decoded.index.tolist() == expected.tolist()
     assert decoded.topk_ids.dtype == np.int32 and decoded.topk_logits.dtype == np.float32
     assert decoded.logsumexp.dtype == np.float64 and decoded.target_logit.dtype == np.float64
     np.testing.assert_array_equal(decoded.has_target, asked)
@@ -126,21 +132,43 @@ def test_output_records_decode_to_the_scores_the_wafer_sent():
         assert scores.topk_ids.dtype == np.int32 and scores.topk_logits.dtype == np.float32
         assert type(scores.logsumexp) is float and scores.logsumexp == float(lse[i])
         assert scores.target_logit == (float(targets[i]) if asked[i] else None)
-        assert asked[i] is False or type(scores.target_logit) is float
+        assert not asked[i] or type(scores.target_logit) is float
         assert not np.shares_memory(scores.topk_logits, words)  # the caller's buffer may be reused
     with pytest.raises(WireError, match=r"output stream of \d+ words, expected 4 records"):
         decode_scores(words, k, expected[:4], asked[:4])
     with pytest.raises(WireError, match="output record for item 3 arrived where item 4 was due"):
-        decode_scores(words, k, [0, 2, 4, 6, 7], asked)
+        decode_scores(words, k, np.array([0, 2, 4, 6, 7]), asked)
 
 
 def test_a_step_message_is_the_items_encoded():
-    """The host program's input message of a replica's items (`step_message`) is `encode_items`' words
-    for them, slots counted within the replica, flags and targets as asked; none for no items."""
+    """The host program's input message of a replica's items (`step_message`): the header, then per
+    item its slot within the replica, position, token, flags and target, as the wire format says; the
+    embed side (`decode_items`) reads back the same step; no items, the header alone."""
     items = [StepItem(9, 3, 464), StepItem(8, 0, 11, want_scores=False), StepItem(10, 7, 13, target=50256)]
-    expected = encode_items([1, 0, 2], [3, 0, 7], [464, 11, 13], [True, False, True], [None, None, 50256])
-    np.testing.assert_array_equal(step_message(items, 8), expected)
-    np.testing.assert_array_equal(step_message([], 8), encode_items([], [], [], [], []))
+    words = step_message(StepInputs.of_items(items), 8)
+    want, both = WANT_SCORES, WANT_SCORES | HAS_TARGET
+    expected = [3, 1, 3, 464, want, 0, 0, 0, 11, 0, 0, 2, 7, 13, both, 50256]
+    assert words.dtype == np.uint32 and words.tolist() == expected
+    back = decode_items(words)
+    assert back.items() == [item._replace(slot=item.slot % 8) for item in items]
+    assert step_message(StepInputs.of_items([]), 8).tolist() == [0]
+
+
+def test_step_inputs_refuse_bad_items_naming_the_first():
+    """Every backend's check (`StepInputs.validate`): a slot, position, token or target outside its
+    range, or a slot's positions not consecutive, names the item; a good step passes."""
+    good = [StepItem(0, 4, 7), StepItem(1, 0, 3), StepItem(0, 5, 9, target=2), StepItem(1, 1, 5)]
+    StepInputs.of_items(good).validate(num_slots=2, context_length=8, vocab_size=10)
+    for bad, message in (
+        (StepItem(2, 0, 1), "item 4: slot 2 outside 0..1"),
+        (StepItem(1, 8, 1), "item 4: position 8 outside 0..7"),
+        (StepItem(1, 2, 10), "item 4: token 10 outside 0..9"),
+        (StepItem(1, 2, 1, target=10), "item 4: target 10 outside 0..9"),
+        (StepItem(1, 2, 1, target=-1), "item 4: target -1 outside 0..9"),
+        (StepItem(0, 7, 1), r"item 4: slot 0 positions in one step must be consecutive \(5 then 7\)"),
+    ):
+        with pytest.raises(BackendError, match=message):
+            StepInputs.of_items([*good, bad]).validate(num_slots=2, context_length=8, vocab_size=10)
 
 
 def test_upload_refuses_a_plan_that_normalises_in_a_layers_strip(small_params):
@@ -163,13 +191,19 @@ def test_attention_reads_the_kv_cache_the_pe_memory_holds(small_params):
     first, second = (build_backend("sim", small_params, options) for _ in range(2))
     prompt, other_prompt = [5, 6, 7, 8, 9], [40, 41, 42, 43, 44]
     try:
-        first.step([StepItem(0, pos, token) for pos, token in enumerate(prompt)])
+        first.step(StepInputs.of_items([StepItem(0, pos, token) for pos, token in enumerate(prompt)]))
         regions = [r for r in first.plan.regions if r.kind == "attention"]
         saved = {(r.name, s): read_pe(first, r, s) for r in regions for s in ("k_cache", "v_cache")}
-        (expected,) = first.step([StepItem(0, 5, 17)]).rows()
+        (expected,) = first.step(StepInputs.of_items([StepItem(0, 5, 17)])).rows()
 
-        second.step([StepItem(slot, pos, token) for slot in (0, 1) for pos, token in enumerate(other_prompt)])
-        (other,) = second.step([StepItem(1, 5, 17)]).rows()  # another prompt in the cache: other scores
+        second.step(
+            StepInputs.of_items(
+                [StepItem(slot, pos, token) for slot in (0, 1) for pos, token in enumerate(other_prompt)]
+            )
+        )
+        (other,) = second.step(
+            StepInputs.of_items([StepItem(1, 5, 17)])
+        ).rows()  # another prompt in the cache: other scores
         assert not np.allclose(other.topk_logits, expected.topk_logits)
         for region in regions:
             for symbol in ("k_cache", "v_cache"):
@@ -184,7 +218,7 @@ def test_attention_reads_the_kv_cache_the_pe_memory_holds(small_params):
                     values.shape[2],
                     data_type=MemcpyDataType.MEMCPY_16BIT,
                 )
-        (got,) = second.step([StepItem(0, 5, 17)]).rows()
+        (got,) = second.step(StepInputs.of_items([StepItem(0, 5, 17)])).rows()
         np.testing.assert_array_equal(got.topk_ids, expected.topk_ids)
         np.testing.assert_array_equal(got.topk_logits, expected.topk_logits)
     finally:

@@ -13,7 +13,7 @@ import pytest
 from tools.bench import bench_host
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
 from wafer_gpt2.backends.stand_ins import ModeledWaferBackend, NullBackend, modeled_step_seconds
-from wafer_gpt2.core.steps import BackendError, StepItem, StepScores, TokenScores
+from wafer_gpt2.core.steps import BackendError, StepInputs, StepItem, StepScores, TokenScores
 from wafer_gpt2.engine.core import EngineCore, TokenizerHooks
 from wafer_gpt2.engine.request import (
     Alternative,
@@ -57,7 +57,7 @@ from wafer_gpt2.service.tgi import tgi_final_event, tgi_token_event
 def test_null_backend_answers_every_wanted_item_at_once_and_validates():
     backend = NullBackend(vocab_size=50257, slots=2, context=8, top_k=5)
     items = [StepItem(0, 0, 11, want_scores=False), StepItem(0, 1, 12), StepItem(1, 0, 13, target=7)]
-    out = backend.step(items).rows()
+    out = backend.step(StepInputs.of_items(items)).rows()
     assert out[0] is None
     first, scored = out[1], out[2]
     assert first is not None and scored is not None
@@ -66,15 +66,15 @@ def test_null_backend_answers_every_wanted_item_at_once_and_validates():
     assert first.topk_ids[0] != 50256  # never end-of-text first: benchmark streams run their length
     assert scored.target_logit is not None and scored.target_logit < scored.topk_logits[-1]
     # Deterministic in (token, position): the same item gets the same answer.
-    again = backend.step([StepItem(0, 1, 12)]).rows()[0]
+    again = backend.step(StepInputs.of_items([StepItem(0, 1, 12)])).rows()[0]
     assert again is not None and again.topk_ids.tolist() == first.topk_ids.tolist()
     with pytest.raises(BackendError, match="slot 2 outside"):
-        backend.step([StepItem(2, 0, 1)])
+        backend.step(StepInputs.of_items([StepItem(2, 0, 1)]))
     with pytest.raises(BackendError, match="position 8 outside"):
-        backend.step([StepItem(0, 8, 1)])
+        backend.step(StepInputs.of_items([StepItem(0, 8, 1)]))
     backend.close()
     with pytest.raises(BackendError, match="closed"):
-        backend.step([StepItem(0, 0, 1)])
+        backend.step(StepInputs.of_items([StepItem(0, 0, 1)]))
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_modeled_backend_takes_the_modeled_time_and_says_modeled(two_replica_pla
     items = [StepItem(slot, 0, 100 + slot) for slot in range(4)]
     modeled = modeled_step_seconds(plan, [item.slot for item in items])
     start = time.perf_counter()
-    out = backend.step(items)
+    out = backend.step(StepInputs.of_items(items))
     took = time.perf_counter() - start
     assert out.count == 4 and out.index.tolist() == [0, 1, 2, 3]
     assert took >= modeled
@@ -139,7 +139,10 @@ def test_modeled_backend_decodes_the_records_the_null_backend_answers_with(two_r
         StepItem(2, 1, 13, target=50256),
         StepItem(1, 0, 14),
     ]
-    got, expected = modeled.step(items).rows(), null.step(items).rows()
+    got, expected = (
+        modeled.step(StepInputs.of_items(items)).rows(),
+        null.step(StepInputs.of_items(items)).rows(),
+    )
     assert got[0] is None and expected[0] is None
     for ours, theirs in zip(got[1:], expected[1:], strict=True):
         assert ours is not None and theirs is not None
@@ -151,10 +154,10 @@ def test_modeled_backend_decodes_the_records_the_null_backend_answers_with(two_r
             assert ours.target_logit == float(np.float32(theirs.target_logit))
     assert (modeled.steps, modeled.items) == (null.steps, null.items) == (1, 5)
     with pytest.raises(BackendError, match="item 0: slot 4 outside 0..3"):
-        modeled.step([StepItem(4, 0, 1)])
+        modeled.step(StepInputs.of_items([StepItem(4, 0, 1)]))
     modeled.close()
     with pytest.raises(BackendError, match="closed"):
-        modeled.step([StepItem(0, 1, 1)])
+        modeled.step(StepInputs.of_items([StepItem(0, 1, 1)]))
 
 
 @pytest.mark.slow
@@ -253,9 +256,9 @@ def test_a_step_answer_missing_a_wanted_row_fails_that_request_alone():
     others in the step go on."""
 
     class DropsSlotOne(NullBackend):
-        def step(self, items):
-            full = super().step(items)
-            keep = [j for j, index in enumerate(full.index.tolist()) if items[index].slot != 1]
+        def step(self, inputs):
+            full = super().step(inputs)
+            keep = [j for j, index in enumerate(full.index.tolist()) if inputs.slot[index] != 1]
             return StepScores(full.count, *(column[keep] for column in full.arrays()))
 
     hooks = TokenizerHooks(tokenizer.token_bytes, 50256, {50256: "<|endoftext|>"}, 50257)

@@ -7,7 +7,7 @@ import pytest
 
 from wafer_gpt2.backends.reference import ReferenceBackend
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
-from wafer_gpt2.core.steps import BackendError, StepItem, TokenScores
+from wafer_gpt2.core.steps import BackendError, StepInputs, StepItem, TokenScores
 from wafer_gpt2.model.forward import KVCache, forward, logsumexp
 
 TOP_K = 8
@@ -49,7 +49,7 @@ def test_mixed_batches_match_the_reference(small_params):
         StepItem(1, 2, seqs[1][2]),
         StepItem(0, 4, seqs[0][4], target=seqs[0][5]),
     ]
-    out1 = backend.step(step1).rows()
+    out1 = backend.step(StepInputs.of_items(step1)).rows()
     assert [s is None for s in out1] == [not item.want_scores for item in step1]
     assert_scores(out1[6], full_logits(small_params, seqs[1][:3])[2])
     assert_scores(out1[7], full_logits(small_params, seqs[0][:5])[4], target=seqs[0][5])
@@ -57,7 +57,7 @@ def test_mixed_batches_match_the_reference(small_params):
     # Step 2: decode slots 0 and 1, prefill slot 2 with targets (prompt logprobs) on every token.
     step2 = [StepItem(1, 3, seqs[1][3]), StepItem(0, 5, seqs[0][5])]
     step2 += [StepItem(2, p, seqs[2][p], target=seqs[2][p + 1]) for p in range(6)]
-    out2 = backend.step(step2).rows()
+    out2 = backend.step(StepInputs.of_items(step2)).rows()
     assert_scores(out2[0], full_logits(small_params, seqs[1][:4])[3])
     assert_scores(out2[1], full_logits(small_params, seqs[0][:6])[5])
     slot2_logits = full_logits(small_params, seqs[2][:6])
@@ -67,7 +67,9 @@ def test_mixed_batches_match_the_reference(small_params):
     # Step 3: slot 0 is freed and reused by a new sequence from position 0; the others carry on.
     backend.free_slot(0)
     out3 = backend.step(
-        [StepItem(0, 0, reused[0]), StepItem(0, 1, reused[1]), StepItem(2, 6, seqs[2][6])]
+        StepInputs.of_items(
+            [StepItem(0, 0, reused[0]), StepItem(0, 1, reused[1]), StepItem(2, 6, seqs[2][6])]
+        )
     ).rows()
     reused_logits = full_logits(small_params, reused[:2])
     assert_scores(out3[0], reused_logits[0])
@@ -78,7 +80,7 @@ def test_mixed_batches_match_the_reference(small_params):
 def test_bad_items_are_refused_without_touching_the_caches(small_params):
     backend = ReferenceBackend(small_params, slots=2, context=16, top_k=TOP_K)
     seq = [11, 22, 33, 44]
-    backend.step([StepItem(0, p, t, want_scores=False) for p, t in enumerate(seq[:3])])
+    backend.step(StepInputs.of_items([StepItem(0, p, t, want_scores=False) for p, t in enumerate(seq[:3])]))
     bad_steps = {
         "slot 5 outside": [StepItem(5, 0, 1)],
         "position 16 outside": [StepItem(1, 16, 1)],
@@ -88,12 +90,12 @@ def test_bad_items_are_refused_without_touching_the_caches(small_params):
     }
     for message, items in bad_steps.items():
         with pytest.raises(BackendError, match=message):
-            backend.step(items)
+            backend.step(StepInputs.of_items(items))
     # The refused steps (one started with a valid slot-1 item) left both slots as they were.
-    (scores,) = backend.step([StepItem(0, 3, seq[3])]).rows()
+    (scores,) = backend.step(StepInputs.of_items([StepItem(0, 3, seq[3])])).rows()
     assert_scores(scores, full_logits(small_params, seq)[3])
     with pytest.raises(BackendError, match="leaves a gap"):
-        backend.step([StepItem(1, 1, 5)])
+        backend.step(StepInputs.of_items([StepItem(1, 1, 5)]))
 
 
 def test_construction_limits_and_backend_factory(small_params):
@@ -108,9 +110,9 @@ def test_construction_limits_and_backend_factory(small_params):
         50257,
         5,
     )
-    assert backend.step([]).count == 0
-    (scores,) = backend.step([StepItem(2, 0, 464)]).rows()
+    assert backend.step(StepInputs.of_items([])).count == 0
+    (scores,) = backend.step(StepInputs.of_items([StepItem(2, 0, 464)])).rows()
     assert scores.topk_ids.shape == (5,)
     backend.reset()
     with pytest.raises(BackendError, match="leaves a gap"):
-        backend.step([StepItem(2, 1, 464)])
+        backend.step(StepInputs.of_items([StepItem(2, 1, 464)]))

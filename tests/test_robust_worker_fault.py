@@ -25,10 +25,12 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from service_harness import backend_factory, running_server, sse_events, wait_until
 
-from wafer_gpt2.core.wire import H2D_COLOR, encode_items
+from wafer_gpt2.core.steps import WANT_SCORES
+from wafer_gpt2.core.wire import H2D_COLOR
 from wafer_gpt2.engine.worker import EngineState
 from wafer_gpt2.settings import ServerSettings
 
@@ -217,7 +219,7 @@ def test_a_fault_inside_the_simulated_wafer_fails_the_step(server, caplog):
         # the runtime's command thread, mid-way between the engine's own messages.
         backend = server.engine.backend
         plan = backend.plan
-        words = encode_items([plan.slots], [0], [0], [True], [None])
+        words = np.array([1, plan.slots, 0, 0, WANT_SCORES, 0], dtype=np.uint32)  # header, one item
         port_in, _ = plan.io_ports(0)
         backend.runtime.memcpy_h2d(
             H2D_COLOR, words, port_in.x, port_in.y, 1, 1, words.size, streaming=True, nonblock=True

@@ -17,7 +17,8 @@ from wafer_gpt2.core.runtime import (
     hwl_to_flat,
     to_wire,
 )
-from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, encode_items, record_words
+from wafer_gpt2.core.steps import StepInputs, StepItem
+from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, record_words, step_message
 from wafer_gpt2.plan import build_plan
 from wafer_gpt2.sim import SimRuntime
 
@@ -161,8 +162,10 @@ def test_a_command_issued_while_stop_drains_the_queue_gets_the_runtimes_own_erro
 
 def test_streams_run_in_issue_order_and_nonblocking_tasks_complete(runtime, plan):
     port_in, port_out = plan.io_ports(0)
-    first = encode_items([0, 0], [0, 1], [464, 3290], [False, True], [None, 50256])
-    second = encode_items([1], [0], [11], [True], [None])
+    first = step_message(
+        StepInputs.of_items([StepItem(0, 0, 464, False), StepItem(0, 1, 3290, target=50256)]), plan.slots
+    )
+    second = step_message(StepInputs.of_items([StepItem(1, 0, 11)]), plan.slots)
     size = record_words(plan.top_k)
     # A message may arrive in pieces: the program waits for the whole message.
     t1 = runtime.memcpy_h2d(

@@ -12,6 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
+from wafer_gpt2.core.steps import StepInputs
 from wafer_gpt2.host.compile import compile_program, prepare_sources
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan import build_plan
@@ -52,7 +53,10 @@ def test_tiny_gpt2_on_simfabric_matches_the_reference():
     reference = build_backend("reference", params, options)
     items = [StepItem(0, pos, tok) for pos, tok in enumerate([46, 32, 28, 12])]
     try:
-        got, want = wafer.step(items).rows(), reference.step(items).rows()
+        got, want = (
+            wafer.step(StepInputs.of_items(items)).rows(),
+            reference.step(StepInputs.of_items(items)).rows(),
+        )
     finally:
         wafer.close()
     for g, w in zip(got, want, strict=True):

@@ -166,8 +166,9 @@ def test_step_carries_decodes_first_and_chunks_prefill_to_the_budget():
     assert scheduler.admit() == [long_prompt]
     plan = scheduler.build_step()
 
-    assert plan.items[0].slot == running.slot and plan.items[0].position == 3 and plan.items[0].token == 7
-    prefill = plan.items[1:]
+    items = plan.inputs.items()
+    assert items[0].slot == running.slot and items[0].position == 3 and items[0].token == 7
+    prefill = items[1:]
     assert len(prefill) == 7  # the budget of 8 minus the decode
     assert [item.position for item in prefill] == list(range(7))
     assert all(item.target == long_prompt.prompt[item.position + 1] for item in prefill)
@@ -180,8 +181,8 @@ def test_only_the_last_prompt_token_wants_scores_without_prompt_logprobs():
     scheduler.add(sequence)
     scheduler.admit()
     plan = scheduler.build_step()
-    assert [item.want_scores for item in plan.items] == [False] * 4 + [True]
-    assert all(item.target is None for item in plan.items)
+    assert [item.want_scores for item in plan.inputs.items()] == [False] * 4 + [True]
+    assert all(item.target is None for item in plan.inputs.items())
 
 
 def test_queue_is_bounded_and_refuses_at_once():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
-from wafer_gpt2.core.steps import StepItem
+from wafer_gpt2.core.steps import StepInputs, StepItem
 from wafer_gpt2.model import tokenizer
 from wafer_gpt2.model.checkpoint import DEMO_MODEL_DIR, load_checkpoint
 
@@ -39,7 +39,9 @@ def test_fp16_stays_within_the_bound_of_fp32(demo_params):
             scores = {}
             for dtype, backend in runs.items():
                 backend.reset()
-                scores[dtype] = backend.step([StepItem(0, i, t) for i, t in enumerate(tokens)]).rows()
+                scores[dtype] = backend.step(
+                    StepInputs.of_items([StepItem(0, i, t) for i, t in enumerate(tokens)])
+                ).rows()
             for a, b in zip(scores["fp32"], scores["fp16"], strict=True):
                 _, ia, ib = np.intersect1d(a.topk_ids, b.topk_ids, return_indices=True)
                 worst = max(worst, float(np.abs(a.topk_logits[ia] - b.topk_logits[ib]).max()))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from wafer_gpt2.core import memory_layout
+from wafer_gpt2.core.steps import StepInputs
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling
 from wafer_gpt2.plan import Symbol, build_plan
 from wafer_gpt2.sim import SimRuntime, kernels
@@ -153,7 +154,11 @@ def test_clear_slot_zeroes_only_that_slot(small_params):
 
     sim = build_backend("sim", small_params, BackendOptions(slots=2, dtype="fp32", context=16))
     try:
-        sim.step([StepItem(0, i, 10 + i) for i in range(3)] + [StepItem(1, i, 20 + i) for i in range(3)])
+        sim.step(
+            StepInputs.of_items(
+                [StepItem(0, i, 10 + i) for i in range(3)] + [StepItem(1, i, 20 + i) for i in range(3)]
+            )
+        )
         attn = next(m for m in sim.runtime.memory.regions if m.region.name == "L0.attn")
         cache = attn.arrays["k_cache"].reshape(attn.region.h, attn.region.w, 2, -1)
         assert np.abs(cache[:, :, 0]).max() > 0 and np.abs(cache[:, :, 1]).max() > 0

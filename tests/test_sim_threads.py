@@ -10,14 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
-from wafer_gpt2.core.steps import StepItem
+from wafer_gpt2.core.steps import StepInputs, StepItem
 from wafer_gpt2.sim import kernels, parallel, wafer_program
 
 
 def run_steps(params, steps: list[list[StepItem]]) -> list:
     sim = build_backend("sim", params, BackendOptions(slots=8, dtype="fp16", context=64))
     try:
-        return [sim.step(items).rows() for items in steps]
+        return [sim.step(StepInputs.of_items(items)).rows() for items in steps]
     finally:
         sim.close()
 

@@ -12,7 +12,7 @@ import pytest
 
 from wafer_gpt2.backends.reference import ReferenceBackend
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
-from wafer_gpt2.core.steps import StepItem, TokenScores
+from wafer_gpt2.core.steps import StepInputs, StepItem, TokenScores
 
 TOL = 1e-4
 
@@ -31,7 +31,13 @@ def assert_scores_match(got: TokenScores, want: TokenScores, tol: float = TOL, w
 
 
 def run_both(sim, ref, items: list[StepItem]) -> list[tuple[TokenScores | None, TokenScores | None]]:
-    return list(zip(sim.step(items).rows(), ref.step(items).rows(), strict=True))
+    return list(
+        zip(
+            sim.step(StepInputs.of_items(items)).rows(),
+            ref.step(StepInputs.of_items(items)).rows(),
+            strict=True,
+        )
+    )
 
 
 def check_prefill_then_decode(
@@ -50,12 +56,14 @@ def check_prefill_then_decode(
 
 def greedy(backend, prompt: list[int], new_tokens: int, slot: int = 0) -> list[int]:
     items = [StepItem(slot, i, t, want_scores=i == len(prompt) - 1) for i, t in enumerate(prompt)]
-    scores = backend.step(items).rows()[-1]
+    scores = backend.step(StepInputs.of_items(items)).rows()[-1]
     out = []
     for step in range(new_tokens):
         out.append(int(scores.topk_ids[0]))
         if step + 1 < new_tokens:
-            (scores,) = backend.step([StepItem(slot, len(prompt) + step, out[-1])]).rows()
+            (scores,) = backend.step(
+                StepInputs.of_items([StepItem(slot, len(prompt) + step, out[-1])])
+            ).rows()
     return out
 
 
@@ -108,18 +116,15 @@ def test_mixed_batches_keep_slots_apart(small_sim, small_params):
         order = rng.permutation(8)
         for slot in order.tolist():
             batch.extend(items_for(int(slot), int(rng.integers(1, 5))))
-        got = small_sim.step(batch).rows()
+        got = small_sim.step(StepInputs.of_items(batch)).rows()
         start = 0
         while start < len(batch):
             slot = batch[start].slot
             end = start
             while end < len(batch) and batch[end].slot == slot:
                 end += 1
-            alone = (
-                solo[slot]
-                .step([StepItem(0, it.position, it.token, target=it.target) for it in batch[start:end]])
-                .rows()
-            )
+            own = [StepItem(0, it.position, it.token, target=it.target) for it in batch[start:end]]
+            alone = solo[slot].step(StepInputs.of_items(own)).rows()
             for n in range(start, end):
                 assert_scores_match(
                     got[n], alone[n - start], where=f"round {round_index} slot {slot} item {n}"
@@ -137,14 +142,16 @@ def test_mixed_batches_keep_slots_apart(small_sim, small_params):
 
 def test_items_without_scores_and_gaps(small_sim):
     small_sim.reset()
-    out = small_sim.step([StepItem(2, 0, 5, want_scores=False), StepItem(2, 1, 6)]).rows()
+    out = small_sim.step(
+        StepInputs.of_items([StepItem(2, 0, 5, want_scores=False), StepItem(2, 1, 6)])
+    ).rows()
     assert out[0] is None and out[1] is not None and out[1].topk_ids.shape == (64,)
     from wafer_gpt2.core.steps import BackendError
 
     with pytest.raises(BackendError, match="leaves a gap"):
-        small_sim.step([StepItem(2, 5, 1)])
+        small_sim.step(StepInputs.of_items([StepItem(2, 5, 1)]))
     with pytest.raises(BackendError, match="slot 8 outside"):
-        small_sim.step([StepItem(8, 0, 1)])
+        small_sim.step(StepInputs.of_items([StepItem(8, 0, 1)]))
 
 
 def test_replicas_serve_their_own_slots(small_params):
@@ -169,8 +176,8 @@ def test_fp16_error_is_bounded(small_params):
     try:
         prompt = [464, 3290, 318, 257, 1332, 13, 198, 40]
         got, want = (
-            fp16.step([StepItem(0, i, t) for i, t in enumerate(prompt)]).rows(),
-            ref.step([StepItem(0, i, t) for i, t in enumerate(prompt)]).rows(),
+            fp16.step(StepInputs.of_items([StepItem(0, i, t) for i, t in enumerate(prompt)])).rows(),
+            ref.step(StepInputs.of_items([StepItem(0, i, t) for i, t in enumerate(prompt)])).rows(),
         )
         worst = max(np.abs(g.topk_logits - w.topk_logits).max() for g, w in zip(got, want, strict=True))
         assert 0 < worst < 2e-2  # not exact (it is fp16), but close

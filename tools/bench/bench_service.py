@@ -78,10 +78,10 @@ class TimedBackend:
         self.top_k = inner.top_k
         self.steps: list[tuple[float, float, int]] = []  # (start, end, items) of every step so far
 
-    def step(self, items) -> StepScores:
+    def step(self, inputs) -> StepScores:
         start = time.perf_counter()
-        out = self.inner.step(items)
-        self.steps.append((start, time.perf_counter(), len(items)))
+        out = self.inner.step(inputs)
+        self.steps.append((start, time.perf_counter(), len(inputs)))
         return out
 
     def free_slot(self, slot: int) -> None:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan  # noqa: E402
 from wafer_gpt2.core.cost import attention_cost  # noqa: E402
 from wafer_gpt2.core.runtime import from_wire  # noqa: E402
-from wafer_gpt2.core.steps import StepItem  # noqa: E402
+from wafer_gpt2.core.steps import StepInputs, StepItem  # noqa: E402
 from wafer_gpt2.host.program import CYCLES_SYMBOL, WaferGPT2  # noqa: E402
 from wafer_gpt2.model.config import GPT2Config  # noqa: E402
 from wafer_gpt2.model.params import GPT2Params  # noqa: E402
@@ -103,9 +103,9 @@ def main() -> int:
             for i in range(args.position)
         ]
         if prompt:
-            model.step(prompt)
+            model.step(StepInputs.of_items(prompt))
         runtime.machine.command_times.clear()  # the decode step's commands only
-        model.step([StepItem(0, args.position, 1, want_scores=True)])
+        model.step(StepInputs.of_items([StepItem(0, args.position, 1, want_scores=True)]))
         spans = region_spans(model)
         token = edge_to_edge(runtime)
     finally:

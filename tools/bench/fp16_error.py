@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from wafer_gpt2.backends.registry import BackendOptions, build_backend  # noqa: E402
-from wafer_gpt2.core.steps import StepItem  # noqa: E402
+from wafer_gpt2.core.steps import StepInputs, StepItem  # noqa: E402
 from wafer_gpt2.engine.core import EngineCore, TokenizerHooks  # noqa: E402
 from wafer_gpt2.engine.request import FinishEvent, GenerationRequest  # noqa: E402
 from wafer_gpt2.engine.sampling import SamplingParams  # noqa: E402
@@ -53,7 +53,7 @@ PROMPTS = [
 def teacher_forced(backend, tokens: list[int]) -> list:
     items = [StepItem(0, i, t) for i, t in enumerate(tokens)]
     backend.reset()
-    return backend.step(items).rows()
+    return backend.step(StepInputs.of_items(items)).rows()
 
 
 def greedy(backend, prompt: list[int], new_tokens: int) -> list[int]:

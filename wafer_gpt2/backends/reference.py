@@ -7,11 +7,9 @@ be checked against it. One step batches every item's GEMMs together; attention r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from wafer_gpt2.core.steps import BackendError, StepItem, StepScores, TokenScores, validate_items
+from wafer_gpt2.core.steps import BackendError, StepInputs, StepScores, TokenScores
 from wafer_gpt2.errors import InvalidInput
 from wafer_gpt2.model.forward import KVCache, Segment, forward_hidden, lm_head, logsumexp
 from wafer_gpt2.model.params import GPT2Params
@@ -48,10 +46,11 @@ class ReferenceBackend:
         self.top_k = top_k
         self._caches = [KVCache(cfg, context) for _ in range(slots)]
 
-    def step(self, items: Sequence[StepItem]) -> StepScores:
+    def step(self, inputs: StepInputs) -> StepScores:
         if not self._caches:
             raise BackendError("the backend is closed")
-        validate_items(items, self.num_slots, self.context_length, self.vocab_size)
+        inputs.validate(self.num_slots, self.context_length, self.vocab_size)
+        items = inputs.items()
         if not items:
             return StepScores.empty(0, self.top_k)
 

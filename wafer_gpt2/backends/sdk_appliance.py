@@ -281,7 +281,7 @@ def check(address: str, work_dir: str | Path) -> dict:
     """Compile a tiny GPT-2 through the worker, run the host program on it, and compare every step
     with the embedded simulator run here; also round-trip raw memcpy and launch a function."""
     from wafer_gpt2.core.runtime import from_wire, to_wire
-    from wafer_gpt2.core.steps import StepItem
+    from wafer_gpt2.core.steps import StepInputs, StepItem
     from wafer_gpt2.host.program import BackendOptions, plan_for, start_model
     from wafer_gpt2.model.config import GPT2Config
     from wafer_gpt2.model.params import GPT2Params
@@ -322,7 +322,8 @@ def check(address: str, work_dir: str | Path) -> dict:
         ]  # fmt: skip
         same, top = True, []
         for items in steps:
-            got, want = model.step(items).rows(), local.step(items).rows()
+            inputs = StepInputs.of_items(items)
+            got, want = model.step(inputs).rows(), local.step(inputs).rows()
             for g, w in zip(got, want, strict=True):
                 if (g is None) != (w is None):
                     same = False

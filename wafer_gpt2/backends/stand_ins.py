@@ -10,7 +10,7 @@
   wafer's side, come from a table built once, their lse and target logit in float32 as a wafer sends
   them). It is labelled modeled everywhere (`describe()`, the benchmark's output): no wafer ran.
 
-Both validate items as every backend does (`validate_items`), so a host bug that feeds the wafer a bad
+Both validate items as every backend does (`StepInputs.validate`), so a host bug that feeds the wafer a bad
 item fails here as it would there. The scores are deterministic in (token, position):
 the text they produce varies (the detokenizer does real work) and runs repeat exactly.
 """
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from wafer_gpt2.core.cost import CLOCK_HZ
-from wafer_gpt2.core.steps import BackendError, StepItem, StepScores, validate_items
+from wafer_gpt2.core.steps import POSITION, SLOT, TOKEN, BackendError, StepInputs, StepScores
 from wafer_gpt2.core.wire import decode_scores, encode_scores, step_message
 from wafer_gpt2.errors import InvalidInput
 from wafer_gpt2.plan.structure import Plan
@@ -84,24 +84,25 @@ class NullBackend:
         self.steps = 0
         self.items = 0
 
-    def answer(self, items: Sequence[StepItem]) -> StepScores:
+    def answer(self, inputs: StepInputs) -> StepScores:
         """Validate and answer a step (no waiting): what every stand-in returns."""
-        self._take(items)
-        scored = [index for index, item in enumerate(items) if item.want_scores]
-        rows = np.array(
-            [(items[index].token + items[index].position) % TABLE for index in scored], dtype=np.intp
-        )
-        table = self._table
-        if any(items[index].target is not None for index in scored):
-            asked = np.array([items[index].target is not None for index in scored], dtype=bool)
-            targets = np.where(asked, table.target_logit[rows], np.nan)
-        elif len(scored) <= len(self._no_targets[0]):  # the usual step: no target asked, columns shared
-            asked, targets = (column[: len(scored)] for column in self._no_targets)
+        self._take(inputs)
+        n, table = len(inputs), self._table
+        if inputs.decode_only:  # the usual step: every item scored, no target asked, columns shared
+            scored = np.arange(n)
+            rows = _table_rows(inputs, None)
+            if n <= len(self._no_targets[0]):
+                asked, targets = (column[:n] for column in self._no_targets)
+            else:
+                asked, targets = np.zeros(n, dtype=bool), np.full(n, np.nan)
         else:
-            asked, targets = np.zeros(len(scored), dtype=bool), np.full(len(scored), np.nan)
+            scored = np.flatnonzero(inputs.want_scores)
+            rows = _table_rows(inputs, scored)
+            asked = inputs.has_target[scored]
+            targets = np.where(asked, table.target_logit[rows], np.nan)
         return StepScores(
-            count=len(items),
-            index=np.arange(len(items)) if len(scored) == len(items) else np.array(scored, dtype=np.int64),
+            count=n,
+            index=scored,
             topk_ids=table.topk_ids[rows],
             topk_logits=table.topk_logits[rows],
             logsumexp=table.logsumexp[rows],
@@ -109,16 +110,16 @@ class NullBackend:
             has_target=asked,
         )
 
-    def _take(self, items: Sequence[StepItem]) -> None:
+    def _take(self, inputs: StepInputs) -> None:
         """Refuse a step the real backends refuse; count it."""
         if self._closed:
             raise BackendError("the backend is closed")
-        validate_items(items, self.num_slots, self.context_length, self.vocab_size)
+        inputs.validate(self.num_slots, self.context_length, self.vocab_size)
         self.steps += 1
-        self.items += len(items)
+        self.items += len(inputs)
 
-    def step(self, items: Sequence[StepItem]) -> StepScores:
-        return self.answer(items)
+    def step(self, inputs: StepInputs) -> StepScores:
+        return self.answer(inputs)
 
     def free_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
@@ -143,6 +144,12 @@ class NullBackend:
         }
 
 
+def _table_rows(inputs: StepInputs, index: np.ndarray | None) -> np.ndarray:
+    """The score table's row of each item `index` (None: every item): deterministic in (token, position)."""
+    rows = (inputs.columns[TOKEN] + inputs.columns[POSITION]) % TABLE
+    return rows if index is None else rows[index]
+
+
 def _records_of(table: StepScores) -> np.ndarray:
     """The output records (`wafer_gpt2.core.wire.encode_scores`) of the score table's rows, one row each, with a
     target logit below each row's worst (as `NullBackend.answer` gives it), in float32 as a wafer sends it."""
@@ -161,19 +168,24 @@ class _Records:
     scored item, numbered as the message's items. Built at `collect`, inside the modeled wait; `decode` reads
     them as `wafer_gpt2.host.program.WaferGPT2._collect` does, after the step."""
 
-    def __init__(self, items: Sequence[StepItem], per_message: list[list[int]], table: np.ndarray) -> None:
-        self.count = len(items)
+    def __init__(self, inputs: StepInputs, per_message: list[np.ndarray | None], table: np.ndarray) -> None:
+        self.count = len(inputs)
         self.messages = []
-        for indices in per_message:
-            scored = [n for n, i in enumerate(indices) if items[i].want_scores]
-            if scored:
-                item_of = [items[indices[n]] for n in scored]
-                records = table[[(item.token + item.position) % TABLE for item in item_of]]
+        for indices in per_message:  # None: the whole step is one message
+            if indices is None:
+                message = inputs
+                scored = np.arange(self.count) if inputs.decode_only else np.flatnonzero(inputs.want_scores)
+            else:
+                message = inputs.take(indices)
+                scored = np.flatnonzero(message.want_scores)
+            if scored.size:
+                records = table[_table_rows(message, scored)]
                 records[:, 0] = scored
-                asked = [item.target is not None for item in item_of]
-                whole = len(indices) == len(items)
-                index = None if whole else np.array([indices[n] for n in scored], dtype=np.int64)
-                self.messages.append((len(indices), index, scored, records.reshape(-1), asked))
+                asked = (
+                    np.zeros(scored.size, dtype=bool) if message.decode_only else message.has_target[scored]
+                )
+                index = None if indices is None else indices[scored]
+                self.messages.append((len(message), index, scored, records.reshape(-1), asked))
 
     def decode(self, k: int) -> StepScores:
         parts = [
@@ -273,43 +285,46 @@ class ModeledWaferBackend(NullBackend):
         self._busy_until = 0.0  # the end of the latest modeled span
         # (modeled end, slots, (items, their indices per replica's message)) of each step submitted and
         # not collected, oldest first
-        self._in_flight: deque[tuple[float, set[int], tuple[list[StepItem], list[list[int]]]]] = deque()
+        self._in_flight: deque[tuple[float, set[int], tuple[StepInputs, list[np.ndarray | None]]]] = deque()
         self._records = _records_of(self._table)  # the wafer's side of the wire
         self._k = self._table.topk_ids.shape[1]  # the records' k (below top_k for a tiny vocabulary)
         self._slots_in_flight: set[int] = set()
         full_step = modeled_step_seconds(plan, list(range(min(plan.slots, self.num_slots))), clock_hz)
         self.timer_late_s = timer_lateness(full_step) if timer_late_s is None else timer_late_s
 
-    def submit(self, items: Sequence[StepItem]) -> None:
+    def submit(self, inputs: StepInputs) -> None:
         if len(self._in_flight) >= self.steps_in_flight:
             raise BackendError(f"{len(self._in_flight)} steps are in flight already: collect one first")
-        slots = {item.slot for item in items}
+        slots = set(inputs.fields[SLOT])
         if busy := slots & self._slots_in_flight:
             raise BackendError(f"slots {sorted(busy)} have items in a step still in flight")
-        self._take(items)
-        per_message: list[list[int]] = [[] for _ in range(self.plan.replicas)]
-        for index, item in enumerate(items):
-            per_message[item.slot // self.plan.slots].append(index)
+        self._take(inputs)
+        per_message: list[np.ndarray | None]  # each replica's items (None: the whole step is one message)
+        if self.plan.replicas == 1:
+            per_message = [None] if len(inputs) else []
+            per_replica = [len(inputs)]
+        else:
+            replica = inputs.slot // self.plan.slots
+            per_message = [np.flatnonzero(replica == r) for r in np.unique(replica).tolist()]
+            per_replica = np.bincount(replica, minlength=self.plan.replicas).tolist()
         for indices in per_message:  # the host program's messages, before the wafer starts
-            if indices:
-                step_message([items[i] for i in indices], self.plan.slots)
+            step_message(inputs if indices is None else inputs.take(indices), self.plan.slots)
         now = time.perf_counter()
         decode, bottleneck = (cycles / self.clock_hz for cycles in self._cycles)
-        per_replica = items_per_replica(self.plan, [item.slot for item in items])
         first, end = pipelined_span(now, self._input_free, per_replica, decode, bottleneck)
         self.modeled_busy_s += max(0.0, end - max(first, self._busy_until))
         self._busy_until = max(self._busy_until, end)
         # The wafer's output records are built at collect, inside the modeled wait: the wafer's work,
         # not the host's.
-        self._in_flight.append((end, slots, (list(items), per_message)))
+        self._in_flight.append((end, slots, (inputs, per_message)))
         self._slots_in_flight |= slots
 
     def collect(self) -> StepScores:
         if not self._in_flight:
             raise BackendError("no step is in flight")
-        end, slots, (items, per_message) = self._in_flight.popleft()
+        end, slots, (inputs, per_message) = self._in_flight.popleft()
         self._slots_in_flight -= slots
-        out = _Records(items, per_message, self._records)  # the wafer's side, before its step ends
+        out = _Records(inputs, per_message, self._records)  # the wafer's side, before its step ends
         remaining = end - time.perf_counter() - self.timer_late_s
         if remaining > 0:
             time.sleep(remaining)
@@ -317,10 +332,10 @@ class ModeledWaferBackend(NullBackend):
             self.overshoot_s += time.perf_counter() - end
         return out.decode(self._k)  # the host program reads the records
 
-    def step(self, items: Sequence[StepItem]) -> StepScores:
+    def step(self, inputs: StepInputs) -> StepScores:
         if self._in_flight:
             raise BackendError("step() with steps in flight: collect them first")
-        self.submit(items)
+        self.submit(inputs)
         return self.collect()
 
     def free_slot(self, slot: int) -> None:

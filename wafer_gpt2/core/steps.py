@@ -3,9 +3,11 @@
 One `step` is one trip of a batch of token items through the model (on the wafer: through the
 layer pipeline). Items of one slot in one step are consecutive positions of that slot, in order
 (prefill is token streaming); items of different slots are independent. After a step, every item's
-K/V is in its slot's cache at its position, so a later item of that slot attends to it. A step's
-answer is one `StepScores`: the top-k ids and logits, log-sum-exp and asked target logits of every
-scored item as arrays.
+K/V is in its slot's cache at its position, so a later item of that slot attends to it. A step goes in
+as one `StepInputs` (its items' slots, positions, tokens and flags as arrays) and comes back as one
+`StepScores`: the top-k ids and logits, log-sum-exp and asked target logits of every scored item as
+arrays. Neither is an object per item: the engine builds, checks and encodes a step in a few array
+operations, whatever its size.
 
 Implemented by `wafer_gpt2.host.program.WaferGPT2` (simulator, CSL executor and SDK backends),
 `wafer_gpt2.backends.reference` (the NumPy reference forward pass, for tests that isolate the service)
@@ -16,16 +18,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property
 from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from wafer_gpt2.errors import WaferGPT2Error
 
+# An item's flags (the wire's, `wafer_gpt2.core.wire`): the head reports it; it also asks for the logit of
+# its target token id.
+WANT_SCORES = 1
+HAS_TARGET = 2
+NO_TARGET = -1  # `StepInputs.target` of an item that asks for no target logit
 
-# Built per item per step: a named tuple builds in a fraction of a frozen dataclass's time.
+# The rows of `StepInputs.columns` (the wire's item words, in order) and their names in errors.
+SLOT, POSITION, TOKEN, FLAGS, TARGET = range(5)
+FIELDS = 5
+_FIELD_NAMES = ("slot", "position", "token", "flags", "target")
+
+
 class StepItem(NamedTuple):
+    """One item of a step, for code that writes a step by hand (tests, tools, the SDK's checks):
+    `StepInputs.of_items` makes the step's arrays of a list of them."""
+
     slot: int
     position: int
     token: int
@@ -33,9 +48,122 @@ class StepItem(NamedTuple):
     target: int | None = None  # also return the logit of this token id (prompt logprobs, scoring)
 
 
-# A StepItem from all five fields as one tuple, by `tuple.__new__` alone: the named tuple's own `__new__`
-# is a Python function (the scheduler builds a decode item per running request per step).
-step_item_of = partial(tuple.__new__, StepItem)
+class StepInputs:
+    """A step's items, in step order: what a backend's `step` takes. One int64 array `columns` [5, n]
+    holds them, a row per field in the order of the wire's item words (`wafer_gpt2.core.wire`): SLOT,
+    POSITION, TOKEN, FLAGS (WANT_SCORES, HAS_TARGET) and TARGET (the token id whose logit the item
+    also asks for; 0 where it asks for none). So a step is built, checked, cut and written as the input
+    message in a handful of operations however many items it has (at a few items, a numpy call costs
+    what about 50 Python operations do, so the views `slot`, `position`, `token`, `want_scores`,
+    `has_target` and `target` are made when first read)."""
+
+    def __init__(self, columns: np.ndarray) -> None:
+        if columns.ndim != 2 or columns.shape[0] != FIELDS or columns.dtype != np.int64:
+            raise BackendError(
+                f"malformed step inputs: columns {columns.dtype} {columns.shape}, expected int64 [{FIELDS}, n]"
+            )
+        self.columns = columns
+
+    @cached_property
+    def fields(self) -> list[list[int]]:
+        """The rows as lists (one numpy call): what the checks and the per-item loops read."""
+        return self.columns.tolist()
+
+    @cached_property
+    def decode_only(self) -> bool:
+        """Every item wants scores and none asks for a target (a decode step): the common case, for
+        which a backend may skip the masks."""
+        flags = self.fields[FLAGS]
+        return flags.count(WANT_SCORES) == len(flags)
+
+    @cached_property
+    def slot(self) -> np.ndarray:
+        return self.columns[SLOT]
+
+    @cached_property
+    def position(self) -> np.ndarray:
+        return self.columns[POSITION]
+
+    @cached_property
+    def token(self) -> np.ndarray:
+        return self.columns[TOKEN]
+
+    @cached_property
+    def want_scores(self) -> np.ndarray:
+        return (self.columns[FLAGS] & WANT_SCORES) != 0
+
+    @cached_property
+    def has_target(self) -> np.ndarray:
+        return (self.columns[FLAGS] & HAS_TARGET) != 0
+
+    @cached_property
+    def target(self) -> np.ndarray:
+        """Each item's target token id, NO_TARGET where it asks for none."""
+        return np.where(self.has_target, self.columns[TARGET], NO_TARGET)
+
+    def __len__(self) -> int:
+        return self.columns.shape[1]
+
+    @classmethod
+    def of_fields(
+        cls,
+        slot: Sequence[int],
+        position: Sequence[int],
+        token: Sequence[int],
+        flags: Sequence[int],
+        target: Sequence[int],
+    ) -> StepInputs:
+        """A step from its rows as equal-length sequences (FLAGS and TARGET as the wire has them)."""
+        columns = np.array((slot, position, token, flags, target), dtype=np.int64)
+        return cls(columns if columns.ndim == 2 else columns.reshape(FIELDS, 0))
+
+    @classmethod
+    def of_items(cls, items: Sequence[StepItem]) -> StepInputs:
+        """A step from one `StepItem` per item."""
+        if not items:
+            return cls.of_fields((), (), (), (), ())
+        slot, position, token, want, target = zip(*items, strict=True)
+        flags = [
+            (WANT_SCORES if w else 0) | (HAS_TARGET if t is not None else 0)
+            for w, t in zip(want, target, strict=True)
+        ]
+        return cls.of_fields(slot, position, token, flags, [0 if t is None else t for t in target])
+
+    def items(self) -> list[StepItem]:
+        """One `StepItem` per item: for the backends that run a step item by item."""
+        return [
+            StepItem(slot, position, token, bool(flags & WANT_SCORES), target if flags & HAS_TARGET else None)
+            for slot, position, token, flags, target in zip(*self.fields, strict=True)
+        ]
+
+    def take(self, index: np.ndarray) -> StepInputs:
+        """The items `index` (in that order): a replica's message, a part of one."""
+        return StepInputs(self.columns[:, index])
+
+    def validate(self, num_slots: int, context_length: int, vocab_size: int) -> None:
+        """The checks every backend makes before touching its cache: bad items never reach the wafer.
+        Raises BackendError naming the first bad item. Run on the rows as lists, by the builtins' C loops
+        (`min`, `max`, `set`): one numpy call however many items."""
+        fields = self.fields
+        if not fields[SLOT]:
+            return
+        limits = (num_slots, context_length, vocab_size, (WANT_SCORES | HAS_TARGET) + 1, vocab_size)
+        for name, values, limit in zip(_FIELD_NAMES, fields, limits, strict=True):
+            if min(values) < 0 or max(values) >= limit:
+                index = next(i for i, value in enumerate(values) if not 0 <= value < limit)
+                raise BackendError(f"item {index}: {name} {values[index]} outside 0..{limit - 1}")
+        slots = fields[SLOT]
+        if len(set(slots)) == len(slots):
+            return  # one item per slot (a decode step): no order to check
+        last: dict[int, int] = {}  # a slot's items are consecutive positions, in order
+        for index, (slot, position) in enumerate(zip(slots, fields[POSITION], strict=True)):
+            previous = last.get(slot)
+            if previous is not None and position != previous + 1:
+                raise BackendError(
+                    f"item {index}: slot {slot} positions in one step must be consecutive "
+                    f"({previous} then {position})"
+                )
+            last[slot] = position
 
 
 @dataclass(frozen=True)
@@ -196,7 +324,7 @@ class BackendShape(Protocol):
 
 
 class Backend(BackendShape, Protocol):
-    def step(self, items: Sequence[StepItem]) -> StepScores:
+    def step(self, inputs: StepInputs) -> StepScores:
         """Run one step; the result has a row per item whose want_scores is True."""
         ...
 
@@ -217,11 +345,11 @@ class PipelinedBackend(Backend, Protocol):
     `submit` starts a step and returns at once; `collect` returns the results of the oldest step not yet
     collected, waiting for them. At most `steps_in_flight` steps are submitted and not collected; a slot
     has items in one of them at most (the engine's rule), so steps never depend on each other, and a
-    slot freed meanwhile has none in flight. `step(items)` is `submit(items)` then `collect()`."""
+    slot freed meanwhile has none in flight. `step(inputs)` is `submit(inputs)` then `collect()`."""
 
     steps_in_flight: int
 
-    def submit(self, items: Sequence[StepItem]) -> None: ...
+    def submit(self, inputs: StepInputs) -> None: ...
 
     def collect(self) -> StepScores: ...
 
@@ -229,24 +357,3 @@ class PipelinedBackend(Backend, Protocol):
 def steps_in_flight(backend: Backend) -> int:
     """How many steps the backend takes at a time (1: `step` only)."""
     return max(1, int(getattr(backend, "steps_in_flight", 1)))
-
-
-def validate_items(items: Sequence[StepItem], num_slots: int, context_length: int, vocab_size: int) -> None:
-    """The checks every backend makes before touching its cache: bad items never reach the wafer."""
-    last_position: dict[int, int] = {}
-    for index, item in enumerate(items):
-        if not 0 <= item.slot < num_slots:
-            raise BackendError(f"item {index}: slot {item.slot} outside 0..{num_slots - 1}")
-        if not 0 <= item.position < context_length:
-            raise BackendError(f"item {index}: position {item.position} outside 0..{context_length - 1}")
-        if not 0 <= item.token < vocab_size:
-            raise BackendError(f"item {index}: token {item.token} outside 0..{vocab_size - 1}")
-        if item.target is not None and not 0 <= item.target < vocab_size:
-            raise BackendError(f"item {index}: target {item.target} outside 0..{vocab_size - 1}")
-        previous = last_position.get(item.slot)
-        if previous is not None and item.position != previous + 1:
-            raise BackendError(
-                f"item {index}: slot {item.slot} positions in one step must be consecutive "
-                f"({previous} then {item.position})"
-            )
-        last_position[item.slot] = item.position

@@ -26,12 +26,9 @@ in item order, each `record_words(k)` = 2k + 3 words:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import numpy as np
 
-from wafer_gpt2.core.steps import StepItem, StepScores
+from wafer_gpt2.core.steps import FIELDS, SLOT, StepInputs, StepScores
 from wafer_gpt2.errors import WaferGPT2Error
 
 # The memcpy streaming colors (kernels/layout.csl: MEMCPYH2D_DATA_1_ID and MEMCPYD2H_DATA_1_ID).
@@ -44,10 +41,8 @@ D2H_COLOR = 15
 # or the H2D that carries it never ends and the D2H behind it never starts.
 RECORDS_IN_FLIGHT = 1
 
-ITEM_WORDS = 5
+ITEM_WORDS = FIELDS  # an item's words are the rows of `StepInputs.columns`, in order
 HEADER_WORDS = 1
-WANT_SCORES = 1
-HAS_TARGET = 2
 
 
 class WireError(WaferGPT2Error, RuntimeError):
@@ -58,52 +53,16 @@ def record_words(top_k: int) -> int:
     return 2 * top_k + 3
 
 
-@dataclass(frozen=True)
-class WireItems:
-    """One step's items as parallel arrays (what the embed region parses from the input stream)."""
-
-    slot: np.ndarray  # int64 [n]
-    position: np.ndarray  # int64 [n]
-    token: np.ndarray  # int64 [n]
-    want_scores: np.ndarray  # bool [n]
-    target: np.ndarray  # int64 [n], -1 where no target was asked for
-
-    def __len__(self) -> int:
-        return int(self.slot.shape[0])
-
-
-def encode_items(
-    slots: Sequence[int],
-    positions: Sequence[int],
-    tokens: Sequence[int],
-    want_scores: Sequence[bool],
-    targets: Sequence[int | None],
-) -> np.ndarray:
-    """The input-stream message for one step: header + ITEM_WORDS per item, uint32."""
-    return _message(list(zip(slots, positions, tokens, want_scores, targets, strict=True)))
-
-
-def step_message(items: Sequence[StepItem], slots_per_replica: int) -> np.ndarray:
-    """The input-stream message of one replica's items, their slots counted within the replica."""
-    return _message(
-        [
-            (item.slot % slots_per_replica, item.position, item.token, item.want_scores, item.target)
-            for item in items
-        ]
-    )
-
-
-def _message(items: Sequence[tuple[int, int, int, bool, int | None]]) -> np.ndarray:
-    """The message of (slot, position, token, want_scores, target) rows: one flat list of the words
-    made into an array at once (this runs before every step; numpy reads a flat list of ints several
-    times faster than rows of tuples)."""
-    words = [len(items)]
-    for slot, position, token, want, target in items:
-        if target is None:
-            words += (slot, position, token, WANT_SCORES if want else 0, 0)
-        else:
-            words += (slot, position, token, (WANT_SCORES if want else 0) | HAS_TARGET, target)
-    return np.array(words, dtype=np.uint32)
+def step_message(inputs: StepInputs, slots_per_replica: int) -> np.ndarray:
+    """The input-stream message of one replica's items (header + ITEM_WORDS per item, uint32), their
+    slots counted within the replica: the step's columns, transposed, behind the header."""
+    n = len(inputs)
+    words = np.empty(HEADER_WORDS + ITEM_WORDS * n, dtype=np.uint32)
+    words[0] = n
+    body = words[HEADER_WORDS:].reshape(n, ITEM_WORDS)
+    body[:] = inputs.columns.T
+    body[:, SLOT] %= slots_per_replica
+    return words
 
 
 def message_words(header: int) -> int:
@@ -111,7 +70,7 @@ def message_words(header: int) -> int:
     return HEADER_WORDS + ITEM_WORDS * int(header)
 
 
-def decode_items(words: np.ndarray) -> WireItems:
+def decode_items(words: np.ndarray) -> StepInputs:
     """Parse one complete input message (header included)."""
     words = np.asarray(words, dtype=np.uint32)
     if words.size < HEADER_WORDS or words.size != message_words(words[0]):
@@ -120,15 +79,7 @@ def decode_items(words: np.ndarray) -> WireItems:
             f"({int(words[0]) if words.size else '?'} items need "
             f"{message_words(words[0]) if words.size else '?'} words)"
         )
-    body = words[HEADER_WORDS:].reshape(-1, ITEM_WORDS).astype(np.int64)
-    flags = body[:, 3]
-    return WireItems(
-        slot=body[:, 0],
-        position=body[:, 1],
-        token=body[:, 2],
-        want_scores=(flags & WANT_SCORES) != 0,
-        target=np.where((flags & HAS_TARGET) != 0, body[:, 4], -1),
-    )
+    return StepInputs(words[HEADER_WORDS:].reshape(-1, ITEM_WORDS).T.astype(np.int64))
 
 
 def encode_scores(
@@ -152,42 +103,43 @@ def encode_scores(
 def decode_scores(
     words: np.ndarray,
     top_k: int,
-    expected_items: Sequence[int],
-    asked_target: Sequence[bool],
+    expected_items: np.ndarray,
+    asked_target: np.ndarray,
     count: int | None = None,
     index: np.ndarray | None = None,
 ) -> StepScores:
-    """Parse the output stream of one step into its `StepScores`: `expected_items` are the indices (in
-    the message) of the items that asked for scores, `asked_target` whether each of them asked for a
-    target logit. The records are split into the step's columns at once, a few numpy calls a step (this
-    runs between two steps, while the wafer waits). `count`: the message's items (default: the last
-    scored one's index + 1); `index`: the rows' item indices in the step, where they differ from the
-    message's (a replica's message is part of a step)."""
+    """Parse the output stream of one step into its `StepScores`: `expected_items` (int64) are the
+    indices (in the message) of the items that asked for scores, `asked_target` (bool) whether each of
+    them asked for a target logit. The records are split into the step's columns at once, a few numpy
+    calls a step (this runs between two steps, while the wafer waits). `count`: the message's items
+    (default: the last scored one's index + 1); `index`: the rows' item indices in the step, where they
+    differ from the message's (a replica's message is part of a step)."""
     size = record_words(top_k)
     words = np.asarray(words, dtype=np.uint32)
-    n = len(expected_items)
+    n = expected_items.shape[0]
     if words.size != size * n:
         raise WireError(f"output stream of {words.size} words, expected {n} records of {size}")
     records = words.reshape(n, size)
-    if records[:, 0].tolist() != list(expected_items):
-        arrived = records[:, 0].tolist()
-        late = next(i for i, (got, due) in enumerate(zip(arrived, expected_items, strict=True)) if got != due)
+    arrived = records[:, 0]
+    if np.count_nonzero(arrived != expected_items):
+        late = int(np.flatnonzero(arrived != expected_items)[0])
         raise WireError(
             f"output record for item {arrived[late]} arrived where item {expected_items[late]} was due"
         )
-    asked = np.array(asked_target, dtype=bool)
-    if asked.shape != (n,):
-        raise WireError(f"{asked.size} target flags for {n} records")
-    if np.count_nonzero(asked):  # a C call: any() costs several times more at this size
-        targets = np.where(asked, records[:, 2 + 2 * top_k].view(np.float32).astype(np.float64), np.nan)
+    if asked_target.shape != (n,):
+        raise WireError(f"{asked_target.size} target flags for {n} records")
+    if np.count_nonzero(asked_target):  # a C call: any() costs several times more at this size
+        targets = np.where(
+            asked_target, records[:, 2 + 2 * top_k].view(np.float32).astype(np.float64), np.nan
+        )
     else:
         targets = np.full(n, np.nan)
     return StepScores(
-        count=(expected_items[-1] + 1 if n else 0) if count is None else count,
-        index=np.array(expected_items, dtype=np.int64) if index is None else index,
+        count=(int(expected_items[-1]) + 1 if n else 0) if count is None else count,
+        index=expected_items if index is None else index,
         topk_ids=records[:, 1 : 1 + top_k].astype(np.int32),
         topk_logits=records[:, 1 + top_k : 1 + 2 * top_k].view(np.float32).copy(),
         logsumexp=records[:, 1 + 2 * top_k].view(np.float32).astype(np.float64),
         target_logit=targets,
-        has_target=asked,
+        has_target=asked_target,
     )

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wafer_gpt2.core.steps import Backend, BackendError, StepItem, StepScores, TokenScores, steps_in_flight
+from wafer_gpt2.core.steps import (
+    WANT_SCORES,
+    Backend,
+    BackendError,
+    StepInputs,
+    StepScores,
+    TokenScores,
+    steps_in_flight,
+)
 from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
 from wafer_gpt2.engine.failures import RequestFailed, RequestTimedOut, RequestValidationFailed, ServiceError
 from wafer_gpt2.engine.kv_slots import KVSlotManager
@@ -211,7 +219,7 @@ class EngineCore:
     def step(self) -> list[Output]:
         """Schedule, run and apply one step; the events it produced (none when there is no work)."""
         batch = self.schedule()
-        if not batch.items:
+        if not batch:
             return self.take_outputs()
         try:
             results = self.execute(batch)
@@ -229,7 +237,7 @@ class EngineCore:
         batch = self.scheduler.build_step(groups=self._groups)
         self.record_gauges()
         self._flush()
-        if not batch.items:  # idle: the figures queued for the metrics go in now, not at the next render
+        if not batch:  # idle: the figures queued for the metrics go in now, not at the next render
             self.metrics.fold()
         return batch
 
@@ -240,7 +248,7 @@ class EngineCore:
         if runner is None:  # detached (failed or hung) and the caller named none
             raise BackendError("no backend is attached to run the step")
         started = time.monotonic()
-        results = runner.step(batch.items)
+        results = runner.step(batch.inputs)
         self.metrics.record_step(time.monotonic() - started, len(batch))
         return results
 
@@ -331,23 +339,24 @@ class EngineCore:
 
     def _apply(self, batch: StepBatch, results: StepScores) -> None:
         self._step_returned(batch)
-        if results.count != len(batch.items):
-            raise BackendError(
-                f"the backend returned results for {results.count} items, not {len(batch.items)}"
-            )
+        if results.count != len(batch):
+            raise BackendError(f"the backend returned results for {results.count} items, not {len(batch)}")
         to_sample: list[tuple[RequestState, int]] = []  # (request, its row): at most one per request
         running = RequestStatus.RUNNING
-        for item, row, state in zip(batch.items, results.row_of_item(), batch.owners, strict=True):
+        inputs = batch.inputs
+        for position, row, state in zip(
+            inputs.position.tolist(), results.row_of_item(), batch.owners, strict=True
+        ):
             if state.status is not running:
                 continue  # it finished on an earlier item of this step
-            if row >= 0 and item.position >= len(state.request.prompt_ids):
+            if row >= 0 and position >= len(state.request.prompt_ids):
                 # A decode item (most of a step): `_apply_item`'s decode branch, without the call.
-                state.computed = item.position + 1
+                state.computed = position + 1
                 state.pending_token = None
                 to_sample.append((state, row))
                 continue
             try:
-                if self._apply_item(item, results, row, state):
+                if self._apply_item(position, results, row, state):
                     to_sample.append((state, row))
             except Exception:
                 self._request_failed(state)
@@ -399,27 +408,29 @@ class EngineCore:
         if state.status is not RequestStatus.FINISHED:
             self._end(state, error=RequestFailed(REQUEST_FAILED_MESSAGE))
 
-    def _apply_item(self, item: StepItem, scores: StepScores, row: int, state: RequestState) -> bool:
-        """One item's result (`row` of the step's scores, -1 for none): prompt logprobs while
-        prefilling; True when the next token is to be chosen from it (the prompt's last or a decode item)."""
-        state.computed = item.position + 1
+    def _apply_item(self, position: int, scores: StepScores, row: int, state: RequestState) -> bool:
+        """The result of the item at `position` of `state` (`row` of the step's scores, -1 for none):
+        prompt logprobs while prefilling (the item's target is the next prompt token); True when the next
+        token is to be chosen from it (the prompt's last or a decode item)."""
+        state.computed = position + 1
         prompt = state.prompt
-        if item.position < len(prompt):
+        if position < len(prompt):
             request = state.request
             if request.prompt_logprobs:
-                if item.position == 0:
+                if position == 0:
                     state.prefill.append(PromptToken(prompt[0], None))
-                if item.target is not None:
+                if position < len(prompt) - 1:
+                    target = prompt[position + 1]
                     view = _wanted(scores, row)
                     if view.target_logit is None:
                         raise BackendError("the backend returned no logit for a prompt token's target")
                     logprob = view.logprob(view.target_logit)
                     n = request.top_n_tokens if request.prompt_top_n is None else request.prompt_top_n
-                    ranks = np.flatnonzero(view.topk_ids == item.target)
+                    ranks = np.flatnonzero(view.topk_ids == target)
                     rank = int(ranks[0]) + 1 if len(ranks) else None
                     top = alternatives(view, n, self._tokenizer.vocab_size)
-                    state.prefill.append(PromptToken(item.target, logprob, top, rank))
-            if item.position < len(prompt) - 1:
+                    state.prefill.append(PromptToken(target, logprob, top, rank))
+            if position < len(prompt) - 1:
                 return False
             if request.max_new_tokens == 0:
                 # Scoring (OpenAI echo with max_tokens 0): done with the prefill, no decode step.
@@ -583,20 +594,26 @@ def bare_greedy(backend: Backend, prompts: list[list[int]], new_tokens: int) -> 
     direct mode): equal-length prompts in slots 0.., all in one step, then one step per new token,
     each slot taking the wafer's top-1 id. No scheduler, sampler, detokenizer or stop check: it is what
     a step costs with nothing of the engine around it, so it must not run through the core."""
-    n = len(prompts[0])
-    items = [
-        StepItem(slot, pos, tok, want_scores=pos == n - 1)
-        for slot, prompt in enumerate(prompts)
-        for pos, tok in enumerate(prompt)
-    ]
-    scores = backend.step(items)
+    n, batch = len(prompts[0]), len(prompts)
+    slots = list(range(batch))
+    prefill = StepInputs.of_fields(
+        [slot for slot in slots for _ in range(n)],
+        list(range(n)) * batch,
+        [token for prompt in prompts for token in prompt],
+        ([0] * (n - 1) + [WANT_SCORES]) * batch,
+        [0] * (n * batch),
+    )
+    scores = backend.step(prefill)
     generated: list[list[int]] = [[] for _ in prompts]
     for step in range(new_tokens):
-        for slot, token in enumerate(scores.topk_ids[:, 0].tolist()):
-            generated[slot].append(token)
+        tokens = scores.topk_ids[:, 0].tolist()
+        for out, token in zip(generated, tokens, strict=True):
+            out.append(token)
         if step + 1 < new_tokens:
-            step_items = [StepItem(slot, n + step, ids[-1]) for slot, ids in enumerate(generated)]
-            scores = backend.step(step_items)
-            if len(scores.index) != len(step_items):
+            decode = StepInputs.of_fields(
+                slots, [n + step] * batch, tokens, [WANT_SCORES] * batch, [0] * batch
+            )
+            scores = backend.step(decode)
+            if len(scores.index) != batch:
                 raise BackendError("the backend returned no scores for an item that wanted them")
     return generated

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from wafer_gpt2.core.steps import StepItem, step_item_of
+from wafer_gpt2.core.steps import HAS_TARGET, WANT_SCORES, StepInputs
 from wafer_gpt2.engine.failures import Overloaded
 from wafer_gpt2.engine.kv_slots import KVSlotManager
 from wafer_gpt2.engine.request import RequestState, RequestStatus
@@ -39,11 +39,11 @@ def _slot(sequence: RequestState) -> int:
 
 @dataclass(frozen=True)
 class StepBatch:
-    items: list[StepItem]
-    owners: list[RequestState]  # owners[i] is the request of items[i]
+    inputs: StepInputs
+    owners: list[RequestState]  # owners[i] is the request of item i
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.owners)
 
 
 class Scheduler:
@@ -126,8 +126,11 @@ class Scheduler:
     def build_step(self, groups: int = 1) -> StepBatch:
         """The next step's items, from the requests with none in a step still in flight (a
         `PipelinedBackend` runs several: one takes what became ready while another computes); with
-        `groups` above 1, those of the first group (slot modulo groups) that has no step in flight."""
-        items: list[StepItem] = []
+        `groups` above 1, those of the first group (slot modulo groups) that has no step in flight.
+        The step's columns are gathered as lists and made arrays once (`StepInputs`)."""
+        slots: list[int] = []
+        positions: list[int] = []
+        tokens: list[int] = []
         owners: list[RequestState] = []
         prefilling: list[RequestState] = []  # in admission order, as `running`
         candidates = self.running
@@ -144,37 +147,45 @@ class Scheduler:
             if sequence.computed < len(sequence.request.prompt_ids):  # `prefilling`, without the call
                 prefilling.append(sequence)
             elif sequence.pending_token is not None:
-                items.append(
-                    step_item_of((_slot(sequence), sequence.computed, sequence.pending_token, True, None))
-                )
+                slots.append(_slot(sequence))
+                positions.append(sequence.computed)
+                tokens.append(sequence.pending_token)
                 owners.append(sequence)
                 sequence.in_flight = True
+        decodes = len(owners)
+        flags = [WANT_SCORES] * decodes
+        targets = [0] * decodes
 
-        budget = self.step_token_budget - len(items)
+        budget = self.step_token_budget - decodes
         for sequence in prefilling:
             if budget <= 0:
                 break
             sequence.in_flight = True
             prompt = sequence.prompt
-            slot, logprobs, final = _slot(sequence), sequence.request.prompt_logprobs, len(prompt) - 1
             start = sequence.computed
             stop = min(len(prompt), start + budget)
-            for position in range(start, stop):
-                last = position == final
-                wants_logprob = logprobs and not last
-                items.append(
-                    StepItem(
-                        slot=slot,
-                        position=position,
-                        token=prompt[position],
-                        want_scores=last or wants_logprob,
-                        # The wafer returns the exact logit of the next prompt token: its logprob.
-                        target=prompt[position + 1] if wants_logprob else None,
-                    )
-                )
-            owners += [sequence] * (stop - start)
-            budget -= stop - start
-        return StepBatch(items, owners)
+            n = stop - start
+            slots += [_slot(sequence)] * n
+            positions += range(start, stop)
+            tokens += prompt[start:stop]
+            # With prompt logprobs every prompt token but the last asks for the logit of the next one
+            # (the wafer returns it exactly: its logprob); the last asks for the scores of the first
+            # generated token.
+            last = stop == len(prompt)
+            if sequence.request.prompt_logprobs:
+                flags += [WANT_SCORES | HAS_TARGET] * n
+                targets += prompt[start + 1 : stop + 1]
+                if last:
+                    flags[-1] = WANT_SCORES
+                    targets.append(0)
+            else:
+                flags += [0] * n
+                targets += [0] * n
+                if last:
+                    flags[-1] = WANT_SCORES
+            owners += [sequence] * n
+            budget -= n
+        return StepBatch(StepInputs.of_fields(slots, positions, tokens, flags, targets), owners)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -565,7 +565,7 @@ class Engine:
                 if batch is None:
                     return False
             try:
-                if batch is not None and batch.items:
+                if batch is not None and batch:
                     with self._cond:
                         if self._generation != generation:
                             return False
@@ -578,7 +578,7 @@ class Engine:
                         self._watch_oldest(in_flight)  # before it is submitted: a submit may hang too
                     if self._injected_step_faults:
                         raise self._injected_step_faults.pop(0)
-                    backend.submit(batch.items)
+                    backend.submit(batch.inputs)
                     # While the wafer computes: the text, events and ends of the tokens chosen last.
                     # Requests that end free their slots, so the next step can admit waiting ones.
                     if not self._complete_chosen(generation):
@@ -647,7 +647,7 @@ class Engine:
                 core = self._built_core()
                 self._file_arrivals(core)
                 batch = core.schedule()
-                if batch.items or not wait:
+                if batch or not wait:
                     return batch
                 if core.complete_deferred():
                     continue  # requests ended (their slots are free): schedule again

@@ -3,8 +3,8 @@
     runtime = SimRuntime(plan)                     # or an SDK runtime with the same contract
     model = WaferGPT2(plan, runtime)                # load() + run()
     model.upload(params)                            # every region's symbols, memcpy_h2d copy mode
-    scores = model.step([StepItem(slot, position, token), ...])   # a StepScores
-    model.submit(items); ...; scores = model.collect()            # steps in flight
+    scores = model.step(StepInputs.of_items([StepItem(slot, position, token), ...]))  # a StepScores
+    model.submit(inputs); ...; scores = model.collect()                              # steps in flight
 
 Each step sends one message per pipeline replica onto its input stream and reads back one record per
 item that asked for scores (`wafer_gpt2.core.wire`). Both are non-blocking memcpy commands issued
@@ -17,7 +17,6 @@ knows about the wafer comes from the plan and from what memcpy returns.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +34,7 @@ from wafer_gpt2.core.runtime import (
     hwl_to_flat,
     to_wire,
 )
-from wafer_gpt2.core.steps import Backend, BackendError, StepItem, StepScores, validate_items
+from wafer_gpt2.core.steps import SLOT, Backend, BackendError, StepInputs, StepScores
 from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, decode_scores, record_words, step_message
 from wafer_gpt2.errors import InvalidInput
 from wafer_gpt2.model.params import GPT2Params
@@ -61,13 +60,14 @@ PLAN_SUMMARY_KEYS = (
 
 @dataclass(frozen=True)
 class _Read:
-    """The records of one message's scored items, asked for when it was sent: its items (as the step's
-    item numbers), which of them are scored (message numbering), which asked for a target, the buffer
-    the runtime fills and the runtime's task."""
+    """The records of one message's scored items, asked for when it was sent: how many items it has,
+    which of them are scored (message numbering) and their numbers in the step, which asked for a
+    target, the buffer the runtime fills and the runtime's task."""
 
-    indices: list[int]
-    scored: list[int]
-    asked: list[bool]
+    count: int  # the message's items
+    scored: np.ndarray  # int64, in the message's numbering
+    index: np.ndarray | None  # the scored items' numbers in the step (None: the message is the step)
+    asked: np.ndarray  # bool
     words: np.ndarray
     task: Any
 
@@ -97,7 +97,9 @@ class WaferGPT2:
         self.context_length = plan.context
         self.vocab_size = plan.config.vocab_size
         self.top_k = plan.top_k
-        self._lengths = [0] * self.num_slots  # positions held per slot (the next position to write)
+        self._lengths = np.zeros(
+            self.num_slots, dtype=np.int64
+        )  # positions held per slot (the next to write)
         if not getattr(runtime, "running", False):
             runtime.load()
             runtime.run()
@@ -179,54 +181,64 @@ class WaferGPT2:
 
     # -- steps -------------------------------------------------------------------------------------
 
-    def step(self, items: Sequence[StepItem]) -> StepScores:
+    def step(self, inputs: StepInputs) -> StepScores:
         if self._in_flight:
             raise BackendError("step() with steps in flight: collect them first")
-        self.submit(items)
+        self.submit(inputs)
         return self.collect()
 
-    def submit(self, items: Sequence[StepItem]) -> None:
+    def submit(self, inputs: StepInputs) -> None:
         """Send a step's messages and ask for its records at once (non-blocking memcpy both ways), so the
         host prepares the next step while the wafer computes this one; `collect` waits for them."""
         if len(self._in_flight) >= self.steps_in_flight:
             raise BackendError(f"{len(self._in_flight)} steps are in flight already: collect one first")
-        validate_items(items, self.num_slots, self.context_length, self.vocab_size)
-        first_position: dict[int, tuple[int, int]] = {}
-        for index, item in enumerate(items):
-            first_position.setdefault(item.slot, (index, item.position))
-        if busy := first_position.keys() & self._slots_in_flight:
+        inputs.validate(self.num_slots, self.context_length, self.vocab_size)
+        slot_set = set(inputs.fields[SLOT])
+        if busy := slot_set & self._slots_in_flight:
             raise BackendError(f"slots {sorted(busy)} have items in a step still in flight")
-        for slot, (index, position) in first_position.items():
-            if position > self._lengths[slot]:
-                raise BackendError(
-                    f"item {index}: slot {slot} position {position} leaves a gap (the slot holds "
-                    f"{self._lengths[slot]} positions)"
-                )
-        per_replica: list[list[int]] = [[] for _ in range(self.plan.replicas)]
-        for index, item in enumerate(items):
-            per_replica[item.slot // self.plan.slots].append(index)
+        # Each slot's first position, and the next position to write after the step.
+        first: np.ndarray | None = None
+        if len(slot_set) == len(inputs):  # one item per slot (a decode step)
+            slots, starts = inputs.slot, inputs.position
+            ends = starts + 1
+        else:
+            slots, first, counts = np.unique(inputs.slot, return_index=True, return_counts=True)
+            starts = inputs.position[first]
+            ends = starts + counts
+        gaps = np.flatnonzero(starts > self._lengths[slots])
+        if gaps.size:
+            gap = int(gaps[0])
+            slot, index = int(slots[gap]), gap if first is None else int(first[gap])
+            raise BackendError(
+                f"item {index}: slot {slot} position {starts[gap]} leaves a gap (the slot holds "
+                f"{self._lengths[slot]} positions)"
+            )
+        per_replica: list[np.ndarray | None]  # each replica's items (None: the whole step is one message)
+        if self.plan.replicas == 1:
+            per_replica = [None] if len(inputs) else []
+        else:
+            replica = inputs.slot // self.plan.slots
+            per_replica = [np.flatnonzero(replica == r) for r in np.unique(replica).tolist()]
         reads: list[_Read | None] = []
         bound = getattr(self.runtime, "records_in_flight", None)
         if bound is None:
             # Stream every replica's message in, then ask for every replica's records.
-            messages = [indices for indices in per_replica if indices]
-            for indices in messages:
-                self._send([items[i] for i in indices])
-            reads = [self._ask(indices, items) for indices in messages]
+            for indices in per_replica:
+                self._send(inputs if indices is None else inputs.take(indices))
+            reads = [self._ask(indices, inputs) for indices in per_replica]
         else:
             # memcpy runs one command at a time: a message whose records do not fit what the wafer
             # program buffers before io.out would stall the H2D before the first D2H starts. Each
             # message carries at most `bound` scored items, and its records are asked for before the
             # next is sent.
             for indices in per_replica:
-                for part in _parts(indices, [items[i].want_scores for i in indices], bound):
-                    self._send([items[i] for i in part])
-                    reads.append(self._ask(part, items))
-        for item in items:
-            self._lengths[item.slot] = item.position + 1
-        slots = set(first_position)
-        self._in_flight.append((len(items), [read for read in reads if read is not None], slots))
-        self._slots_in_flight |= slots
+                whole = np.arange(len(inputs)) if indices is None else indices
+                for part in _parts(whole, inputs.want_scores[whole], bound):
+                    self._send(inputs.take(part))
+                    reads.append(self._ask(part, inputs))
+        self._lengths[slots] = ends
+        self._in_flight.append((len(inputs), [read for read in reads if read is not None], slot_set))
+        self._slots_in_flight |= slot_set
 
     def collect(self) -> StepScores:
         """The oldest step in flight's scores, once its records are read (waiting for them)."""
@@ -234,36 +246,44 @@ class WaferGPT2:
             raise BackendError("no step is in flight")
         count, reads, slots = self._in_flight.popleft()
         self._slots_in_flight -= slots
-        parts = [self._decode(read, count) for read in reads]
+        parts = [self._decode(read) for read in reads]
         return StepScores.concat(parts, count) if parts else StepScores.empty(count, self.top_k)
 
-    def _ask(self, indices: list[int], items: Sequence[StepItem]) -> _Read | None:
-        """Ask (non-blocking) for the records of one message's scored items (None: it has none)."""
-        scored = [n for n, i in enumerate(indices) if items[i].want_scores]
-        if not scored:
+    def _ask(self, indices: np.ndarray | None, inputs: StepInputs) -> _Read | None:
+        """Ask (non-blocking) for the records of one message's scored items, `indices` of the step's
+        (None: all of them); None when it has none."""
+        if indices is None:
+            count, first_slot = len(inputs), inputs.fields[SLOT][0]
+            if inputs.decode_only:
+                scored, asked = np.arange(count), np.zeros(count, dtype=bool)
+            else:
+                scored = np.flatnonzero(inputs.want_scores)
+                asked = inputs.has_target[scored]
+        else:
+            count, first_slot = indices.size, int(inputs.slot[indices[0]])
+            scored = np.flatnonzero(inputs.want_scores[indices])
+            asked = inputs.has_target[indices[scored]]
+        if not scored.size:
             return None
-        asked = [items[indices[n]].target is not None for n in scored]
-        _, port_out = self.plan.io_ports(items[indices[0]].slot // self.plan.slots)
-        words = np.zeros(len(scored) * record_words(self.top_k), dtype=np.uint32)
+        _, port_out = self.plan.io_ports(first_slot // self.plan.slots)
+        words = np.zeros(scored.size * record_words(self.top_k), dtype=np.uint32)
         task = self.runtime.memcpy_d2h(
             words, D2H_COLOR, port_out.x, port_out.y, 1, 1, words.size, streaming=True, nonblock=True
         )
-        return _Read(indices, scored, asked, words, task)
+        index = None if indices is None else indices[scored]  # the rows' items in the step
+        return _Read(count, scored, index, asked, words, task)
 
-    def _decode(self, read: _Read, count: int) -> StepScores:
+    def _decode(self, read: _Read) -> StepScores:
         """Wait for one message's records and decode them, numbered as the step's items."""
         self.runtime.task_wait(read.task)
-        # The message's item n is the step's item indices[n]: the same number when it is the whole step.
-        whole = len(read.indices) == count
-        index = None if whole else np.array([read.indices[n] for n in read.scored], dtype=np.int64)
         return decode_scores(
-            read.words, self.top_k, read.scored, read.asked, count=len(read.indices), index=index
+            read.words, self.top_k, read.scored, read.asked, count=read.count, index=read.index
         )
 
-    def _send(self, items: list[StepItem]) -> None:
-        replica = items[0].slot // self.plan.slots
+    def _send(self, inputs: StepInputs) -> None:
+        replica = int(inputs.slot[0]) // self.plan.slots
         port_in, _ = self.plan.io_ports(replica)
-        words = step_message(items, self.plan.slots)
+        words = step_message(inputs, self.plan.slots)
         self.runtime.memcpy_h2d(
             H2D_COLOR, words, port_in.x, port_in.y, 1, 1, words.size, streaming=True, nonblock=True
         )
@@ -306,17 +326,12 @@ class WaferGPT2:
         return out
 
 
-def _parts(indices: list[int], scored: list[bool], bound: int) -> list[list[int]]:
-    """Split a message's items (in order) into messages of at most `bound` scored items each."""
-    parts: list[list[int]] = [[]]
-    count = 0
-    for index, wants in zip(indices, scored, strict=True):
-        if wants and count == bound:
-            parts.append([])
-            count = 0
-        parts[-1].append(index)
-        count += wants
-    return [part for part in parts if part]
+def _parts(indices: np.ndarray, scored: np.ndarray, bound: int) -> list[np.ndarray]:
+    """Split a message's items (in order) into messages of at most `bound` scored items each: a new
+    part starts at each scored item numbered bound, 2 bound, ... among the scored."""
+    number = np.cumsum(scored) - 1  # each scored item's number among the scored
+    starts = np.flatnonzero(scored & (number > 0) & (number % bound == 0))
+    return [part for part in np.split(indices, starts) if part.size]
 
 
 def _region_tensors(region: Any, params: GPT2Params) -> list[tuple[str, np.ndarray]]:

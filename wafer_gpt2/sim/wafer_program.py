@@ -20,8 +20,9 @@ import numpy as np
 from wafer_gpt2.core import memory_layout
 from wafer_gpt2.core.abi import CYCLES_SYMBOL, LAYER_OPS
 from wafer_gpt2.core.cost import attention_cost
+from wafer_gpt2.core.steps import StepInputs
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling
-from wafer_gpt2.core.wire import WireItems, encode_scores
+from wafer_gpt2.core.wire import encode_scores
 from wafer_gpt2.sim import kernels, parallel
 from wafer_gpt2.sim.memory import RegionMemory, WaferMemory
 
@@ -198,7 +199,7 @@ class WaferProgram:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def check_items(self, items: WireItems) -> None:
+    def check_items(self, items: StepInputs) -> None:
         """The limits the PE programs rely on (the host checks them first; this is the wafer's guard)."""
         plan, cfg = self.plan, self.config
         for field_name, values, limit in (
@@ -218,7 +219,7 @@ class WaferProgram:
                 f"input stream item {int(bad[0])}: target {int(items.target[bad[0]])} outside the vocabulary"
             )
 
-    def run_step(self, replica: int, items: WireItems) -> np.ndarray:
+    def run_step(self, replica: int, items: StepInputs) -> np.ndarray:
         """Execute one input message on one replica; returns the output-stream words.
 
         The layers of different slots share nothing within a step (each slot attends only to its
@@ -306,7 +307,7 @@ class WaferProgram:
 
     # -- modeled cycles ----------------------------------------------------------------------------
 
-    def _count_cycles(self, pipe: Pipeline, items: WireItems, scored: int) -> None:
+    def _count_cycles(self, pipe: Pipeline, items: StepInputs, scored: int) -> None:
         """Each region's modeled busy cycles this step: its per-item stage cost (wafer_gpt2.core.cost, via the
         plan) times the items it handled; attention is priced per item at the item's own length."""
         costs = self._pipeline_costs(pipe)
