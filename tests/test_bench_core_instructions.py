@@ -29,3 +29,16 @@ def test_the_instruction_count_is_read_from_cachegrind_and_its_absence_is_an_err
     assert bench.parse_instructions("==12== \n==12== I   refs:      1,748,121,465\n") == 1_748_121_465
     with pytest.raises(RuntimeError, match="no instruction count"):
         bench.parse_instructions("valgrind: command not found")
+
+
+def test_the_modeled_workload_runs_over_a_pickled_plan_without_waiting(small_config, tmp_path):
+    """`--backend modeled`: the counted process steps the modeled stand-in of the plan the parent pickled,
+    its waits cut to nothing; every token of every round comes back."""
+    import pickle
+
+    from wafer_gpt2.plan import build_plan
+
+    plan_file = tmp_path / "plan.pickle"
+    plan_file.write_bytes(pickle.dumps(build_plan(small_config, slots=4, context=32)))
+    bench = load()
+    assert bench.workload(rounds=2, requests=4, new_tokens=8, stream=False, plan_file=str(plan_file)) == 64

@@ -2,14 +2,16 @@
 
 A shared machine's speed swings within a minute by far more than a few percent, so CPU times of
 alternated runs cannot resolve such a change in the host's per-token work. Instruction counts can: the
-same run gives nearly the same count every time. `EngineCore` is stepped over the null backend (no model),
-`--requests` requests of a 10-token prompt and `--new-tokens` tokens each per round, and valgrind's
+same run gives nearly the same count every time. `EngineCore` is stepped over the null backend (no model;
+or `--backend modeled`, the GPT-2 124M plan's stand-in, which also does the host program's side of the
+wire, its waits cut to nothing), `--requests` requests of a 10-token prompt and `--new-tokens` tokens each per round, and valgrind's
 cachegrind (no cache simulation) counts the instructions of `--rounds` + 1 rounds less those of one
 round, so imports and the tokenizer's load cancel out. Counts are fixed by a hash seed, address-space
 randomisation off (`setarch -R`) and numpy's thread pools at one thread (their idle threads' instructions
 would be counted too).
 
     python tools/bench/core_instructions.py [--tree PATH ...] [--requests 64] [--new-tokens 32] [--stream]
+                                            [--backend null|modeled]
 
 `--tree` (repeatable) counts another checkout of the repository too (e.g. a `git worktree` of the
 commit before a change), alternately with this one. Needs valgrind and setarch (Debian: valgrind,
@@ -20,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
+import pickle
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,13 +42,20 @@ FIXED_ENV = {
 }
 
 
-def workload(rounds: int, requests: int, new_tokens: int, stream: bool) -> int:
-    """Step the engine core over the null backend; the tokens it generated."""
-    from wafer_gpt2.backends.stand_ins import NullBackend
+def workload(rounds: int, requests: int, new_tokens: int, stream: bool, plan_file: str = "") -> int:
+    """Step the engine core over the null backend (or the modeled one, its plan pickled in `plan_file`,
+    never waiting: only its instructions count); the tokens it generated."""
+    from wafer_gpt2.backends.stand_ins import ModeledWaferBackend, NullBackend
+    from wafer_gpt2.core.steps import Backend
     from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
     from wafer_gpt2.engine.request import GenerationRequest, loop_sink
 
-    backend = NullBackend(50257, slots=requests, context=len(PROMPT) + new_tokens, top_k=64)
+    backend: Backend
+    if plan_file:
+        plan = pickle.loads(Path(plan_file).read_bytes())
+        backend = ModeledWaferBackend(plan, timer_late_s=math.inf)  # every wait cut to nothing
+    else:
+        backend = NullBackend(50257, slots=requests, context=len(PROMPT) + new_tokens, top_k=64)
     core = EngineCore(backend, gpt2_tokenizer_hooks(), max_queue=requests, step_token_budget=512)
     loop = asyncio.new_event_loop()  # events go to its queue, as under the server; never run
     generated = 0
@@ -81,6 +93,8 @@ def count(tree: Path, rounds: int, args: argparse.Namespace) -> int:
     ]  # fmt: skip
     if args.stream:
         command.append("--stream")
+    if args.plan_file:
+        command += ["--plan-file", args.plan_file]
     env = {**os.environ, **FIXED_ENV, "PYTHONPATH": str(tree)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -101,13 +115,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds counted (beyond the first)")
     parser.add_argument("--repeats", type=int, default=1, help="counts per tree, alternated")
     parser.add_argument("--stream", action="store_true", help="streamed requests (token events)")
+    parser.add_argument(
+        "--backend",
+        choices=("null", "modeled"),
+        default="null",
+        help="null (no wire) or modeled: the GPT-2 124M plan's stand-in, which does the host program's "
+        "side of the wire (each step's message encoded, its records decoded), its waits cut to nothing",
+    )
+    parser.add_argument("--plan-file", default="", help=argparse.SUPPRESS)  # the counted process's plan
     parser.add_argument("--run", type=int, default=0, help=argparse.SUPPRESS)  # the counted process
     args = parser.parse_args(argv)
     if min(args.requests, args.new_tokens, args.rounds, args.repeats) < 1:
         parser.error("--requests, --new-tokens, --rounds and --repeats must be at least 1")
     if args.run:
         sys.path.insert(0, os.environ.get("PYTHONPATH", str(ROOT)).split(os.pathsep)[0])
-        workload(args.run, args.requests, args.new_tokens, args.stream)
+        workload(args.run, args.requests, args.new_tokens, args.stream, args.plan_file)
         return 0
     missing = [tool for tool in ("valgrind", "setarch") if shutil.which(tool) is None]
     if missing:
@@ -119,11 +141,21 @@ def main(argv: list[str] | None = None) -> int:
     trees = [ROOT, *(Path(tree).resolve() for tree in args.tree)]
     kind = "streamed" if args.stream else "non-streamed"
     print(
-        f"engine core over the null backend: {args.requests} {kind} requests x {args.new_tokens} new tokens per round"
+        f"engine core over the {args.backend} backend: {args.requests} {kind} requests x {args.new_tokens} "
+        "new tokens per round"
     )
-    for _ in range(args.repeats):
-        for tree in trees:
-            print(f"  {tree}: {per_token(tree, args):,.0f} instructions per generated token (valgrind)")
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.backend == "modeled":  # planned once, here: the search would cost minutes under valgrind
+            sys.path.insert(0, str(ROOT))  # run as a script: the repository's root is not on the path
+            from tools.bench.bench_host import modeled_plan
+            from wafer_gpt2.model.config import PRESETS
+
+            args.plan_file = str(Path(scratch) / "plan.pickle")
+            plan = modeled_plan(PRESETS["gpt2"], args.requests, len(PROMPT) + args.new_tokens)
+            Path(args.plan_file).write_bytes(pickle.dumps(plan))
+        for _ in range(args.repeats):
+            for tree in trees:
+                print(f"  {tree}: {per_token(tree, args):,.0f} instructions per generated token (valgrind)")
     return 0
 
 

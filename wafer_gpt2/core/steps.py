@@ -180,7 +180,6 @@ class TokenScores:
         return float(logit) - self.logsumexp
 
 
-@dataclass(frozen=True, eq=False)
 class StepScores:
     """What the head region sends back for one step, as arrays: one row per item that asked for scores
     (`want_scores`), in item order. A step's answer is one object, not an object per item, so that the
@@ -190,32 +189,44 @@ class StepScores:
     `index[j]` is the step's item that row j answers (ascending); `count` the step's items, scored or
     not. The log-sum-exp and target logits are float64 (a wafer sends float32, which they hold exactly;
     the reference computes the log-sum-exp in float64); `has_target[j]` says whether the item asked for a
-    target logit (`target_logit[j]` is NaN where it did not)."""
+    target logit (`target_logit[j]` is NaN where it did not). Treated as immutable; a plain class with
+    slots, because a frozen dataclass's construction costs as much as the numpy calls that fill it and
+    every step builds one or more."""
 
-    count: int
-    index: np.ndarray  # int64 [n], ascending
-    topk_ids: np.ndarray  # int32 [n, k], best first
-    topk_logits: np.ndarray  # float32 [n, k]
-    logsumexp: np.ndarray  # float64 [n], over the whole vocabulary
-    target_logit: np.ndarray  # float64 [n], NaN where no target was asked for
-    has_target: np.ndarray  # bool [n]
+    __slots__ = ("count", "has_target", "index", "logsumexp", "target_logit", "topk_ids", "topk_logits")
 
-    def __post_init__(self) -> None:
-        n = self.index.shape[0]
+    def __init__(
+        self,
+        count: int,
+        index: np.ndarray,  # int64 [n], ascending
+        topk_ids: np.ndarray,  # int32 [n, k], best first
+        topk_logits: np.ndarray,  # float32 [n, k]
+        logsumexp: np.ndarray,  # float64 [n], over the whole vocabulary
+        target_logit: np.ndarray,  # float64 [n], NaN where no target was asked for
+        has_target: np.ndarray,  # bool [n]
+    ) -> None:
+        n = index.shape[0]
         if (
-            self.topk_ids.ndim != 2
-            or self.topk_ids.shape != self.topk_logits.shape
-            or self.topk_ids.shape[0] != n
-            or self.logsumexp.shape != (n,)
-            or self.target_logit.shape != (n,)
-            or self.has_target.shape != (n,)
-            or n > self.count
+            topk_ids.ndim != 2
+            or topk_ids.shape != topk_logits.shape
+            or topk_ids.shape[0] != n
+            or logsumexp.shape != (n,)
+            or target_logit.shape != (n,)
+            or has_target.shape != (n,)
+            or n > count
         ):
             raise BackendError(
-                f"malformed step scores: {n} rows for {self.count} items, ids {self.topk_ids.shape}, "
-                f"logits {self.topk_logits.shape}, lse {self.logsumexp.shape}, "
-                f"targets {self.target_logit.shape} / {self.has_target.shape}"
+                f"malformed step scores: {n} rows for {count} items, ids {topk_ids.shape}, "
+                f"logits {topk_logits.shape}, lse {logsumexp.shape}, "
+                f"targets {target_logit.shape} / {has_target.shape}"
             )
+        self.count = count
+        self.index = index
+        self.topk_ids = topk_ids
+        self.topk_logits = topk_logits
+        self.logsumexp = logsumexp
+        self.target_logit = target_logit
+        self.has_target = has_target
 
     @classmethod
     def empty(cls, count: int, k: int = 0) -> StepScores:
