@@ -97,9 +97,8 @@ class WaferGPT2:
         self.context_length = plan.context
         self.vocab_size = plan.config.vocab_size
         self.top_k = plan.top_k
-        self._lengths = np.zeros(
-            self.num_slots, dtype=np.int64
-        )  # positions held per slot (the next to write)
+        # Positions held per slot (the next position to write).
+        self._lengths = np.zeros(self.num_slots, dtype=np.int64)
         if not getattr(runtime, "running", False):
             runtime.load()
             runtime.run()
