@@ -283,8 +283,8 @@ class ModeledWaferBackend(NullBackend):
         self._cycles = (plan.decode_cycles, plan.bottleneck_cycles)
         self._input_free = [0.0] * plan.replicas  # when each replica's pipeline takes its next item
         self._busy_until = 0.0  # the end of the latest modeled span
-        # (modeled end, slots, (items, their indices per replica's message)) of each step submitted and
-        # not collected, oldest first
+        # (modeled end, slots, (the inputs, each replica's items or None for the whole step)) of each
+        # step submitted and not collected, oldest first
         self._in_flight: deque[tuple[float, set[int], tuple[StepInputs, list[np.ndarray | None]]]] = deque()
         self._records = _records_of(self._table)  # the wafer's side of the wire
         self._k = self._table.topk_ids.shape[1]  # the records' k (below top_k for a tiny vocabulary)
