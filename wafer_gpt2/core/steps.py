@@ -6,8 +6,8 @@ layer pipeline). Items of one slot in one step are consecutive positions of that
 K/V is in its slot's cache at its position, so a later item of that slot attends to it. A step goes in
 as one `StepInputs` (its items' slots, positions, tokens and flags as arrays) and comes back as one
 `StepScores`: the top-k ids and logits, log-sum-exp and asked target logits of every scored item as
-arrays. Neither is an object per item: the engine builds, checks and encodes a step in a few array
-operations, whatever its size.
+arrays. Neither is an object per item: the engine builds, checks and encodes a step in a few
+operations over whole rows, whatever its size.
 
 Implemented by `wafer_gpt2.host.program.WaferGPT2` (simulator, CSL executor and SDK backends),
 `wafer_gpt2.backends.reference` (the NumPy reference forward pass, for tests that isolate the service)
