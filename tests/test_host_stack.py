@@ -387,9 +387,11 @@ def test_completion_response_is_the_models_dump(fields):
     assert json.dumps(built) == json.dumps(expected)
 
 
-def test_non_streaming_requests_get_only_their_final_event(small_params):
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_non_streaming_requests_get_only_their_final_event(small_params, skip_special_tokens):
     """A request submitted with stream=False hears nothing until its final event (which carries every
-    token); a streaming one hears every token."""
+    token); a streaming one hears every token. The final events are equal: the non-streamed request's
+    text, made in one pass when it ends, is the text the streamed one got token by token."""
     import asyncio
 
     hooks = TokenizerHooks(tokenizer.token_bytes, 50256, {50256: "<|endoftext|>"}, 50257)
@@ -397,7 +399,7 @@ def test_non_streaming_requests_get_only_their_final_event(small_params):
 
     async def main() -> tuple[list, list]:
         loop = asyncio.get_running_loop()
-        request = GenerationRequest((1, 2, 3), 5)
+        request = GenerationRequest((1, 2, 3), 20, skip_special_tokens=skip_special_tokens)
         plain = core.add(core.new_request(request, loop_sink(loop), stream=False))
         streamed = core.add(core.new_request(request, loop_sink(loop), stream=True))
         while core.has_work():
@@ -413,9 +415,9 @@ def test_non_streaming_requests_get_only_their_final_event(small_params):
 
     plain_events, streamed_events = asyncio.run(main())
     assert len(plain_events) == 1 and isinstance(plain_events[0], FinishEvent)
-    assert len(plain_events[0].tokens) == 5
-    assert [type(e) for e in streamed_events] == [TokenEvent] * 4 + [FinishEvent]
-    assert [t.id for t in plain_events[0].tokens] == [t.id for t in streamed_events[-1].tokens]
+    assert len(plain_events[0].tokens) == 20
+    assert [type(e) for e in streamed_events] == [TokenEvent] * 19 + [FinishEvent]
+    assert plain_events[0] == streamed_events[-1] and plain_events[0].text
 
 
 # ----- bench host end to end ----------------------------------------------------------------------

@@ -69,6 +69,26 @@ def test_every_piece_is_what_the_utf8_decoder_gives_and_all_of_it_is_released(to
         assert "".join(released) + detok.flush() == detok.text
 
 
+@pytest.mark.parametrize("token_text", [None, tokenizer.token_text], ids=["decoder", "whole-token-table"])
+def test_adding_tokens_all_at_once_gives_each_the_text_it_gets_one_at_a_time(token_text):
+    """`add_all` (a request whose text is made when it ends) against `add`, token by token, on the same
+    mixes as above, in one call or two (the decoder may hold an unfinished character between them)."""
+    import random
+
+    pool = tokenizer.encode("plain text, naïve café 🙂你好") + [t for t in range(256) if t % 37 == 0]
+    rng = random.Random(7)
+    for _ in range(200):
+        tokens = [rng.choice(pool) for _ in range(rng.randrange(1, 12))]
+        one = IncrementalDetokenizer(tokenizer.token_bytes, token_text=token_text)
+        expected = [one.add(token).text for token in tokens]
+        cut = rng.randrange(len(tokens) + 1)
+        both = IncrementalDetokenizer(tokenizer.token_bytes, token_text=token_text)
+        assert both.add_all(tokens[:cut]) + both.add_all(tokens[cut:]) == expected, tokens
+        assert both.text == one.text and both.flush() == one.flush() == ""
+    with pytest.raises(RuntimeError, match="one at a time"):
+        IncrementalDetokenizer(tokenizer.token_bytes, ["END"]).add_all([1])
+
+
 def test_unfinished_character_at_the_end_is_dropped_not_sent_broken():
     detok = IncrementalDetokenizer(tokenizer.token_bytes)
     assert detok.add(tokenizer.encode("🙂")[0]).released == ""

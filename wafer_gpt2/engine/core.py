@@ -103,6 +103,14 @@ def _wanted(scores: StepScores, row: int) -> TokenScores:
     return scores.row(row)
 
 
+def shown(request: GenerationRequest, special: bool, ending: bool) -> bool:
+    """Whether a generated token adds its text to the output: a special token not when special tokens
+    are skipped, an ending token (end-of-text, a stop token) only with include_stop_str_in_output (vLLM)."""
+    return (not special or not request.skip_special_tokens) and (
+        not ending or request.include_stop_str_in_output
+    )
+
+
 def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> tuple[Alternative, ...]:
     """The n best candidates the wafer returned that the tokenizer knows, with the model's logprobs."""
     if n <= 0:
@@ -177,9 +185,10 @@ class EngineCore:
     ) -> RequestState:
         """A request's engine state (not yet queued); `sink`: where its events go (None: `step()`'s
         result); `stream` False: its handler waits for the final event only, so no token events are
-        sent to the sink."""
+        sent to the sink (and, without stop sequences, its text is made only when it ends)."""
         return RequestState(
             stream=stream,
+            text_at_end=sink is not None and not stream and not request.stop_sequences,
             request=request,
             detokenizer=IncrementalDetokenizer(
                 self._tokenizer.token_bytes,
@@ -492,10 +501,9 @@ class EngineCore:
         eos = token == tokenizer.eos_token_id and not request.ignore_eos
         stop_token = token in request.stop_token_ids
         special = token in tokenizer.special_names
-        shown = not special or not request.skip_special_tokens
-        if eos or stop_token:
-            shown = shown and request.include_stop_str_in_output  # an ending token's text is cut (vLLM)
-        if shown:
+        if state.text_at_end:
+            text, released, stop = "", "", None  # `_texts_at_end` gives it its text
+        elif shown(request, special, eos or stop_token):
             text, released, stop = state.detokenizer.add(token, check_stops=not early)
         else:
             text, released, stop = "", "", None  # special and ending tokens add nothing to the text
@@ -530,6 +538,8 @@ class EngineCore:
                 self._free_on_backend(slot, state)
         now = time.monotonic()
         if finish is not None:
+            if state.text_at_end:
+                self._texts_at_end(state, finish)
             tail = state.detokenizer.flush() if finish is not FinishReason.STOP else ""
             admitted = state.admitted_at or now
             self.metrics.record_success(
@@ -555,6 +565,27 @@ class EngineCore:
             self.metrics.record_failure(error.metric_reason)
             error.counted = True  # the API's error handler must not count it again
             self._emit(state, ErrorEvent(error))
+
+    def _texts_at_end(self, state: RequestState, finish: FinishReason) -> None:
+        """A text-at-end request's tokens get their text now, in one pass of its detokenizer: the text
+        each would have got token by token (`_complete`; only the last token can have ended it)."""
+        tokens = state.tokens
+        if not tokens:
+            return
+        request = state.request
+        ids, _, _, logprobs, special, top = zip(*tokens, strict=True)
+        last = len(ids) - 1
+        skipped = request.skip_special_tokens and any(special)
+        hidden = {i for i, s in enumerate(special) if s} if skipped else set()
+        if not shown(request, special[last], ending=finish is FinishReason.EOS):
+            hidden.add(last)
+        if hidden:
+            texts = iter(state.detokenizer.add_all([t for i, t in enumerate(ids) if i not in hidden]))
+            pieces = ["" if i in hidden else next(texts) for i in range(len(ids))]
+        else:
+            pieces = state.detokenizer.add_all(ids)
+        columns = zip(ids, pieces, pieces, logprobs, special, top, strict=True)
+        state.tokens = list(map(generated_token_of, columns))
 
     def _free_on_backend(self, slot: int, state: RequestState | None) -> None:
         if self.backend is None:

@@ -90,6 +90,27 @@ class IncrementalDetokenizer:
             text=piece, released=self._release(len(self._text) - self._held_for_stops()), stop_sequence=None
         )
 
+    def add_all(self, tokens: Sequence[int]) -> list[str]:
+        """Each token's text as `add` gives it, token after token, for a detokenizer without stop
+        sequences (nothing is held back: each token's text is also what it releases), in one pass: the
+        whole-character tokens looked up together, the UTF-8 decoder joining only the bytes of
+        unfinished characters."""
+        if self._stops:
+            raise RuntimeError("a detokenizer with stop sequences adds its tokens one at a time (`add`)")
+        if self.stop_sequence is not None:
+            raise RuntimeError("detokenizer already stopped at a stop sequence")
+        texts: list = list(map(self._token_text, tokens))
+        if self._utf8_holds or None in texts:
+            utf8, holds = self._utf8, self._utf8_holds
+            for i, token in enumerate(tokens):
+                if holds or texts[i] is None:
+                    texts[i] = utf8.decode(self._token_bytes(token))
+                    holds = bool(utf8.getstate()[0])
+            self._utf8_holds = holds
+        self._text += "".join(texts)
+        self._released = len(self._text)
+        return texts
+
     def flush(self) -> str:
         """At the end of a generation that did not stop on a stop sequence: release what was held back.
 

@@ -136,6 +136,9 @@ class RequestState:
     sampler: Sampler
     sink: EventSink | None = None  # where its events go; None: a synchronous caller reads `step()`'s
     stream: bool = True  # False: the handler waits for the final event only (no token events are sent)
+    # Its tokens get their text in one pass when it ends (`IncrementalDetokenizer.add_all`), not one at
+    # a time: nobody reads the text before then (no token events, no stop sequence to find in it).
+    text_at_end: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: str = field(default_factory=new_request_id)
     status: RequestStatus = RequestStatus.WAITING
