@@ -23,6 +23,7 @@ survives top-k and top-p. `SamplingError` is left only for a step that offers no
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -233,20 +234,23 @@ def greedy_batch(
         top, tokens = logits[every, best], ids[every, best]
     else:  # the wafer's order, best first: the usual case, read by slicing
         top, tokens = logits[:, 0], ids[:, 0]
-    usable = top > -np.inf  # neither NaN nor -inf
-    if vocab_size is not None:
-        usable &= tokens < vocab_size
-    logprobs = top - lse  # in float64, as the logit's float minus the log-sum-exp
-    token_list = tokens.tolist()
-    chosen: list[tuple[int, float] | None] = list(zip(token_list, logprobs.tolist(), strict=True))
+    # The rest over lists: at a step's few rows a numpy call costs what dozens of list operations do.
+    # A usable best is neither NaN nor -inf and a known id; its logprob is the logit's float minus the
+    # log-sum-exp (float64).
+    limit = math.inf if vocab_size is None else vocab_size
+    chosen: list[tuple[int, float] | None] = [
+        (token, logit - norm) if logit > -math.inf and token < limit else None
+        for token, logit, norm in zip(tokens.tolist(), top.tolist(), lse.tolist(), strict=True)
+    ]
     for row in best.nonzero()[0].tolist() if late else ():
+        pick = chosen[row]
+        if pick is None:
+            continue
         # `choose` reports the logit of the chosen id's first occurrence among the candidates.
-        token = token_list[row]
+        token = pick[0]
         first = int((ids[row] == token).argmax())
         if first < best[row]:
             chosen[row] = (token, float(logits[row, first]) - float(lse[row]))
-    if np.count_nonzero(usable) < m:
-        chosen = [pick if ok else None for pick, ok in zip(chosen, usable.tolist(), strict=True)]
     return chosen
 
 
