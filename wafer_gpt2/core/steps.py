@@ -16,10 +16,9 @@ and the stand-ins of `wafer_gpt2.backends.stand_ins` (null and modeled, for meas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
-from typing import NamedTuple, Protocol
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar, overload
 
 import numpy as np
 
@@ -35,6 +34,35 @@ NO_TARGET = -1  # `StepInputs.target` of an item that asks for no target logit
 SLOT, POSITION, TOKEN, FLAGS, TARGET = range(5)
 FIELDS = 5
 _FIELD_NAMES = ("slot", "position", "token", "flags", "target")
+
+
+_T = TypeVar("_T")
+
+
+class _made_once(Generic[_T]):
+    """A value made from its instance when first read, then an attribute of the instance: what
+    `functools.cached_property` does, without the lock Python 3.11's takes on every first read (a
+    step's inputs are read this way a few times each step)."""
+
+    def __init__(self, make: Callable[[Any], _T]) -> None:
+        self._make = make
+        self._name = make.__name__
+        self.__doc__ = make.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> _made_once[_T]: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> _T: ...
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        value = instance.__dict__[self._name] = self._make(instance)
+        return value
 
 
 class StepItem(NamedTuple):
@@ -64,39 +92,39 @@ class StepInputs:
             )
         self.columns = columns
 
-    @cached_property
+    @_made_once
     def fields(self) -> list[list[int]]:
         """The rows as lists (one numpy call): what the checks and the per-item loops read."""
         return self.columns.tolist()
 
-    @cached_property
+    @_made_once
     def decode_only(self) -> bool:
         """Every item wants scores and none asks for a target (a decode step): the common case, for
         which a backend may skip the masks."""
         flags = self.fields[FLAGS]
         return flags.count(WANT_SCORES) == len(flags)
 
-    @cached_property
+    @_made_once
     def slot(self) -> np.ndarray:
         return self.columns[SLOT]
 
-    @cached_property
+    @_made_once
     def position(self) -> np.ndarray:
         return self.columns[POSITION]
 
-    @cached_property
+    @_made_once
     def token(self) -> np.ndarray:
         return self.columns[TOKEN]
 
-    @cached_property
+    @_made_once
     def want_scores(self) -> np.ndarray:
         return (self.columns[FLAGS] & WANT_SCORES) != 0
 
-    @cached_property
+    @_made_once
     def has_target(self) -> np.ndarray:
         return (self.columns[FLAGS] & HAS_TARGET) != 0
 
-    @cached_property
+    @_made_once
     def target(self) -> np.ndarray:
         """Each item's target token id, NO_TARGET where it asks for none."""
         return np.where(self.has_target, self.columns[TARGET], NO_TARGET)
