@@ -608,11 +608,10 @@ class EngineCore:
         """Hand the events of this step to their sinks, one call per sink; count the step's tokens in the
         metrics."""
         if self._tokens_uncounted:
-            self.metrics.record_tokens(self._tokens_uncounted)
-            self._tokens_uncounted = 0
             first, later = self._latencies
+            self.metrics.record_step_tokens(self._tokens_uncounted, first, later)
+            self._tokens_uncounted = 0
             self._latencies = ([], [])
-            self.metrics.record_token_latencies(first, later)
         if not self._pending:
             return
         pending, self._pending = self._pending, {}

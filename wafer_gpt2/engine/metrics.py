@@ -84,6 +84,8 @@ class ServiceMetrics:
             deque()
         )  # reason, queue_s, inference_s, tokens
         self._steps: deque[tuple[float, int]] = deque()  # seconds, items
+        # Per step: its generated tokens, and their latencies (first tokens, later ones).
+        self._step_tokens: deque[tuple[int, Sequence[float], Sequence[float]]] = deque()
         self._scheduler_state: tuple[int, int, KVUsage] | None = None  # the latest recorded
         self._gauged_state: tuple[int, int, KVUsage] | None = None  # the one the gauges show
         self._own_families: set[str] = set()  # what this process alone records (`track_engine_process`)
@@ -245,24 +247,19 @@ class ServiceMetrics:
 
     def record_token(self, since_previous: float, first: bool, count: bool = True) -> None:
         """One generated token's latency; `count` False: the caller counts tokens itself, in bulk
-        (`record_tokens`: one locked increment per step instead of one per token)."""
+        (`record_step_tokens`: folded over many steps instead of one locked increment per token)."""
         children = self._labelled()
         (children[3] if first else children[4]).observe(since_previous)
         if count:
             children[5].inc()
 
-    def record_tokens(self, n: int) -> None:
-        if n:
-            self._labelled()[5].inc(n)
-
-    def record_token_latencies(self, first: Sequence[float], later: Sequence[float]) -> None:
-        """A step's token latencies at once (`record_token`'s histograms): one locked update per bucket
-        that received any, instead of two per token."""
-        children = self._labelled()
-        if first:
-            observe_all(children[3], first)
-        if later:
-            observe_all(children[4], later)
+    def record_step_tokens(self, count: int, first: Sequence[float], later: Sequence[float]) -> None:
+        """A step's generated tokens and their latencies (`record_token`'s counter and histograms),
+        queued for `fold`: there, one locked update per bucket that received any over many steps,
+        instead of two per token or a few per step."""
+        self._step_tokens.append((count, first, later))
+        if len(self._step_tokens) >= FOLD_EVERY:
+            self.fold()
 
     def _child(self, metric, *values: str):
         """`metric.labels(model_name, *values)`, looked up once per label values: a `labels()` call
@@ -286,13 +283,24 @@ class ServiceMetrics:
             self.fold()
 
     def fold(self) -> None:
-        """Everything `record_arrival`, `record_success` and `record_step` queued, and the latest
-        `record_scheduler_state`, into the metrics."""
+        """Everything `record_arrival`, `record_success`, `record_step` and `record_step_tokens`
+        queued, and the latest `record_scheduler_state`, into the metrics."""
         state = self._scheduler_state  # not cleared: a state recorded meanwhile is applied next time
         if state is not None and state is not self._gauged_state:
             self._set_scheduler_gauges(*state)
             self._gauged_state = state
         arrivals, successes, steps = _drain(self._arrivals), _drain(self._successes), _drain(self._steps)
+        step_tokens = _drain(self._step_tokens)
+        if step_tokens:
+            children = self._labelled()
+            counts, firsts, laters = zip(*step_tokens, strict=True)
+            first = [latency for latencies in firsts for latency in latencies]
+            later = [latency for latencies in laters for latency in latencies]
+            if first:
+                observe_all(children[3], first)
+            if later:
+                observe_all(children[4], later)
+            children[5].inc(sum(counts))
         if arrivals:
             self.tgi_request_count.inc(len(arrivals))
             observe_all(self.tgi_request_input_length, arrivals)
