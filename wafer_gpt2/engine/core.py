@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wafer_gpt2.core.steps import (
+    POSITION,
     WANT_SCORES,
     Backend,
     BackendError,
@@ -354,7 +355,7 @@ class EngineCore:
         running = RequestStatus.RUNNING
         inputs = batch.inputs
         for position, row, state in zip(
-            inputs.position.tolist(), results.row_of_item(), batch.owners, strict=True
+            inputs.fields[POSITION], results.row_of_item(), batch.owners, strict=True
         ):
             if state.status is not running:
                 continue  # it finished on an earlier item of this step
