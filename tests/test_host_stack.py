@@ -17,6 +17,7 @@ from wafer_gpt2.core.steps import BackendError, StepInputs, StepItem, StepScores
 from wafer_gpt2.engine.core import EngineCore, TokenizerHooks
 from wafer_gpt2.engine.request import (
     Alternative,
+    ErrorEvent,
     FinishEvent,
     FinishReason,
     GeneratedToken,
@@ -418,6 +419,44 @@ def test_non_streaming_requests_get_only_their_final_event(small_params, skip_sp
     assert len(plain_events[0].tokens) == 20
     assert [type(e) for e in streamed_events] == [TokenEvent] * 19 + [FinishEvent]
     assert plain_events[0] == streamed_events[-1] and plain_events[0].text
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_token_that_cannot_be_detokenized_fails_its_request_alone(stream):
+    """Streamed (text token by token) or not (text in one pass at its end): the request whose token's
+    bytes cannot be read ends with an error event, its slot freed; the other one finishes."""
+    import asyncio
+
+    def token_bytes(token: int) -> bytes:
+        if token == poisoned:
+            raise KeyError(token)
+        return tokenizer.token_bytes(token)
+
+    backend = NullBackend(50257, slots=2, context=32)
+    first = backend.answer(StepInputs.of_items([StepItem(0, 0, 7)])).topk_ids[0, 0]
+    poisoned = int(first)  # the first token the request with prompt (7,) is given
+    hooks = TokenizerHooks(token_bytes, 50256, {50256: "<|endoftext|>"}, 50257)
+    core = EngineCore(backend, hooks, max_queue=4, step_token_budget=32)
+
+    async def main() -> tuple[list, list]:
+        loop = asyncio.get_running_loop()
+        bad = core.add(core.new_request(GenerationRequest((7,), 4), loop_sink(loop), stream=stream))
+        good = core.add(core.new_request(GenerationRequest((1, 2), 4), loop_sink(loop), stream=stream))
+        while core.has_work():
+            core.step()
+        await asyncio.sleep(0)
+        drained = []
+        for state in (bad, good):
+            events = []
+            while not state.events.empty():
+                events.append(state.events.get_nowait())
+            drained.append(events)
+        return drained[0], drained[1]
+
+    bad_events, good_events = asyncio.run(main())
+    assert isinstance(bad_events[-1], ErrorEvent) and len(bad_events) == 1
+    assert isinstance(good_events[-1], FinishEvent) and len(good_events[-1].tokens) == 4
+    assert core.scheduler.slots.counts()[0] == 0  # both slots free again
 
 
 # ----- bench host end to end ----------------------------------------------------------------------

@@ -531,6 +531,9 @@ class EngineCore:
         self, state: RequestState, finish: FinishReason | None = None, error: ServiceError | None = None
     ) -> None:
         """The one way out of the engine: release the slot (scheduler and wafer), report, notify."""
+        if finish is not None and state.text_at_end:
+            # While the request still runs: a failure to detokenize fails it (`_request_failed`).
+            self._texts_at_end(state, finish)
         slot = self.scheduler.remove(state)
         if slot is not None:
             if self._backend_busy:
@@ -539,8 +542,6 @@ class EngineCore:
                 self._free_on_backend(slot, state)
         now = time.monotonic()
         if finish is not None:
-            if state.text_at_end:
-                self._texts_at_end(state, finish)
             tail = state.detokenizer.flush() if finish is not FinishReason.STOP else ""
             admitted = state.admitted_at or now
             self.metrics.record_success(
