@@ -154,6 +154,7 @@ def test_modeled_backend_decodes_the_records_the_null_backend_answers_with(two_r
         if ours.target_logit is not None:
             assert ours.target_logit == float(np.float32(theirs.target_logit))
     assert (modeled.steps, modeled.items) == (null.steps, null.items) == (1, 5)
+    assert modeled.stand_in_cpu_s > 0  # the records it built, the wafer's side: left out of host figures
     with pytest.raises(BackendError, match="item 0: slot 4 outside 0..3"):
         modeled.step(StepInputs.of_items([StepItem(4, 0, 1)]))
     modeled.close()

@@ -335,28 +335,33 @@ def _run_cell(
     # The server's CPU and the wafer's modeled busy time over the client's window (from its start time).
     time.sleep(warmup_s)
     engine = server.engine
-    cpu0, busy0, over0, steps0, idle0 = (
+    cpu0, busy0, over0, steps0, idle0, own0 = (
         _cpu(server),
         _busy(server, backend),
         _overshoot(server, backend),
         engine.steps,
         engine.idle_seconds,
+        _backend_counter(server, backend, "stand_in_cpu_s"),
     )
     time.sleep(seconds)
-    cpu1, busy1, over1, steps1, idle1 = (
+    cpu1, busy1, over1, steps1, idle1, own1 = (
         _cpu(server),
         _busy(server, backend),
         _overshoot(server, backend),
         engine.steps,
         engine.idle_seconds,
+        _backend_counter(server, backend, "stand_in_cpu_s"),
     )
     result: LoadResult = clients.answer(seconds + warmup_s + 60, "finish")
     if result.errors:
         raise BenchFailed(f"{cell.route}: {result.errors} failed responses; the first: {result.first_error}")
     cell.runs.append(result)
-    cell.server_cpu_s.append(cpu1[0] - cpu0[0])
+    # The stand-in's own work (the records a modeled wafer sends, built on the engine's side) is no
+    # host's: out of both figures.
+    stand_in = own1 - own0
+    cell.server_cpu_s.append(cpu1[0] - cpu0[0] - stand_in)
     if cpu1[1] is not None and cpu0[1] is not None:
-        cell.engine_cpu_s.append(cpu1[1] - cpu0[1])
+        cell.engine_cpu_s.append(cpu1[1] - cpu0[1] - stand_in)
     cell.steps.append(steps1 - steps0)
     cell.idle_s.append(idle1 - idle0)
     if hasattr(backend, "modeled_busy_s"):
@@ -428,7 +433,8 @@ def print_result(
     print(
         f"tokens/s: received by the clients (a process of their own), median of {reps} window(s) of {seconds:g} s; "
         f"{new_tokens} new tokens per request, greedy; ceiling: the same client against a replay of a recorded "
-        "response (its own limit); us CPU/tok: the server's CPU time per token (the HTTP and the engine process), "
+        "response (its own limit); us CPU/tok: the server's CPU time per token (the HTTP and the engine process; "
+        "the modeled stand-in's own work, the records a wafer sends, left out), "
         "engine: the engine process's alone; client %: the client "
         "process's CPU, of one core; wafer busy: modeled busy time / wall time (modeled backend only), and the rest "
         "in % of wall time: late (steps returned after their modeled end: GIL hand-over, timer jitter), no work (the engine waited "

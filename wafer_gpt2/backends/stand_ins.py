@@ -279,6 +279,9 @@ class ModeledWaferBackend(NullBackend):
         self.steps_in_flight = steps_in_flight
         self.modeled_busy_s = 0.0  # time with an item in a pipeline, in all
         self.overshoot_s = 0.0  # how much later than modeled the steps that emptied the pipeline returned
+        # CPU seconds of the stand-in's own work, the wafer's side of the wire (the records it sends): not
+        # the host's, which `bench host` reports without it.
+        self.stand_in_cpu_s = 0.0
         # Summed from the plan's stages once: the stand-in's own bookkeeping is no host cost to measure.
         self._cycles = (plan.decode_cycles, plan.bottleneck_cycles)
         self._input_free = [0.0] * plan.replicas  # when each replica's pipeline takes its next item
@@ -324,7 +327,9 @@ class ModeledWaferBackend(NullBackend):
             raise BackendError("no step is in flight")
         end, slots, (inputs, per_message) = self._in_flight.popleft()
         self._slots_in_flight -= slots
+        started = time.thread_time()
         out = _Records(inputs, per_message, self._records)  # the wafer's side, before its step ends
+        self.stand_in_cpu_s += time.thread_time() - started
         remaining = end - time.perf_counter() - self.timer_late_s
         if remaining > 0:
             time.sleep(remaining)

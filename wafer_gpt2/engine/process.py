@@ -105,7 +105,7 @@ STATUS_PERIOD_S = 0.02  # how often the engine process looks for a change of sta
 # and the HTTP process looks as often for a report that is overdue.
 HEARTBEATS_PER_TIMEOUT = 4
 # Counters a stand-in backend keeps (`wafer_gpt2/backends/stand_ins.py`), reported with the state for `bench host`.
-BACKEND_COUNTERS = ("modeled_busy_s", "overshoot_s")
+BACKEND_COUNTERS = ("modeled_busy_s", "overshoot_s", "stand_in_cpu_s")
 # The states a drain turns into DRAINING (the engine's own `begin_drain` rule).
 ACCEPTING = (EngineState.READY, EngineState.LOADING, EngineState.RELOADING)
 
