@@ -389,33 +389,38 @@ def test_completion_response_is_the_models_dump(fields):
     assert json.dumps(built) == json.dumps(expected)
 
 
+def _run_to_the_end(core: EngineCore, requests: list[tuple[GenerationRequest, bool]]) -> list[list]:
+    """Each (request, stream) added to `core` with an event loop's sink, stepped until none is left:
+    the events each request received."""
+    import asyncio
+
+    async def main() -> list[list]:
+        loop = asyncio.get_running_loop()
+        states = [core.add(core.new_request(r, loop_sink(loop), stream=stream)) for r, stream in requests]
+        while core.has_work():
+            core.step()
+        await asyncio.sleep(0)  # the step's events are delivered by one callback on the loop
+        drained = []
+        for state in states:
+            events = []
+            while not state.events.empty():
+                events.append(state.events.get_nowait())
+            drained.append(events)
+        return drained
+
+    return asyncio.run(main())
+
+
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_non_streaming_requests_get_only_their_final_event(small_params, skip_special_tokens):
     """A request submitted with stream=False hears nothing until its final event (which carries every
     token); a streaming one hears every token. The final events are equal: the non-streamed request's
     text, made in one pass when it ends, is the text the streamed one got token by token."""
-    import asyncio
-
     hooks = TokenizerHooks(tokenizer.token_bytes, 50256, {50256: "<|endoftext|>"}, 50257)
     core = EngineCore(NullBackend(50257, slots=2, context=32), hooks, max_queue=4, step_token_budget=32)
 
-    async def main() -> tuple[list, list]:
-        loop = asyncio.get_running_loop()
-        request = GenerationRequest((1, 2, 3), 20, skip_special_tokens=skip_special_tokens)
-        plain = core.add(core.new_request(request, loop_sink(loop), stream=False))
-        streamed = core.add(core.new_request(request, loop_sink(loop), stream=True))
-        while core.has_work():
-            core.step()
-        await asyncio.sleep(0)  # the step's events are delivered by one callback on the loop
-        drained = []
-        for state in (plain, streamed):
-            events = []
-            while not state.events.empty():
-                events.append(state.events.get_nowait())
-            drained.append(events)
-        return drained[0], drained[1]
-
-    plain_events, streamed_events = asyncio.run(main())
+    request = GenerationRequest((1, 2, 3), 20, skip_special_tokens=skip_special_tokens)
+    plain_events, streamed_events = _run_to_the_end(core, [(request, False), (request, True)])
     assert len(plain_events) == 1 and isinstance(plain_events[0], FinishEvent)
     assert len(plain_events[0].tokens) == 20
     assert [type(e) for e in streamed_events] == [TokenEvent] * 19 + [FinishEvent]
@@ -426,7 +431,6 @@ def test_non_streaming_requests_get_only_their_final_event(small_params, skip_sp
 def test_a_token_that_cannot_be_detokenized_fails_its_request_alone(stream):
     """Streamed (text token by token) or not (text in one pass at its end): the request whose token's
     bytes cannot be read ends with an error event, its slot freed; the other one finishes."""
-    import asyncio
 
     def token_bytes(token: int) -> bytes:
         if token == poisoned:
@@ -439,22 +443,8 @@ def test_a_token_that_cannot_be_detokenized_fails_its_request_alone(stream):
     hooks = TokenizerHooks(token_bytes, 50256, {50256: "<|endoftext|>"}, 50257)
     core = EngineCore(backend, hooks, max_queue=4, step_token_budget=32)
 
-    async def main() -> tuple[list, list]:
-        loop = asyncio.get_running_loop()
-        bad = core.add(core.new_request(GenerationRequest((7,), 4), loop_sink(loop), stream=stream))
-        good = core.add(core.new_request(GenerationRequest((1, 2), 4), loop_sink(loop), stream=stream))
-        while core.has_work():
-            core.step()
-        await asyncio.sleep(0)
-        drained = []
-        for state in (bad, good):
-            events = []
-            while not state.events.empty():
-                events.append(state.events.get_nowait())
-            drained.append(events)
-        return drained[0], drained[1]
-
-    bad_events, good_events = asyncio.run(main())
+    requests = [(GenerationRequest((7,), 4), stream), (GenerationRequest((1, 2), 4), stream)]
+    bad_events, good_events = _run_to_the_end(core, requests)
     assert isinstance(bad_events[-1], ErrorEvent) and len(bad_events) == 1
     assert isinstance(good_events[-1], FinishEvent) and len(good_events[-1].tokens) == 4
     assert core.scheduler.slots.counts()[0] == 0  # both slots free again

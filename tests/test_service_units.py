@@ -364,7 +364,7 @@ def rendered_values(metrics: ServiceMetrics) -> dict[str, float]:
 def test_metrics_exposition_format():
     metrics = ServiceMetrics("gpt2")
     metrics.record_arrival(12)
-    metrics.record_token(0.02, first=True)
+    metrics.record_step_tokens(1, first=[0.02], later=[])
     metrics.record_success("length", queue_s=0.01, inference_s=0.2, generated_tokens=4)
     metrics.record_failure("overloaded")
     text = metrics.render()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 
 # One per generated token: a named tuple builds in a fraction of a frozen dataclass's time.
@@ -99,7 +99,7 @@ class IncrementalDetokenizer:
             raise RuntimeError("a detokenizer with stop sequences adds its tokens one at a time (`add`)")
         if self.stop_sequence is not None:
             raise RuntimeError("detokenizer already stopped at a stop sequence")
-        texts: list = list(map(self._token_text, tokens))
+        texts: list[str | None] = list(map(self._token_text, tokens))
         if self._utf8_holds or None in texts:
             utf8, holds = self._utf8, self._utf8_holds
             for i, token in enumerate(tokens):
@@ -107,9 +107,10 @@ class IncrementalDetokenizer:
                     texts[i] = utf8.decode(self._token_bytes(token))
                     holds = bool(utf8.getstate()[0])
             self._utf8_holds = holds
-        self._text += "".join(texts)
+        done = cast(list[str], texts)  # every token has its text now
+        self._text += "".join(done)
         self._released = len(self._text)
-        return texts
+        return done
 
     def flush(self) -> str:
         """At the end of a generation that did not stop on a stop sequence: release what was held back.

@@ -245,18 +245,10 @@ class ServiceMetrics:
         if len(self._steps) >= FOLD_EVERY:
             self.fold()
 
-    def record_token(self, since_previous: float, first: bool, count: bool = True) -> None:
-        """One generated token's latency; `count` False: the caller counts tokens itself, in bulk
-        (`record_step_tokens`: folded over many steps instead of one locked increment per token)."""
-        children = self._labelled()
-        (children[3] if first else children[4]).observe(since_previous)
-        if count:
-            children[5].inc()
-
     def record_step_tokens(self, count: int, first: Sequence[float], later: Sequence[float]) -> None:
-        """A step's generated tokens and their latencies (`record_token`'s counter and histograms),
-        queued for `fold`: there, one locked update per bucket that received any over many steps,
-        instead of two per token or a few per step."""
+        """A step's generated tokens and their latencies (first tokens, later ones), queued for `fold`:
+        there, one locked update per bucket that received any over many steps, instead of two per token
+        or a few per step."""
         self._step_tokens.append((count, first, later))
         if len(self._step_tokens) >= FOLD_EVERY:
             self.fold()
