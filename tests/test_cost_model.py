@@ -366,3 +366,43 @@ def test_occupancy_is_the_span_of_a_blocking_stage() -> None:
     assert copy.phases is not pipelined.phases
     # the residual add streams: its sum's first word leaves a hop, the ramp and an add after the start
     assert cost.residual_cost(16).first_word == H + R + 1
+
+
+def test_a_gathered_hand_off_by_hand() -> None:
+    """comm/gather.csl led from its output end: the lead's header (an operation and 5 words), a task
+    and its slice, a task and the relay's operation; then the others' words or their relays through
+    every PE, whichever is later; then the hops to the farthest reader and its ramp."""
+    start = 15 + 5 + 2 * (20 + 15) + 12
+    # GPT-2's 64 slices of 12 words: the words (63 x 12 = 756) outlast the relays (63 x 10 + 12)
+    assert cost.gathered_handoff_cycles(64, 12, 100) == start + 63 * 12 + 100 * 2 + 7
+    # slices of 4: the farthest slice's relays through 15 PEs outlast the words
+    assert cost.gathered_handoff_cycles(16, 4, 10) == (15 + 5 + 70 + 4) + (15 * 10 + 4) + 10 * 2 + 7
+
+
+def test_hand_offs_that_are_gather_lines_are_priced_as_one() -> None:
+    """Where a bundle of lanes would share routers (a strip handing off to columns not its own) the
+    generator builds a gather line and a multicast: the plan's geometry names exactly those hand-offs
+    (`gathered`), and the critical path prices the embedding's and the last layer's as one."""
+    from wafer_gpt2.codegen import build_program
+    from wafer_gpt2.model.config import GPT2Config
+    from wafer_gpt2.plan import build_plan, price_candidates
+
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=64, name="tiny")
+    options = dict(arch="wse2", dtype="fp32", slots=2, context=64)
+    plan = build_plan(config, objective="latency", **options)
+    cand = next(c for c in price_candidates(config, **options).priced if c.knobs == plan.knobs)
+    geo = cand.geometry
+    gathered = {name for name, src, dst in geo.routes() if geo.gathered(src, dst)}
+    assert gathered == {"embed.out", "L0.resid_1", "L0.resid_2", "L1.resid_1", "L1.resid_2", "final"}
+    built = {flow.name.split(".", 1)[1].rsplit(".gather", 1)[0] for flow in build_program(plan).flows
+             if ".gather" in flow.name and ".qkv.g" not in flow.name}  # fmt: skip
+    # the generator's names: into layer 0's qkv (and its ln_1), the skips ln_1 -> res_1 -> res_2, ln_f
+    assert built == {"L0.into_qkv", "L0.ln_1.x", "L0.res_1.x", "L1.ln_1.x", "L1.res_1.x", "final"}
+    chunk = 64 // geo.r
+    embed = next(s for s in plan.stage_costs if s.name == "embed")
+    hops = geo.gather_hops("embed", "L0.ln_1", ("L0.qkv",))
+    assert embed.phases["to layer 0"] == cost.gathered_handoff_cycles(geo.r, chunk, hops)
+    final = next(s for s in plan.stage_costs if s.name == "to ln_f")
+    assert final.phases["route"] == cost.gathered_handoff_cycles(
+        geo.r, chunk, geo.gather_hops("L1.res_2", "ln_f", ())
+    )

@@ -429,3 +429,41 @@ def test_a_scatter_holds_its_buffer_until_the_send_has_left(arch, tmp_path):
     assert np.array_equal(got[2, :n], values[0, :n]), got[2, :n]  # the farthest PE's slice went first
     assert np.array_equal(got[1, :n], values[0, n:]), got[1, :n]
     assert (got[0] == -1).all()  # the next item's write, after the send
+
+
+@pytest.mark.parametrize(
+    "model, arch, objective",
+    [("tiny", "wse2", "latency"), ("tiny", "wse3", "compact"), ("gpt2", "wse2", "latency")],
+)
+def test_every_multicast_reader_has_room_for_the_whole_payload(model, arch, objective):
+    """A PE fed by a multicast reads its whole payload into its input array (pe/gemv.csl, layernorm.csl,
+    residual.csl: one operation, no skips that would stop the stream at every reader's window): the
+    plan's memory map must size that array so, for exactly the hand-offs the generator makes gather
+    lines (plan/geometry.py `gathered`, codegen/build.py `connect`)."""
+    from wafer_gpt2.model.config import PRESETS
+
+    config = (
+        PRESETS["gpt2"]
+        if model == "gpt2"
+        else GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=64, name="tiny")
+    )
+    small = {} if model == "gpt2" else dict(dtype="fp32", slots=2, context=64)
+    plan = build_plan(config, arch=arch, objective=objective, **small)
+    program = build_program(plan)
+    # (payload param, its per-stream param in each kernel, the array the plan sizes for it)
+    inputs = [
+        ("in_payload", ("in_per_stream", "in_rows_per_stream"), "x"),
+        ("resid_payload", ("resid_per_stream",), "resid"),
+    ]
+    checked = 0
+    for tile in program.tiles.values():
+        if not tile.file.endswith(("gemv.csl", "layernorm.csl", "residual.csl")):
+            continue
+        name, _, replica = tile.region.partition("@")
+        symbols = plan.region(name, int(replica or 0)).symbols
+        for payload_key, per_stream_keys, symbol in inputs:
+            per_stream = next((tile.params[k] for k in per_stream_keys if k in tile.params), 1)
+            if per_stream > 1:
+                checked += 1
+                assert symbols[symbol].elems >= tile.params[payload_key], (tile.region, symbol)
+    assert checked, "no multicast reader in this plan: the check ran over nothing"

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 # comm/chain.csl and comm/gather.csl roles
 FIRST, MIDDLE, LAST, ALONE, NONE = 0, 1, 2, 3, 4
+# comm/gather.csl's roles in a line led from its output end
+LEAD, TRAIL, TAIL = 5, 6, 7
 # comm/allreduce.csl join roles
 JOIN_NONE, JOIN_SEND, JOIN_ROOT = 0, 1, 2
 
@@ -209,25 +211,35 @@ class _Builder:
                         self._into(pos, into, lane, chunk, 1)
                 return
             del self.flows[-len(lanes) :]
+        # A gather line led from its output end (comm/gather.csl): sources[0] sends the header and its
+        # slice and starts the multicast, every other source sends its slice at once and then relays
+        # what comes from behind it, so the stream [header | sources' slices, in order] runs at the
+        # fabric's pace instead of a task and an operation's start per source in series.
         everyone = [pos for line in lines for pos in line]
         links = [
-            self.flow(f"{name}.gather{i}", sources[i], [sources[i + 1]]) for i in range(len(sources) - 1)
+            self.flow(f"{name}.gather{i}", sources[i + 1], [sources[i]]) for i in range(len(sources) - 1)
         ]
-        multicast = self.flow(f"{name}.multicast", sources[-1], everyone)
+        multicast = self.flow(f"{name}.multicast", sources[0], everyone)
+        last = len(sources) - 1
         for i, src in enumerate(sources):
-            role = ALONE if len(sources) == 1 else FIRST if i == 0 else MIDDLE
-            tx = links[i] if i < len(links) else multicast
-            self._out(src, out, role, links[i - 1] if i > 0 else None, tx, len(sources))
+            role = ALONE if last == 0 else LEAD if i == 0 else TAIL if i == last else TRAIL
+            tx = links[i - 1] if i > 0 else multicast
+            self._out(src, out, role, links[i] if i < last else None, tx, len(sources), near_led=True)
         for line in lines:
             for pos in line:
                 self._into(pos, into, multicast, len(sources) * chunk, len(lines))
 
-    def _out(self, pos: Pos, prefix: str, role: int, rx: Flow | None, tx: Flow, line: int) -> None:
+    def _out(
+        self, pos: Pos, prefix: str, role: int, rx: Flow | None, tx: Flow, line: int, near_led: bool = False
+    ) -> None:
+        """Gather params of an output: role, links, the line's length and `_rev`, which turns the PE's
+        place into the count of words it relays (a near-led line relays those of the PEs behind it in
+        the stream, a far-led one those ahead)."""
         p = self.params.setdefault(pos, {})
         if f"{prefix}_role" in p:
             raise ProgramError(f"PE {pos}: output {prefix!r} is connected twice")
         p.update({f"{prefix}_role": role, f"{prefix}_rx": rx, f"{prefix}_tx": tx, f"{prefix}_line": line})
-        p[f"{prefix}_rev"] = False
+        p[f"{prefix}_rev"] = near_led
 
     def _into(self, pos: Pos, prefix: str, flow: Flow, payload: int, per_stream: int) -> None:
         p = self.params.setdefault(pos, {})

@@ -503,6 +503,19 @@ _RELAY = HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE
 _TASK_STEP = TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES
 
 
+def gathered_handoff_cycles(sources: int, chunk: int, hops: int) -> int:
+    """A vector held in `chunk`-word slices by a line of `sources` PEs, handed to a region through a
+    gather line led from its output end and one multicast (comm/gather.csl's near-led roles, which
+    wafer_gpt2/codegen/build.py `connect` builds where a bundle of lanes would share routers): the
+    lead sends the header and its slice (a DSD operation, then a task and the next), then relays in
+    one operation what the others sent at once; the last word reaches it after the line's words or
+    after the farthest slice's relays through every PE, whichever is later, and then crosses `hops`
+    routers to the farthest reader, which takes the whole payload in one operation."""
+    relay_start = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + 2 * _TASK_STEP + chunk
+    relayed = max((sources - 1) * chunk, (sources - 1) * _RELAY + chunk)
+    return relay_start + relayed + hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES
+
+
 def _scattered(pes: int, part: int, sent: int) -> list[int]:
     """When PE j (0 the farthest of the pes - 1 others) of a scatter line (comm/scatter.csl) has its
     slice of `part` words in memory, the last PE having started the stream at `sent`: its slice's last

@@ -185,6 +185,37 @@ class Geometry:
         out.append(("scores", "head.root", "io.out"))
         return out
 
+    def gathered(self, src: str, dst: str) -> bool:
+        """Whether the hand-off from the strip `src` to `dst` is a gather line and one multicast, not a
+        bundle of lanes (wafer_gpt2/codegen/build.py `connect`): the lanes leave a strip along x at its
+        row, so they share routers unless the strip lies in dst's own columns."""
+        if src == "head.root":
+            return False
+        sx, _, sw, sh = self.rect(src)
+        dx, _, dw, _ = self.rect(dst)
+        return sh == 1 and sw > 1 and (sx, sw) != (dx, dw)
+
+    def gather_hops(self, src: str, dst: str, readers: tuple[str, ...]) -> int:
+        """Routers from the PE that leads the gather line of the strip `src` (its index 0) to the
+        farthest PE of `dst` and `readers`, which the multicast reaches."""
+        sx, sy, sw, _ = self.rect(src)
+        axis = self._strip_axis(src)
+        lead = sx + sw - 1 if axis == "-x" else sx
+        far = 0
+        for name in (dst, *readers):
+            x, y, w, h = self.rect(name)
+            far = max(
+                far, max(abs(lead - x), abs(lead - (x + w - 1))) + max(abs(sy - y), abs(sy - (y + h - 1)))
+            )
+        return far + 1
+
+    def _strip_axis(self, name: str) -> str:
+        """The way a strip's index grows: a layer strip's own axis, the west strip's the head's K."""
+        if name.startswith("L"):
+            layer, op = name[1:].split(".", 1)
+            return self.layer_rect(int(layer), op)[5]["i"]
+        return self.dirs.head_k
+
     def route_legs(self, src: str, dst: str) -> tuple[int, tuple[tuple[int, int, int, int], ...]]:
         """(hops, legs) of a bundle of lanes from src to dst: along x at src's rows, then along y at
         dst's columns. "head.root" is the PE where the head's selection ends: the root of its centre

@@ -21,6 +21,10 @@ from wafer_gpt2.plan.symbols import (
 )
 from wafer_gpt2.plan.tilings import LayerTilings
 
+# The array each reader of a gathered hand-off takes the whole multicast into (the PE programs read a
+# multicast's payload in one operation: wafer_gpt2/kernels/pe/gemv.csl, layernorm.csl, residual.csl).
+_MULTICAST_READS = {"ln_1": "x", "qkv": "x", "res_1": "resid", "res_2": "resid", "ln_f": "x"}
+
 
 def place_replica(
     config: GPT2Config,
@@ -63,7 +67,11 @@ def place_replica(
     content: dict[str, tuple[dict[str, Symbol], Any]] = {
         "qkv": (gemv_symbols(lt.qkv, dtype), lt.qkv),
         "attn": (attention_symbols(lt.attn, dtype), lt.attn),
-        "attn_proj": (gemv_symbols(lt.attn_proj, dtype), lt.attn_proj),
+        # a head group's output is multicast over the attn_proj rows that take it
+        "attn_proj": (
+            gemv_symbols(lt.attn_proj, dtype, lt.attn.heads_per_pe * lt.attn.head_dim),
+            lt.attn_proj,
+        ),
         "ln_1": (norm_symbols(lt.ln), lt.ln),
         "res_1": (residual_symbols(lt.ln.chunk), None),
         # ln_2's LayerNorm is folded into fc (check_layer_norms_folded): the stream crosses the strip's
@@ -80,6 +88,7 @@ def place_replica(
             regions.append(
                 Region(f"L{layer}.{op}", kind, layer, replica, ox + x, oy + y, w, h, symbols, tiling, 0, axes)
             )
+    _widen_multicast_readers(regions, geo, tile_k * geo.r, ox, oy)
     routes = []
     for name, src, dst in geo.routes():
         hops, legs = geo.route_legs(src, dst)
@@ -88,3 +97,19 @@ def place_replica(
             Route(name, src.split(".root")[0], dst, route_words(name, config, geo, head), hops, legs, replica)
         )
     return regions, routes
+
+
+def _widen_multicast_readers(regions: list[Region], geo: Geometry, payload: int, ox: int, oy: int) -> None:
+    """Size the input array of every region fed by a gather line and a multicast (not lanes) to the
+    whole payload: a layer's ln_1 and qkv behind it (the stream crosses ln_1's routers into qkv's
+    K-lines), a residual strip's skip input, ln_f."""
+    by_name = {r.name: r for r in regions}
+    for _, src, dst in geo.routes():
+        if not geo.gathered(src, dst):
+            continue
+        names = [dst, dst.replace(".ln_1", ".qkv")] if dst.endswith(".ln_1") else [dst]
+        for name in names:
+            region = by_name[name]
+            symbol = _MULTICAST_READS[name.rsplit(".", 1)[-1]]
+            held = region.symbols[symbol]
+            region.symbols = {**region.symbols, symbol: Symbol(held.dtype, max(held.elems, payload))}

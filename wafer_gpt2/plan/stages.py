@@ -13,6 +13,7 @@ from wafer_gpt2.core.cost import (
     StageCost,
     attention_cost,
     embed_reduction,
+    gathered_handoff_cycles,
     gemv_cost,
     head_cost,
     norm_cost,
@@ -75,7 +76,12 @@ def outer_stage_costs(
     ends = {n: (a, b) for n, a, b in geo.routes()}
 
     def route(name: str) -> int:
-        hops, _ = geo.route_legs(*ends[name])
+        src, dst = ends[name]
+        if geo.gathered(src, dst):
+            # into a layer's ln_1 strip: its qkv reads the same multicast, the LayerNorm folded in
+            readers = (dst.replace(".ln_1", ".qkv"),) if dst.endswith(".ln_1") else ()
+            return gathered_handoff_cycles(geo.r, chunk, geo.gather_hops(src, dst, readers))
+        hops, _ = geo.route_legs(src, dst)
         return stream_cycles(route_words(name, config, geo, head), hops)
 
     before = [

@@ -41,8 +41,9 @@ def reduction_symbols(reduction: str) -> dict[str, Symbol]:
     return {"reduce_pass": REDUCE_PASS} if reduction == "two_level" else {}
 
 
-def gemv_symbols(t: GemvTiling, dtype: str) -> dict[str, Symbol]:
-    """wafer_gpt2/kernels/pe/gemv.csl's arrays."""
+def gemv_symbols(t: GemvTiling, dtype: str, multicast: int = 0) -> dict[str, Symbol]:
+    """wafer_gpt2/kernels/pe/gemv.csl's arrays; `multicast`: the words of a multicast that several
+    K-lines share, which a PE reads whole (0: a lane of its chunk)."""
     wd = weight_symbol_dtype(dtype)
     return {
         "w": Symbol(wd, t.tile_k * t.tile_n),  # weight tile, row-major [tile_k, tile_n]
@@ -53,7 +54,7 @@ def gemv_symbols(t: GemvTiling, dtype: str) -> dict[str, Symbol]:
             if t.norm_fold
             else {"b": Symbol(wd, t.tile_n)}
         ),
-        "x": Symbol("f32", t.tile_k),  # the input chunk as it arrives
+        "x": Symbol("f32", max(t.tile_k, multicast)),  # the input as it arrives
         "acc": Symbol("f32", t.tile_n + (NORM_STAT_WORDS if t.norm_fold else 0)),  # fp32 partial sums
         "comm": COMM,
         **reduction_symbols(t.reduction),
