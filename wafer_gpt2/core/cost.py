@@ -76,13 +76,12 @@ RSQRT_CYCLES = 10
 # selection pass a logit's bin (a compare with L, subtract, multiply, clamp, convert) and its count;
 # a kept entry's two stores and its count. The centre per entry of round C: its loads, its bin, the
 # place it takes (or its insertion among bin t's); per inversion (logits out of order inside a bin,
-# sorted at the end) one move; per entry of the output record its copy.
+# sorted at the end) one move. The output record's ids and logits are copied by a DSD operation each.
 TOPK_SCAN_CYCLES = 4
 TOPK_BIN_CYCLES = 6
 TOPK_ENTRY_CYCLES = 5
 TOPK_TAKE_CYCLES = 12
 TOPK_INVERSION_CYCLES = 4
-TOPK_COPY_CYCLES = 5
 # The histogram of round B: bins over [L, M]. More bins leave fewer entries for round C and the centre
 # but cost a word each in round B's vector and a statement each in a worker's histogram.
 TOPK_BINS = 64
@@ -992,7 +991,8 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     take = kept * (2 + TOPK_TAKE_CYCLES) + chunks * DSD_OP_START_CYCLES + bin_t * TOPK_INVERSION_CYCLES
     cost.add("round C: the entries taken by the centre", int(take))
     inversions = before * max(0.0, bin_t / 2 - 1) / 4
-    finish = 2 * TOPK_BINS + 2 * k + inversions * TOPK_INVERSION_CYCLES + k * TOPK_COPY_CYCLES
+    record = 2 * (DSD_OP_START_CYCLES + k)  # the ids and the logits into the record
+    finish = 2 * TOPK_BINS + 2 * k + inversions * TOPK_INVERSION_CYCLES + record
     cost.add("the centre's sort inside the bins, the output record", int(finish) + DSD_OP_START_CYCLES)
     return cost
 
