@@ -400,9 +400,10 @@ def test_hand_offs_that_are_gather_lines_are_priced_as_one() -> None:
     assert built == {"L0.into_qkv", "L0.ln_1.x", "L0.res_1.x", "L1.ln_1.x", "L1.res_1.x", "final"}
     chunk = 64 // geo.r
     embed = next(s for s in plan.stage_costs if s.name == "embed")
-    hops = geo.gather_hops("embed", "L0.ln_1", ("L0.qkv",))
+    assert geo.multicast_readers("L0.ln_1") == ("L0.ln_1", "L0.qkv")
+    hops = geo.gather_hops("embed", "L0.ln_1")
     assert embed.phases["to layer 0"] == cost.gathered_handoff_cycles(geo.r, chunk, hops)
     final = next(s for s in plan.stage_costs if s.name == "to ln_f")
     assert final.phases["route"] == cost.gathered_handoff_cycles(
-        geo.r, chunk, geo.gather_hops("L1.res_2", "ln_f", ())
+        geo.r, chunk, geo.gather_hops("L1.res_2", "ln_f")
     )

@@ -195,14 +195,21 @@ class Geometry:
         dx, _, dw, _ = self.rect(dst)
         return sh == 1 and sw > 1 and (sx, sw) != (dx, dw)
 
-    def gather_hops(self, src: str, dst: str, readers: tuple[str, ...]) -> int:
+    @staticmethod
+    def multicast_readers(dst: str) -> tuple[str, ...]:
+        """The regions a gathered hand-off's multicast into `dst` feeds: a layer's ln_1 strip and the
+        qkv behind it (the stream crosses ln_1's routers into qkv's K-lines, the LayerNorm folded in),
+        else `dst` alone."""
+        return (dst, dst.replace(".ln_1", ".qkv")) if dst.endswith(".ln_1") else (dst,)
+
+    def gather_hops(self, src: str, dst: str) -> int:
         """Routers from the PE that leads the gather line of the strip `src` (its index 0) to the
-        farthest PE of `dst` and `readers`, which the multicast reaches."""
+        farthest PE the multicast into `dst` reaches (`multicast_readers`)."""
         sx, sy, sw, _ = self.rect(src)
         axis = self._strip_axis(src)
         lead = sx + sw - 1 if axis == "-x" else sx
         far = 0
-        for name in (dst, *readers):
+        for name in self.multicast_readers(dst):
             x, y, w, h = self.rect(name)
             far = max(
                 far, max(abs(lead - x), abs(lead - (x + w - 1))) + max(abs(sy - y), abs(sy - (y + h - 1)))

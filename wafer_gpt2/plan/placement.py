@@ -88,7 +88,7 @@ def place_replica(
             regions.append(
                 Region(f"L{layer}.{op}", kind, layer, replica, ox + x, oy + y, w, h, symbols, tiling, 0, axes)
             )
-    _widen_multicast_readers(regions, geo, tile_k * geo.r, ox, oy)
+    _widen_multicast_readers(regions, geo, tile_k * geo.r)
     routes = []
     for name, src, dst in geo.routes():
         hops, legs = geo.route_legs(src, dst)
@@ -99,16 +99,15 @@ def place_replica(
     return regions, routes
 
 
-def _widen_multicast_readers(regions: list[Region], geo: Geometry, payload: int, ox: int, oy: int) -> None:
+def _widen_multicast_readers(regions: list[Region], geo: Geometry, payload: int) -> None:
     """Size the input array of every region fed by a gather line and a multicast (not lanes) to the
-    whole payload: a layer's ln_1 and qkv behind it (the stream crosses ln_1's routers into qkv's
-    K-lines), a residual strip's skip input, ln_f."""
+    whole payload (`Geometry.multicast_readers`: a layer's ln_1 and the qkv behind it, a residual
+    strip's skip input, ln_f)."""
     by_name = {r.name: r for r in regions}
     for _, src, dst in geo.routes():
         if not geo.gathered(src, dst):
             continue
-        names = [dst, dst.replace(".ln_1", ".qkv")] if dst.endswith(".ln_1") else [dst]
-        for name in names:
+        for name in geo.multicast_readers(dst):
             region = by_name[name]
             symbol = _MULTICAST_READS[name.rsplit(".", 1)[-1]]
             held = region.symbols[symbol]

@@ -78,9 +78,7 @@ def outer_stage_costs(
     def route(name: str) -> int:
         src, dst = ends[name]
         if geo.gathered(src, dst):
-            # into a layer's ln_1 strip: its qkv reads the same multicast, the LayerNorm folded in
-            readers = (dst.replace(".ln_1", ".qkv"),) if dst.endswith(".ln_1") else ()
-            return gathered_handoff_cycles(geo.r, chunk, geo.gather_hops(src, dst, readers))
+            return gathered_handoff_cycles(geo.r, chunk, geo.gather_hops(src, dst))
         hops, _ = geo.route_legs(src, dst)
         return stream_cycles(route_words(name, config, geo, head), hops)
 
