@@ -120,14 +120,14 @@ def test_no_pe_program_binds_memcpys_task_ids(arch):
 
 @pytest.mark.parametrize("arch", ["wse2", "wse3"])
 def test_a_region_that_would_need_memcpys_task_ids_is_refused(arch):
-    """A head PE (10 task IDs) reached by colors 0-12: with 24-26 and 13-20 (less memcpy's streaming
+    """A LayerNorm PE (10 task IDs) reached by colors 0-12: with 24-26 and 13-20 (less memcpy's streaming
     colors 14 and 15) there are 9 IDs left on WSE-2 (and fewer on WSE-3, whose local IDs start at 8);
     the old pool made up the difference with memcpy's 21-23."""
-    tile = Tile("pe/head.csl", "head")
+    tile = Tile("pe/layernorm.csl", "ln_f")
     flows = [make_flow(f"f{c}", (1, 0), [(0, 0)]) for c in range(13)]
     for color, flow in enumerate(flows):
         flow.color = color
-    with pytest.raises(ProgramError, match=r"region head \(pe/head\.csl\): 10 local task IDs needed, \d left "
+    with pytest.raises(ProgramError, match=r"region ln_f \(pe/layernorm\.csl\): 10 local task IDs needed, \d left "
                        r"on WSE-\d: memcpy keeps task IDs 21, 22, 23, 27, 28, 29, 30, 31"):  # fmt: skip
         _assign_tasks({(0, 0): tile}, flows, arch)
 

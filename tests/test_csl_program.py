@@ -529,6 +529,24 @@ def test_the_heads_selection_is_exact_on_ties(arch):
             sim.close()
 
 
+@pytest.mark.parametrize(
+    "arch", ["wse2", pytest.param("wse3", marks=pytest.mark.executor_full)]
+)  # CI time: WSE-3's with -m executor_full
+def test_a_head_that_embeds_equals_the_simulator(arch):
+    """Where the copy of wte by rows would need more rows than layer 0 leaves under its ln_1 (narrow
+    strips over a large vocabulary: here 2 PEs of 16 values against 4,096 tokens), the head's columns
+    serve the token's row (pe/head.csl `embeds`), chained down each K-line into the embedding's wpe rows
+    at the top of the strip, which hand off to layer 0 as a gather line; a chain on WSE-3, whose head
+    leaves no input queue for a second level."""
+    from wafer_gpt2.plan import build_plan
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=4096, n_positions=32, name="tiny-embeds")
+    plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="compact")
+    embed, head = plan.region("embed"), plan.region("head")
+    assert "wte" not in embed.symbols and embed.x == head.x and embed.y < head.y
+    two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=5))
+
+
 def start_both(plan, params: GPT2Params):
     """The host program on the executor and on the simulator, for one plan and its weights."""
     from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan

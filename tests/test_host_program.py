@@ -89,13 +89,17 @@ def test_upload_puts_each_tile_on_its_pe(sim16, small_params):
     gain = read_pe(sim16, ln_f, "gain")
     chunk = ln_f.tiling.chunk
     np.testing.assert_array_equal(gain[pe_at(ln_f, i=1)][:chunk], small_params.ln_f_g[chunk : 2 * chunk])
-    # wpe: PE (x = i, y = j) holds positions j*ppp.. of dims i*tk.., row-major.
+    # wte and wpe: embedding PE (k = i, row = j) holds rows j*per.. of dims i*tk.. of each, row-major.
     embed = plan.region("embed")
     tk = ceil_div(c_dim, embed.w)
-    ppp = embed.symbols["wpe"].elems // tk
-    wpe = read_pe(sim16, embed, "wpe")
-    tile = wpe[pe_at(embed, position=0, k=2)].reshape(ppp, tk)
-    np.testing.assert_array_equal(tile[:3], small_params.wpe[:3, 2 * tk : 3 * tk].astype(np.float16))
+    for name in ("wte", "wpe"):
+        per = embed.symbols[name].elems // tk
+        table = getattr(small_params, name)
+        held = read_pe(sim16, embed, name)
+        for row in {0, embed.h - 1}:
+            tile = held[pe_at(embed, row=row, k=2)].reshape(per, tk)
+            expect = table[row * per : (row + 1) * per, 2 * tk : 3 * tk].astype(np.float16)
+            np.testing.assert_array_equal(tile[: len(expect)], expect)
 
 
 def test_upload_refuses_a_checkpoint_of_another_shape(sim16, gpt2_params):

@@ -65,7 +65,7 @@ def check_plan(plan: Plan) -> None:
     # Input queues: every PE role within what the architecture leaves a program (memcpy keeps 0, and 1
     # on WSE-3).
     for r in plan.regions:
-        for role, queues in input_queue_roles(r, embed_two_level=arch.name == "wse2").items():
+        for role, queues in input_queue_roles(r).items():
             assert set(queues) <= set(arch.input_queue_ids), (r.name, role, queues)
 
     for replica in range(plan.replicas):
@@ -166,31 +166,56 @@ def test_gpt2_small_latency_target_on_wse2() -> None:
 
 
 def test_the_embedding_is_priced_as_the_reduction_the_csl_runs() -> None:
-    """wafer_gpt2/kernels/pe/head.csl reduces a K-line's wte chunks through every head row and then every wpe
-    row (comm/reduce.csl), each PE adding in its CE: a hop, the ramp and an add per link, not a route
-    (which had priced the 393-row chain of gpt2 at a fifth of that). WSE-3 leaves head.csl no input
-    queue for a second level, so there it is a chain; on WSE-2 runs and their ends, as priced."""
+    """With its copy of wte (the latency plans), wafer_gpt2/kernels/pe/embed.csl reduces each column's wte and
+    wpe chunks from its far row to its top row, under layer 0's ln_1 (comm/reduce.csl), each PE adding
+    in its CE: a hop, the ramp and an add per link; in runs with a chain of their ends where that is
+    faster. Without it (narrow strips: the throughput plan), every head column of a K-line and then every
+    wpe row, a chain on WSE-3, whose head leaves no input queue for a second level. Either way the
+    request's way to the line's first PE is on the path."""
     for arch in ("wse2", "wse3"):
         plan = build_plan(PRESETS["gpt2"], arch, "fp16")
-        rows = plan.region("embed").h + plan.region("head").h
-        chunk = plan.layers[0].ln_1.chunk
+        region, io_in = plan.region("embed"), plan.region("io.in")
+        ln_1 = plan.region("L0.ln_1")
+        assert "wte" in region.symbols and (region.x, region.y, region.w) == (ln_1.x, ln_1.y + 1, ln_1.w)
+        rows, chunk = region.h, plan.layers[0].ln_1.chunk
         embed = next(s for s in plan.stage_costs if s.name == "embed")
-        kind, group = cost.embed_reduction(arch, rows, chunk)
+        kind, group = cost.best_reduction(rows, chunk)
+        assert kind == "two_level" and cost.embed_reduction(arch, rows, chunk, head=False) == (kind, group)
+        runs = -(-rows // group)
+        linked = (group - 1) * (2 + 7 + 1) + (runs - 1) * (2 * group + 7 + 1) + chunk
+        assert (
+            embed.phases[
+                f"wte and wpe chunks reduced through the embedding's rows, two_level (runs of {group})"
+            ]
+            == linked
+        )
+        hops = (region.x + region.w - 1 - io_in.x) + (region.y + region.h - 1 - io_in.y)
+        assert (
+            embed.phases["request to the lines' first PE"]
+            == cost.stream_cycles(6, hops) + cost.TASK_ACTIVATION_CYCLES
+        )
+
+        wide = build_plan(PRESETS["gpt2"], arch, "fp16", slots=16, objective="throughput", replicas="auto")
+        region, head = wide.region("embed"), wide.region("head")
+        assert "wte" not in region.symbols and region.y < head.y  # wpe alone, above the head
+        rows = region.h + head.h
+        embed = next(s for s in wide.stage_costs if s.name == "embed")
+        kind, group = cost.embed_reduction(arch, rows, chunk := wide.layers[0].ln_1.chunk, head=True)
+        phase = "wte and wpe chunks reduced through the head's columns and the wpe rows"
         if arch == "wse3":
             assert (kind, group) == ("chain", 0)
-            assert embed.phases["wte chunks reduced to wpe, chained"] == (rows - 1) * (2 + 7 + 1) + chunk
+            assert embed.phases[f"{phase}, chained"] == (rows - 1) * (2 + 7 + 1) + chunk
         else:
             assert kind == "two_level" and (kind, group) == cost.best_reduction(rows, chunk)
             runs = -(-rows // group)
             linked = (group - 1) * (2 + 7 + 1) + (runs - 1) * (2 * group + 7 + 1) + chunk
-            assert embed.phases[f"wte chunks reduced to wpe, two_level (runs of {group})"] == linked
-            assert linked < (rows - 1) * (2 + 7 + 1) / 2
+            assert embed.phases[f"{phase}, two_level (runs of {group})"] == linked
 
 
 def test_fp32_and_throughput_replicas() -> None:
     fp32 = build_plan(PRESETS["gpt2"], "wse2", "fp32", slots=8)
     check_plan(fp32)
-    assert fp32.max_pe_bytes <= fp32.arch.data_bytes_per_pe
+    assert all(r.max_pe_bytes <= fp32.arch.data_bytes(program_of(r.kind, r.name)) for r in fp32.regions)
     wide = build_plan(PRESETS["gpt2"], "wse2", slots=4, context=256, objective="throughput", replicas="auto")
     check_plan(wide)
     assert wide.replicas >= 2
@@ -263,15 +288,19 @@ def test_price_candidates_is_the_search_build_plan_ranks() -> None:
 
 def test_input_queues_per_role_are_checked() -> None:
     """The planner refuses a plan one of whose PE roles needs more input queues than the architecture
-    leaves a program (WSE-3: 2-7): the present head's root, with its GEMV reduction and its merge both
-    two-level (a seventh queue, 1, for the embedding's run ends on WSE-2) is the case at the limit."""
+    leaves a program (WSE-3: 2-7): a head that embeds (no copy of wte beside layer 0), with its
+    embedding's line in two levels (a seventh queue, 1, for the run ends, which only WSE-2 has) is the
+    case at the limit; a head beside a copy leaves 2 and 3 free."""
     plan = build_plan(PRESETS["gpt2"], "wse3", "fp16")
-    assert check_input_queues(plan.regions, plan.arch, False) is None
+    assert check_input_queues(plan.regions, plan.arch) is None
     assert ARCHS["wse2"].input_queue_ids == tuple(range(1, 8))
     assert ARCHS["wse3"].input_queue_ids == tuple(range(2, 8))
     head = plan.region("head")
-    problem = check_input_queues([head], ARCHS["wse3"], embed_two_level=True)
-    assert problem is not None and "input queue(s) [1]" in problem and "wse3" in problem
+    assert not {2, 3} & {q for queues in input_queue_roles(head).values() for q in queues}
+    roles = input_queue_roles(head, head_embeds="two_level")
+    assert all(set(queues) >= {1, 2, 3} for queues in roles.values())
+    wide = build_plan(PRESETS["gpt2"], "wse3", "fp16", slots=16, objective="throughput", replicas="auto")
+    assert check_input_queues(wide.regions, wide.arch) is None  # its line through the head: a chain
 
 
 def test_code_size_counts_against_memory() -> None:

@@ -2,8 +2,10 @@
 
 One replica, in the order a token meets it (wafer_gpt2/sim/wafer_program.py walks the same way):
 
-    io.in --request--> embed + head        the token's wte row chained down each head K-line
-    head columns --emb chain--> embed      and through the embed rows, which add wpe
+    io.in --request--> embed               each chunk a line to the embedding's top row, adding the
+                                           token's wte chunk and the position's wpe chunk: a column
+                                           of its copy of wte, or (no copy) every head column of the
+                                           K-line, then the embedding's rows (wpe)
     embed --> L0.qkv (and L0.ln_1) --per head group--> L0.attn --> L0.attn_proj --> L0.res_1
               L0.ln_1 --x (residual)------------------------------------------------> L0.res_1
     L0.res_1 --> L0.fc --> L0.proj --> L0.res_2;  L0.res_1 --x--> L0.res_2
@@ -269,32 +271,41 @@ class _Builder:
         embed_tile_k = ceil_div(cfg.n_embd, ef.a_len)
         if embed_tile_k != head_t.tile_k:
             raise ProgramError(f"embed chunks of {embed_tile_k} values, head K-lines of {head_t.tile_k}")
-
-        # io.in -> every embed and head PE: the request stream.
+        copy = "wte" in embed.symbols  # the embedding's own copy of wte, else the head's columns serve it
         head_pes = [hf.pe(r, c) for r in range(head_t.rows) for c in range(head_t.cols)]
         embed_pes = [ef.pe(i, j) for i in range(ef.a_len) for j in range(ef.b_len)]
-        request = self.flow(f"r{replica}.request", (io_in.x, io_in.y), embed_pes + head_pes)
-        self.params.setdefault((io_in.x, io_in.y), {})["req_color"] = request
-        for pos in head_pes + embed_pes:
-            self.params.setdefault(pos, {})["req_color"] = request
 
-        # The embedding lines: every head column of K-line r, the farthest from the embed region first,
-        # then embed column r from the head side, reduced as a chain or in two levels
-        # (wafer_gpt2.core.cost.embed_reduction).
-        cols_order = list(range(head_t.cols))
+        # io.in -> every PE of the embedding's lines: the request stream.
+        members = embed_pes if copy else embed_pes + head_pes
+        request = self.flow(f"r{replica}.request", (io_in.x, io_in.y), members)
+        self.params.setdefault((io_in.x, io_in.y), {})["req_color"] = request
+        for pos in members:
+            self.params.setdefault(pos, {})["req_color"] = request
+        for pos in head_pes:
+            self.params.setdefault(pos, {})["embeds"] = not copy
+
+        # The embedding's lines, one per chunk, each ending on the embedding's row 0 (its top row), which
+        # hands off to layer 0, reduced as a chain or in two levels (wafer_gpt2.core.cost.embed_reduction):
+        # with the copy, column i of the embedding from its far row; without, every head column of
+        # K-line i from the one farthest from the embedding, then embed column i from the head side.
+        rows = list(reversed(range(ef.b_len)))
+        cols = list(range(head_t.cols))
         if _distance(hf.pe(0, 0), ef.pe(0, 0)) < _distance(hf.pe(0, head_t.cols - 1), ef.pe(0, 0)):
-            cols_order.reverse()
-        rows_order = list(range(ef.b_len))
-        near = hf.pe(0, cols_order[-1])
-        if _distance(ef.pe(0, ef.b_len - 1), near) < _distance(ef.pe(0, 0), near):
-            rows_order.reverse()
-        kind, group = embed_reduction(plan.arch, head_t.cols + ef.b_len, embed_tile_k)
-        for r in range(head_t.rows):
-            members = [hf.pe(r, c) for c in cols_order] + [ef.pe(r, j) for j in rows_order]
-            self.reduction(f"r{replica}.emb{r}", members, "emb", kind, group)
-        last_embed_row = [ef.pe(i, rows_order[-1]) for i in range(ef.a_len)]
+            cols.reverse()
+        through_head = 0 if copy else head_t.cols
+        kind, group = embed_reduction(plan.arch, through_head + ef.b_len, embed_tile_k, head=not copy)
         for i in range(ef.a_len):
-            for j in rows_order[:-1]:
+            line = [ef.pe(i, j) for j in rows]
+            if not copy:
+                line = [hf.pe(i, c) for c in cols] + line
+            self.reduction(f"r{replica}.emb{i}", line, "emb", kind, group)
+        if copy:
+            for pos in head_pes:  # the head's embedding machine stays off
+                self.params[pos].update({"req_color": None, "emb_role": NONE, "emb_rx": None, "emb_tx": None,
+                                         "emb_end_role": NONE, "emb_end_rx": None, "emb_end_tx": None})  # fmt: skip
+        last_embed_row = [ef.pe(i, 0) for i in range(ef.a_len)]
+        for i in range(ef.a_len):
+            for j in range(1, ef.b_len):
                 self._out(ef.pe(i, j), "out", NONE, None, None, 1)  # type: ignore[arg-type]
 
         stream = last_embed_row
@@ -649,8 +660,9 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
                        topk_bins=TOPK_BINS, chunk=HEAD_CHUNK, use_fp16=fp16, workers=t.workers,
                        worker_slot=t.workers, use_col_max=t.gemv.cols >= plan.top_k)  # fmt: skip
         elif kind == "embed":
-            ppp, tile_k = embed_geometry(region, cfg.n_embd)
-            own.update(tile_k=tile_k, ppp=ppp, use_fp16=fp16)
+            ppp, tile_k = embed_geometry(region, "wpe", cfg.n_embd)
+            tpp = embed_geometry(region, "wte", cfg.n_embd)[0] if "wte" in region.symbols else 0
+            own.update(tile_k=tile_k, tpp=tpp, ppp=ppp, use_fp16=fp16)
         elif kind == "layernorm":
             own.update(
                 dim=t.dim,

@@ -17,7 +17,7 @@ FRAME_AXES = {
     "gemv": ("k", "n"),
     "embed_head": ("k", "n"),
     "attention": ("position", "head_group"),
-    "embed": ("k", "position"),
+    "embed": ("k", "row"),
     "layernorm": ("i", None),
     "residual": ("i", None),
 }

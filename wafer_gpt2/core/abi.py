@@ -28,7 +28,7 @@ CYCLES_SYMBOL = "cycles"
 WEIGHT_SYMBOLS: dict[str, tuple[str, ...]] = {
     "gemv": ("w", "b", "norm_b", "norm_g"),
     "layernorm": ("gain", "bias"),
-    "embed": ("wpe",),
+    "embed": ("wte", "wpe"),
     "embed_head": ("w",),
 }
 
@@ -36,6 +36,7 @@ WEIGHT_SYMBOLS: dict[str, tuple[str, ...]] = {
 EXPORTED_ARRAYS: dict[str, str] = {
     "w": "w",
     "b": "w",
+    "wte": "w",
     "wpe": "w",
     "gain": "f32",
     "bias": "f32",

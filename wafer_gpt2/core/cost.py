@@ -279,12 +279,13 @@ def best_reduction(n: int, words: int) -> tuple[str, int]:
     return min(reduction_options(n), key=lambda kg: reduce_cycles(kg[0], n, words, kg[1]))
 
 
-def embed_reduction(arch: Arch | str, members: int, words: int) -> tuple[str, int]:
-    """How a K-line's wte chunks reach the embed region along its line of `members` PEs (every head
-    column, then every embed row: wafer_gpt2/kernels/pe/head.csl, pe/embed.csl): the fastest reduction where a
-    head PE has an input queue for a chain of run ends (WSE-2's queue 1), a chain on WSE-3 (whose
-    memcpy keeps queues 0 and 1, and head.csl uses the other six)."""
-    if resolve_arch(arch).name != "wse2":
+def embed_reduction(arch: Arch | str, members: int, words: int, head: bool) -> tuple[str, int]:
+    """How an embedding line of `members` PEs reduces (`head`: it runs through every head column of a
+    K-line before the wpe rows, wafer_gpt2/kernels/pe/head.csl; else only through the embedding's rows,
+    pe/embed.csl): the fastest reduction, except that a head PE has an input queue for a chain of run
+    ends only on WSE-2 (queue 1; WSE-3's memcpy keeps 0 and 1, and head.csl uses the other six), so
+    through the head a WSE-3 line is a chain."""
+    if head and resolve_arch(arch).name != "wse2":
         return "chain", 0
     return best_reduction(members, words)
 

@@ -8,8 +8,8 @@ edge, "+y"/"-y" likewise for south/north):
 - gemv / embed_head: PE (r, c) (r along K: axis "k", c along N: axis "n") holds the row-major
   [tile_k, tile_n] tile of W (`wte^T` for the head), and the bias slice of column c (`column_order`).
 - layernorm: PE i (axis "i") holds chunk i of gain and bias.
-- embed: PE (j, i) (j: axis "position", i: axis "k") holds wpe[j*ppp:(j+1)*ppp, i*tile_k:(i+1)*tile_k]
-  row-major [position in PE][dim chunk].
+- embed: PE (j, i) (j: axis "row", i: axis "k") holds wte[j*tpp:(j+1)*tpp, i*tile_k:(i+1)*tile_k] and
+  wpe[j*ppp:(j+1)*ppp, i*tile_k:(i+1)*tile_k], each row-major [token or position in PE][dim chunk].
 - attention: PE (g, p) holds K and V of head group g at chain index p, laid out
   [slot][position in PE][head in PE][head_dim]. Head group g owns `fold` rows along "head_group";
   its chain runs along "position" over those rows in a snake: row j = p // Lc of the group holds
@@ -61,7 +61,7 @@ def default_axes(tiling: Any) -> dict[str, str]:
         return {"i": "+x" if tiling.axis == "x" else "+y"}
     if isinstance(tiling, AttentionTiling):
         return {"position": "+x", "head_group": "+y"}
-    return {"k": "+x", "position": "+y", "i": "+x"}
+    return {"k": "+x", "row": "+y", "i": "+x"}
 
 
 def _place(index: np.ndarray, spec: str, region: Any) -> tuple[str, np.ndarray]:
@@ -98,7 +98,7 @@ def pe_coords(region: Any) -> tuple[np.ndarray, np.ndarray]:
     elif isinstance(tiling, AttentionTiling):
         ys, xs = _snake(region, tiling)
     elif region.kind == "embed":
-        ys, xs = _grid(region, (region.h, region.w), ("position", "k"))
+        ys, xs = _grid(region, (region.h, region.w), ("row", "k"))
     else:  # residual, io: a strip or a single PE, in x order
         ys, xs = _strip(region, region.w * region.h)
     if ys.min() < 0 or xs.min() < 0 or ys.max() >= region.h or xs.max() >= region.w:
@@ -202,30 +202,31 @@ def norm_tiles(vector: np.ndarray, tiling: NormTiling) -> np.ndarray:
     return padded.reshape(tiling.pes, tiling.chunk)
 
 
-def embed_geometry(region: Any, dim: int) -> tuple[int, int]:
-    """(positions per PE, tile_k) of the position-embedding region, from its wpe symbol's size."""
+def embed_geometry(region: Any, symbol: str, dim: int) -> tuple[int, int]:
+    """(rows of the table `symbol` ("wte" or "wpe") per embedding PE, tile_k), from the symbol's size."""
     tile_k = ceil_div(dim, region.w)
-    return region.symbols["wpe"].elems // tile_k, tile_k
+    return region.symbols[symbol].elems // tile_k, tile_k
 
 
-def wpe_tiles(wpe: np.ndarray, region: Any) -> np.ndarray:
-    """wpe [T, C] -> [rows of positions, k chunks, ppp * tile_k]."""
-    ppp, tk = embed_geometry(region, wpe.shape[1])
-    padded = np.zeros((region.h * ppp, region.w * tk), dtype=wpe.dtype)
-    padded[: wpe.shape[0], : wpe.shape[1]] = wpe
+def table_tiles(table: np.ndarray, region: Any, symbol: str) -> np.ndarray:
+    """An embedding table [rows, C] (wte or wpe) -> [PE rows, k chunks, per PE * tile_k]: PE row j holds
+    the table's rows j*per .. +per, chunk i of each."""
+    per, tk = embed_geometry(region, symbol, table.shape[1])
+    padded = np.zeros((region.h * per, region.w * tk), dtype=table.dtype)
+    padded[: table.shape[0], : table.shape[1]] = table
     return (
-        padded.reshape(region.h, ppp, region.w, tk)
+        padded.reshape(region.h, per, region.w, tk)
         .transpose(0, 2, 1, 3)
-        .reshape(region.h, region.w, ppp * tk)
+        .reshape(region.h, region.w, per * tk)
     )
 
 
-def wpe_from_tiles(tiles: np.ndarray, region: Any, dim: int) -> np.ndarray:
-    """The inverse of `wpe_tiles` (padded to whole PEs): [rows * ppp, C]."""
-    ppp, tk = embed_geometry(region, dim)
+def table_from_tiles(tiles: np.ndarray, region: Any, symbol: str, dim: int) -> np.ndarray:
+    """The inverse of `table_tiles` (padded to whole PEs): [PE rows * per PE, C]."""
+    per, tk = embed_geometry(region, symbol, dim)
     full = (
-        tiles.reshape(region.h, region.w, ppp, tk)
+        tiles.reshape(region.h, region.w, per, tk)
         .transpose(0, 2, 1, 3)
-        .reshape(region.h * ppp, region.w * tk)
+        .reshape(region.h * per, region.w * tk)
     )
     return full[:, :dim]

@@ -367,7 +367,8 @@ def _region_tensors(region: Any, params: GPT2Params) -> list[tuple[str, np.ndarr
             ("bias", memory_layout.norm_tiles(params.ln_f_b, tiling)),
         ]
     if region.kind == "embed":
-        return [("wpe", memory_layout.wpe_tiles(params.wpe, region))]
+        tables = [name for name in ("wte", "wpe") if name in region.symbols]  # wte where it holds a copy
+        return [(name, memory_layout.table_tiles(getattr(params, name), region, name)) for name in tables]
     if region.kind == "embed_head":
         return [("w", memory_layout.gemv_weight_tiles(params.wte.T, tiling.gemv))]
     return []

@@ -8,6 +8,7 @@ from functools import lru_cache
 
 from wafer_gpt2.core.arch import Arch
 from wafer_gpt2.core.code_bytes import program_of
+from wafer_gpt2.core.cost import embed_reduction
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.structure import DTYPES, OBJECTIVES, Plan, PlanError, Region, Route
@@ -131,20 +132,21 @@ def check_memory(regions: list[Region], arch: Arch) -> str | None:
     return None
 
 
-def input_queue_roles(region: Region, embed_two_level: bool = False) -> dict[str, tuple[int, ...]]:
+def input_queue_roles(region: Region, head_embeds: str | None = None) -> dict[str, tuple[int, ...]]:
     """The input queues (by number, as wafer_gpt2/kernels/pe/*.csl fix them) of each PE role the region's tiling
     gives its program: a role's count must fit what the architecture leaves a program (WSE-2 1-7,
-    WSE-3 2-7: memcpy keeps 0, and 1 on WSE-3), one color per queue. `embed_two_level`: the
-    embedding's line runs in two levels (wafer_gpt2.core.cost.embed_reduction), whose chain of run ends takes
-    head.csl's queue 1 (WSE-2 only)."""
+    WSE-3 2-7: memcpy keeps 0, and 1 on WSE-3), one color per queue. `head_embeds`: the reduction the
+    embedding's lines run through the head's columns ("chain" or "two_level", whose chain of run ends
+    takes head.csl's queue 1), None where a copy of wte does the embedding."""
     t = region.tiling
     two = lambda kind: kind == "two_level"  # noqa: E731
     roles: dict[str, tuple[int, ...]] = {}
     if isinstance(t, HeadTiling):
-        # the request, the embedding, ln_f's lane, the K chain (and the rounds along it); a worker's
-        # slice (the scatter) and the centre's answers; a root's run of the tree and the runs' ends;
-        # the centre's two halves
-        base = (2, 3, 4, 5) + ((1,) if embed_two_level else ())
+        # the request and the embedding (where the head embeds), ln_f's lane, the K chain (and the rounds
+        # along it); a worker's slice (the scatter) and the centre's answers; a root's run of the tree
+        # and the runs' ends; the centre's two halves
+        embedding = () if head_embeds is None else (2, 3) + ((1,) if head_embeds == "two_level" else ())
+        base = embedding + (4, 5)
         roles["K-line member"] = base + ((7,) if two(t.gemv.reduction) else ())
         roles["worker"] = base + (6, 7)
         roles["root"] = base + (6,) + ((7,) if two(t.tree) else ())
@@ -163,6 +165,7 @@ def input_queue_roles(region: Region, embed_two_level: bool = False) -> dict[str
         # input, run, broadcast (the join on the root), y and x gathers, run ends
         roles["strip member"] = (2, 3, 4, 5, 6) + ((7,) if two(t.reduction) else ())
     elif region.kind == "embed":
+        # the request, the line's run and its runs' ends, an output gather's links
         roles["embed member"] = (2, 3, 4, 5)
     elif region.kind == "residual":
         roles["residual member"] = (2, 3, 4, 5)
@@ -171,11 +174,22 @@ def input_queue_roles(region: Region, embed_two_level: bool = False) -> dict[str
     return roles
 
 
-def check_input_queues(regions: list[Region], arch: Arch, embed_two_level: bool) -> str | None:
+def head_embedding(regions: list[Region], replica: int, arch: Arch) -> str | None:
+    """The reduction of the embedding's lines through the replica's head columns (`input_queue_roles`),
+    None where the embedding holds a copy of wte."""
+    embed = next(r for r in regions if r.name == "embed" and r.replica == replica)
+    if "wte" in embed.symbols:
+        return None
+    head = next(r for r in regions if r.name == "head" and r.replica == replica)
+    return embed_reduction(arch, head.h + embed.h, embed.symbols["x"].elems, head=True)[0]
+
+
+def check_input_queues(regions: list[Region], arch: Arch) -> str | None:
     """Every PE role within the input queues the architecture leaves a program."""
     allowed = set(arch.input_queue_ids)
     for region in regions:
-        for role, queues in input_queue_roles(region, embed_two_level).items():
+        embeds = head_embedding(regions, region.replica, arch) if region.name == "head" else None
+        for role, queues in input_queue_roles(region, embeds).items():
             extra = sorted(set(queues) - allowed)
             if extra:
                 return (
@@ -214,7 +228,8 @@ def assign_colors(regions: list[Region], routes: list[Route]) -> None:
         elif reg.kind == "residual":
             own = 3  # gemv result in, residual bus in, out
         elif reg.kind == "embed":
-            own = 3  # token in, wte chunk in, out
+            # the request, the lines (wafer_gpt2/codegen/build.py), the hand-off out
+            own = 2 + reduction_colors("two_level", reg.h)
         else:
             own = 2
         reg.colors = own

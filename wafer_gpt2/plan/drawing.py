@@ -29,8 +29,8 @@ KIND_COLORS = {
 GEMV_SHADES = {"qkv": "#16537e", "attn_proj": "#1f77b4", "fc": "#4f9bd0", "proj": "#86bde6"}
 KIND_LABELS = {
     "io": "I/O port (memcpy)",
-    "embed": "position embedding",
-    "embed_head": "wte: embedding + LM head + top-k",
+    "embed": "embedding: wte + wpe by rows",
+    "embed_head": "wte^T: LM head + top-k",
     "layernorm": "LayerNorm",
     "gemv": "GEMV: qkv, attn_proj, fc, proj (dark to light)",
     "attention": "attention + KV cache",

@@ -13,8 +13,12 @@ stream, T = head_groups * fold, Lc = attention columns, F = FC output columns:
 The next layer starts at x = 2R + Lc: its ln_1 sits right above this layer's res_2, its qkv above this
 layer's proj. Every GEMV hands its output to the next one along the axis that one multicasts on, so
 orientations alternate (k_along_x, k_along_y, ...) and nothing is transposed. West of the layers a
-strip of R columns holds the I/O ports, the position embedding, the LM head (wte once, tied; its rows
-also serve the token embedding), the final LayerNorm and the top-k.
+strip of R columns holds the I/O ports, the LM head (wte^T, tied), the final LayerNorm and the top-k.
+The embedding, a copy of wte and wpe by rows, fills layer 0's columns under its ln_1, where a later
+layer has the previous one's res_2 and proj: its columns are ln_1's chunks, so it hands off as lanes.
+Where the copy needs more rows than that (narrow strips, whose PEs hold few rows of the tables), there
+is none: the head's columns serve the token's row, chained down each K-line into wpe's rows at the top
+of the strip, which hand off to layer 0 as a gather line.
 """
 
 from __future__ import annotations
@@ -100,8 +104,9 @@ class Geometry:
     n_layer: int
     per_band: int
     bands: int
-    embed_rows: int
-    positions_per_pe: int
+    embed_rows: int  # rows of the embedding
+    tokens_per_pe: int  # wte rows per embedding PE (of its dim chunk); 0: no copy, the head serves them
+    positions_per_pe: int  # wpe rows per embedding PE
     head_cols: int
     dirs: Dirs
 
@@ -127,21 +132,34 @@ class Geometry:
 
     @property
     def strip_h(self) -> int:
-        return 3 + self.embed_rows + self.head_cols
+        return 2 + self.head_cols if self.embed_copy else 3 + self.embed_rows + self.head_cols
+
+    @property
+    def embed_copy(self) -> bool:
+        """Whether the embedding holds its own copy of wte (under layer 0's ln_1), else the head's
+        columns serve the token's row and the embedding holds wpe at the top of the strip."""
+        return self.tokens_per_pe > 0
 
     @property
     def height(self) -> int:
         return max(self.strip_h, self.bands * self.band_h)
 
     def strip_rects(self) -> dict[str, tuple[int, int, int, int]]:
-        """The strip west of the layers, top down: io.out, the position embedding, the LM head, the
-        final LayerNorm (fed by the last layer) and io.in. Each of the strip's two lines runs the way
-        its input travels, so that a column's input arrives as the line reaches it:
-        - the token's request enters at the bottom and runs up, as the embedding's line does (every
-          head column, then the wpe rows, then layer 0 at the top);
-        - ln_f's output runs up the head; the head's rounds end on its centre column's root, which
-          sends the output record up to io.out (`wafer_gpt2.core.cost.head_cost`)."""
+        """The strip west of the layers, top down. With a copy of wte beside layer 0 (`embed_copy`):
+        io.out and io.in in its first row, the LM head, the final LayerNorm (fed by the last layer).
+        Without: io.out, the embedding (wpe), the LM head, the final LayerNorm and io.in, the token's
+        request entering at the bottom and running up, as the embedding's lines do (every head column,
+        then the wpe rows, then layer 0 at the top). Either way ln_f's output runs up the head, whose
+        rounds end on its centre column's root, which sends the output record up to io.out
+        (`wafer_gpt2.core.cost.head_cost`)."""
         e, v, r = self.embed_rows, self.head_cols, self.r
+        if self.embed_copy:
+            return {
+                "io.out": (0, 0, 1, 1),
+                "io.in": (1, 0, 1, 1),
+                "head": (0, 1, r, v),
+                "ln_f": (0, 1 + v, r, 1),
+            }
         return {
             "io.out": (0, 0, 1, 1),
             "embed": (0, 1, r, e),
@@ -149,6 +167,20 @@ class Geometry:
             "ln_f": (0, 1 + e + v, r, 1),
             "io.in": (0, 2 + e + v, 1, 1),
         }
+
+    def embed_rect(self) -> tuple[int, int, int, int]:
+        """The embedding: with its copy of wte, the rows under layer 0's ln_1 in its columns (band 0 is
+        never mirrored); else the top of the strip. Its row 0, which sends, is its top row."""
+        if not self.embed_copy:
+            return self.strip_rects()["embed"]
+        _, x, y, w, _, _ = self.layer_rect(0, "ln_1")
+        return x, y + 1, w, self.embed_rows
+
+    @property
+    def embed_k_axis(self) -> str:
+        """The way the embedding's chunk index grows: layer 0's (its copy hands off as lanes), else
+        the head's K (its lines run on from the head's K-lines)."""
+        return self.layer_rect(0, "ln_1")[5]["i"] if self.embed_copy else self.dirs.head_k
 
     def layer_rect(self, layer: int, name: str) -> tuple[str, int, int, int, int, dict[str, str]]:
         band, j = divmod(layer, self.per_band)
@@ -171,6 +203,8 @@ class Geometry:
         if name.startswith("L"):
             layer, op = name[1:].split(".", 1)
             return self.layer_rect(int(layer), op)[1:5]
+        if name == "embed":
+            return self.embed_rect()
         return self.strip_rects()[name]
 
     def routes(self) -> list[tuple[str, str, str]]:
@@ -193,6 +227,8 @@ class Geometry:
             return False
         sx, _, sw, sh = self.rect(src)
         dx, _, dw, _ = self.rect(dst)
+        if src == "embed":  # it sends from its row 0
+            sh = 1
         return sh == 1 and sw > 1 and (sx, sw) != (dx, dw)
 
     @staticmethod
@@ -217,7 +253,10 @@ class Geometry:
         return far + 1
 
     def _strip_axis(self, name: str) -> str:
-        """The way a strip's index grows: a layer strip's own axis, the west strip's the head's K."""
+        """The way a strip's index grows: a layer strip's own axis, the embedding's `embed_k_axis`, the
+        west strip's the head's K."""
+        if name == "embed":
+            return self.embed_k_axis
         if name.startswith("L"):
             layer, op = name[1:].split(".", 1)
             return self.layer_rect(int(layer), op)[5]["i"]
@@ -247,12 +286,10 @@ def replica_geometry(
     t_rows = config.n_head * knobs.fold
     lc = ceil_div(knobs.attn_chain, knobs.fold)
     tile_k = ceil_div(config.n_embd, r)
-    # wpe: each PE of the embed strip holds a block of positions of its dim chunk (+ its fixed buffers).
-    fixed = pe_bytes(embed_symbols(0, tile_k, dtype))
-    per_position = tile_k * SYMBOL_BYTES[weight_symbol_dtype(dtype)]
-    positions_per_pe = max(1, (arch.data_bytes("embed") - fixed) // per_position)
-    embed_rows = ceil_div(config.n_positions, positions_per_pe)
-    positions_per_pe = ceil_div(config.n_positions, embed_rows)  # spread evenly over the rows
+    # the copy of wte under layer 0's ln_1 where its rows fit there (F + 1), else wpe alone in the strip
+    embed_rows, tokens_per_pe, positions_per_pe = embed_spread(config, tile_k, arch, dtype, copy=True)
+    if embed_rows > knobs.fc_cols + 1:
+        embed_rows, tokens_per_pe, positions_per_pe = embed_spread(config, tile_k, arch, dtype, copy=False)
     pitch = 2 * r + lc
     per_band = (arch.kernel_w - 2 * r) // pitch
     if per_band < 1:
@@ -275,6 +312,7 @@ def replica_geometry(
         per_band,
         bands,
         embed_rows,
+        tokens_per_pe,
         positions_per_pe,
         knobs.head_cols,
         dirs,
@@ -293,6 +331,22 @@ def replica_geometry(
     return g
 
 
+def embed_spread(config: GPT2Config, tile_k: int, arch: Arch, dtype: str, copy: bool) -> tuple[int, int, int]:
+    """(rows, wte rows per PE, wpe rows per PE) of the embedding: each PE holds its dim chunk of a block
+    of the positions, and with a `copy` of wte of a block of the vocabulary too (+ its fixed buffers),
+    spread evenly over the fewest rows that hold them."""
+    vocab = config.vocab_size if copy else 0
+    room = arch.data_bytes("embed") - pe_bytes(embed_symbols(0, 0, tile_k, dtype))
+    per_row = tile_k * SYMBOL_BYTES[weight_symbol_dtype(dtype)]
+    rows = max(1, ceil_div(vocab + config.n_positions, max(1, room // per_row)))
+    while (
+        rows < vocab + config.n_positions
+        and (ceil_div(vocab, rows) + ceil_div(config.n_positions, rows)) * per_row > room
+    ):
+        rows += 1
+    return rows, ceil_div(vocab, rows), ceil_div(config.n_positions, rows)
+
+
 def route_words(name: str, config: GPT2Config, geo: Geometry, head: HeadTiling) -> int:
     if name == "scores":
         return record_words(head.top_k)
@@ -300,6 +354,4 @@ def route_words(name: str, config: GPT2Config, geo: Geometry, head: HeadTiling) 
         return (
             config.n_embd
         )  # the residual bus carries the whole vector past the strip (off the critical path)
-    if name == "embed.out" and geo.dirs.head_k != geo.dirs.stream_1:
-        return config.n_embd  # wte's chunk order differs from layer 0's: one serial lane, picked by count
     return ceil_div(config.n_embd, geo.r)  # one stream chunk per lane

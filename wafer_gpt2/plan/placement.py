@@ -43,12 +43,6 @@ def place_replica(
     tile_k = ceil_div(config.n_embd, geo.r)
     strip_content = {
         "io.in": ("io", io_symbols(head.top_k, True), None, {}),
-        "embed": (
-            "embed",
-            embed_symbols(geo.positions_per_pe, tile_k, dtype),
-            None,
-            {"k": geo.dirs.head_k, "position": "+y"},
-        ),
         # column 0 at the bottom, next to ln_f: ln_f's output runs up the head (geometry.strip_rects)
         "head": (
             "embed_head",
@@ -64,6 +58,12 @@ def place_replica(
         regions.append(
             Region(name, kind, None, replica, ox + x, oy + y, w, h, with_cycles(symbols), tiling, 0, axes)
         )
+    # the embedding: its row 0 (which sends) its top row
+    x, y, w, h = geo.embed_rect()
+    symbols = embed_symbols(geo.tokens_per_pe, geo.positions_per_pe, tile_k, dtype)
+    axes = {"k": geo.embed_k_axis, "row": "+y"}
+    embed = Region("embed", "embed", None, replica, ox + x, oy + y, w, h, with_cycles(symbols), None, 0, axes)
+    regions.insert(1, embed)  # in the order a token meets them: io.in, the embedding, ...
     content: dict[str, tuple[dict[str, Symbol], Any]] = {
         "qkv": (gemv_symbols(lt.qkv, dtype), lt.qkv),
         "attn": (attention_symbols(lt.attn, dtype), lt.attn),

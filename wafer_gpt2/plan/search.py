@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from wafer_gpt2.core.arch import Arch, resolve_arch
-from wafer_gpt2.core.cost import CLOCK_HZ, StageCost, embed_reduction
+from wafer_gpt2.core.cost import CLOCK_HZ, StageCost
 from wafer_gpt2.core.tiling import AttentionTiling, HeadTiling, ceil_div
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.checks import (
@@ -320,12 +320,7 @@ def _assemble(
         routes.extend(placed_routes)
     check_geometry(regions, arch)
     assign_colors(regions, routes)
-    embed_two_level = embed_reduction(arch, geo.embed_rows + geo.head_cols, ceil_div(config.n_embd, geo.r))[0]
-    problem = (
-        check_colors(regions, arch)
-        or check_memory(regions, arch)
-        or check_input_queues(regions, arch, embed_two_level == "two_level")
-    )
+    problem = check_colors(regions, arch) or check_memory(regions, arch) or check_input_queues(regions, arch)
     if problem is not None:
         return problem
     layers = [

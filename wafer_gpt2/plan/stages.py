@@ -7,8 +7,10 @@ from functools import lru_cache
 
 from wafer_gpt2.core.arch import Arch
 from wafer_gpt2.core.cost import (
+    DSD_OP_START_CYCLES,
     GELU_CYCLES,
     HOP_CYCLES,
+    MAP_STEP_CYCLES,
     TASK_ACTIVATION_CYCLES,
     StageCost,
     attention_cost,
@@ -27,6 +29,7 @@ from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.geometry import Geometry, route_words
 from wafer_gpt2.plan.tilings import LayerTilings
 
+REQUEST_WORDS = 1 + ITEM_WORDS  # wafer_gpt2/kernels/pe/io_in.csl: the item's number, then its fields
 HANDOFF_CYCLES = HOP_CYCLES  # the next stage's first phase pays its router-to-PE crossing
 
 
@@ -54,11 +57,15 @@ def _edge_hops(ox: int) -> int:
 
 
 def _request_hops(geo: Geometry) -> int:
-    """Routers from io.in to the farthest PE of the embedding lines' first row (the head's bottom row)."""
-    rects = geo.strip_rects()
-    io_x, io_y, _, _ = rects["io.in"]
-    head_x, head_y, head_w, head_h = rects["head"]
-    return (io_y - (head_y + head_h - 1)) + (head_x + head_w - 1 - io_x)
+    """Routers from io.in to the PE where the embedding's lines start last: with a copy of wte, the
+    far corner of its last row; else the far end of the head's bottom row (the lines run up the strip
+    from there, the request with them)."""
+    io_x, io_y, _, _ = geo.strip_rects()["io.in"]
+    if geo.embed_copy:
+        x, y, w, h = geo.embed_rect()
+        return max(abs(x - io_x), abs(x + w - 1 - io_x)) + abs(y + h - 1 - io_y)
+    x, y, w, h = geo.strip_rects()["head"]
+    return abs(io_y - (y + h - 1)) + abs(x + w - 1 - io_x)
 
 
 def outer_stage_costs(
@@ -84,25 +91,30 @@ def outer_stage_costs(
 
     before = [
         StageCost("io.in").add(
-            "memcpy edge -> input port", stream_cycles(HEADER_WORDS + ITEM_WORDS, _edge_hops(ox))
+            "memcpy edge -> input port",
+            stream_cycles(HEADER_WORDS + ITEM_WORDS, _edge_hops(ox + geo.strip_rects()["io.in"][0])),
         )
     ]
-    # Embedding (wafer_gpt2/kernels/pe/head.csl, pe/embed.csl): the request enters at the bottom of the strip
-    # and runs up it (geometry.strip_rects), the way the lines run: each K-line's chunks are reduced
-    # (comm/reduce.csl, a chain or two levels: `embed_reduction`) from the bottom head row through
-    # every head row and then every wpe row: each PE adds its wte chunk (the token's row) or zeros,
-    # its wpe chunk (the item's position) or zeros, in its CE, and passes the sum on; the last wpe
-    # row sends it to layer 0. The request reaches a row a hop after the row below it, and a line a
-    # link (a hop, the ramp into the CE and the add) later, so only the way to the lines' first row
-    # (past ln_f, along it to the farthest K-line) is on the path.
-    rows_down = geo.embed_rows + geo.head_cols
-    kind, group = embed_reduction(arch, rows_down, chunk)
+    # Embedding (wafer_gpt2/kernels/pe/embed.csl, and pe/head.csl where there is no copy of wte): each
+    # chunk's line (comm/reduce.csl, a chain or two levels: `embed_reduction`) runs from its first PE to
+    # the embedding's row 0, which hands off to layer 0; every PE adds its wte chunk where it holds the
+    # token and its wpe chunk where it holds the position, else zeros, in its CE, and passes the sum on.
+    # With a copy the line is a column of the embedding from its far row (each PE's rows added by one
+    # @map); without, it runs through every head column of a K-line first, from the bottom. The request
+    # reaches a member a hop before the member after it in the line, so only its way to the first
+    # member is on the path.
+    rows = geo.embed_rows if geo.embed_copy else geo.embed_rows + geo.head_cols
+    kind, group = embed_reduction(arch, rows, chunk, head=not geo.embed_copy)
     embed = StageCost("embed")
     embed.add(
-        "request to the lines' first row", stream_cycles(2, _request_hops(geo)) + TASK_ACTIVATION_CYCLES
+        "request to the lines' first PE",
+        stream_cycles(REQUEST_WORDS, _request_hops(geo)) + TASK_ACTIVATION_CYCLES,
     )
+    if geo.embed_copy:
+        embed.add("the first PE's rows added (one @map)", DSD_OP_START_CYCLES + MAP_STEP_CYCLES * chunk)
     how = "chained" if kind == "chain" else f"{kind} (runs of {group})"
-    embed.add(f"wte chunks reduced to wpe, {how}", reduce_cycles(kind, rows_down, chunk, group))
+    through = "the embedding's rows" if geo.embed_copy else "the head's columns and the wpe rows"
+    embed.add(f"wte and wpe chunks reduced through {through}, {how}", reduce_cycles(kind, rows, chunk, group))
     embed.add("to layer 0", route("embed.out"))
     before.append(embed)
     turns = {
@@ -117,7 +129,10 @@ def outer_stage_costs(
         head_stage.renamed("head"),
         StageCost("io.out")
         .add("scores to output port", route("scores"))
-        .add("output port -> memcpy edge", stream_cycles(record_words(head.top_k), _edge_hops(ox))),
+        .add(
+            "output port -> memcpy edge",
+            stream_cycles(record_words(head.top_k), _edge_hops(ox + geo.strip_rects()["io.out"][0])),
+        ),
     ]
     return before, turns, after
 

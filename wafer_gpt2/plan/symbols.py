@@ -111,7 +111,6 @@ def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
     record = 2 * t.top_k + 3  # item, ids, logits, log-sum-exp, target
     return {
         "w": Symbol(weight_symbol_dtype(dtype), g.tile_k * g.tile_n),  # wte^T tile; no bias (tied)
-        "row": Symbol("f32", g.tile_k),  # the token's wte chunk on its way to the embed region
         "x": Symbol("f32", g.tile_k),
         "acc": Symbol("f32", g.tile_n),  # the column's logits (a worker: then its slice)
         "rounds": Symbol("f32", 3 + TOPK_BINS + 2 + 3),  # round A's and B's vectors, the centre's answer
@@ -120,16 +119,22 @@ def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
         "topk_bins": Symbol("u16", TOPK_BINS),  # and its bins' next places
         "chunk": Symbol("u32", 2 * HEAD_CHUNK),  # the centre's entries as they are read
         "wire": Symbol("u32", record),  # the centre's output record
+        "row": Symbol("f32", g.tile_k),  # the token's wte chunk on its way to the embed region
         "comm": COMM,
         "emb_pass": REDUCE_PASS,  # the embedding's line may be two-level (wafer_gpt2.core.cost.embed_reduction)
     }
 
 
-def embed_symbols(positions_per_pe: int, tile_k: int, dtype: str) -> dict[str, Symbol]:
+def embed_symbols(tokens_per_pe: int, positions_per_pe: int, tile_k: int, dtype: str) -> dict[str, Symbol]:
     """wafer_gpt2/kernels/pe/embed.csl's arrays."""
+    wtype = weight_symbol_dtype(dtype)
+    # [token][dim chunk], where the embedding holds a copy of wte (else the head's columns serve it)
+    table = {"wte": Symbol(wtype, tokens_per_pe * tile_k)} if tokens_per_pe else {}
     return {
-        "wpe": Symbol(weight_symbol_dtype(dtype), positions_per_pe * tile_k),  # [position][dim chunk]
-        "x": Symbol("f32", tile_k),  # the token's wte chunk arriving from the head, plus wpe
+        **table,
+        "wpe": Symbol(wtype, positions_per_pe * tile_k),  # [position][dim chunk]
+        "none": Symbol(wtype, tile_k),  # the zeros a PE adds for a row it does not hold
+        "x": Symbol("f32", tile_k),  # this PE's rows of the item's token and position, plus the line's sum
         "comm": COMM,
         "emb_pass": REDUCE_PASS,  # the embedding's line may be two-level (wafer_gpt2.core.cost.embed_reduction)
     }

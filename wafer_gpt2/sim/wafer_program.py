@@ -187,15 +187,17 @@ class WaferProgram:
         region.versions[symbol] += 1
         self._kv[(region.index, symbol)] = (region.versions[symbol], store)
 
-    def position_table(self, region: RegionMemory) -> np.ndarray:
+    def embedding_rows(self, region: RegionMemory, symbol: str, rows: np.ndarray) -> np.ndarray:
+        """Rows [B, C] float32 of the embedding's table `symbol` ("wte" or "wpe"), read where the PEs
+        hold them (memory_layout.table_tiles: PE row j holds the table's rows j*per .. +per): no copy
+        of the table is kept beside the PE memory."""
         dim = self.config.n_embd
-        return self._cached(
-            region,
-            "wpe",
-            lambda tiles: np.ascontiguousarray(
-                memory_layout.wpe_from_tiles(tiles, region.region, dim), np.float32
-            ),
-        )
+        per, tk = memory_layout.embed_geometry(region.region, symbol, dim)
+        ys, xs = self.coords(region)  # [PE rows, k chunks]
+        j, p = np.divmod(rows, per)
+        within = (p * tk)[:, None] + np.arange(tk)  # [B, tk]
+        values = region.arrays[symbol][ys[j][:, :, None], xs[j][:, :, None], within[:, None, :]]
+        return values.reshape(len(rows), -1)[:, :dim].astype(np.float32)
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -257,7 +259,6 @@ class WaferProgram:
     def _prepare(self, pipe: Pipeline) -> None:
         """Build (or check) every compute cache and K/V store here, so the threads only read them."""
         self.gemv_weights(pipe.head)
-        self.position_table(pipe.embed)
         self.norm_params(pipe.ln_f)
         for layer in pipe.layers:
             for op in ("qkv", "attn_proj", "fc", "proj"):
@@ -272,9 +273,13 @@ class WaferProgram:
     ) -> np.ndarray:
         """embed and every layer for these items (whole slots) -> the residual stream [B, C]."""
         c, fp16 = self.config.n_embd, self.fp16
-        head_weights, _ = self.gemv_weights(pipe.head)
-        # embed: the token's wte row comes from the head's tiles, wpe from the embed region (fp32 sum).
-        x = kernels.embed(tokens, head_weights, self.plan.head) + self.position_table(pipe.embed)[positions]
+        # embed: the token's wte row from the embedding's copy, or the head's tiles where it has none, and
+        # the position's wpe row from the embedding's PEs (fp32 sum).
+        if "wte" in pipe.embed.arrays:
+            x = self.embedding_rows(pipe.embed, "wte", tokens)
+        else:
+            x = kernels.embed(tokens, self.gemv_weights(pipe.head)[0], self.plan.head)
+        x = x + self.embedding_rows(pipe.embed, "wpe", positions)
         for layer in pipe.layers:
             # ln_1 passes x on to qkv, which has the LayerNorm folded in (wafer_gpt2/core/tiling.py); so do ln_2, fc
             qkv = self._gemv(layer["qkv"], x)
