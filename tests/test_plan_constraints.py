@@ -17,7 +17,7 @@ from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.model.config import PRESETS, GPT2Config
 from wafer_gpt2.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
-from wafer_gpt2.plan.checks import check_input_queues, check_memory, input_queue_roles
+from wafer_gpt2.plan.checks import check_input_queues, check_memory, head_embedding, input_queue_roles
 from wafer_gpt2.plan.search import forget_kept_plans
 
 _plans: dict[tuple, Plan] = {}
@@ -65,7 +65,8 @@ def check_plan(plan: Plan) -> None:
     # Input queues: every PE role within what the architecture leaves a program (memcpy keeps 0, and 1
     # on WSE-3).
     for r in plan.regions:
-        for role, queues in input_queue_roles(r).items():
+        embeds = head_embedding(plan.regions, r.replica, arch) if r.name == "head" else None
+        for role, queues in input_queue_roles(r, embeds).items():
             assert set(queues) <= set(arch.input_queue_ids), (r.name, role, queues)
 
     for replica in range(plan.replicas):
