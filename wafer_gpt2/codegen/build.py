@@ -299,10 +299,6 @@ class _Builder:
             if not copy:
                 line = [hf.pe(i, c) for c in cols] + line
             self.reduction(f"r{replica}.emb{i}", line, "emb", kind, group)
-        if copy:
-            for pos in head_pes:  # the head's embedding machine stays off
-                self.params[pos].update({"req_color": None, "emb_role": NONE, "emb_rx": None, "emb_tx": None,
-                                         "emb_end_role": NONE, "emb_end_rx": None, "emb_end_tx": None})  # fmt: skip
         last_embed_row = [ef.pe(i, 0) for i in range(ef.a_len)]
         for i in range(ef.a_len):
             for j in range(1, ef.b_len):
@@ -616,6 +612,10 @@ OPTIONAL_OUTPUTS = {
     "pe/embed.csl": {"out": _GATHER_NONE},
     "pe/attention.csl": {"out": _CHAIN_NONE, "bcast": {"on": False, "color": None}},
     "pe/head.csl": {
+        # the embedding's request and line, where a copy of wte does the embedding (`embeds` off)
+        "req": {"color": None},
+        "emb": _CHAIN_NONE,
+        "emb_end": _CHAIN_NONE,
         "scatter": _CHAIN_NONE,
         "tree": {**_CHAIN_NONE, "side": 0},
         "tree_end": _CHAIN_NONE,

@@ -219,14 +219,3 @@ def table_tiles(table: np.ndarray, region: Any, symbol: str) -> np.ndarray:
         .transpose(0, 2, 1, 3)
         .reshape(region.h, region.w, per * tk)
     )
-
-
-def table_from_tiles(tiles: np.ndarray, region: Any, symbol: str, dim: int) -> np.ndarray:
-    """The inverse of `table_tiles` (padded to whole PEs): [PE rows * per PE, C]."""
-    per, tk = embed_geometry(region, symbol, dim)
-    full = (
-        tiles.reshape(region.h, region.w, per, tk)
-        .transpose(0, 2, 1, 3)
-        .reshape(region.h * per, region.w * tk)
-    )
-    return full[:, :dim]
