@@ -119,32 +119,43 @@ def test_a_request_in_flight_is_not_stepped_again_and_keeps_its_slot_until_its_s
     # It ends (cancelled, failed) while its step computes: the wafer still writes its slot.
     assert scheduler.remove(first) is None and first.status is RequestStatus.FINISHED
     assert scheduler.admit() == []  # the slot is not given to the next request yet
-    assert scheduler.step_returned(step.owners) == [0]  # back: the slot is free again
+    assert scheduler.step_returned(step) == [0]  # back: the slot is free again
     assert scheduler.admit() == [second] and second.slot == 0
 
 
 def test_a_pipelined_backend_gets_the_running_requests_in_groups_one_step_each():
     # Five requests on slots 0..4, two steps at a time: group 0 holds slots 0, 2 and 4, group 1 slots
     # 1 and 3. A step carries one group with no step in flight; what returns goes out together again.
-    scheduler = Scheduler(KVSlotManager(5, 64), max_queue=0, step_token_budget=16)
+    scheduler = Scheduler(KVSlotManager(5, 64), max_queue=0, step_token_budget=16, groups=2)
     states = [_state(1) for _ in range(4)] + [_state(2)]
     for state in states:
         scheduler.add(state)
     scheduler.admit()
     assert [state.slot for state in states] == [0, 1, 2, 3, 4]
-    first = scheduler.build_step(groups=2)
+    first = scheduler.build_step()
     assert first.owners == [states[0], states[2], states[4], states[4]]  # the last one's whole prompt
-    second = scheduler.build_step(groups=2)
+    second = scheduler.build_step()
     assert second.owners == [states[1], states[3]]
-    assert not scheduler.build_step(groups=2)  # both groups in flight
-    scheduler.step_returned(second.owners)
+    assert not scheduler.build_step()  # both groups in flight
+    scheduler.step_returned(second)
     for state in (states[1], states[3]):
         state.computed, state.pending_token = 1, 7
     # Group 1 is back (group 0 still computes): it goes out whole.
-    assert scheduler.build_step(groups=2).owners == [states[1], states[3]]
-    # One group (a backend that takes one step at a time): every ready request in one step.
-    scheduler.step_returned(states)
-    assert len(scheduler.build_step().owners) == 6  # three prompts (1, 1, 2 tokens), two decodes
+    assert scheduler.build_step().owners == [states[1], states[3]]
+
+
+def test_one_group_steps_every_ready_request_at_once():
+    # A backend that takes one step at a time: every ready request in one step.
+    scheduler = Scheduler(KVSlotManager(5, 64), max_queue=0, step_token_budget=16)
+    states = [_state(1) for _ in range(4)] + [_state(2)]
+    for state in states:
+        scheduler.add(state)
+    scheduler.admit()
+    states[0].computed, states[0].pending_token = 1, 7
+    states[1].computed, states[1].pending_token = 1, 8
+    step = scheduler.build_step()
+    assert step.owners == states[:2] + states[2:4] + [states[4]] * 2  # two decodes, then the prompts
+    assert step.inputs.fields[:3] == [[0, 1, 2, 3, 4, 4], [1, 1, 0, 0, 0, 1], [7, 8, 100, 100, 100, 101]]
 
 
 # ----- the engine -----------------------------------------------------------------------------------

@@ -155,7 +155,6 @@ class EngineCore:
         self._gauged: tuple | None = None  # what the gauges were last set from (`record_gauges`)
         self.backend: Backend | None = backend
         # The running requests are stepped in as many groups as the backend takes steps at a time.
-        self._groups = steps_in_flight(backend)
         self.scheduler: Scheduler = self._new_scheduler(backend)
         self.record_gauges()
 
@@ -166,13 +165,13 @@ class EngineCore:
         scheduler = self._new_scheduler(backend)
         scheduler.waiting.extend(self.scheduler.waiting)
         self.backend, self.scheduler = backend, scheduler
-        self._groups = steps_in_flight(backend)
         self._free_later = []  # slots of the old backend
         self.record_gauges()
 
     def _new_scheduler(self, backend: Backend) -> Scheduler:
         slots = KVSlotManager(backend.num_slots, backend.context_length)
-        return Scheduler(slots, self._max_queue, max(self._step_token_budget, slots.num_slots))
+        budget = max(self._step_token_budget, slots.num_slots)
+        return Scheduler(slots, self._max_queue, budget, groups=steps_in_flight(backend))
 
     def detach(self) -> Backend | None:
         """Stop using the backend (it failed or hangs): requests that end now free no wafer slot."""
@@ -187,9 +186,15 @@ class EngineCore:
         """A request's engine state (not yet queued); `sink`: where its events go (None: `step()`'s
         result); `stream` False: its handler waits for the final event only, so no token events are
         sent to the sink (and, without stop sequences, its text is made only when it ends)."""
+        text_at_end = sink is not None and not stream and not request.stop_sequences
+        sampler = Sampler(request.sampling, vocab_size=self._tokenizer.vocab_size)
         return RequestState(
             stream=stream,
-            text_at_end=sink is not None and not stream and not request.stop_sequences,
+            text_at_end=text_at_end,
+            plain=sampler.batched == BATCH_GREEDY
+            and not (
+                request.stop_sequences or request.min_tokens or request.top_n_tokens or request.stop_token_ids
+            ),
             request=request,
             detokenizer=IncrementalDetokenizer(
                 self._tokenizer.token_bytes,
@@ -197,7 +202,7 @@ class EngineCore:
                 request.include_stop_str_in_output,
                 self._tokenizer.token_text,
             ),
-            sampler=Sampler(request.sampling, vocab_size=self._tokenizer.vocab_size),
+            sampler=sampler,
             sink=sink,
         )
 
@@ -244,7 +249,7 @@ class EngineCore:
         self.release_slots()  # no step runs now: slots of requests that ended during one go free
         self._reap()
         self.scheduler.admit()
-        batch = self.scheduler.build_step(groups=self._groups)
+        batch = self.scheduler.build_step()
         self.record_gauges()
         self._flush()
         if not batch:  # idle: the figures queued for the metrics go in now, not at the next render
@@ -351,6 +356,9 @@ class EngineCore:
         self._step_returned(batch)
         if results.count != len(batch):
             raise BackendError(f"the backend returned results for {results.count} items, not {len(batch)}")
+        if batch.plain and results.index.shape[0] == results.count:
+            self._apply_plain(batch, results)
+            return
         to_sample: list[tuple[RequestState, int]] = []  # (request, its row): at most one per request
         running = RequestStatus.RUNNING
         inputs = batch.inputs
@@ -401,10 +409,68 @@ class EngineCore:
             except Exception:
                 self._request_failed(state)
 
+    def _apply_plain(self, batch: StepBatch, results: StepScores) -> None:
+        """A plain step's results (`StepBatch.plain`: a decode item, and so a scored row, per request,
+        each request choosing greedily with no stop string): the tokens chosen over the whole step at
+        once, in one loop what `_apply` and `_sample` do for such a request; a request whose text is made
+        at its end records its token here too (`_complete`'s work for it), a streamed one's token is
+        completed as `_sample` does. A row `greedy_batch` leaves alone, and a token that ends its
+        request, take the general way. When every request goes on, the scheduler keeps the step's
+        columns, moved on, as the group's next step."""
+        owners = batch.owners
+        try:
+            picks = greedy_batch(results, range(len(owners)), self._tokenizer.vocab_size)
+        except Exception:  # a malformed step: every request chooses alone (and fails alone)
+            picks = [None] * len(owners)
+        now = time.monotonic()
+        eos, special = self._tokenizer.eos_token_id, self._tokenizer.special_names
+        context = self.scheduler.slots.context_length
+        first, later = self._latencies
+        chosen: list[int] = []
+        recorded = 0  # tokens recorded here (text at the end), for the metrics
+        running = RequestStatus.RUNNING
+        for row, (state, pick) in enumerate(zip(owners, picks, strict=True)):
+            if state.status is not running:
+                continue  # ended while its step ran (the engine failed it, or stopped)
+            state.computed += 1  # a decode item's position is the request's `computed`
+            state.pending_token = None
+            request, tokens = state.request, state.tokens
+            generated = len(tokens)
+            if (
+                pick is None
+                or (pick[0] == eos and not request.ignore_eos)
+                or generated + 1 >= request.max_new_tokens
+                or state.computed >= context
+            ):  # chosen alone, or it ends: the general way (which defers an end while deferring)
+                try:
+                    self._sample(state, results, row, pick)
+                except Exception:
+                    self._request_failed(state)
+                continue
+            token, logprob = pick
+            chosen.append(token)
+            if state.text_at_end:
+                (later if generated else first).append(now - (state.last_token_at or state.arrived_at))
+                state.last_token_at = now
+                tokens.append(generated_token_of((token, "", "", logprob, token in special, ())))
+                state.pending_token = token
+                recorded += 1
+            elif self._deferring:  # its next item goes now, its text and event after the next submit
+                state.pending_token = token
+                self._deferred.append((state, results, row, token, logprob, now))
+            else:
+                try:
+                    self._complete(state, results, row, token, logprob, now)
+                except Exception:
+                    self._request_failed(state)
+        self._tokens_uncounted += recorded
+        if len(chosen) == len(owners):
+            self.scheduler.advance(batch, chosen)
+
     def _step_returned(self, batch: StepBatch) -> None:
         """`batch` is off the backend: its requests may be stepped again, and the slots of those that
         ended while it ran are free now, on the backend too."""
-        for slot in self.scheduler.step_returned(batch.owners):
+        for slot in self.scheduler.step_returned(batch):
             self._free_on_backend(slot, None)
 
     def _request_failed(self, state: RequestState) -> None:

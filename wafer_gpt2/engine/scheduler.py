@@ -14,6 +14,12 @@ both back to back; a group's requests return together and go out together, so st
 (a step of whatever happened to be ready would shrink to a few items, each paying a whole step's host
 work). One step of every request would leave nothing ready to send until it returned.
 
+The groups persist across steps (vLLM V1's persistent input batch): each keeps its running requests in
+admission order and, once a step of only decode items returned and every one of them goes on, that
+step's item columns moved on by one position with the chosen tokens (`advance`), so the next step of an
+unchanged group is that array, not a walk over its requests. Admitting into a group or leaving it drops
+the kept columns.
+
 Not thread-safe: the engine calls it under its own lock.
 """
 
@@ -23,7 +29,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from wafer_gpt2.core.steps import HAS_TARGET, WANT_SCORES, StepInputs
+import numpy as np
+
+from wafer_gpt2.core.steps import HAS_TARGET, POSITION, TOKEN, WANT_SCORES, StepInputs
 from wafer_gpt2.engine.failures import Overloaded
 from wafer_gpt2.engine.kv_slots import KVSlotManager
 from wafer_gpt2.engine.request import RequestState, RequestStatus
@@ -41,13 +49,19 @@ def _slot(sequence: RequestState) -> int:
 class StepBatch:
     inputs: StepInputs
     owners: list[RequestState]  # owners[i] is the request of item i
+    group: int = 0  # the group whose requests it carries
+    # Every item is the decode item of a request whose token `EngineCore` chooses in its plain way (greedy,
+    # no stop strings, text at the end: `RequestState.plain`), and the step carries its whole group.
+    plain: bool = False
 
     def __len__(self) -> int:
         return len(self.owners)
 
 
 class Scheduler:
-    def __init__(self, slots: KVSlotManager, max_queue: int, step_token_budget: int):
+    def __init__(self, slots: KVSlotManager, max_queue: int, step_token_budget: int, groups: int = 1):
+        if groups < 1:
+            raise InvalidInput(f"groups must be at least 1, got {groups}")
         if step_token_budget < slots.num_slots:
             raise InvalidInput(
                 f"step_token_budget ({step_token_budget}) must be at least the number of KV slots "
@@ -59,6 +73,11 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self._held: dict[RequestState, int] = {}  # slots of ended requests whose step is in flight
+        self.groups = groups
+        self._members: list[list[RequestState]] = [[] for _ in range(groups)]  # running, by group
+        self._in_flight = [False] * groups  # a step of the group is on the backend
+        # A group's next decode step, kept from its last one (`advance`); None: built from its requests.
+        self._next: list[np.ndarray | None] = [None] * groups
 
     @property
     def capacity(self) -> int:
@@ -82,6 +101,9 @@ class Scheduler:
             self.waiting.remove(sequence)
         elif sequence.status is RequestStatus.RUNNING:
             self.running.remove(sequence)
+            group = sequence.group
+            self._members[group].remove(sequence)
+            self._next[group] = None
             if slot is not None and sequence.in_flight:
                 self._held[sequence] = slot
                 slot = None
@@ -91,9 +113,12 @@ class Scheduler:
         sequence.slot = None
         return slot
 
-    def step_returned(self, owners: list[RequestState]) -> list[int]:
+    def step_returned(self, batch: StepBatch) -> list[int]:
         """A step is back: its requests may be scheduled again; the slots of those that ended while it
         ran are released now (returned, to be freed on the backend too)."""
+        owners = batch.owners
+        if owners:
+            self._in_flight[batch.group] = False
         if not self._held:  # the usual case: nobody ended while the step ran
             for sequence in owners:
                 sequence.in_flight = False
@@ -120,29 +145,40 @@ class Scheduler:
             sequence.status = RequestStatus.RUNNING
             sequence.admitted_at = time.monotonic()
             self.running.append(sequence)
+            group = sequence.group = slot % self.groups
+            self._members[group].append(sequence)
+            self._next[group] = None
             admitted.append(sequence)
         return admitted
 
-    def build_step(self, groups: int = 1) -> StepBatch:
+    def build_step(self) -> StepBatch:
         """The next step's items, from the requests with none in a step still in flight (a
         `PipelinedBackend` runs several: one takes what became ready while another computes); with
-        `groups` above 1, those of the first group (slot modulo groups) that has no step in flight.
-        The step's columns are gathered as lists and made arrays once (`StepInputs`)."""
+        several groups, those of the first group that has no step in flight and a request to step.
+        The step's columns are the group's kept ones (`advance`) or gathered as lists and made arrays
+        once (`StepInputs`)."""
+        group = 0
+        if self.groups > 1:
+            group = next((g for g, busy in enumerate(self._in_flight) if not busy and self._steppable(g)), -1)
+            if group < 0:
+                return StepBatch(StepInputs.of_fields((), (), (), (), ()), [])
+            self._in_flight[group] = True
+        members = self._members[group]
+        kept = self._next[group]
+        if kept is not None:  # the group's last step, moved on: every member decodes, none in flight
+            self._next[group] = None
+            for sequence in members:
+                sequence.in_flight = True
+            return StepBatch(StepInputs(kept), list(members), group, plain=True)
         slots: list[int] = []
         positions: list[int] = []
         tokens: list[int] = []
         owners: list[RequestState] = []
         prefilling: list[RequestState] = []  # in admission order, as `running`
-        candidates = self.running
-        if groups > 1:
-            busy = {_slot(sequence) % groups for sequence in self.running if sequence.in_flight}
-            free = [group for group in range(groups) if group not in busy]
-            ready = [s for s in self.running if _slot(s) % groups in free]
-            steppable = (s for s in ready if s.pending_token is not None or s.computed < len(s.prompt))
-            group = min((_slot(s) % groups for s in steppable), default=None)
-            candidates = [s for s in ready if _slot(s) % groups == group]
-        for sequence in candidates:
+        plain = True
+        for sequence in members:
             if sequence.in_flight:
+                plain = False
                 continue
             if sequence.computed < len(sequence.request.prompt_ids):  # `prefilling`, without the call
                 prefilling.append(sequence)
@@ -152,6 +188,9 @@ class Scheduler:
                 tokens.append(sequence.pending_token)
                 owners.append(sequence)
                 sequence.in_flight = True
+                plain = plain and sequence.plain
+            else:
+                plain = False
         decodes = len(owners)
         flags = [WANT_SCORES] * decodes
         targets = [0] * decodes
@@ -185,7 +224,25 @@ class Scheduler:
                     flags[-1] = WANT_SCORES
             owners += [sequence] * n
             budget -= n
-        return StepBatch(StepInputs.of_fields(slots, positions, tokens, flags, targets), owners)
+        if not owners and self.groups > 1:
+            self._in_flight[group] = False
+        inputs = StepInputs.of_fields(slots, positions, tokens, flags, targets)
+        return StepBatch(inputs, owners, group, plain=plain and not prefilling and decodes > 0)
+
+    def _steppable(self, group: int) -> bool:
+        """Whether a request of `group` has an item to step (a token to feed or prompt left)."""
+        return any(s.pending_token is not None or s.computed < len(s.prompt) for s in self._members[group])
+
+    def advance(self, batch: StepBatch, tokens: list[int]) -> None:
+        """A plain step (`StepBatch.plain`) is back and each of its requests goes on with the token
+        chosen for it (`tokens`, in item order): the group's next step is this one's columns, a position
+        further on, with those tokens."""
+        if self._next[batch.group] is not None or batch.owners != self._members[batch.group]:
+            return  # the group changed meanwhile (a request admitted, one ended)
+        columns = batch.inputs.columns.copy()
+        columns[POSITION] += 1
+        columns[TOKEN] = tokens
+        self._next[batch.group] = columns
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
