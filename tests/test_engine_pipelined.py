@@ -158,6 +158,36 @@ def test_one_group_steps_every_ready_request_at_once():
     assert step.inputs.fields[:3] == [[0, 1, 2, 3, 4, 4], [1, 1, 0, 0, 0, 1], [7, 8, 100, 100, 100, 101]]
 
 
+def test_a_group_that_goes_on_whole_steps_next_from_its_kept_columns():
+    # Two plain requests decoding in one group: after their step is back and both go on, the next
+    # step is that step's columns a position further with the chosen tokens; an admission drops them.
+    scheduler = Scheduler(KVSlotManager(3, 64), max_queue=1, step_token_budget=8)
+    states = [_state(2), _state(2)]
+    for state in states:
+        state.plain = True
+        scheduler.add(state)
+    scheduler.admit()
+    for state in states:
+        state.computed, state.pending_token = 2, 50
+    step = scheduler.build_step()
+    assert step.plain and step.inputs.fields[:3] == [[0, 1], [2, 2], [50, 50]]
+    scheduler.step_returned(step)
+    scheduler.advance(step, [61, 62])  # (the requests' own fields left as they were: not read now)
+    kept = scheduler.build_step()
+    assert kept.plain and kept.owners == states and all(state.in_flight for state in states)
+    assert kept.inputs.fields == [[0, 1], [3, 3], [61, 62], [1, 1], [0, 0]]
+    scheduler.step_returned(kept)
+    for state in states:
+        state.computed, state.pending_token = 4, 70
+    scheduler.advance(kept, [70, 70])
+    late = _state(1)
+    scheduler.add(late)
+    scheduler.admit()  # the group changed: its next step is built from its requests
+    step = scheduler.build_step()
+    assert not step.plain and step.owners == [*states, late]
+    assert step.inputs.fields[:3] == [[0, 1, 2], [4, 4, 0], [70, 70, 100]]
+
+
 # ----- the engine -----------------------------------------------------------------------------------
 
 
