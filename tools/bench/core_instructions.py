@@ -4,14 +4,15 @@ A shared machine's speed swings within a minute by far more than a few percent, 
 alternated runs cannot resolve such a change in the host's per-token work. Instruction counts can: the
 same run gives nearly the same count every time. `EngineCore` is stepped over the null backend (no model;
 or `--backend modeled`, the GPT-2 124M plan's stand-in, which also does the host program's side of the
-wire, its waits cut to nothing), `--requests` requests of a 10-token prompt and `--new-tokens` tokens each per round, and valgrind's
+wire, its waits cut to nothing; `--steps-in-flight N` steps its requests in N groups, as the server does
+beside a wafer that takes N steps at a time), `--requests` requests of a 10-token prompt and `--new-tokens` tokens each per round, and valgrind's
 cachegrind (no cache simulation) counts the instructions of `--rounds` + 1 rounds less those of one
 round, so imports and the tokenizer's load cancel out. Counts are fixed by a hash seed, address-space
 randomisation off (`setarch -R`) and numpy's thread pools at one thread (their idle threads' instructions
 would be counted too).
 
     python tools/bench/core_instructions.py [--tree PATH ...] [--requests 64] [--new-tokens 32] [--stream]
-                                            [--backend null|modeled]
+                                            [--backend null|modeled] [--steps-in-flight N]
 
 `--tree` (repeatable) counts another checkout of the repository too (e.g. a `git worktree` of the
 commit before a change), alternately with this one. Needs valgrind and setarch (Debian: valgrind,
@@ -42,9 +43,12 @@ FIXED_ENV = {
 }
 
 
-def workload(rounds: int, requests: int, new_tokens: int, stream: bool, plan_file: str = "") -> int:
+def workload(
+    rounds: int, requests: int, new_tokens: int, stream: bool, plan_file: str = "", steps_in_flight: int = 1
+) -> int:
     """Step the engine core over the null backend (or the modeled one, its plan pickled in `plan_file`,
-    never waiting: only its instructions count); the tokens it generated."""
+    never waiting: only its instructions count; its steps in flight give the core's groups); the
+    tokens it generated."""
     from wafer_gpt2.backends.stand_ins import ModeledWaferBackend, NullBackend
     from wafer_gpt2.core.steps import Backend
     from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
@@ -53,7 +57,7 @@ def workload(rounds: int, requests: int, new_tokens: int, stream: bool, plan_fil
     backend: Backend
     if plan_file:
         plan = pickle.loads(Path(plan_file).read_bytes())
-        backend = ModeledWaferBackend(plan, timer_late_s=math.inf)  # every wait cut to nothing
+        backend = ModeledWaferBackend(plan, timer_late_s=math.inf, steps_in_flight=steps_in_flight)
     else:
         backend = NullBackend(50257, slots=requests, context=len(PROMPT) + new_tokens, top_k=64)
     core = EngineCore(backend, gpt2_tokenizer_hooks(), max_queue=requests, step_token_budget=512)
@@ -94,7 +98,7 @@ def count(tree: Path, rounds: int, args: argparse.Namespace) -> int:
     if args.stream:
         command.append("--stream")
     if args.plan_file:
-        command += ["--plan-file", args.plan_file]
+        command += ["--plan-file", args.plan_file, "--steps-in-flight", str(args.steps_in_flight)]
     env = {**os.environ, **FIXED_ENV, "PYTHONPATH": str(tree)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -122,14 +126,22 @@ def main(argv: list[str] | None = None) -> int:
         help="null (no wire) or modeled: the GPT-2 124M plan's stand-in, which does the host program's "
         "side of the wire (each step's message encoded, its records decoded), its waits cut to nothing",
     )
+    parser.add_argument(
+        "--steps-in-flight",
+        type=int,
+        default=1,
+        help="modeled backend: steps it takes at a time, so the core steps its requests in as many groups",
+    )
     parser.add_argument("--plan-file", default="", help=argparse.SUPPRESS)  # the counted process's plan
     parser.add_argument("--run", type=int, default=0, help=argparse.SUPPRESS)  # the counted process
     args = parser.parse_args(argv)
-    if min(args.requests, args.new_tokens, args.rounds, args.repeats) < 1:
-        parser.error("--requests, --new-tokens, --rounds and --repeats must be at least 1")
+    if min(args.requests, args.new_tokens, args.rounds, args.repeats, args.steps_in_flight) < 1:
+        parser.error("--requests, --new-tokens, --rounds, --repeats and --steps-in-flight must be at least 1")
+    if args.steps_in_flight > 1 and args.backend != "modeled" and not args.plan_file:
+        parser.error("--steps-in-flight needs --backend modeled")
     if args.run:
         sys.path.insert(0, os.environ.get("PYTHONPATH", str(ROOT)).split(os.pathsep)[0])
-        workload(args.run, args.requests, args.new_tokens, args.stream, args.plan_file)
+        workload(args.run, args.requests, args.new_tokens, args.stream, args.plan_file, args.steps_in_flight)
         return 0
     missing = [tool for tool in ("valgrind", "setarch") if shutil.which(tool) is None]
     if missing:
@@ -140,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trees = [ROOT, *(Path(tree).resolve() for tree in args.tree)]
     kind = "streamed" if args.stream else "non-streamed"
+    groups = f", {args.steps_in_flight} groups" if args.steps_in_flight > 1 else ""
     print(
-        f"engine core over the {args.backend} backend: {args.requests} {kind} requests x {args.new_tokens} "
-        "new tokens per round"
+        f"engine core over the {args.backend} backend{groups}: {args.requests} {kind} requests x "
+        f"{args.new_tokens} new tokens per round"
     )
     with tempfile.TemporaryDirectory() as scratch:
         if args.backend == "modeled":  # planned once, here: the search would cost minutes under valgrind
