@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,7 +191,7 @@ class EngineCore:
         return RequestState(
             stream=stream,
             text_at_end=text_at_end,
-            plain=sampler.batched == BATCH_GREEDY
+            plain=sampler.batched != BATCH_NONE
             and not (
                 request.stop_sequences or request.min_tokens or request.top_n_tokens or request.stop_token_ids
             ),
@@ -411,17 +411,36 @@ class EngineCore:
 
     def _apply_plain(self, batch: StepBatch, results: StepScores) -> None:
         """A plain step's results (`StepBatch.plain`: a decode item, and so a scored row, per request,
-        each request choosing greedily with no stop string): the tokens chosen over the whole step at
-        once, in one loop what `_apply` and `_sample` do for such a request; a request whose text is made
-        at its end records its token here too (`_complete`'s work for it), a streamed one's token is
-        completed as `_sample` does. A row `greedy_batch` leaves alone, and a token that ends its
+        each request choosing greedily or sampling with no penalty and no stop string): the tokens
+        chosen over the whole step at once (the greedy ones, then the sampling ones, as `_apply` does),
+        then in one loop what `_apply` and `_sample` do for such a request; a request whose text is
+        made at its end records its token here too (`_complete`'s work for it), a streamed one's token
+        is completed as `_sample` does. A row the batched choices leave alone, and a token that ends its
         request, take the general way. When every request goes on, the scheduler keeps the step's
         columns, moved on, as the group's next step."""
         owners = batch.owners
-        try:
-            picks = greedy_batch(results, range(len(owners)), self._tokenizer.vocab_size)
-        except Exception:  # a malformed step: every request chooses alone (and fails alone)
-            picks = [None] * len(owners)
+        vocab_size = self._tokenizer.vocab_size
+        kinds = [state.sampler.batched for state in owners]
+        greedy: Sequence[int] = range(len(owners))
+        sampling: list[int] = []
+        if BATCH_SAMPLING in kinds:
+            greedy = [row for row, kind in enumerate(kinds) if kind == BATCH_GREEDY]
+            sampling = [row for row, kind in enumerate(kinds) if kind == BATCH_SAMPLING]
+        picks: list[tuple[int, float] | None] = [None] * len(owners)
+        try:  # a malformed step: every request chooses alone (and fails alone)
+            for row, pick in zip(greedy, greedy_batch(results, greedy, vocab_size), strict=True):
+                picks[row] = pick
+        except Exception:
+            pass
+        if sampling:  # each with its own generator, as `_apply` draws them (malformed: alone, as above)
+            try:
+                samplers = [owners[row].sampler for row in sampling]
+                for row, pick in zip(
+                    sampling, sample_batch(results, sampling, samplers, vocab_size), strict=True
+                ):
+                    picks[row] = pick
+            except Exception:
+                pass
         now = time.monotonic()
         eos, special = self._tokenizer.eos_token_id, self._tokenizer.special_names
         context = self.scheduler.slots.context_length

@@ -147,8 +147,8 @@ class RequestState:
     pending_token: int | None = None  # sampled but not yet fed to the wafer
     in_flight: bool = False  # it has items in a step the backend has not returned yet
     group: int = 0  # the scheduler's group of running requests it belongs to (its slot's)
-    # Its tokens are chosen the plain way (`EngineCore._apply_plain`): greedy with nothing banned, no
-    # stop token or string, no alternatives.
+    # Its tokens are chosen the plain way (`EngineCore._apply_plain`): greedy or sampled with no
+    # penalty, nothing banned, no stop token or string, no alternatives.
     plain: bool = False
     tokens: list[GeneratedToken] = field(default_factory=list)
     prefill: list[PromptToken] = field(default_factory=list)

@@ -15,8 +15,8 @@ both back to back; a group's requests return together and go out together, so st
 work). One step of every request would leave nothing ready to send until it returned.
 
 The groups persist across steps (vLLM V1's persistent input batch): each keeps its running requests in
-admission order and, once a step of the decode items of all of them returned (plain requests: greedy,
-no stop string) and every one of them goes on, that step's item columns moved on by one position with
+admission order and, once a step of the decode items of all of them returned (plain requests: greedy
+or sampled without penalties, no stop string) and every one of them goes on, that step's item columns moved on by one position with
 the chosen tokens (`advance`), so the next step of an unchanged group is that array, not a walk over
 its requests. Admitting into a group or leaving it drops
 the kept columns.
@@ -51,9 +51,9 @@ class StepBatch:
     inputs: StepInputs
     owners: list[RequestState]  # owners[i] is the request of item i
     group: int = 0  # the group whose requests it carries
-    # Every item is the decode item of a request whose token `EngineCore` chooses in its plain way (greedy,
-    # nothing banned, no stop string or token, no alternatives: `RequestState.plain`), and the step
-    # carries its whole group.
+    # Every item is the decode item of a request whose token `EngineCore` chooses in its plain way (greedy
+    # or sampled with no penalty, nothing banned, no stop string or token, no alternatives:
+    # `RequestState.plain`), and the step carries its whole group.
     plain: bool = False
 
     def __len__(self) -> int:
