@@ -378,32 +378,13 @@ class EngineCore:
                     to_sample.append((state, row))
             except Exception:
                 self._request_failed(state)
-        # Requests with no penalty and nothing banned choose together, in a few array operations for
-        # the whole step: the greedy ones, then the sampling ones (each with its own generator).
         kinds = [
             state.sampler.batched if len(state.tokens) >= state.request.min_tokens else BATCH_NONE
             for state, _ in to_sample
         ]
-        vocab_size = self._tokenizer.vocab_size
-        rows = [row for (_, row), kind in zip(to_sample, kinds, strict=True) if kind == BATCH_GREEDY]
-        try:
-            greedy = iter(greedy_batch(results, rows, vocab_size))
-        except Exception:  # a malformed step: every request chooses alone (and fails alone)
-            greedy = iter([None] * len(rows))
-        sampled: list[tuple[int, float] | None] = []
-        if BATCH_SAMPLING in kinds:
-            chosen = [(row, state.sampler) for (state, row), kind in zip(to_sample, kinds, strict=True)
-                      if kind == BATCH_SAMPLING]  # fmt: skip
-            rows = [row for row, _ in chosen]
-            try:
-                sampled = sample_batch(results, rows, [sampler for _, sampler in chosen], vocab_size)
-            except Exception:
-                sampled = [None] * len(chosen)
-        sampling = iter(sampled)
-        for (state, row), kind in zip(to_sample, kinds, strict=True):
-            pick = (
-                next(greedy) if kind == BATCH_GREEDY else next(sampling) if kind == BATCH_SAMPLING else None
-            )
+        states, rows = [state for state, _ in to_sample], [row for _, row in to_sample]
+        picks = self._choose_batched(results, states, rows, kinds)
+        for (state, row), pick in zip(to_sample, picks, strict=True):
             try:
                 self._sample(state, results, row, pick)
             except Exception:
@@ -419,28 +400,8 @@ class EngineCore:
         request, take the general way. When every request goes on, the scheduler keeps the step's
         columns, moved on, as the group's next step."""
         owners = batch.owners
-        vocab_size = self._tokenizer.vocab_size
         kinds = [state.sampler.batched for state in owners]
-        greedy: Sequence[int] = range(len(owners))
-        sampling: list[int] = []
-        if BATCH_SAMPLING in kinds:
-            greedy = [row for row, kind in enumerate(kinds) if kind == BATCH_GREEDY]
-            sampling = [row for row, kind in enumerate(kinds) if kind == BATCH_SAMPLING]
-        picks: list[tuple[int, float] | None] = [None] * len(owners)
-        try:  # a malformed step: every request chooses alone (and fails alone)
-            for row, pick in zip(greedy, greedy_batch(results, greedy, vocab_size), strict=True):
-                picks[row] = pick
-        except Exception:
-            pass
-        if sampling:  # each with its own generator, as `_apply` draws them (malformed: alone, as above)
-            try:
-                samplers = [owners[row].sampler for row in sampling]
-                for row, pick in zip(
-                    sampling, sample_batch(results, sampling, samplers, vocab_size), strict=True
-                ):
-                    picks[row] = pick
-            except Exception:
-                pass
+        picks = self._choose_batched(results, owners, range(len(owners)), kinds)
         now = time.monotonic()
         eos, special = self._tokenizer.eos_token_id, self._tokenizer.special_names
         context = self.scheduler.slots.context_length
@@ -485,6 +446,37 @@ class EngineCore:
         self._tokens_uncounted += recorded
         if len(chosen) == len(owners):
             self.scheduler.advance(batch, chosen)
+
+    def _choose_batched(
+        self, results: StepScores, states: list[RequestState], rows: Sequence[int], kinds: list[int]
+    ) -> list[tuple[int, float] | None]:
+        """(token, logprob) for each request of `states` (its scores: that entry of `rows`) whose kind
+        (`Sampler.batched`) lets it choose with the others, in a few array operations for the whole
+        step: the greedy ones, then the sampling ones (each with its own generator); None where it
+        chooses alone (BATCH_NONE, a row the batch leaves alone, a malformed step: every request then
+        chooses alone and fails alone)."""
+        vocab_size = self._tokenizer.vocab_size
+        if BATCH_SAMPLING not in kinds and BATCH_NONE not in kinds:  # all greedy: the usual step
+            try:
+                return greedy_batch(results, rows, vocab_size)
+            except Exception:
+                return [None] * len(states)
+        picks: list[tuple[int, float] | None] = [None] * len(states)
+        for kind in (BATCH_GREEDY, BATCH_SAMPLING):
+            at = [i for i, k in enumerate(kinds) if k == kind]
+            if not at:
+                continue
+            taken = [rows[i] for i in at]
+            try:
+                if kind == BATCH_GREEDY:
+                    chosen = greedy_batch(results, taken, vocab_size)
+                else:
+                    chosen = sample_batch(results, taken, [states[i].sampler for i in at], vocab_size)
+            except Exception:
+                continue
+            for i, pick in zip(at, chosen, strict=True):
+                picks[i] = pick
+        return picks
 
     def _step_returned(self, batch: StepBatch) -> None:
         """`batch` is off the backend: its requests may be stepped again, and the slots of those that
