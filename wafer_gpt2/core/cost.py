@@ -70,18 +70,20 @@ GELU_CYCLES = EXP_CYCLES + 18
 # reciprocal square root / division in software. Assumption: 10 cycles (Newton steps on fp32).
 RSQRT_CYCLES = 10
 # The head's threshold selection (wafer_gpt2/kernels/lib/topk.csl, pe/head.csl) is scalar code per logit and per
-# entry; no public figure prices a CE's scalar instructions, so these count the statements of the CSL
-# as written at one cycle each (assumption, the CSL executor's own rule: csl_executor/README.md).
+# entry; no public figure prices a CE's scalar instructions, so these count the scalar operations of
+# the CSL as written at one cycle each (assumption, the CSL executor's own rule: csl_executor/README.md).
 # A worker's slice: its max and min (a load, two compares); in the histogram pass and again in the
 # selection pass a logit's bin (a compare with L, subtract, multiply, clamp, convert) and its count;
 # a kept entry's two stores and its count. The centre per entry of round C: its loads, its bin, the
 # place it takes (or its insertion among bin t's); per inversion (logits out of order inside a bin,
-# sorted at the end) one move. The output record's ids and logits are copied by a DSD operation each.
+# sorted at the end) one pass of the insertion loop: its test (the index, its decrement, a load, two
+# compares and their `and`) and the move (two loads, two stores, the index twice, the decrement).
+# The output record's ids and logits are copied by a DSD operation each.
 TOPK_SCAN_CYCLES = 4
 TOPK_BIN_CYCLES = 6
 TOPK_ENTRY_CYCLES = 5
 TOPK_TAKE_CYCLES = 12
-TOPK_INVERSION_CYCLES = 4
+TOPK_INVERSION_CYCLES = 12
 # The histogram of round B: bins over [L, M]. More bins leave fewer entries for round C and the centre
 # but cost a word each in round B's vector and a statement each in a worker's histogram.
 TOPK_BINS = 64
