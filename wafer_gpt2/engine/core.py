@@ -32,6 +32,7 @@ from wafer_gpt2.core.steps import (
     TokenScores,
     steps_in_flight,
 )
+from wafer_gpt2.engine.decode_run import DecodeRun
 from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
 from wafer_gpt2.engine.failures import RequestFailed, RequestTimedOut, RequestValidationFailed, ServiceError
 from wafer_gpt2.engine.kv_slots import KVSlotManager
@@ -55,9 +56,11 @@ from wafer_gpt2.engine.sampling import (
     BATCH_GREEDY,
     BATCH_NONE,
     BATCH_SAMPLING,
+    Choices,
     Sampler,
-    greedy_batch,
-    sample_batch,
+    as_picks,
+    greedy_choices,
+    sample_choices,
 )
 from wafer_gpt2.engine.scheduler import Scheduler, StepBatch
 
@@ -383,7 +386,7 @@ class EngineCore:
             for state, _ in to_sample
         ]
         states, rows = [state for state, _ in to_sample], [row for _, row in to_sample]
-        picks = self._choose_batched(results, states, rows, kinds)
+        picks = as_picks(self._choose_batched(results, states, rows, kinds))
         for (state, row), pick in zip(to_sample, picks, strict=True):
             try:
                 self._sample(state, results, row, pick)
@@ -393,20 +396,33 @@ class EngineCore:
     def _apply_plain(self, batch: StepBatch, results: StepScores) -> None:
         """A plain step's results (`StepBatch.plain`: a decode item, and so a scored row, per request,
         each request choosing greedily or sampling with no penalty and no stop string): the tokens
-        chosen over the whole step at once (the greedy ones, then the sampling ones, as `_apply` does),
-        then in one loop what `_apply` and `_sample` do for such a request; a request whose text is
-        made at its end records its token here too (`_complete`'s work for it), a streamed one's token
-        is completed as `_sample` does. A row the batched choices leave alone, and a token that ends its
-        request, take the general way. When every request goes on, the scheduler keeps the step's
-        columns, moved on, as the group's next step."""
+        chosen over the whole step at once (the greedy ones, then the sampling ones, as `_apply` does).
+        A step of a group's run (`DecodeRun`) in which every request goes on is recorded by the run, in
+        a few array operations; only the requests that hear of each token take theirs one at a time
+        (`_run_step`). Otherwise, in one loop, what `_apply` and `_sample` do for such a request: one
+        whose text is made at its end records its token here (`_complete`'s work for it), a streamed
+        one's token is completed as `_sample` does, a row the batched choices leave alone and a token
+        that ends its request take the general way. When every request goes on, the group goes on as
+        a run."""
         owners = batch.owners
-        kinds = [state.sampler.batched for state in owners]
-        picks = self._choose_batched(results, owners, range(len(owners)), kinds)
+        run = batch.run
+        if run is not None and run is not self.scheduler.run(batch.group):
+            run = None  # it ended while its step ran (a request ended or joined): each on its own
+        kinds = run.kinds if run is not None else [state.sampler.batched for state in owners]
+        choices = self._choose_batched(results, owners, range(len(owners)), kinds)
         now = time.monotonic()
+        if run is not None:
+            ids, logprobs, chosen = choices
+            if np.count_nonzero(chosen) == len(owners) and run.goes_on(ids):
+                self._run_step(run, results, ids, logprobs, now)
+                return
+            self.scheduler.end_run(batch.group)  # one of them ends, or chooses alone
+        picks = as_picks(choices)
         eos, special = self._tokenizer.eos_token_id, self._tokenizer.special_names
         context = self.scheduler.slots.context_length
         first, later = self._latencies
-        chosen: list[int] = []
+        chosen_ids: list[int] = []
+        ending_step = context  # the first step of a run from here at which a request takes its last token
         recorded = 0  # tokens recorded here (text at the end), for the metrics
         running = RequestStatus.RUNNING
         for row, (state, pick) in enumerate(zip(owners, picks, strict=True)):
@@ -428,7 +444,8 @@ class EngineCore:
                     self._request_failed(state)
                 continue
             token, logprob = pick
-            chosen.append(token)
+            chosen_ids.append(token)
+            ending_step = min(ending_step, request.max_new_tokens - generated - 1, context - state.computed)
             if state.text_at_end:
                 (later if generated else first).append(now - (state.last_token_at or state.arrived_at))
                 state.last_token_at = now
@@ -444,24 +461,49 @@ class EngineCore:
                 except Exception:
                     self._request_failed(state)
         self._tokens_uncounted += recorded
-        if len(chosen) == len(owners):
-            self.scheduler.advance(batch, chosen)
+        if len(chosen_ids) == len(owners) and self.scheduler.unchanged(batch):
+            columns = batch.inputs.columns
+            run = DecodeRun(owners, columns, chosen_ids, now, ending_step, eos, special)
+            self.scheduler.keep(batch.group, run)
+
+    def _run_step(
+        self, run: DecodeRun, results: StepScores, tokens: np.ndarray, logprobs: np.ndarray, now: float
+    ) -> None:
+        """A step of `run` in which every request goes on with its token of `tokens`: the run records
+        them; the requests that hear of each token take theirs one at a time (text and event), as
+        `_apply_plain`'s loop does; the others' latencies are all the time since the last step."""
+        latency = run.record(tokens, logprobs, now)
+        if run.quiet:
+            self._latencies[1].extend([latency] * run.quiet)  # none is a first token: each had one
+            self._tokens_uncounted += run.quiet
+        if not run.heard:
+            return
+        ids, values = tokens.tolist(), logprobs.tolist()
+        for row, state in run.heard:
+            if self._deferring:  # its next item goes now, its text and event after the next submit
+                self._deferred.append((state, results, row, ids[row], values[row], now))
+                continue
+            try:
+                self._complete(state, results, row, ids[row], values[row], now)
+            except Exception:
+                self._request_failed(state)
 
     def _choose_batched(
         self, results: StepScores, states: list[RequestState], rows: Sequence[int], kinds: list[int]
-    ) -> list[tuple[int, float] | None]:
-        """(token, logprob) for each request of `states` (its scores: that entry of `rows`) whose kind
-        (`Sampler.batched`) lets it choose with the others, in a few array operations for the whole
-        step: the greedy ones, then the sampling ones (each with its own generator); None where it
-        chooses alone (BATCH_NONE, a row the batch leaves alone, a malformed step: every request then
-        chooses alone and fails alone)."""
+    ) -> Choices:
+        """The token and logprob of each request of `states` (its scores: that entry of `rows`) whose
+        kind (`Sampler.batched`) lets it choose with the others, in a few array operations for the whole
+        step: the greedy ones, then the sampling ones (each with its own generator); not chosen where
+        it chooses alone (BATCH_NONE, a row the batch leaves alone, a malformed step: every request
+        then chooses alone and fails alone)."""
         vocab_size = self._tokenizer.vocab_size
+        m = len(states)
         if BATCH_SAMPLING not in kinds and BATCH_NONE not in kinds:  # all greedy: the usual step
             try:
-                return greedy_batch(results, rows, vocab_size)
+                return greedy_choices(results, rows, vocab_size)
             except Exception:
-                return [None] * len(states)
-        picks: list[tuple[int, float] | None] = [None] * len(states)
+                return np.zeros(m, dtype=np.int64), np.zeros(m), np.zeros(m, dtype=bool)
+        tokens, logprobs, chosen = np.zeros(m, dtype=np.int64), np.zeros(m), np.zeros(m, dtype=bool)
         for kind in (BATCH_GREEDY, BATCH_SAMPLING):
             at = [i for i, k in enumerate(kinds) if k == kind]
             if not at:
@@ -469,14 +511,13 @@ class EngineCore:
             taken = [rows[i] for i in at]
             try:
                 if kind == BATCH_GREEDY:
-                    chosen = greedy_batch(results, taken, vocab_size)
+                    got = greedy_choices(results, taken, vocab_size)
                 else:
-                    chosen = sample_batch(results, taken, [states[i].sampler for i in at], vocab_size)
+                    got = sample_choices(results, taken, [states[i].sampler for i in at], vocab_size)
             except Exception:
                 continue
-            for i, pick in zip(at, chosen, strict=True):
-                picks[i] = pick
-        return picks
+            tokens[at], logprobs[at], chosen[at] = got
+        return tokens, logprobs, chosen
 
     def _step_returned(self, batch: StepBatch) -> None:
         """`batch` is off the backend: its requests may be stepped again, and the slots of those that
@@ -608,6 +649,8 @@ class EngineCore:
         self, state: RequestState, finish: FinishReason | None = None, error: ServiceError | None = None
     ) -> None:
         """The one way out of the engine: release the slot (scheduler and wafer), report, notify."""
+        if state.status is RequestStatus.RUNNING:
+            self.scheduler.end_run(state.group)  # what a run kept of the request is its own again
         if finish is not None and state.text_at_end:
             # While the request still runs: a failure to detokenize fails it (`_request_failed`).
             self._texts_at_end(state, finish)
