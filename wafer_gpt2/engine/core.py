@@ -470,23 +470,47 @@ class EngineCore:
         self, run: DecodeRun, results: StepScores, tokens: np.ndarray, logprobs: np.ndarray, now: float
     ) -> None:
         """A step of `run` in which every request goes on with its token of `tokens`: the run records
-        them; the requests that hear of each token take theirs one at a time (text and event), as
-        `_apply_plain`'s loop does; the others' latencies are all the time since the last step."""
+        them; the requests that hear of each token take theirs one at a time (`_hear`). Every token's
+        latency is the time since the last step's (none is a first token: each request had one)."""
         latency = run.record(tokens, logprobs, now)
-        if run.quiet:
-            self._latencies[1].extend([latency] * run.quiet)  # none is a first token: each had one
-            self._tokens_uncounted += run.quiet
-        if not run.heard:
-            return
+        counted = run.quiet
+        if run.heard:
+            if self._deferring:  # their next items go now, their text and events after the next submit
+                ids, values = tokens.tolist(), logprobs.tolist()
+                self._deferred += [
+                    (state, results, row, ids[row], values[row], now) for row, state in run.heard
+                ]
+            else:
+                self._hear(run, tokens, logprobs, now)
+                counted = len(run.states)
+        if counted:
+            self._latencies[1].extend([latency] * counted)
+            self._tokens_uncounted += counted
+
+    def _hear(self, run: DecodeRun, tokens: np.ndarray, logprobs: np.ndarray, now: float) -> None:
+        """`_complete` for the requests of `run` that hear of each token, at a step where none ends: a
+        plain request has no stop string or token and no alternatives, and its token is never its first
+        (no prompt logprobs to send)."""
         ids, values = tokens.tolist(), logprobs.tolist()
+        special = self._tokenizer.special_names
+        pending, outputs = self._pending, self._outputs
         for row, state in run.heard:
-            if self._deferring:  # its next item goes now, its text and event after the next submit
-                self._deferred.append((state, results, row, ids[row], values[row], now))
-                continue
+            token = ids[row]
+            is_special = token in special
             try:
-                self._complete(state, results, row, ids[row], values[row], now)
+                if is_special and state.request.skip_special_tokens:
+                    text = ""
+                else:  # a plain request has no stop string: its text is released as it comes
+                    text = state.detokenizer.add_unstopped(token)
             except Exception:
                 self._request_failed(state)
+                continue
+            state.last_token_at = now
+            generated = generated_token_of((token, text, text, values[row], is_special, ()))
+            state.tokens.append(generated)
+            event = token_event_of((len(state.tokens), generated, ()))
+            sink = state.sink
+            (outputs if sink is None else pending.setdefault(sink, [])).append((state, event))
 
     def _choose_batched(
         self, results: StepScores, states: list[RequestState], rows: Sequence[int], kinds: list[int]
