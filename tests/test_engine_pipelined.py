@@ -256,6 +256,30 @@ def _outcome(events: list) -> tuple:
     return streamed, [t.id for t in final.tokens], final.text, final.finish_reason
 
 
+def test_the_core_ends_cancelled_and_late_requests_at_a_step_boundary_and_leaves_the_others():
+    # `_reap` looks only at the requests set aside for it: the cancelled ones (one aborted before it was
+    # queued too), and those with a deadline once it has passed; the others run to their length.
+    core = EngineCore(
+        NullBackend(50257, slots=4, context=64), gpt2_tokenizer_hooks(), max_queue=4, step_token_budget=16
+    )
+    late = core.add(GenerationRequest((100, 101), 8, timeout_s=1e-9))
+    timely = core.add(GenerationRequest((100, 101), 8, timeout_s=3600.0))
+    plain = core.add(GenerationRequest((100, 101), 8))
+    early = core.new_request(GenerationRequest((100, 101), 8))
+    core.abort(early)
+    core.add(early)
+    events = core.step()
+    ended = [(state, type(event)) for state, event in events if not isinstance(event, TokenEvent)]
+    assert ended == [(late, ErrorEvent)]
+    assert early.status is RequestStatus.FINISHED and not any(state is early for state, _ in events)
+    core.abort(plain)
+    while core.has_work():
+        events += core.step()
+    finals = {state: event for state, event in events if not isinstance(event, TokenEvent)}
+    assert set(finals) == {late, timely} and isinstance(finals[timely], FinishEvent)
+    assert len(timely.tokens) == 8 and plain.status is RequestStatus.FINISHED
+
+
 def test_steps_in_flight_give_every_request_what_one_step_at_a_time_gives(plan):
     # Six requests on four slots: the last two are admitted while other steps compute.
     requests = [

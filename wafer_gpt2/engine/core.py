@@ -14,6 +14,7 @@ outside it so that requests can arrive and the watchdog can act while the wafer 
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -156,6 +157,12 @@ class EngineCore:
         # Token latencies (first token, later ones) not yet in the histograms: observed at `_flush`, in bulk.
         self._latencies: tuple[list[float], list[float]] = ([], [])
         self._gauged: tuple | None = None  # what the gauges were last set from (`record_gauges`)
+        # What `_reap` ends at a step boundary, kept aside so that it looks at those requests only, not
+        # at every request each step: the cancelled ones, and a heap of (deadline, arrival, request)
+        # of those with a timeout, soonest first (a finished request's entry is dropped when reached).
+        self._cancelled: list[RequestState] = []
+        self._deadlines: list[tuple[float, int, RequestState]] = []
+        self._arrivals = itertools.count()
         self.backend: Backend | None = backend
         # The running requests are stepped in as many groups as the backend takes steps at a time.
         self.scheduler: Scheduler = self._new_scheduler(backend)
@@ -218,16 +225,27 @@ class EngineCore:
                 f"the request needs {needed} KV positions; a slot holds {self.scheduler.slots.context_length}"
             )
         self.scheduler.add(state)
+        if state.cancelled:  # aborted before it was queued
+            self._cancelled.append(state)
+        deadline = state.deadline
+        if deadline is not None:
+            if len(self._deadlines) > 2 * self.scheduler.capacity:  # mostly requests that ended in time
+                self._deadlines = [
+                    entry for entry in self._deadlines if entry[2].status is not RequestStatus.FINISHED
+                ]
+                heapq.heapify(self._deadlines)
+            heapq.heappush(self._deadlines, (deadline, next(self._arrivals), state))
         self.metrics.record_arrival(len(state.request.prompt_ids))
         self.record_gauges()
         return state
 
     def abort(self, state: RequestState) -> None:
         """The client went away: the request leaves at the next step boundary (its slot with it)."""
-        if state.status is RequestStatus.FINISHED:
+        if state.status is RequestStatus.FINISHED or state.cancelled:
             return
         state.cancelled = True
         state.cancelled_at_step = self.steps
+        self._cancelled.append(state)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -342,18 +360,38 @@ class EngineCore:
     # ----- inside a step boundary ------------------------------------------------------------------
 
     def _reap(self) -> None:
-        now = time.monotonic()
-        for state in [*self.scheduler.running, *self.scheduler.waiting]:
-            if state.in_flight:
-                continue  # its step is still on the backend: it ends once that step is back
-            if state.cancelled:
+        """End the cancelled requests and those past their deadline; one with items in a step still on
+        the backend ends once that step is back (a later boundary)."""
+        if self._cancelled:
+            cancelled, self._cancelled = self._cancelled, []
+            for state in cancelled:
+                if state.status is RequestStatus.FINISHED:
+                    continue
+                if state.status is RequestStatus.WAITING and state not in self.scheduler.waiting:
+                    continue  # not queued here (yet): `add` files it again
+                if state.in_flight:
+                    self._cancelled.append(state)
+                    continue
                 self._end(state, error=None)
                 self.metrics.record_failure("cancelled")
                 self.metrics.wafer_cancel_latency_steps.observe(self.steps - state.cancelled_at_step)
+        deadlines = self._deadlines
+        if not deadlines:
+            return
+        now = time.monotonic()
+        in_flight = []
+        while deadlines and now > deadlines[0][0]:
+            entry = heapq.heappop(deadlines)
+            state = entry[2]
+            if state.status is RequestStatus.FINISHED:
+                continue
+            if state.in_flight:
+                in_flight.append(entry)
                 continue
             limit = state.request.timeout_s
-            if limit is not None and now > state.arrived_at + limit:  # `deadline`, once per request a step
-                self._end(state, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
+            self._end(state, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
+        for entry in in_flight:
+            heapq.heappush(deadlines, entry)
 
     def _apply(self, batch: StepBatch, results: StepScores) -> None:
         self._step_returned(batch)
