@@ -60,7 +60,8 @@ class DecodeRun:
         its length or its slot's end, none chose an end-of-text that ends it."""
         if self.steps + 1 >= self.ending_step:
             return False
-        return not np.count_nonzero((tokens == self.eos_token_id) & self.ends_on_eos)
+        eos = tokens == self.eos_token_id
+        return not np.count_nonzero(eos) or not np.count_nonzero(eos & self.ends_on_eos)
 
     def record(self, tokens: np.ndarray, logprobs: np.ndarray, now: float) -> float:
         """A step's tokens (chosen at `now`), none ending its request: the next step's columns move on

@@ -116,10 +116,17 @@ class IncrementalDetokenizer:
         texts: list[str | None] = list(map(self._token_text, tokens))
         if self._utf8_holds or None in texts:
             utf8, holds = self._utf8, self._utf8_holds
-            for i, token in enumerate(tokens):
+            i = 0 if holds else texts.index(None)
+            while i < len(texts):
                 if holds or texts[i] is None:
-                    texts[i] = utf8.decode(self._token_bytes(token))
+                    texts[i] = utf8.decode(self._token_bytes(tokens[i]))
                     holds = bool(utf8.getstate()[0])
+                    i += 1
+                else:  # whole tokens up to the next one that is not: as they are
+                    try:
+                        i = texts.index(None, i)
+                    except ValueError:
+                        break
             self._utf8_holds = holds
         done = cast(list[str], texts)  # every token has its text now
         self._text += "".join(done)

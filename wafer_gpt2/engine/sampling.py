@@ -209,7 +209,7 @@ def penalize(logits: np.ndarray, ids: np.ndarray, history: Sequence[int], penalt
     return np.where(seen, penalized, logits)
 
 
-# A batched choice: (token ids int64, their logprobs float64, chosen: bool) by row; a row not chosen is
+# A batched choice: (token ids, their logprobs float64, chosen: bool) by row; a row not chosen is
 # left to `Sampler.choose` (its token and logprob there are meaningless).
 Choices = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -253,12 +253,10 @@ def greedy_choices(scores: StepScores, rows: Sequence[int], vocab_size: int | No
     else:  # the wafer's order, best first: the usual case, read by slicing
         tokens = ids[:, 0]
         top = reported = logits[:, 0]
-    # A usable best is neither NaN nor -inf and a known id; its logprob is the logit as float64 minus
-    # the log-sum-exp (float64).
-    chosen = top > -np.inf
-    if vocab_size is not None:
-        chosen &= tokens < vocab_size
-    return tokens.astype(np.int64), reported.astype(np.float64) - lse, chosen
+    # A usable best is neither NaN nor -inf and a known id; its logprob is the logit minus the
+    # log-sum-exp, in float64 (a float32 logit is widened exactly: what `choose` computes).
+    chosen = top > -np.inf if vocab_size is None else (top > -np.inf) & (tokens < vocab_size)
+    return tokens, np.subtract(reported, lse, dtype=np.float64), chosen
 
 
 def sample_batch(
