@@ -22,6 +22,7 @@ from wafer_gpt2.backends.stand_ins import (
 )
 from wafer_gpt2.core.steps import BackendError, StepInputs, StepItem, steps_in_flight
 from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
+from wafer_gpt2.engine.decode_run import DecodeRun
 from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
 from wafer_gpt2.engine.failures import GenerationFailed, StepTimedOut
 from wafer_gpt2.engine.kv_slots import KVSlotManager
@@ -158,34 +159,47 @@ def test_one_group_steps_every_ready_request_at_once():
     assert step.inputs.fields[:3] == [[0, 1, 2, 3, 4, 4], [1, 1, 0, 0, 0, 1], [7, 8, 100, 100, 100, 101]]
 
 
-def test_a_group_that_goes_on_whole_steps_next_from_its_kept_columns():
-    # Two plain requests decoding in one group: after their step is back and both go on, the next
-    # step is that step's columns a position further with the chosen tokens; an admission drops them.
+def test_a_group_that_goes_on_whole_steps_next_from_its_run():
+    # Two plain requests decoding in one group: after their step is back and both go on, the group goes
+    # on as a run: its next step is that step's columns a position further with the chosen tokens, what
+    # the run records is the requests' own once it ends, and an admission ends it.
     scheduler = Scheduler(KVSlotManager(3, 64), max_queue=1, step_token_budget=8)
-    states = [_state(2), _state(2)]
+    states = [_state(2, new_tokens=8), _state(2, new_tokens=8)]
     for state in states:
-        state.plain = True
+        state.plain = state.text_at_end = True
         scheduler.add(state)
     scheduler.admit()
     for state in states:
         state.computed, state.pending_token = 2, 50
     step = scheduler.build_step()
-    assert step.plain and step.inputs.fields[:3] == [[0, 1], [2, 2], [50, 50]]
+    assert step.plain and step.run is None and step.inputs.fields[:3] == [[0, 1], [2, 2], [50, 50]]
     scheduler.step_returned(step)
-    scheduler.advance(step, [61, 62])  # (the requests' own fields left as they were: not read now)
+    for state in states:  # what the engine records of the step's tokens, 61 and 62, chosen at 1.0
+        state.computed, state.pending_token, state.last_token_at = 3, None, 1.0
+    assert scheduler.unchanged(step)
+    eot = tokenizer.EOT_ID
+    run = DecodeRun(states, step.inputs.columns, [61, 62], 1.0, 2, eot, {eot})
+    scheduler.keep(step.group, run)
     kept = scheduler.build_step()
-    assert kept.plain and kept.owners == states and all(state.in_flight for state in states)
+    assert (
+        kept.plain and kept.run is run and kept.owners == states and all(state.in_flight for state in states)
+    )
     assert kept.inputs.fields == [[0, 1], [3, 3], [61, 62], [1, 1], [0, 0]]
     scheduler.step_returned(kept)
-    for state in states:
-        state.computed, state.pending_token = 4, 70
-    scheduler.advance(kept, [70, 70])
+    assert not run.goes_on(np.array([70, eot]))  # an end-of-text ends the second request
+    assert run.goes_on(np.array([70, 71]))
+    assert run.record(np.array([70, 71]), np.array([-1.0, -2.0]), 1.5) == 0.5
+    assert not run.goes_on(np.array([72, 73]))  # its second step: one takes its last token
+    assert not any(state.tokens for state in states)  # the run holds them until it ends
     late = _state(1)
     scheduler.add(late)
-    scheduler.admit()  # the group changed: its next step is built from its requests
+    scheduler.admit()  # the group changed: the run ends, its next step is built from its requests
+    assert scheduler.run(0) is None
+    assert [(t.id, t.logprob, t.special) for t in states[1].tokens] == [(71, -2.0, False)]
+    assert [(s.computed, s.pending_token, s.last_token_at) for s in states] == [(4, 70, 1.5), (4, 71, 1.5)]
     step = scheduler.build_step()
     assert not step.plain and step.owners == [*states, late]
-    assert step.inputs.fields[:3] == [[0, 1, 2], [4, 4, 0], [70, 70, 100]]
+    assert step.inputs.fields[:3] == [[0, 1, 2], [4, 4, 0], [70, 71, 100]]
 
 
 # ----- the engine -----------------------------------------------------------------------------------
@@ -240,6 +254,30 @@ def _outcome(events: list) -> tuple:
     assert isinstance(final, FinishEvent), final
     streamed = [event.token.id for event in events if isinstance(event, TokenEvent)]
     return streamed, [t.id for t in final.tokens], final.text, final.finish_reason
+
+
+def test_the_core_ends_cancelled_and_late_requests_at_a_step_boundary_and_leaves_the_others():
+    # `_reap` looks only at the requests set aside for it: the cancelled ones (one aborted before it was
+    # queued too), and those with a deadline once it has passed; the others run to their length.
+    core = EngineCore(
+        NullBackend(50257, slots=4, context=64), gpt2_tokenizer_hooks(), max_queue=4, step_token_budget=16
+    )
+    late = core.add(GenerationRequest((100, 101), 8, timeout_s=1e-9))
+    timely = core.add(GenerationRequest((100, 101), 8, timeout_s=3600.0))
+    plain = core.add(GenerationRequest((100, 101), 8))
+    early = core.new_request(GenerationRequest((100, 101), 8))
+    core.abort(early)
+    core.add(early)
+    events = core.step()
+    ended = [(state, type(event)) for state, event in events if not isinstance(event, TokenEvent)]
+    assert ended == [(late, ErrorEvent)]
+    assert early.status is RequestStatus.FINISHED and not any(state is early for state, _ in events)
+    core.abort(plain)
+    while core.has_work():
+        events += core.step()
+    finals = {state: event for state, event in events if not isinstance(event, TokenEvent)}
+    assert set(finals) == {late, timely} and isinstance(finals[timely], FinishEvent)
+    assert len(timely.tokens) == 8 and plain.status is RequestStatus.FINISHED
 
 
 def test_steps_in_flight_give_every_request_what_one_step_at_a_time_gives(plan):

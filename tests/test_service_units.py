@@ -89,6 +89,25 @@ def test_adding_tokens_all_at_once_gives_each_the_text_it_gets_one_at_a_time(tok
         IncrementalDetokenizer(tokenizer.token_bytes, ["END"]).add_all([1])
 
 
+@pytest.mark.parametrize("token_text", [None, tokenizer.token_text], ids=["decoder", "whole-token-table"])
+def test_adding_a_token_without_stop_sequences_gives_the_text_add_gives_and_releases(token_text):
+    """`add_unstopped` (a streamed plain request's token) against `add`: the same text, all released."""
+    import random
+
+    pool = tokenizer.encode("plain text, naïve café 🙂你好") + [t for t in range(256) if t % 37 == 0]
+    rng = random.Random(11)
+    for _ in range(200):
+        tokens = [rng.choice(pool) for _ in range(rng.randrange(1, 12))]
+        one = IncrementalDetokenizer(tokenizer.token_bytes, token_text=token_text)
+        other = IncrementalDetokenizer(tokenizer.token_bytes, token_text=token_text)
+        for token in tokens:
+            added = one.add(token)
+            assert other.add_unstopped(token) == added.text == added.released, tokens
+        assert other.text == one.text and other.flush() == one.flush() == ""
+    with pytest.raises(RuntimeError, match="by `add`"):
+        IncrementalDetokenizer(tokenizer.token_bytes, ["END"]).add_unstopped(1)
+
+
 def test_unfinished_character_at_the_end_is_dropped_not_sent_broken():
     detok = IncrementalDetokenizer(tokenizer.token_bytes)
     assert detok.add(tokenizer.encode("🙂")[0]).released == ""

@@ -14,6 +14,7 @@ outside it so that requests can arrive and the watchdog can act while the wafer 
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -32,6 +33,7 @@ from wafer_gpt2.core.steps import (
     TokenScores,
     steps_in_flight,
 )
+from wafer_gpt2.engine.decode_run import DecodeRun
 from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
 from wafer_gpt2.engine.failures import RequestFailed, RequestTimedOut, RequestValidationFailed, ServiceError
 from wafer_gpt2.engine.kv_slots import KVSlotManager
@@ -55,9 +57,11 @@ from wafer_gpt2.engine.sampling import (
     BATCH_GREEDY,
     BATCH_NONE,
     BATCH_SAMPLING,
+    Choices,
     Sampler,
-    greedy_batch,
-    sample_batch,
+    as_picks,
+    greedy_choices,
+    sample_choices,
 )
 from wafer_gpt2.engine.scheduler import Scheduler, StepBatch
 
@@ -153,6 +157,12 @@ class EngineCore:
         # Token latencies (first token, later ones) not yet in the histograms: observed at `_flush`, in bulk.
         self._latencies: tuple[list[float], list[float]] = ([], [])
         self._gauged: tuple | None = None  # what the gauges were last set from (`record_gauges`)
+        # What `_reap` ends at a step boundary, kept aside so that it looks at those requests only, not
+        # at every request each step: the cancelled ones, and a heap of (deadline, arrival, request)
+        # of those with a timeout, soonest first (a finished request's entry is dropped when reached).
+        self._cancelled: list[RequestState] = []
+        self._deadlines: list[tuple[float, int, RequestState]] = []
+        self._arrivals = itertools.count()
         self.backend: Backend | None = backend
         # The running requests are stepped in as many groups as the backend takes steps at a time.
         self.scheduler: Scheduler = self._new_scheduler(backend)
@@ -215,16 +225,27 @@ class EngineCore:
                 f"the request needs {needed} KV positions; a slot holds {self.scheduler.slots.context_length}"
             )
         self.scheduler.add(state)
+        if state.cancelled:  # aborted before it was queued
+            self._cancelled.append(state)
+        deadline = state.deadline
+        if deadline is not None:
+            if len(self._deadlines) > 2 * self.scheduler.capacity:  # mostly requests that ended in time
+                self._deadlines = [
+                    entry for entry in self._deadlines if entry[2].status is not RequestStatus.FINISHED
+                ]
+                heapq.heapify(self._deadlines)
+            heapq.heappush(self._deadlines, (deadline, next(self._arrivals), state))
         self.metrics.record_arrival(len(state.request.prompt_ids))
         self.record_gauges()
         return state
 
     def abort(self, state: RequestState) -> None:
         """The client went away: the request leaves at the next step boundary (its slot with it)."""
-        if state.status is RequestStatus.FINISHED:
+        if state.status is RequestStatus.FINISHED or state.cancelled:
             return
         state.cancelled = True
         state.cancelled_at_step = self.steps
+        self._cancelled.append(state)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -339,18 +360,38 @@ class EngineCore:
     # ----- inside a step boundary ------------------------------------------------------------------
 
     def _reap(self) -> None:
-        now = time.monotonic()
-        for state in [*self.scheduler.running, *self.scheduler.waiting]:
-            if state.in_flight:
-                continue  # its step is still on the backend: it ends once that step is back
-            if state.cancelled:
+        """End the cancelled requests and those past their deadline; one with items in a step still on
+        the backend ends once that step is back (a later boundary)."""
+        if self._cancelled:
+            cancelled, self._cancelled = self._cancelled, []
+            for state in cancelled:
+                if state.status is RequestStatus.FINISHED:
+                    continue
+                if state.status is RequestStatus.WAITING and state not in self.scheduler.waiting:
+                    continue  # not queued here (yet): `add` files it again
+                if state.in_flight:
+                    self._cancelled.append(state)
+                    continue
                 self._end(state, error=None)
                 self.metrics.record_failure("cancelled")
                 self.metrics.wafer_cancel_latency_steps.observe(self.steps - state.cancelled_at_step)
+        deadlines = self._deadlines
+        if not deadlines:
+            return
+        now = time.monotonic()
+        in_flight = []
+        while deadlines and now > deadlines[0][0]:
+            entry = heapq.heappop(deadlines)
+            state = entry[2]
+            if state.status is RequestStatus.FINISHED:
+                continue
+            if state.in_flight:
+                in_flight.append(entry)
                 continue
             limit = state.request.timeout_s
-            if limit is not None and now > state.arrived_at + limit:  # `deadline`, once per request a step
-                self._end(state, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
+            self._end(state, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
+        for entry in in_flight:
+            heapq.heappush(deadlines, entry)
 
     def _apply(self, batch: StepBatch, results: StepScores) -> None:
         self._step_returned(batch)
@@ -383,7 +424,7 @@ class EngineCore:
             for state, _ in to_sample
         ]
         states, rows = [state for state, _ in to_sample], [row for _, row in to_sample]
-        picks = self._choose_batched(results, states, rows, kinds)
+        picks = as_picks(self._choose_batched(results, states, rows, kinds))
         for (state, row), pick in zip(to_sample, picks, strict=True):
             try:
                 self._sample(state, results, row, pick)
@@ -393,20 +434,33 @@ class EngineCore:
     def _apply_plain(self, batch: StepBatch, results: StepScores) -> None:
         """A plain step's results (`StepBatch.plain`: a decode item, and so a scored row, per request,
         each request choosing greedily or sampling with no penalty and no stop string): the tokens
-        chosen over the whole step at once (the greedy ones, then the sampling ones, as `_apply` does),
-        then in one loop what `_apply` and `_sample` do for such a request; a request whose text is
-        made at its end records its token here too (`_complete`'s work for it), a streamed one's token
-        is completed as `_sample` does. A row the batched choices leave alone, and a token that ends its
-        request, take the general way. When every request goes on, the scheduler keeps the step's
-        columns, moved on, as the group's next step."""
+        chosen over the whole step at once (the greedy ones, then the sampling ones, as `_apply` does).
+        A step of a group's run (`DecodeRun`) in which every request goes on is recorded by the run, in
+        a few array operations; only the requests that hear of each token take theirs one at a time
+        (`_run_step`). Otherwise, in one loop, what `_apply` and `_sample` do for such a request: one
+        whose text is made at its end records its token here (`_complete`'s work for it), a streamed
+        one's token is completed as `_sample` does, a row the batched choices leave alone and a token
+        that ends its request take the general way. When every request goes on, the group goes on as
+        a run."""
         owners = batch.owners
-        kinds = [state.sampler.batched for state in owners]
-        picks = self._choose_batched(results, owners, range(len(owners)), kinds)
+        run = batch.run
+        if run is not None and run is not self.scheduler.run(batch.group):
+            run = None  # it ended while its step ran (a request ended or joined): each on its own
+        kinds = run.kinds if run is not None else [state.sampler.batched for state in owners]
+        choices = self._choose_batched(results, owners, range(len(owners)), kinds)
         now = time.monotonic()
+        if run is not None:
+            ids, logprobs, chosen = choices
+            if np.count_nonzero(chosen) == len(owners) and run.goes_on(ids):
+                self._run_step(run, results, ids, logprobs, now)
+                return
+            self.scheduler.end_run(batch.group)  # one of them ends, or chooses alone
+        picks = as_picks(choices)
         eos, special = self._tokenizer.eos_token_id, self._tokenizer.special_names
         context = self.scheduler.slots.context_length
         first, later = self._latencies
-        chosen: list[int] = []
+        chosen_ids: list[int] = []
+        ending_step = context  # the first step of a run from here at which a request takes its last token
         recorded = 0  # tokens recorded here (text at the end), for the metrics
         running = RequestStatus.RUNNING
         for row, (state, pick) in enumerate(zip(owners, picks, strict=True)):
@@ -428,7 +482,8 @@ class EngineCore:
                     self._request_failed(state)
                 continue
             token, logprob = pick
-            chosen.append(token)
+            chosen_ids.append(token)
+            ending_step = min(ending_step, request.max_new_tokens - generated - 1, context - state.computed)
             if state.text_at_end:
                 (later if generated else first).append(now - (state.last_token_at or state.arrived_at))
                 state.last_token_at = now
@@ -444,24 +499,73 @@ class EngineCore:
                 except Exception:
                     self._request_failed(state)
         self._tokens_uncounted += recorded
-        if len(chosen) == len(owners):
-            self.scheduler.advance(batch, chosen)
+        if len(chosen_ids) == len(owners) and self.scheduler.unchanged(batch):
+            columns = batch.inputs.columns
+            run = DecodeRun(owners, columns, chosen_ids, now, ending_step, eos, special)
+            self.scheduler.keep(batch.group, run)
+
+    def _run_step(
+        self, run: DecodeRun, results: StepScores, tokens: np.ndarray, logprobs: np.ndarray, now: float
+    ) -> None:
+        """A step of `run` in which every request goes on with its token of `tokens`: the run records
+        them; the requests that hear of each token take theirs one at a time (`_hear`). Every token's
+        latency is the time since the last step's (none is a first token: each request had one)."""
+        latency = run.record(tokens, logprobs, now)
+        counted = run.quiet
+        if run.heard:
+            if self._deferring:  # their next items go now, their text and events after the next submit
+                ids, values = tokens.tolist(), logprobs.tolist()
+                self._deferred += [
+                    (state, results, row, ids[row], values[row], now) for row, state in run.heard
+                ]
+            else:
+                self._hear(run, tokens, logprobs, now)
+                counted = len(run.states)
+        if counted:
+            self._latencies[1].extend([latency] * counted)
+            self._tokens_uncounted += counted
+
+    def _hear(self, run: DecodeRun, tokens: np.ndarray, logprobs: np.ndarray, now: float) -> None:
+        """`_complete` for the requests of `run` that hear of each token, at a step where none ends: a
+        plain request has no stop string or token and no alternatives, and its token is never its first
+        (no prompt logprobs to send)."""
+        ids, values = tokens.tolist(), logprobs.tolist()
+        special = self._tokenizer.special_names
+        pending, outputs = self._pending, self._outputs
+        for row, state in run.heard:
+            token = ids[row]
+            is_special = token in special
+            try:
+                if is_special and state.request.skip_special_tokens:
+                    text = ""
+                else:  # a plain request has no stop string: its text is released as it comes
+                    text = state.detokenizer.add_unstopped(token)
+            except Exception:
+                self._request_failed(state)
+                continue
+            state.last_token_at = now
+            generated = generated_token_of((token, text, text, values[row], is_special, ()))
+            state.tokens.append(generated)
+            event = token_event_of((len(state.tokens), generated, ()))
+            sink = state.sink
+            (outputs if sink is None else pending.setdefault(sink, [])).append((state, event))
 
     def _choose_batched(
         self, results: StepScores, states: list[RequestState], rows: Sequence[int], kinds: list[int]
-    ) -> list[tuple[int, float] | None]:
-        """(token, logprob) for each request of `states` (its scores: that entry of `rows`) whose kind
-        (`Sampler.batched`) lets it choose with the others, in a few array operations for the whole
-        step: the greedy ones, then the sampling ones (each with its own generator); None where it
-        chooses alone (BATCH_NONE, a row the batch leaves alone, a malformed step: every request then
-        chooses alone and fails alone)."""
+    ) -> Choices:
+        """The token and logprob of each request of `states` (its scores: that entry of `rows`) whose
+        kind (`Sampler.batched`) lets it choose with the others, in a few array operations for the whole
+        step: the greedy ones, then the sampling ones (each with its own generator); not chosen where
+        it chooses alone (BATCH_NONE, a row the batch leaves alone, a malformed step: every request
+        then chooses alone and fails alone)."""
         vocab_size = self._tokenizer.vocab_size
+        m = len(states)
         if BATCH_SAMPLING not in kinds and BATCH_NONE not in kinds:  # all greedy: the usual step
             try:
-                return greedy_batch(results, rows, vocab_size)
+                return greedy_choices(results, rows, vocab_size)
             except Exception:
-                return [None] * len(states)
-        picks: list[tuple[int, float] | None] = [None] * len(states)
+                return np.zeros(m, dtype=np.int64), np.zeros(m), np.zeros(m, dtype=bool)
+        tokens, logprobs, chosen = np.zeros(m, dtype=np.int64), np.zeros(m), np.zeros(m, dtype=bool)
         for kind in (BATCH_GREEDY, BATCH_SAMPLING):
             at = [i for i, k in enumerate(kinds) if k == kind]
             if not at:
@@ -469,14 +573,13 @@ class EngineCore:
             taken = [rows[i] for i in at]
             try:
                 if kind == BATCH_GREEDY:
-                    chosen = greedy_batch(results, taken, vocab_size)
+                    got = greedy_choices(results, taken, vocab_size)
                 else:
-                    chosen = sample_batch(results, taken, [states[i].sampler for i in at], vocab_size)
+                    got = sample_choices(results, taken, [states[i].sampler for i in at], vocab_size)
             except Exception:
                 continue
-            for i, pick in zip(at, chosen, strict=True):
-                picks[i] = pick
-        return picks
+            tokens[at], logprobs[at], chosen[at] = got
+        return tokens, logprobs, chosen
 
     def _step_returned(self, batch: StepBatch) -> None:
         """`batch` is off the backend: its requests may be stepped again, and the slots of those that
@@ -608,6 +711,8 @@ class EngineCore:
         self, state: RequestState, finish: FinishReason | None = None, error: ServiceError | None = None
     ) -> None:
         """The one way out of the engine: release the slot (scheduler and wafer), report, notify."""
+        if state.status is RequestStatus.RUNNING:
+            self.scheduler.end_run(state.group)  # what a run kept of the request is its own again
         if finish is not None and state.text_at_end:
             # While the request still runs: a failure to detokenize fails it (`_request_failed`).
             self._texts_at_end(state, finish)

@@ -90,6 +90,20 @@ class IncrementalDetokenizer:
             text=piece, released=self._release(len(self._text) - self._held_for_stops()), stop_sequence=None
         )
 
+    def add_unstopped(self, token: int) -> str:
+        """`add` for a detokenizer without stop sequences, where a token's text is also what it releases
+        (nothing is held back): that text, without the record `add` builds (it runs per streamed token)."""
+        if self._stops:
+            raise RuntimeError("a detokenizer with stop sequences adds its tokens by `add`")
+        piece = None if self._utf8_holds else self._token_text(token)
+        if piece is None:  # bytes of an unfinished character on either side: the decoder joins them
+            utf8 = self._utf8
+            piece = utf8.decode(self._token_bytes(token))
+            self._utf8_holds = bool(utf8.getstate()[0])
+        self._text += piece
+        self._released = len(self._text)
+        return piece
+
     def add_all(self, tokens: Sequence[int]) -> list[str]:
         """Each token's text as `add` gives it, token after token, for a detokenizer without stop
         sequences (nothing is held back: each token's text is also what it releases), in one pass: the
@@ -102,10 +116,17 @@ class IncrementalDetokenizer:
         texts: list[str | None] = list(map(self._token_text, tokens))
         if self._utf8_holds or None in texts:
             utf8, holds = self._utf8, self._utf8_holds
-            for i, token in enumerate(tokens):
+            i = 0 if holds else texts.index(None)
+            while i < len(texts):
                 if holds or texts[i] is None:
-                    texts[i] = utf8.decode(self._token_bytes(token))
+                    texts[i] = utf8.decode(self._token_bytes(tokens[i]))
                     holds = bool(utf8.getstate()[0])
+                    i += 1
+                else:  # whole tokens up to the next one that is not: as they are
+                    try:
+                        i = texts.index(None, i)
+                    except ValueError:
+                        break
             self._utf8_holds = holds
         done = cast(list[str], texts)  # every token has its text now
         self._text += "".join(done)

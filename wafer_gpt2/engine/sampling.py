@@ -23,7 +23,6 @@ survives top-k and top-p. `SamplingError` is left only for a step that offers no
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -210,69 +209,80 @@ def penalize(logits: np.ndarray, ids: np.ndarray, history: Sequence[int], penalt
     return np.where(seen, penalized, logits)
 
 
+# A batched choice: (token ids, their logprobs float64, chosen: bool) by row; a row not chosen is
+# left to `Sampler.choose` (its token and logprob there are meaningless).
+Choices = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def as_picks(choices: Choices) -> list[tuple[int, float] | None]:
+    """A batched choice as (token, logprob) per row, None for a row left to `choose`."""
+    tokens, logprobs, chosen = choices
+    return [
+        (token, logprob) if good else None
+        for token, logprob, good in zip(tokens.tolist(), logprobs.tolist(), chosen.tolist(), strict=True)
+    ]
+
+
 def greedy_batch(
     scores: StepScores, rows: Sequence[int], vocab_size: int | None
 ) -> list[tuple[int, float] | None]:
+    """`greedy_choices` as (token, logprob) per row, None for a row it leaves to `choose`."""
+    return as_picks(greedy_choices(scores, rows, vocab_size))
+
+
+def greedy_choices(scores: StepScores, rows: Sequence[int], vocab_size: int | None) -> Choices:
     """`Sampler.choose` for plain-greedy requests (no penalty, nothing banned), for the given rows
-    (distinct, ascending) of a step's scores at once, in a few array operations: (token, its logprob)
-    per row, the same as `choose` gives, or None for a row it leaves to `choose` (a NaN or unknown id
-    at the top, or no finite candidate: the cases `distribution` filters or refuses)."""
+    (distinct, ascending) of a step's scores at once, in a few array operations: the token and its
+    logprob per row, the same as `choose` gives, or not chosen for a row it leaves to `choose` (a NaN
+    or unknown id at the top, or no finite candidate: the cases `distribution` filters or refuses)."""
     m = len(rows)
-    if not m:
-        return []
     ids, logits, lse = scores.topk_ids, scores.topk_logits, scores.logsumexp
-    if m != len(lse) or rows[-1] != m - 1:  # not every row (rows are distinct): take those asked for
+    if m != len(lse) or (m and rows[-1] != m - 1):  # not every row (rows are distinct): those asked for
         picked = np.asarray(rows, dtype=np.intp)
         ids, logits, lse = ids[picked], logits[picked], lse[picked]
-    if not ids.shape[1]:
-        return [None] * m
+    if not m or not ids.shape[1]:
+        return np.zeros(m, dtype=np.int64), np.zeros(m), np.zeros(m, dtype=bool)
     best = logits.argmax(axis=1)  # the first of equal maxima (the stable sort's pick); a NaN wins here
-    # np.count_nonzero and nonzero: C calls, several times cheaper than the reductions any() and all()
-    late = np.count_nonzero(best)
-    if late:  # some row's best is not its first candidate
+    # np.count_nonzero: a C call, several times cheaper than the reductions any() and all()
+    if np.count_nonzero(best):  # some row's best is not its first candidate
         every = np.arange(m)
-        top, tokens = logits[every, best], ids[every, best]
-    else:  # the wafer's order, best first: the usual case, read by slicing
-        top, tokens = logits[:, 0], ids[:, 0]
-    # The rest over lists: at a step's few rows a numpy call costs what dozens of list operations do.
-    # A usable best is neither NaN nor -inf and a known id; its logprob is the logit's float minus the
-    # log-sum-exp (float64).
-    limit = math.inf if vocab_size is None else vocab_size
-    chosen: list[tuple[int, float] | None] = [
-        (token, logit - norm) if logit > -math.inf and token < limit else None
-        for token, logit, norm in zip(tokens.tolist(), top.tolist(), lse.tolist(), strict=True)
-    ]
-    for row in best.nonzero()[0].tolist() if late else ():
-        pick = chosen[row]
-        if pick is None:
-            continue
+        tokens = ids[every, best]
         # `choose` reports the logit of the chosen id's first occurrence among the candidates.
-        token = pick[0]
-        first = int((ids[row] == token).argmax())
-        if first < best[row]:
-            chosen[row] = (token, float(logits[row, first]) - float(lse[row]))
-    return chosen
+        first = (ids == tokens[:, None]).argmax(axis=1)
+        top, reported = logits[every, best], logits[every, first]
+    else:  # the wafer's order, best first: the usual case, read by slicing
+        tokens = ids[:, 0]
+        top = reported = logits[:, 0]
+    # A usable best is neither NaN nor -inf and a known id; its logprob is the logit minus the
+    # log-sum-exp, in float64 (a float32 logit is widened exactly: what `choose` computes).
+    chosen = top > -np.inf if vocab_size is None else (top > -np.inf) & (tokens < vocab_size)
+    return tokens, np.subtract(reported, lse, dtype=np.float64), chosen
 
 
 def sample_batch(
     scores: StepScores, rows: Sequence[int], samplers: Sequence[Sampler], vocab_size: int | None
 ) -> list[tuple[int, float] | None]:
+    """`sample_choices` as (token, logprob) per row, None for a row it leaves to `choose`."""
+    return as_picks(sample_choices(scores, rows, samplers, vocab_size))
+
+
+def sample_choices(
+    scores: StepScores, rows: Sequence[int], samplers: Sequence[Sampler], vocab_size: int | None
+) -> Choices:
     """`Sampler.choose` for sampling requests with no penalty and nothing banned, for the given rows of
     a step's scores at once (`samplers[i]` the request of `rows[i]`): temperature, top-k, top-p and
     min-p as array operations over [rows, k], then one uniform draw from each request's own generator
     where more than one candidate survives (as `choose` draws), so a seed gives the same tokens as one
-    row at a time. None for a row it leaves to `choose` (a candidate `distribution` would filter: a NaN
+    row at a time. Not chosen for a row it leaves to `choose` (a candidate `distribution` would filter: a NaN
     or an unknown id; a best that is not finite), whose generator it has not drawn from. Every candidate
     set the warpers keep is a head of the sorted row, so the draws compare against the same running
     sums as `choose`'s."""
     m = len(rows)
-    if not m:
-        return []
     picked = np.asarray(rows, dtype=np.intp)
     raw_ids, raw_logits = scores.topk_ids[picked], scores.topk_logits[picked]
     k = raw_ids.shape[1]
-    if not k:
-        return [None] * m
+    if not m or not k:
+        return np.zeros(m, dtype=np.int64), np.zeros(m), np.zeros(m, dtype=bool)
     ids, logits = raw_ids.astype(np.int64), raw_logits.astype(np.float64)
     usable = ~np.isnan(logits)
     if vocab_size is not None:
@@ -313,7 +323,4 @@ def sample_batch(
     # The logprob is the model's: the logit of the chosen id's first occurrence among the candidates.
     first = (raw_ids == tokens[:, None]).argmax(axis=1)
     logprobs = raw_logits[np.arange(m), first].astype(np.float64) - scores.logsumexp[picked]
-    return [
-        (token, logprob) if good else None
-        for token, logprob, good in zip(tokens.tolist(), logprobs.tolist(), ok.tolist(), strict=True)
-    ]
+    return tokens, logprobs, ok

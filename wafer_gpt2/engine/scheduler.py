@@ -15,11 +15,11 @@ both back to back; a group's requests return together and go out together, so st
 work). One step of every request would leave nothing ready to send until it returned.
 
 The groups persist across steps (vLLM V1's persistent input batch): each keeps its running requests in
-admission order and, once a step of the decode items of all of them returned (plain requests: greedy
-or sampled without penalties, no stop string) and every one of them goes on, that step's item columns moved on by one position with
-the chosen tokens (`advance`), so the next step of an unchanged group is that array, not a walk over
-its requests. Admitting into a group or leaving it drops
-the kept columns.
+admission order, and once a step of the decode items of all of them is back (plain requests: greedy
+or sampled without penalties, no stop string) and every one of them goes on, the engine keeps the
+group as a `DecodeRun` (`keep`): its next steps are that step's item columns moved on, and what they
+choose is recorded by row, not a walk over its requests. Admitting into a group or leaving it ends
+the run (`end_run`: the requests get what it kept of them).
 
 Not thread-safe: the engine calls it under its own lock.
 """
@@ -30,9 +30,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
-from wafer_gpt2.core.steps import HAS_TARGET, POSITION, TOKEN, WANT_SCORES, StepInputs
+from wafer_gpt2.core.steps import HAS_TARGET, WANT_SCORES, StepInputs
+from wafer_gpt2.engine.decode_run import DecodeRun
 from wafer_gpt2.engine.failures import Overloaded
 from wafer_gpt2.engine.kv_slots import KVSlotManager
 from wafer_gpt2.engine.request import RequestState, RequestStatus
@@ -55,6 +54,7 @@ class StepBatch:
     # or sampled with no penalty, nothing banned, no stop string or token, no alternatives:
     # `RequestState.plain`), and the step carries its whole group.
     plain: bool = False
+    run: DecodeRun | None = None  # the group's run it was made from (`Scheduler.keep`)
 
     def __len__(self) -> int:
         return len(self.owners)
@@ -78,8 +78,8 @@ class Scheduler:
         self.groups = groups
         self._members: list[list[RequestState]] = [[] for _ in range(groups)]  # running, by group
         self._in_flight = [False] * groups  # a step of the group is on the backend
-        # A group's next decode step, kept from its last one (`advance`); None: built from its requests.
-        self._next: list[np.ndarray | None] = [None] * groups
+        # A group's run of plain decode steps (`keep`); None: its next step is built from its requests.
+        self._runs: list[DecodeRun | None] = [None] * groups
 
     @property
     def capacity(self) -> int:
@@ -104,8 +104,8 @@ class Scheduler:
         elif sequence.status is RequestStatus.RUNNING:
             self.running.remove(sequence)
             group = sequence.group
+            self.end_run(group)
             self._members[group].remove(sequence)
-            self._next[group] = None
             if slot is not None and sequence.in_flight:
                 self._held[sequence] = slot
                 slot = None
@@ -148,8 +148,8 @@ class Scheduler:
             sequence.admitted_at = time.monotonic()
             self.running.append(sequence)
             group = sequence.group = slot % self.groups
+            self.end_run(group)
             self._members[group].append(sequence)
-            self._next[group] = None
             admitted.append(sequence)
         return admitted
 
@@ -157,8 +157,8 @@ class Scheduler:
         """The next step's items, from the requests with none in a step still in flight (a
         `PipelinedBackend` runs several: one takes what became ready while another computes); with
         several groups, those of the first group that has no step in flight and a request to step.
-        The step's columns are the group's kept ones (`advance`) or gathered as lists and made arrays
-        once (`StepInputs`)."""
+        The step's columns are the group's run's (`keep`) or gathered as lists and made arrays once
+        (`StepInputs`)."""
         group = 0
         if self.groups > 1:
             group = next((g for g, busy in enumerate(self._in_flight) if not busy and self._steppable(g)), -1)
@@ -166,12 +166,11 @@ class Scheduler:
                 return StepBatch(StepInputs.of_fields((), (), (), (), ()), [])
             self._in_flight[group] = True
         members = self._members[group]
-        kept = self._next[group]
-        if kept is not None:  # the group's last step, moved on: every member decodes, none in flight
-            self._next[group] = None
+        run = self._runs[group]
+        if run is not None:  # the group's last step, moved on: every member decodes, none in flight
             for sequence in members:
                 sequence.in_flight = True
-            return StepBatch(StepInputs(kept), list(members), group, plain=True)
+            return StepBatch(StepInputs(run.columns), run.states, group, plain=True, run=run)
         slots: list[int] = []
         positions: list[int] = []
         tokens: list[int] = []
@@ -233,18 +232,29 @@ class Scheduler:
 
     def _steppable(self, group: int) -> bool:
         """Whether a request of `group` has an item to step (a token to feed or prompt left)."""
-        return any(s.pending_token is not None or s.computed < len(s.prompt) for s in self._members[group])
+        return self._runs[group] is not None or any(
+            s.pending_token is not None or s.computed < len(s.prompt) for s in self._members[group]
+        )
 
-    def advance(self, batch: StepBatch, tokens: list[int]) -> None:
-        """A plain step (`StepBatch.plain`) is back and each of its requests goes on with the token
-        chosen for it (`tokens`, in item order): the group's next step is this one's columns, a position
-        further on, with those tokens."""
-        if self._next[batch.group] is not None or batch.owners != self._members[batch.group]:
-            return  # the group changed meanwhile (a request admitted, one ended)
-        columns = batch.inputs.columns.copy()
-        columns[POSITION] += 1
-        columns[TOKEN] = tokens
-        self._next[batch.group] = columns
+    def unchanged(self, batch: StepBatch) -> bool:
+        """Whether `batch`'s group is as the batch found it: the same requests, no run."""
+        return self._runs[batch.group] is None and batch.owners == self._members[batch.group]
+
+    def keep(self, group: int, run: DecodeRun) -> None:
+        """The group goes on as `run` (its requests, all decoding the plain way, `unchanged` since the
+        step `run` starts from): its next steps are the run's."""
+        self._runs[group] = run
+
+    def run(self, group: int) -> DecodeRun | None:
+        """The group's run (None when its next step is built from its requests)."""
+        return self._runs[group]
+
+    def end_run(self, group: int) -> None:
+        """The group's run, if any, ends: its requests get what it kept of them (`DecodeRun.settle`)."""
+        run = self._runs[group]
+        if run is not None:
+            self._runs[group] = None
+            run.settle()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
