@@ -37,9 +37,11 @@ def test_model_too_big() -> None:
 
 
 def test_layout_limit_names_the_kernel_area() -> None:
-    # Fits the wafer's SRAM in total but not the layout: the nearest candidate's limit is reported.
+    # Fits the wafer's SRAM in total but not the layout: the nearest candidate's limit is reported. (Not
+    # gpt2-large at 96 slots: there the nearest candidate misses a GEMV PE's memory by a few dozen
+    # bytes, so which limit is nearest moves with the programs' code size.)
     with pytest.raises(PlanError, match=r"kernel area: .* over the kernel (width|height)"):
-        build_plan(PRESETS["gpt2-large"], "wse2", slots=96, context=1024)
+        build_plan(PRESETS["gpt2-xl"], "wse2", slots=48, context=1024)
 
 
 def test_too_many_replicas() -> None:
