@@ -1,5 +1,6 @@
-"""wafer_gpt2/kernels/lib/topk.csl on the CSL executor (tests/data/topk/: one PE as one worker and as the
-centre of the head's threshold selection): the histogram of a slice over [min, max], the threshold
+"""wafer_gpt2/kernels/lib/topk.csl on the CSL executor (tests/data/topk/: one PE as one worker, as the
+centre of the head's threshold selection and as io.out, which puts the record best first with
+lib/best_first.csl): the histogram of a slice over [min, max], the threshold
 bin, the entries of the bins up to it, the centre's k best of them read a chunk at a time, against
 NumPy's exact top-k (wafer_gpt2.sim.kernels.top_k: best first, ties to the lower id), the log-sum-exp and
 the target's logit. The cases are the ones a threshold can get wrong: every logit in one bin (the

@@ -19,6 +19,7 @@ from wafer_gpt2.core.abi import WEIGHT_SYMBOLS
 from wafer_gpt2.core.cost import CLOCK_HZ
 from wafer_gpt2.model.config import PRESETS, GPT2Config, resolve_config
 from wafer_gpt2.plan import Plan, build_plan, price_candidates
+from wafer_gpt2.plan.stages import RECORD_SORT_PHASE
 from wafer_gpt2.plan.structure import modeled_figures
 
 SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -102,7 +103,10 @@ def time_by_part(plan: Plan) -> dict[str, int]:
         elif name.startswith("band turn") or name == "to ln_f":
             parts["routes between bands"] += cycles
         elif name in ("io.in", "io.out"):
-            parts["memcpy I/O"] += cycles
+            # io.out also puts the head's record best first: the top-k's part
+            sort = stage.phases.get(RECORD_SORT_PHASE, 0)
+            parts["memcpy I/O"] += cycles - sort
+            parts["LM head + top-k"] += sort
         elif name == "head":
             parts["LM head + top-k"] += cycles
         else:

@@ -76,14 +76,18 @@ RSQRT_CYCLES = 10
 # selection pass a logit's bin (a compare with L, subtract, multiply, clamp, convert) and its count;
 # a kept entry's two stores and its count. The centre per entry of round C: its loads, its bin, the
 # place it takes (or its insertion among bin t's); per inversion (logits out of order inside a bin,
-# sorted at the end) one pass of the insertion loop: its test (the index, its decrement, a load, two
-# compares and their `and`) and the move (two loads, two stores, the index twice, the decrement).
+# sorted on io.out) one pass of the insertion loop: its test (the index, its decrement, a load, two
+# compares and their `and`) and the move (two loads, two stores, the index twice, the decrement); per
+# entry of that sort its look at the one before (the loop's test and count, two loads, the index, a
+# compare), and per entry that moves its load, its two stores and the loop's first test again.
 # The output record's ids and logits are copied by a DSD operation each.
 TOPK_SCAN_CYCLES = 4
 TOPK_BIN_CYCLES = 6
 TOPK_ENTRY_CYCLES = 5
 TOPK_TAKE_CYCLES = 12
 TOPK_INVERSION_CYCLES = 12
+TOPK_SORT_PASS_CYCLES = 6
+TOPK_SORT_MOVER_CYCLES = 9
 # The histogram of round B: bins over [L, M]. More bins leave fewer entries for round C and the centre
 # but cost a word each in round B's vector and a statement each in a worker's histogram.
 TOPK_BINS = 64
@@ -986,18 +990,27 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     counts = head_relay_cycles(tiling, root_c)
     cost.add("round C: the lists merged to the centre (their counts)", counts - b_out)
     # The centre takes the entries as they come (slower than their words), a chunk at a time from
-    # each of its three inputs; bin t's are inserted among its remaining places (about a move each),
-    # the bins before t sorted inside at the end (entries in id order: about a quarter of a bin's
-    # count of moves each, the bins before t half as full as bin t).
+    # each of its three inputs; bin t's are inserted among its remaining places (about a move each).
+    # The record leaves ordered by bin: io.out sorts inside the bins (`record_sort_cycles`).
     chunks = 3 + int(kept // HEAD_CHUNK)
-    before = max(0.0, kept - bin_t)
     take = kept * (2 + TOPK_TAKE_CYCLES) + chunks * DSD_OP_START_CYCLES + bin_t * TOPK_INVERSION_CYCLES
     cost.add("round C: the entries taken by the centre", int(take))
-    inversions = before * max(0.0, bin_t / 2 - 1) / 4
     record = 2 * (DSD_OP_START_CYCLES + k)  # the ids and the logits into the record
-    finish = 2 * TOPK_BINS + 2 * k + inversions * TOPK_INVERSION_CYCLES + record
-    cost.add("the centre's sort inside the bins, the output record", int(finish) + DSD_OP_START_CYCLES)
+    cost.add("the output record", 2 * TOPK_BINS + 2 * k + record + DSD_OP_START_CYCLES)
     return cost
+
+
+def record_sort_cycles(tiling: HeadTiling) -> int:
+    """io.out putting the head's record best first (wafer_gpt2/kernels/lib/best_first.csl), once the
+    record is in: a task, an insertion pass over its k entries and a move per pair out of order inside
+    a bin (the bins before the threshold one hold their entries in id order: about a quarter of a bin's
+    count of moves each, those bins half as full as the threshold bin; in bins of a few entries about
+    as many entries move as there are moves), then the record's send."""
+    kept, bin_t = threshold_bins(tiling.vocab, tiling.gemv.cols, tiling.gemv.tile_n, tiling.top_k)
+    inversions = max(0.0, kept - bin_t) * max(0.0, bin_t / 2 - 1) / 4
+    passes = tiling.top_k * TOPK_SORT_PASS_CYCLES
+    moves = inversions * (TOPK_INVERSION_CYCLES + TOPK_SORT_MOVER_CYCLES)
+    return TASK_ACTIVATION_CYCLES + passes + int(moves) + DSD_OP_START_CYCLES
 
 
 @lru_cache(maxsize=4096)

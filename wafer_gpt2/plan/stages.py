@@ -19,6 +19,7 @@ from wafer_gpt2.core.cost import (
     gemv_cost,
     head_cost,
     norm_cost,
+    record_sort_cycles,
     reduce_cycles,
     residual_cost,
     stream_cycles,
@@ -31,6 +32,9 @@ from wafer_gpt2.plan.tilings import LayerTilings
 
 REQUEST_WORDS = 1 + ITEM_WORDS  # wafer_gpt2/kernels/pe/io_in.csl: the item's number, then its fields
 HANDOFF_CYCLES = HOP_CYCLES  # the next stage's first phase pays its router-to-PE crossing
+
+# io.out's phase that puts the head's record best first: the top-k's last step, done on io.out.
+RECORD_SORT_PHASE = "the record put best first"
 
 
 def layer_stage_costs(lt: LayerTilings, arch: Arch, dtype: str) -> list[StageCost]:
@@ -129,6 +133,7 @@ def outer_stage_costs(
         head_stage.renamed("head"),
         StageCost("io.out")
         .add("scores to output port", route("scores"))
+        .add(RECORD_SORT_PHASE, record_sort_cycles(head))
         .add(
             "output port -> memcpy edge",
             stream_cycles(record_words(head.top_k), _edge_hops(ox + geo.strip_rects()["io.out"][0])),

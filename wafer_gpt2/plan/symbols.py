@@ -8,7 +8,7 @@ from typing import Literal
 from wafer_gpt2.core.abi import CYCLES_SYMBOL
 from wafer_gpt2.core.cost import HEAD_CHUNK, NORM_STAT_WORDS, TOPK_BINS
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
-from wafer_gpt2.core.wire import ITEM_WORDS
+from wafer_gpt2.core.wire import ITEM_WORDS, record_words
 from wafer_gpt2.plan.structure import Symbol
 
 
@@ -141,8 +141,8 @@ def embed_symbols(tokens_per_pe: int, positions_per_pe: int, tile_k: int, dtype:
 
 
 def io_symbols(top_k: int, inbound: bool) -> dict[str, Symbol]:
-    """wafer_gpt2/kernels/pe/io_in.csl (the count, an item, a request) and io_out.csl (nothing: records pass
-    through without a buffer)."""
+    """wafer_gpt2/kernels/pe/io_in.csl (the count, an item, a request) and io_out.csl (the record it
+    sorts before it passes it on)."""
     if inbound:
         return {"items": Symbol("u32", 1 + ITEM_WORDS + ITEM_WORDS + 1)}  # count, item, request
-    return {"comm": COMM}
+    return {"record": Symbol("u32", record_words(top_k)), "comm": COMM}

@@ -1,6 +1,7 @@
 #!/usr/bin/env cs_python
 """Run the io kernels alone: a host message of items becomes numbered requests (io_in.csl), and
-output-stream records reach the host unchanged (io_out.csl). Formats: wafer_gpt2/core/wire.py."""
+output-stream records reach the host with their k entries put best first, equal logits in the order
+they came (io_out.csl). Formats: wafer_gpt2/core/wire.py."""
 
 import argparse
 import json
@@ -41,7 +42,13 @@ for message in range(3):
 
     # One record at a time: io_out holds one, and memcpy runs one command at a time (wafer_gpt2/host/program.py).
     records = rng.integers(0, 2**32, (n, 2 * k + 3), dtype=np.uint64).astype(np.uint32)
-    for record in records:
+    logits = rng.integers(-4, 4, (n, k)).astype(np.float32)  # few values: many ties
+    records[:, 1 + k : 1 + 2 * k] = logits.view(np.uint32)
+    for record, values in ((records[i], logits[i]) for i in range(n)):
+        best = np.argsort(-values, kind="stable")
+        expected = record.copy()
+        expected[1 : 1 + k] = record[1 : 1 + k][best]
+        expected[1 + k : 1 + 2 * k] = record[1 + k : 1 + 2 * k][best]
         runner.memcpy_h2d(
             h2d, record, 0, 1, 1, 1, record.size, streaming=True, data_type=u32, order=order, nonblock=True
         )
@@ -49,7 +56,7 @@ for message in range(3):
         runner.memcpy_d2h(
             back, d2h, 1, 1, 1, 1, back.size, streaming=True, data_type=u32, order=order, nonblock=False
         )
-        np.testing.assert_array_equal(back, record)
+        np.testing.assert_array_equal(back, expected)
     print(f"message {message}: {n} requests numbered, {n} records returned")
 runner.stop()
 print("SUCCESS!")
