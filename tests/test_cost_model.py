@@ -8,6 +8,9 @@ import pytest
 from wafer_gpt2.core import calibration, cost
 from wafer_gpt2.core.arch import ARCHS
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
+from wafer_gpt2.model.config import PRESETS
+from wafer_gpt2.plan import build_plan
+from wafer_gpt2.plan.stages import RECORD_SORT_PHASE
 
 H, R, S, T = cost.HOP_CYCLES, cost.ROUTER_TO_PE_CYCLES, cost.DSD_OP_START_CYCLES, cost.TASK_ACTIVATION_CYCLES
 M = cost.MAP_STEP_CYCLES  # one step of a GEMV's @map, beyond its FMACs
@@ -255,6 +258,26 @@ def test_head_cost_adds_up_and_the_planner_takes_the_cheapest() -> None:
     assert cost.head_cost(best, "wse2", "fp16").cycles <= c.cycles
     assert cost.worker_options(GemvTiling(16, 256, 4, 2, "k_along_x")) == [1, 2]  # fewer than the K-line's 4
     assert cost.worker_options(GemvTiling(16, 256, 1, 2, "k_along_x")) == []
+
+
+def test_the_records_sort_is_priced_on_io_out_not_in_the_head() -> None:
+    """The head's centre sends its record ordered by bin and io.out sorts inside the bins
+    (lib/best_first.csl), so the head's span, every plan's initiation interval, holds no sort: io.out's
+    stage does, at a pass per entry and the moves of the bins' inversions."""
+    head = HeadTiling(
+        vocab=50257, dim=768, gemv=GemvTiling(768, 50257, 64, 393, "k_along_x"), top_k=64, workers=8
+    )
+    kept, bin_t = cost.threshold_bins(50257, 393, 128, 64)
+    moves = (kept - bin_t) * (bin_t / 2 - 1) / 4
+    passes = 64 * cost.TOPK_SORT_PASS_CYCLES + int(
+        moves * (cost.TOPK_INVERSION_CYCLES + cost.TOPK_SORT_MOVER_CYCLES)
+    )
+    assert cost.record_sort_cycles(head) == cost.TASK_ACTIVATION_CYCLES + passes + cost.DSD_OP_START_CYCLES
+    assert not any("sort" in phase for phase in cost.head_cost(head, "wse2", "fp16").phases)
+    plan = build_plan(PRESETS["gpt2"], "wse2")
+    stages = {s.name: s for s in plan.stage_costs}
+    assert stages["io.out"].phases[RECORD_SORT_PHASE] == cost.record_sort_cycles(plan.region("head").tiling)
+    assert plan.occupancy_cycles == stages["head"].busy > stages["io.out"].busy
 
 
 def test_threshold_bins() -> None:
