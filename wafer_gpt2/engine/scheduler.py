@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from wafer_gpt2.core.steps import HAS_TARGET, WANT_SCORES, StepInputs
 from wafer_gpt2.engine.decode_run import DecodeRun
@@ -45,16 +44,29 @@ def _slot(sequence: RequestState) -> int:
     return sequence.slot
 
 
-@dataclass(frozen=True)
 class StepBatch:
-    inputs: StepInputs
-    owners: list[RequestState]  # owners[i] is the request of item i
-    group: int = 0  # the group whose requests it carries
-    # Every item is the decode item of a request whose token `EngineCore` chooses in its plain way (greedy
-    # or sampled with no penalty, nothing banned, no stop string or token, no alternatives:
-    # `RequestState.plain`), and the step carries its whole group.
-    plain: bool = False
-    run: DecodeRun | None = None  # the group's run it was made from (`Scheduler.keep`)
+    """A step's items and the requests they belong to. Treated as immutable; a plain class with slots,
+    because a frozen dataclass's construction (a `object.__setattr__` call per field) costs as much as
+    the rest of a decode run's step building, and every step builds one."""
+
+    __slots__ = ("group", "inputs", "owners", "plain", "run")
+
+    def __init__(
+        self,
+        inputs: StepInputs,
+        owners: list[RequestState],
+        group: int = 0,
+        plain: bool = False,
+        run: DecodeRun | None = None,
+    ) -> None:
+        self.inputs = inputs
+        self.owners = owners  # owners[i] is the request of item i
+        self.group = group  # the group whose requests it carries
+        # Every item is the decode item of a request whose token `EngineCore` chooses in its plain way
+        # (greedy or sampled with no penalty, nothing banned, no stop string or token, no alternatives:
+        # `RequestState.plain`), and the step carries its whole group.
+        self.plain = plain
+        self.run = run  # the group's run it was made from (`Scheduler.keep`)
 
     def __len__(self) -> int:
         return len(self.owners)
