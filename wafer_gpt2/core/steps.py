@@ -16,7 +16,6 @@ and the stand-ins of `wafer_gpt2.backends.stand_ins` (null and modeled, for meas
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar, overload
@@ -198,14 +197,20 @@ class StepInputs:
             last[slot] = position
 
 
-@functools.lru_cache(maxsize=64)
+# Per (slots, context, vocabulary, flags, vocabulary) limits: each field's limit repeated along a row
+# (uint64), as long as the longest step checked against them: `_limit_columns` slices it.
+_limit_rows: dict[tuple[int, ...], np.ndarray] = {}
+
+
 def _limit_columns(limits: tuple[int, ...], n: int) -> np.ndarray:
-    """Each field's limit, a row of `n` per field (uint64, the shape of a step's columns): made once per
-    limits and step size (a broadcast compare against a column of limits costs twice the compare)."""
-    column = np.array(limits, dtype=np.uint64)[:, None]
-    limit_rows = np.repeat(column, n, axis=1)
-    limit_rows.flags.writeable = False
-    return limit_rows
+    """Each field's limit, a row of `n` per field (the shape of a step's columns), sliced from one array
+    per limits (a broadcast compare against a column of limits costs twice the compare)."""
+    rows = _limit_rows.get(limits)
+    if rows is None or rows.shape[1] < n:
+        rows = np.repeat(np.array(limits, dtype=np.uint64)[:, None], max(n, 64), axis=1)
+        rows.flags.writeable = False
+        _limit_rows[limits] = rows
+    return rows[:, :n]
 
 
 @dataclass(frozen=True)

@@ -371,7 +371,7 @@ class EngineCore:
                     continue
                 if state.status is RequestStatus.WAITING and state not in self.scheduler.waiting:
                     continue  # not queued here (yet): `add` files it again
-                if state.in_flight:
+                if self.scheduler.in_flight(state):
                     self._cancelled.append(state)
                     continue
                 self._end(state, error=None)
@@ -387,7 +387,7 @@ class EngineCore:
             state = entry[2]
             if state.status is RequestStatus.FINISHED:
                 continue
-            if state.in_flight:
+            if self.scheduler.in_flight(state):
                 in_flight.append(entry)
                 continue
             limit = state.request.timeout_s

@@ -55,6 +55,9 @@ class DecodeRun:
         self.quiet = len(states) - len(self.heard)  # the others: recorded here until `settle`
         self.kinds = [state.sampler.batched for state in states]
         self.steps = 0  # tokens recorded per row
+        # A step of the run is on the backend: its requests' own `in_flight` flags are not set, per step,
+        # but read through the run (`Scheduler.in_flight`); they are set when the run ends meanwhile.
+        self.in_flight = False
         self._tokens: list[np.ndarray] = []  # per step: the token of each row
         self._logprobs: list[np.ndarray] = []
 

@@ -133,6 +133,10 @@ class Scheduler:
         owners = batch.owners
         if owners:
             self._in_flight[batch.group] = False
+        run = batch.run
+        if run is not None and run.in_flight:  # a run's step, and the run went on: none of them ended
+            run.in_flight = False
+            return []
         if not self._held:  # the usual case: nobody ended while the step ran
             for sequence in owners:
                 sequence.in_flight = False
@@ -180,8 +184,7 @@ class Scheduler:
         members = self._members[group]
         run = self._runs[group]
         if run is not None:  # the group's last step, moved on: every member decodes, none in flight
-            for sequence in members:
-                sequence.in_flight = True
+            run.in_flight = True  # its members are in flight through it (`in_flight`)
             return StepBatch(StepInputs(run.columns), run.states, group, plain=True, run=run)
         slots: list[int] = []
         positions: list[int] = []
@@ -267,6 +270,20 @@ class Scheduler:
         if run is not None:
             self._runs[group] = None
             run.settle()
+            if run.in_flight:  # its step is still on the backend: each request's own flag says so now
+                run.in_flight = False
+                for sequence in run.states:
+                    sequence.in_flight = True
+
+    def in_flight(self, sequence: RequestState) -> bool:
+        """Whether the request has items in a step the backend has not returned: its own flag, or its
+        group's run's (a run's step marks the run, not each of its requests)."""
+        if sequence.in_flight:
+            return True
+        if sequence.status is not RequestStatus.RUNNING:
+            return False
+        run = self._runs[sequence.group]
+        return run is not None and run.in_flight
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
