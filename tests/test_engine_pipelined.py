@@ -181,11 +181,11 @@ def test_a_group_that_goes_on_whole_steps_next_from_its_run():
     run = DecodeRun(states, step.inputs.columns, [61, 62], 1.0, 2, eot, {eot})
     scheduler.keep(step.group, run)
     kept = scheduler.build_step()
-    assert (
-        kept.plain and kept.run is run and kept.owners == states and all(state.in_flight for state in states)
-    )
+    assert kept.plain and kept.run is run and kept.owners == states
+    assert all(scheduler.in_flight(state) for state in states)  # through the run, not their own flags
     assert kept.inputs.fields == [[0, 1], [3, 3], [61, 62], [1, 1], [0, 0]]
     scheduler.step_returned(kept)
+    assert not any(scheduler.in_flight(state) for state in states)
     assert not run.goes_on(np.array([70, eot]))  # an end-of-text ends the second request
     assert run.goes_on(np.array([70, 71]))
     assert run.record(np.array([70, 71]), np.array([-1.0, -2.0]), 1.5) == 0.5
@@ -200,6 +200,34 @@ def test_a_group_that_goes_on_whole_steps_next_from_its_run():
     step = scheduler.build_step()
     assert not step.plain and step.owners == [*states, late]
     assert step.inputs.fields[:3] == [[0, 1, 2], [4, 4, 0], [70, 71, 100]]
+
+
+def test_a_run_that_ends_while_its_step_is_in_flight_leaves_each_request_in_flight():
+    # A run's step marks the run, not each of its requests: when the run ends before its step is back
+    # (a request leaves), each request is in flight on its own, so one that ends keeps its slot until
+    # the step is back, and the others are not stepped again meanwhile.
+    scheduler = Scheduler(KVSlotManager(2, 64), max_queue=0, step_token_budget=8)
+    states = [_state(2, new_tokens=8), _state(2, new_tokens=8)]
+    for state in states:
+        state.plain = state.text_at_end = True
+        scheduler.add(state)
+    scheduler.admit()
+    for state in states:
+        state.computed, state.pending_token = 2, 50
+    step = scheduler.build_step()
+    scheduler.step_returned(step)
+    for state in states:
+        state.computed, state.pending_token, state.last_token_at = 3, None, 1.0
+    eot = tokenizer.EOT_ID
+    scheduler.keep(step.group, DecodeRun(states, step.inputs.columns, [61, 62], 1.0, 5, eot, {eot}))
+    kept = scheduler.build_step()
+    assert not any(state.in_flight for state in states)
+    assert all(scheduler.in_flight(state) for state in states)
+    assert scheduler.remove(states[0]) is None  # the run ends; the slot is held while the step is out
+    assert scheduler.run(0) is None and states[1].in_flight and scheduler.in_flight(states[1])
+    assert not scheduler.build_step().owners  # the other is not stepped again before the step is back
+    assert scheduler.step_returned(kept) == [0]
+    assert not states[1].in_flight and not scheduler.in_flight(states[1])
 
 
 # ----- the engine -----------------------------------------------------------------------------------

@@ -649,6 +649,24 @@ def test_observe_all_is_observe_one_by_one():
     assert samples[0][-1][2] == pytest.approx(samples[1][-1][2])  # the sum, up to the order of additions
 
 
+def test_observe_all_repeated_is_observe_times():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from wafer_gpt2.engine.metrics import DURATION_BUCKETS, observe_all
+
+    values, repeated = [0.0005, 0.3], [(0.001, 3), (7.0, 1), (0.3, 2)]
+    one, bulk = (Histogram(n, "h", buckets=DURATION_BUCKETS, registry=CollectorRegistry()) for n in "ab")
+    for value in values + [value for value, times in repeated for _ in range(times)]:
+        one.observe(value)
+    observe_all(bulk, values, repeated)
+    samples = [
+        [(s.name[1:], s.labels, s.value) for s in h.collect()[0].samples if "created" not in s.name]
+        for h in (one, bulk)
+    ]
+    assert samples[0][:-1] == samples[1][:-1]  # every bucket and the count
+    assert samples[0][-1][2] == pytest.approx(samples[1][-1][2])
+
+
 def test_compact_json_is_json_dumps():
     from wafer_gpt2.service.delivery import compact_json
 

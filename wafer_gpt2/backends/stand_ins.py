@@ -282,8 +282,9 @@ class ModeledWaferBackend(NullBackend):
         # CPU seconds of the stand-in's own work, the wafer's side of the wire (the records it sends): not
         # the host's, which `bench host` reports without it.
         self.stand_in_cpu_s = 0.0
-        # Summed from the plan's stages once: the stand-in's own bookkeeping is no host cost to measure.
-        self._cycles = (plan.decode_cycles, plan.bottleneck_cycles)
+        # Summed from the plan's stages and timed once: the stand-in's own bookkeeping is no host cost
+        # to measure.
+        self._seconds = (plan.decode_cycles / clock_hz, plan.bottleneck_cycles / clock_hz)
         self._input_free = [0.0] * plan.replicas  # when each replica's pipeline takes its next item
         self._busy_until = 0.0  # the end of the latest modeled span
         # (modeled end, slots, (the inputs, each replica's items or None for the whole step)) of each
@@ -313,7 +314,7 @@ class ModeledWaferBackend(NullBackend):
         for indices in per_message:  # the host program's messages, before the wafer starts
             step_message(inputs if indices is None else inputs.take(indices), self.plan.slots)
         now = time.perf_counter()
-        decode, bottleneck = (cycles / self.clock_hz for cycles in self._cycles)
+        decode, bottleneck = self._seconds
         first, end = pipelined_span(now, self._input_free, per_replica, decode, bottleneck)
         self.modeled_busy_s += max(0.0, end - max(first, self._busy_until))
         self._busy_until = max(self._busy_until, end)

@@ -170,16 +170,19 @@ class StepInputs:
 
     def validate(self, num_slots: int, context_length: int, vocab_size: int) -> None:
         """The checks every backend makes before touching its cache: bad items never reach the wafer.
-        Raises BackendError naming the first bad item. Run on the rows as lists, by the builtins' C loops
-        (`min`, `max`, `set`): one numpy call however many items."""
-        fields = self.fields
-        if not fields[SLOT]:
+        Raises BackendError naming the first bad item. The ranges are one numpy compare of the columns
+        read as unsigned (a negative value reads as one above every limit), where ten `min`/`max`
+        calls over the rows cost several times more; the item is looked for only when one is bad."""
+        n = len(self)
+        if not n:
             return
         limits = (num_slots, context_length, vocab_size, (WANT_SCORES | HAS_TARGET) + 1, vocab_size)
-        for name, values, limit in zip(_FIELD_NAMES, fields, limits, strict=True):
-            if min(values) < 0 or max(values) >= limit:
-                index = next(i for i, value in enumerate(values) if not 0 <= value < limit)
-                raise BackendError(f"item {index}: {name} {values[index]} outside 0..{limit - 1}")
+        if np.count_nonzero(np.greater_equal(self.columns.view(np.uint64), _limit_columns(limits, n))):
+            for name, values, limit in zip(_FIELD_NAMES, self.fields, limits, strict=True):
+                if min(values) < 0 or max(values) >= limit:
+                    index = next(i for i, value in enumerate(values) if not 0 <= value < limit)
+                    raise BackendError(f"item {index}: {name} {values[index]} outside 0..{limit - 1}")
+        fields = self.fields
         slots = fields[SLOT]
         if len(set(slots)) == len(slots):
             return  # one item per slot (a decode step): no order to check
@@ -192,6 +195,22 @@ class StepInputs:
                     f"({previous} then {position})"
                 )
             last[slot] = position
+
+
+# Per (slots, context, vocabulary, flags, vocabulary) limits: each field's limit repeated along a row
+# (uint64), as long as the longest step checked against them: `_limit_columns` slices it.
+_limit_rows: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _limit_columns(limits: tuple[int, ...], n: int) -> np.ndarray:
+    """Each field's limit, a row of `n` per field (the shape of a step's columns), sliced from one array
+    per limits (a broadcast compare against a column of limits costs twice the compare)."""
+    rows = _limit_rows.get(limits)
+    if rows is None or rows.shape[1] < n:
+        rows = np.repeat(np.array(limits, dtype=np.uint64)[:, None], max(n, 64), axis=1)
+        rows.flags.writeable = False
+        _limit_rows[limits] = rows
+    return rows[:, :n]
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ in item order, each `record_words(k)` = 2k + 3 words:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from wafer_gpt2.core.steps import FIELDS, SLOT, StepInputs, StepScores
@@ -51,6 +53,20 @@ class WireError(WaferGPT2Error, RuntimeError):
 
 def record_words(top_k: int) -> int:
     return 2 * top_k + 3
+
+
+@functools.lru_cache(maxsize=8)
+def _record_dtype(top_k: int) -> np.dtype:
+    """An output record as one structured value (`record_words(top_k)` words): its fields are the
+    format's, the floats' bits read as float32."""
+    return np.dtype(
+        [
+            ("item", np.uint32),
+            ("ids", np.int32, (top_k,)),
+            ("logits", np.float32, (top_k,)),
+            ("tail", np.float32, (2,)),
+        ]
+    )
 
 
 def step_message(inputs: StepInputs, slots_per_replica: int) -> np.ndarray:
@@ -119,18 +135,20 @@ def decode_scores(
     n = expected_items.shape[0]
     if words.size != size * n:
         raise WireError(f"output stream of {words.size} words, expected {n} records of {size}")
-    records = words.reshape(n, size)
+    if words.ndim != 1:
+        words = words.reshape(-1)
+    # One copy of the records (the caller's buffer may be reused), read by field: the fields of a
+    # structured dtype are views made at a fraction of a slice-and-view's cost (each numpy call costs
+    # thousands of instructions at a few records).
+    records = words.copy().view(_record_dtype(top_k))
     # Compared as lists: a numpy compare of a uint32 and an int64 column costs more at a few items.
-    arrived, due = records[:, 0].tolist(), expected_items.tolist()
+    arrived, due = records["item"].tolist(), expected_items.tolist()
     if arrived != due:
         late = next(i for i, (got, want) in enumerate(zip(arrived, due, strict=True)) if got != want)
         raise WireError(f"output record for item {arrived[late]} arrived where item {due[late]} was due")
     if asked_target.shape != (n,):
         raise WireError(f"{asked_target.size} target flags for {n} records")
-    # One copy of the records' scores, then views of it (each numpy call costs thousands of instructions
-    # at a few records): the ids, the logits, and the log-sum-exp and target logit side by side.
-    scores = records[:, 1:].copy()
-    floats = scores[:, 2 * top_k :].view(np.float32).astype(np.float64)
+    floats = records["tail"].astype(np.float64)  # the log-sum-exp and target logit side by side
     targets = floats[:, 1]
     asked = np.count_nonzero(asked_target)  # a C call: any() and all() cost several times more
     if not asked:
@@ -140,8 +158,8 @@ def decode_scores(
     return StepScores(
         count=(due[-1] + 1 if n else 0) if count is None else count,
         index=expected_items if index is None else index,
-        topk_ids=scores[:, :top_k].view(np.int32),
-        topk_logits=scores[:, top_k : 2 * top_k].view(np.float32),
+        topk_ids=records["ids"],
+        topk_logits=records["logits"],
         logsumexp=floats[:, 0],
         target_logit=targets,
         has_target=asked_target,

@@ -156,6 +156,8 @@ class EngineCore:
         self._tokens_uncounted = 0  # generated tokens not yet added to the metrics' counter (`_flush`)
         # Token latencies (first token, later ones) not yet in the histograms: observed at `_flush`, in bulk.
         self._latencies: tuple[list[float], list[float]] = ([], [])
+        # Later-token latencies a decode run's step gives all its rows at once: (latency, tokens).
+        self._repeated_latencies: list[tuple[float, int]] = []
         self._gauged: tuple | None = None  # what the gauges were last set from (`record_gauges`)
         # What `_reap` ends at a step boundary, kept aside so that it looks at those requests only, not
         # at every request each step: the cancelled ones, and a heap of (deadline, arrival, request)
@@ -369,7 +371,7 @@ class EngineCore:
                     continue
                 if state.status is RequestStatus.WAITING and state not in self.scheduler.waiting:
                     continue  # not queued here (yet): `add` files it again
-                if state.in_flight:
+                if self.scheduler.in_flight(state):
                     self._cancelled.append(state)
                     continue
                 self._end(state, error=None)
@@ -385,7 +387,7 @@ class EngineCore:
             state = entry[2]
             if state.status is RequestStatus.FINISHED:
                 continue
-            if state.in_flight:
+            if self.scheduler.in_flight(state):
                 in_flight.append(entry)
                 continue
             limit = state.request.timeout_s
@@ -522,7 +524,7 @@ class EngineCore:
                 self._hear(run, tokens, logprobs, now)
                 counted = len(run.states)
         if counted:
-            self._latencies[1].extend([latency] * counted)
+            self._repeated_latencies.append((latency, counted))
             self._tokens_uncounted += counted
 
     def _hear(self, run: DecodeRun, tokens: np.ndarray, logprobs: np.ndarray, now: float) -> None:
@@ -793,9 +795,10 @@ class EngineCore:
         metrics."""
         if self._tokens_uncounted:
             first, later = self._latencies
-            self.metrics.record_step_tokens(self._tokens_uncounted, first, later)
+            self.metrics.record_step_tokens(self._tokens_uncounted, first, later, self._repeated_latencies)
             self._tokens_uncounted = 0
             self._latencies = ([], [])
+            self._repeated_latencies = []
         if not self._pending:
             return
         pending, self._pending = self._pending, {}

@@ -40,7 +40,10 @@ class DecodeRun:
         `ending_step`: the run's first step (1: the step `columns` makes) at which one of them takes its
         last token (by its length, or its KV slot's end)."""
         self.states = list(states)
-        self.columns = _moved_on(returned, tokens)  # the next step's items
+        # What a step adds to the last one's columns: a position (the tokens are written over).
+        self._one_position = np.zeros_like(returned)
+        self._one_position[POSITION] = 1
+        self.columns = _moved_on(returned, tokens, self._one_position)  # the next step's items
         self.last_at = last_at
         self.ending_step = ending_step
         self.special = special
@@ -52,6 +55,9 @@ class DecodeRun:
         self.quiet = len(states) - len(self.heard)  # the others: recorded here until `settle`
         self.kinds = [state.sampler.batched for state in states]
         self.steps = 0  # tokens recorded per row
+        # A step of the run is on the backend: its requests' own `in_flight` flags are not set, per step,
+        # but read through the run (`Scheduler.in_flight`); they are set when the run ends meanwhile.
+        self.in_flight = False
         self._tokens: list[np.ndarray] = []  # per step: the token of each row
         self._logprobs: list[np.ndarray] = []
 
@@ -69,7 +75,7 @@ class DecodeRun:
         self.steps += 1
         self._tokens.append(tokens)
         self._logprobs.append(logprobs)
-        self.columns = _moved_on(self.columns, tokens)
+        self.columns = _moved_on(self.columns, tokens, self._one_position)
         latency, self.last_at = now - self.last_at, now
         return latency
 
@@ -93,10 +99,12 @@ class DecodeRun:
         self._tokens, self._logprobs = [], []
 
 
-def _moved_on(columns: np.ndarray, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """A step's decode items a position further on, feeding `tokens`: the next step's items (a copy:
-    the step's own stay with its batch)."""
-    moved = columns.copy()
-    moved[POSITION] += 1
+def _moved_on(
+    columns: np.ndarray, tokens: Sequence[int] | np.ndarray, one_position: np.ndarray
+) -> np.ndarray:
+    """A step's decode items a position further on (`one_position`: 1 in the POSITION row, 0 elsewhere),
+    feeding `tokens`: the next step's items (a new array: the step's own stay with its batch). One add
+    and one row written: a copy and an in-place add on a row cost twice that at a few items."""
+    moved = columns + one_position
     moved[TOKEN] = tokens
     return moved

@@ -84,8 +84,10 @@ class ServiceMetrics:
             deque()
         )  # reason, queue_s, inference_s, tokens
         self._steps: deque[tuple[float, int]] = deque()  # seconds, items
-        # Per step: its generated tokens, and their latencies (first tokens, later ones).
-        self._step_tokens: deque[tuple[int, Sequence[float], Sequence[float]]] = deque()
+        # Per step: its generated tokens, and their latencies (first tokens, later ones, later ones repeated).
+        self._step_tokens: deque[
+            tuple[int, Sequence[float], Sequence[float], Sequence[tuple[float, int]]]
+        ] = deque()
         self._scheduler_state: tuple[int, int, KVUsage] | None = None  # the latest recorded
         self._gauged_state: tuple[int, int, KVUsage] | None = None  # the one the gauges show
         self._own_families: set[str] = set()  # what this process alone records (`track_engine_process`)
@@ -245,11 +247,18 @@ class ServiceMetrics:
         if len(self._steps) >= FOLD_EVERY:
             self.fold()
 
-    def record_step_tokens(self, count: int, first: Sequence[float], later: Sequence[float]) -> None:
-        """A step's generated tokens and their latencies (first tokens, later ones), queued for `fold`:
-        there, one locked update per bucket that received any over many steps, instead of two per token
-        or a few per step."""
-        self._step_tokens.append((count, first, later))
+    def record_step_tokens(
+        self,
+        count: int,
+        first: Sequence[float],
+        later: Sequence[float],
+        later_repeated: Sequence[tuple[float, int]] = (),
+    ) -> None:
+        """A step's generated tokens and their latencies (first tokens, later ones; `later_repeated`:
+        later ones as (latency, how many tokens had it), as a decode run's step gives its rows one),
+        queued for `fold`: there, one locked update per bucket that received any over many steps,
+        instead of two per token or a few per step."""
+        self._step_tokens.append((count, first, later, later_repeated))
         if len(self._step_tokens) >= FOLD_EVERY:
             self.fold()
 
@@ -285,13 +294,14 @@ class ServiceMetrics:
         step_tokens = _drain(self._step_tokens)
         if step_tokens:
             children = self._labelled()
-            counts, firsts, laters = zip(*step_tokens, strict=True)
+            counts, firsts, laters, repeats = zip(*step_tokens, strict=True)
             first = [latency for latencies in firsts for latency in latencies]
             later = [latency for latencies in laters for latency in latencies]
+            repeated = [pair for pairs in repeats for pair in pairs]
             if first:
                 observe_all(children[3], first)
-            if later:
-                observe_all(children[4], later)
+            if later or repeated:
+                observe_all(children[4], later, repeated)
             children[5].inc(sum(counts))
         if arrivals:
             self.tgi_request_count.inc(len(arrivals))
@@ -381,22 +391,33 @@ def _drain(waiting: deque) -> list:
             return out
 
 
-def observe_all(histogram: Histogram, values: Sequence[float]) -> None:
-    """`histogram.observe(v)` for every v, as one update per bucket that receives any: prometheus-client
-    has no bulk observe, so this counts into its bucket values itself (`_upper_bounds`, `_buckets`,
-    `_sum`: a child's, as `observe` updates them). A histogram without them, or a NaN, goes one by one."""
+def observe_all(
+    histogram: Histogram, values: Sequence[float], repeated: Sequence[tuple[float, int]] = ()
+) -> None:
+    """`histogram.observe(v)` for every v, and `times` times for every (v, times) of `repeated`, as one
+    update per bucket that receives any: prometheus-client has no bulk observe, so this counts into its
+    bucket values itself (`_upper_bounds`, `_buckets`, `_sum`: a child's, as `observe` updates them). A
+    value repeated is looked up once, not once per time. A histogram without them, or a NaN, goes one
+    by one."""
     bounds = getattr(histogram, "_upper_bounds", None)
     buckets = getattr(histogram, "_buckets", None)
     total = getattr(histogram, "_sum", None)
-    added = sum(values)  # NaN when a value is NaN (or infinities of both signs: one by one too)
+    # NaN when a value is NaN (or infinities of both signs: one by one too)
+    added = sum(values) + sum(value * times for value, times in repeated)
     if bounds is None or buckets is None or total is None or added != added:
         for value in values:
             histogram.observe(value)
+        for value, times in repeated:
+            for _ in range(times):
+                histogram.observe(value)
         return
     counts: dict[int, int] = {}
     for value in values:
         index = bisect_left(bounds, value)  # the first bound >= value: `observe`'s bucket
         counts[index] = counts.get(index, 0) + 1
+    for value, times in repeated:
+        index = bisect_left(bounds, value)
+        counts[index] = counts.get(index, 0) + times
     total.inc(added)
     for index, count in counts.items():
         buckets[index].inc(count)

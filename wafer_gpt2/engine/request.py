@@ -145,7 +145,9 @@ class RequestState:
     slot: int | None = None
     computed: int = 0  # positions whose K/V are in the slot
     pending_token: int | None = None  # sampled but not yet fed to the wafer
-    in_flight: bool = False  # it has items in a step the backend has not returned yet
+    # It has items in a step the backend has not returned yet; a decode run's step marks the run instead
+    # (`Scheduler.in_flight` reads both).
+    in_flight: bool = False
     group: int = 0  # the scheduler's group of running requests it belongs to (its slot's)
     # Its tokens are chosen the plain way (`EngineCore._apply_plain`): greedy or sampled with no
     # penalty, nothing banned, no stop token or string, no alternatives.

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from wafer_gpt2.core.steps import HAS_TARGET, WANT_SCORES, StepInputs
 from wafer_gpt2.engine.decode_run import DecodeRun
@@ -45,16 +44,29 @@ def _slot(sequence: RequestState) -> int:
     return sequence.slot
 
 
-@dataclass(frozen=True)
 class StepBatch:
-    inputs: StepInputs
-    owners: list[RequestState]  # owners[i] is the request of item i
-    group: int = 0  # the group whose requests it carries
-    # Every item is the decode item of a request whose token `EngineCore` chooses in its plain way (greedy
-    # or sampled with no penalty, nothing banned, no stop string or token, no alternatives:
-    # `RequestState.plain`), and the step carries its whole group.
-    plain: bool = False
-    run: DecodeRun | None = None  # the group's run it was made from (`Scheduler.keep`)
+    """A step's items and the requests they belong to. Treated as immutable; a plain class with slots,
+    because a frozen dataclass's construction (a `object.__setattr__` call per field) costs as much as
+    the rest of a decode run's step building, and every step builds one."""
+
+    __slots__ = ("group", "inputs", "owners", "plain", "run")
+
+    def __init__(
+        self,
+        inputs: StepInputs,
+        owners: list[RequestState],
+        group: int = 0,
+        plain: bool = False,
+        run: DecodeRun | None = None,
+    ) -> None:
+        self.inputs = inputs
+        self.owners = owners  # owners[i] is the request of item i
+        self.group = group  # the group whose requests it carries
+        # Every item is the decode item of a request whose token `EngineCore` chooses in its plain way
+        # (greedy or sampled with no penalty, nothing banned, no stop string or token, no alternatives:
+        # `RequestState.plain`), and the step carries its whole group.
+        self.plain = plain
+        self.run = run  # the group's run it was made from (`Scheduler.keep`)
 
     def __len__(self) -> int:
         return len(self.owners)
@@ -121,6 +133,10 @@ class Scheduler:
         owners = batch.owners
         if owners:
             self._in_flight[batch.group] = False
+        run = batch.run
+        if run is not None and run.in_flight:  # a run's step, and the run went on: none of them ended
+            run.in_flight = False
+            return []
         if not self._held:  # the usual case: nobody ended while the step ran
             for sequence in owners:
                 sequence.in_flight = False
@@ -168,8 +184,7 @@ class Scheduler:
         members = self._members[group]
         run = self._runs[group]
         if run is not None:  # the group's last step, moved on: every member decodes, none in flight
-            for sequence in members:
-                sequence.in_flight = True
+            run.in_flight = True  # its members are in flight through it (`in_flight`)
             return StepBatch(StepInputs(run.columns), run.states, group, plain=True, run=run)
         slots: list[int] = []
         positions: list[int] = []
@@ -255,6 +270,20 @@ class Scheduler:
         if run is not None:
             self._runs[group] = None
             run.settle()
+            if run.in_flight:  # its step is still on the backend: each request's own flag says so now
+                run.in_flight = False
+                for sequence in run.states:
+                    sequence.in_flight = True
+
+    def in_flight(self, sequence: RequestState) -> bool:
+        """Whether the request has items in a step the backend has not returned: its own flag, or its
+        group's run's (a run's step marks the run, not each of its requests)."""
+        if sequence.in_flight:
+            return True
+        if sequence.status is not RequestStatus.RUNNING:
+            return False
+        run = self._runs[sequence.group]
+        return run is not None and run.in_flight
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
