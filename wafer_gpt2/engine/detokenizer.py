@@ -66,11 +66,7 @@ class IncrementalDetokenizer:
         """`check_stops=False` (vLLM's min_tokens not reached yet): no stop sequence ends the text here."""
         if self.stop_sequence is not None:
             raise RuntimeError("detokenizer already stopped at a stop sequence")
-        piece = None if self._utf8_holds else self._token_text(token)
-        if piece is None:  # bytes of an unfinished character on either side: the decoder joins them
-            utf8 = self._utf8
-            piece = utf8.decode(self._token_bytes(token))
-            self._utf8_holds = bool(utf8.getstate()[0])
+        piece = self._piece(token)
         previous_length = len(self._text)
         self._text += piece
         if not check_stops or not self._stops:  # nothing can stop here, nothing is held back
@@ -90,16 +86,22 @@ class IncrementalDetokenizer:
             text=piece, released=self._release(len(self._text) - self._held_for_stops()), stop_sequence=None
         )
 
+    def _piece(self, token: int) -> str:
+        """The text `token` adds: its own where it is whole characters, else what the UTF-8 decoder
+        makes of its bytes with those of an unfinished character on either side."""
+        piece = None if self._utf8_holds else self._token_text(token)
+        if piece is None:
+            utf8 = self._utf8
+            piece = utf8.decode(self._token_bytes(token))
+            self._utf8_holds = bool(utf8.getstate()[0])
+        return piece
+
     def add_unstopped(self, token: int) -> str:
         """`add` for a detokenizer without stop sequences, where a token's text is also what it releases
         (nothing is held back): that text, without the record `add` builds (it runs per streamed token)."""
         if self._stops:
             raise RuntimeError("a detokenizer with stop sequences adds its tokens by `add`")
-        piece = None if self._utf8_holds else self._token_text(token)
-        if piece is None:  # bytes of an unfinished character on either side: the decoder joins them
-            utf8 = self._utf8
-            piece = utf8.decode(self._token_bytes(token))
-            self._utf8_holds = bool(utf8.getstate()[0])
+        piece = self._piece(token)
         self._text += piece
         self._released = len(self._text)
         return piece
