@@ -24,6 +24,16 @@ def test_the_workload_generates_every_token_of_every_round(stream):
     assert bench.workload(rounds=2, requests=4, new_tokens=8, stream=stream) == 2 * 4 * 8
 
 
+def test_varied_lengths_keep_the_rounds_total_and_end_one_after_another():
+    """`--varied`: requests of different lengths, so the ends spread over the round as under the server,
+    every token still generated (the per-token figure divides by the same total)."""
+    bench = load()
+    lengths = bench.lengths(16, 32, varied=True)
+    assert sum(lengths) == 16 * 32 and len(set(lengths)) > 8 and min(lengths) >= 16
+    assert bench.lengths(5, 10, varied=False) == [10] * 5
+    assert bench.workload(rounds=2, requests=5, new_tokens=8, stream=False, varied=True) == 2 * 5 * 8
+
+
 def test_the_instruction_count_is_read_from_cachegrind_and_its_absence_is_an_error():
     bench = load()
     assert bench.parse_instructions("==12== \n==12== I   refs:      1,748,121,465\n") == 1_748_121_465

@@ -12,7 +12,10 @@ randomisation off (`setarch -R`) and numpy's thread pools at one thread (their i
 would be counted too).
 
     python tools/bench/core_instructions.py [--tree PATH ...] [--requests 64] [--new-tokens 32] [--stream]
-                                            [--backend null|modeled] [--steps-in-flight N]
+                                            [--backend null|modeled] [--steps-in-flight N] [--varied]
+
+`--varied` gives the requests of a round different lengths (the same total), so that they end one after
+another, as the server's closed-loop clients' requests do, instead of all at the round's end.
 
 `--tree` (repeatable) counts another checkout of the repository too (e.g. a `git worktree` of the
 commit before a change), alternately with this one. Needs valgrind and setarch (Debian: valgrind,
@@ -43,8 +46,29 @@ FIXED_ENV = {
 }
 
 
+def lengths(requests: int, new_tokens: int, varied: bool) -> list[int]:
+    """Each request's new tokens in a round: all `new_tokens`, or (`varied`) spread in pairs above and
+    below it by up to half of it, so that requests end one after another as the server's clients' do,
+    the round's total unchanged."""
+    if not varied:
+        return [new_tokens] * requests
+    out = []
+    for i in range(requests):
+        spread = (i // 2) * new_tokens // requests
+        out.append(
+            new_tokens if i == requests - 1 and requests % 2 else new_tokens + (spread if i % 2 else -spread)
+        )
+    return out
+
+
 def workload(
-    rounds: int, requests: int, new_tokens: int, stream: bool, plan_file: str = "", steps_in_flight: int = 1
+    rounds: int,
+    requests: int,
+    new_tokens: int,
+    stream: bool,
+    plan_file: str = "",
+    steps_in_flight: int = 1,
+    varied: bool = False,
 ) -> int:
     """Step the engine core over the null backend (or the modeled one, its plan pickled in `plan_file`,
     never waiting: only its instructions count; its steps in flight give the core's groups); the
@@ -59,17 +83,16 @@ def workload(
         plan = pickle.loads(Path(plan_file).read_bytes())
         backend = ModeledWaferBackend(plan, timer_late_s=math.inf, steps_in_flight=steps_in_flight)
     else:
-        backend = NullBackend(50257, slots=requests, context=len(PROMPT) + new_tokens, top_k=64)
+        longest = max(lengths(requests, new_tokens, varied))
+        backend = NullBackend(50257, slots=requests, context=len(PROMPT) + longest, top_k=64)
     core = EngineCore(backend, gpt2_tokenizer_hooks(), max_queue=requests, step_token_budget=512)
     loop = asyncio.new_event_loop()  # events go to its queue, as under the server; never run
     generated = 0
     try:
         for _ in range(rounds):
             states = [
-                core.add(
-                    core.new_request(GenerationRequest(PROMPT, new_tokens), loop_sink(loop), stream=stream)
-                )
-                for _ in range(requests)
+                core.add(core.new_request(GenerationRequest(PROMPT, length), loop_sink(loop), stream=stream))
+                for length in lengths(requests, new_tokens, varied)
             ]
             while core.has_work():
                 core.step()
@@ -97,6 +120,8 @@ def count(tree: Path, rounds: int, args: argparse.Namespace) -> int:
     ]  # fmt: skip
     if args.stream:
         command.append("--stream")
+    if args.varied:
+        command.append("--varied")
     if args.plan_file:
         command += ["--plan-file", args.plan_file, "--steps-in-flight", str(args.steps_in_flight)]
     env = {**os.environ, **FIXED_ENV, "PYTHONPATH": str(tree)}
@@ -120,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="counts per tree, alternated")
     parser.add_argument("--stream", action="store_true", help="streamed requests (token events)")
     parser.add_argument(
+        "--varied",
+        action="store_true",
+        help="requests of different lengths (the same total), ending one after another as under the server",
+    )
+    parser.add_argument(
         "--backend",
         choices=("null", "modeled"),
         default="null",
@@ -141,7 +171,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps-in-flight needs --backend modeled")
     if args.run:
         sys.path.insert(0, os.environ.get("PYTHONPATH", str(ROOT)).split(os.pathsep)[0])
-        workload(args.run, args.requests, args.new_tokens, args.stream, args.plan_file, args.steps_in_flight)
+        workload(
+            args.run,
+            args.requests,
+            args.new_tokens,
+            args.stream,
+            args.plan_file,
+            args.steps_in_flight,
+            args.varied,
+        )
         return 0
     missing = [tool for tool in ("valgrind", "setarch") if shutil.which(tool) is None]
     if missing:
