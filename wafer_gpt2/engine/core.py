@@ -75,6 +75,11 @@ REQUEST_FAILED_MESSAGE = (
 Output = tuple[RequestState, Event]  # an event and the request it belongs to
 
 
+# Keys of the requests' deadline entries (`EngineCore._reap`), unique across engines: a request handed
+# from one engine to another keeps none that the new one could confuse with its own.
+_DEADLINE_KEYS = itertools.count()
+
+
 @dataclass(frozen=True)
 class TokenizerHooks:
     """What the engine needs from the tokenizer: bytes per token, and which ids are special."""
@@ -160,11 +165,13 @@ class EngineCore:
         self._repeated_latencies: list[tuple[float, int]] = []
         self._gauged: tuple | None = None  # what the gauges were last set from (`record_gauges`)
         # What `_reap` ends at a step boundary, kept aside so that it looks at those requests only, not
-        # at every request each step: the cancelled ones, and a heap of (deadline, arrival, request)
-        # of those with a timeout, soonest first (a finished request's entry is dropped when reached).
+        # at every request each step: the cancelled ones, and a heap of (deadline, key) of those with a
+        # timeout, soonest first, the key finding the request in `_timed` while it is not finished (an
+        # ended request leaves `_timed` at once, so the heap keeps no finished request alive; its
+        # entry is dropped when reached).
         self._cancelled: list[RequestState] = []
-        self._deadlines: list[tuple[float, int, RequestState]] = []
-        self._arrivals = itertools.count()
+        self._deadlines: list[tuple[float, int]] = []
+        self._timed: dict[int, RequestState] = {}
         self.backend: Backend | None = backend
         # The running requests are stepped in as many groups as the backend takes steps at a time.
         self.scheduler: Scheduler = self._new_scheduler(backend)
@@ -232,11 +239,13 @@ class EngineCore:
         deadline = state.deadline
         if deadline is not None:
             if len(self._deadlines) > 2 * self.scheduler.capacity:  # mostly requests that ended in time
-                self._deadlines = [
-                    entry for entry in self._deadlines if entry[2].status is not RequestStatus.FINISHED
-                ]
+                self._deadlines = [entry for entry in self._deadlines if entry[1] in self._timed]
                 heapq.heapify(self._deadlines)
-            heapq.heappush(self._deadlines, (deadline, next(self._arrivals), state))
+            if state.deadline_key is not None:  # filed before (keys are unique across engines)
+                self._timed.pop(state.deadline_key, None)
+            key = state.deadline_key = next(_DEADLINE_KEYS)
+            self._timed[key] = state
+            heapq.heappush(self._deadlines, (deadline, key))
         self.metrics.record_arrival(len(state.request.prompt_ids))
         self.record_gauges()
         return state
@@ -384,8 +393,8 @@ class EngineCore:
         in_flight = []
         while deadlines and now > deadlines[0][0]:
             entry = heapq.heappop(deadlines)
-            state = entry[2]
-            if state.status is RequestStatus.FINISHED:
+            state = self._timed.get(entry[1])
+            if state is None or state.status is RequestStatus.FINISHED:  # it ended in time
                 continue
             if self.scheduler.in_flight(state):
                 in_flight.append(entry)
@@ -713,6 +722,8 @@ class EngineCore:
         self, state: RequestState, finish: FinishReason | None = None, error: ServiceError | None = None
     ) -> None:
         """The one way out of the engine: release the slot (scheduler and wafer), report, notify."""
+        if state.deadline_key is not None:
+            self._timed.pop(state.deadline_key, None)
         if state.status is RequestStatus.RUNNING:
             self.scheduler.end_run(state.group)  # what a run kept of the request is its own again
         if finish is not None and state.text_at_end:

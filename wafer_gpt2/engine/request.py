@@ -156,6 +156,7 @@ class RequestState:
     prefill: list[PromptToken] = field(default_factory=list)
     cancelled: bool = False
     cancelled_at_step: int = 0  # the engine's step count when the cancellation arrived
+    deadline_key: int | None = None  # its entry among the engine's deadlines (`EngineCore._reap`)
     arrived_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     last_token_at: float | None = None
