@@ -393,14 +393,14 @@ class EngineCore:
         in_flight = []
         while deadlines and now > deadlines[0][0]:
             entry = heapq.heappop(deadlines)
-            state = self._timed.get(entry[1])
-            if state is None or state.status is RequestStatus.FINISHED:  # it ended in time
+            late = self._timed.get(entry[1])
+            if late is None or late.status is RequestStatus.FINISHED:  # it ended in time
                 continue
-            if self.scheduler.in_flight(state):
+            if self.scheduler.in_flight(late):
                 in_flight.append(entry)
                 continue
-            limit = state.request.timeout_s
-            self._end(state, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
+            limit = late.request.timeout_s
+            self._end(late, error=RequestTimedOut(f"the request did not finish within {limit:g} s"))
         for entry in in_flight:
             heapq.heappush(deadlines, entry)
 
