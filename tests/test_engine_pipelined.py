@@ -159,11 +159,10 @@ def test_one_group_steps_every_ready_request_at_once():
     assert step.inputs.fields[:3] == [[0, 1, 2, 3, 4, 4], [1, 1, 0, 0, 0, 1], [7, 8, 100, 100, 100, 101]]
 
 
-def test_a_group_that_goes_on_whole_steps_next_from_its_run():
-    # Two plain requests decoding in one group: after their step is back and both go on, the group goes
-    # on as a run: its next step is that step's columns a position further with the chosen tokens, what
-    # the run records is the requests' own once it ends, and an admission ends it.
-    scheduler = Scheduler(KVSlotManager(3, 64), max_queue=1, step_token_budget=8)
+def _two_plain_requests_after_a_step(slots: int, max_queue: int):
+    """A scheduler with two plain requests decoding in one group, their first decode step back and
+    recorded as the engine records it (tokens 61 and 62 chosen at 1.0): (scheduler, states, step)."""
+    scheduler = Scheduler(KVSlotManager(slots, 64), max_queue=max_queue, step_token_budget=8)
     states = [_state(2, new_tokens=8), _state(2, new_tokens=8)]
     for state in states:
         state.plain = state.text_at_end = True
@@ -172,10 +171,18 @@ def test_a_group_that_goes_on_whole_steps_next_from_its_run():
     for state in states:
         state.computed, state.pending_token = 2, 50
     step = scheduler.build_step()
-    assert step.plain and step.run is None and step.inputs.fields[:3] == [[0, 1], [2, 2], [50, 50]]
     scheduler.step_returned(step)
-    for state in states:  # what the engine records of the step's tokens, 61 and 62, chosen at 1.0
+    for state in states:
         state.computed, state.pending_token, state.last_token_at = 3, None, 1.0
+    return scheduler, states, step
+
+
+def test_a_group_that_goes_on_whole_steps_next_from_its_run():
+    # Two plain requests decoding in one group: after their step is back and both go on, the group goes
+    # on as a run: its next step is that step's columns a position further with the chosen tokens, what
+    # the run records is the requests' own once it ends, and an admission ends it.
+    scheduler, states, step = _two_plain_requests_after_a_step(slots=3, max_queue=1)
+    assert step.plain and step.run is None and step.inputs.fields[:3] == [[0, 1], [2, 2], [50, 50]]
     assert scheduler.unchanged(step)
     eot = tokenizer.EOT_ID
     run = DecodeRun(states, step.inputs.columns, [61, 62], 1.0, 2, eot, {eot})
@@ -206,18 +213,7 @@ def test_a_run_that_ends_while_its_step_is_in_flight_leaves_each_request_in_flig
     # A run's step marks the run, not each of its requests: when the run ends before its step is back
     # (a request leaves), each request is in flight on its own, so one that ends keeps its slot until
     # the step is back, and the others are not stepped again meanwhile.
-    scheduler = Scheduler(KVSlotManager(2, 64), max_queue=0, step_token_budget=8)
-    states = [_state(2, new_tokens=8), _state(2, new_tokens=8)]
-    for state in states:
-        state.plain = state.text_at_end = True
-        scheduler.add(state)
-    scheduler.admit()
-    for state in states:
-        state.computed, state.pending_token = 2, 50
-    step = scheduler.build_step()
-    scheduler.step_returned(step)
-    for state in states:
-        state.computed, state.pending_token, state.last_token_at = 3, None, 1.0
+    scheduler, states, step = _two_plain_requests_after_a_step(slots=2, max_queue=0)
     eot = tokenizer.EOT_ID
     scheduler.keep(step.group, DecodeRun(states, step.inputs.columns, [61, 62], 1.0, 5, eot, {eot}))
     kept = scheduler.build_step()
