@@ -45,6 +45,7 @@ def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
         GemvTiling(k, n, 3, 5),
         GemvTiling(k, n, 6, 4, "k_along_x", "two_level", group=4),
         GemvTiling(k, n, 4, 4, "k_along_x", "chain", n_split=3),
+        GemvTiling(k, n, 4, 4, "k_along_x", "chain", n_split=3, split_cols=2),
     ):
         cache = kernels.gemv_weight_cache(memory_layout.gemv_weight_tiles(weight, tiling), tiling)
         np.testing.assert_allclose(
@@ -54,6 +55,20 @@ def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
         assert np.array_equal(
             kernels.gemv_bias_cache(memory_layout.gemv_bias_tiles(bias, tiling), tiling), bias
         )
+
+
+def test_a_run_of_split_columns_holds_each_segment_contiguous():
+    """c_attn's q | k | v over runs of columns: a run's outputs in column order are its slice of q,
+    then of k, then of v (a head group's stream, read by attention.csl without reordering)."""
+    tiling = GemvTiling(8, 24, 2, 4, "k_along_x", n_split=3, split_cols=2)  # segments of 8, 2 per column
+    order = tiling.column_order()
+    assert tiling.tile_n == 6
+    assert order[:12] == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]  # columns 0 and 1: q, k, v of 0..3
+    assert order[12:] == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+    one = GemvTiling(8, 24, 2, 4, "k_along_x", n_split=3).column_order()
+    assert one[:6] == [0, 1, 8, 9, 16, 17]  # a run of one column: its two of each
+    with pytest.raises(ValueError, match="runs of 3 columns"):
+        GemvTiling(8, 24, 2, 4, "k_along_x", n_split=3, split_cols=3).column_order()
 
 
 @pytest.mark.parametrize("stored", [np.float32, np.float16])

@@ -57,12 +57,7 @@ def modeled(plan, position: int, whole: bool = False) -> dict[str, int]:
         phases = dict(stage.phases)
         region = next((r for r in plan.regions if r.name == stage.name), None)
         if region is not None and region.kind == "attention":
-            qkv = plan.region(region.name.replace(".attn", ".qkv"), region.replica).tiling
-            phases = dict(
-                attention_cost(
-                    region.tiling, plan.arch, plan.dtype, position + 1, segment=qkv.segment_tile
-                ).phases
-            )
+            phases = dict(attention_cost(region.tiling, plan.arch, plan.dtype, position + 1).phases)
         out[stage.name] = sum(v for k, v in phases.items() if whole or k not in INPUT_PHASES)
     return out
 

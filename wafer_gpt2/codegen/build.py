@@ -522,11 +522,12 @@ class _Builder:
         t, q = attn.tiling, qkv.tiling
         f = self.frame(attn)
         width = t.heads_per_pe * t.head_dim
-        if q.n_split != 3 or width % q.segment_tile or q.cols * q.segment_tile != t.head_groups * width:
+        if q.n_split != 3 or q.split_cols * q.segment_tile != width or q.cols != t.head_groups * q.split_cols:
             raise ProgramError(
-                f"{attn.name}: a head group's {width} values must be whole qkv columns of {q.segment_tile}"
+                f"{attn.name}: a head group's [q | k | v] ({width} values each) must be a run of whole qkv "
+                f"columns (columns of {q.segment_tile} values of each, runs of {q.split_cols} columns)"
             )
-        cols_per_group = width // q.segment_tile
+        cols_per_group = q.split_cols
         ap = attn_proj.tiling
         if width % ap.tile_k or ap.rows != t.head_groups * (width // ap.tile_k):
             raise ProgramError(
@@ -540,7 +541,7 @@ class _Builder:
                 along, row = t.snake(p)
                 snake.append(f.pe(along, g * t.fold + row))
             self.connect(f"{tag}.qkv.g{g}", qkv_roots[g * cols_per_group : (g + 1) * cols_per_group], q.tile_n,
-                         [snake], 3 * cols_per_group * q.segment_tile, "out", "in")  # fmt: skip
+                         [snake], 3 * width, "out", "in")  # fmt: skip
             root = self.reduction(f"{tag}.attn.g{g}", snake, "merge", t.reduction, t.group)
             # the max round's result M from the PE that ends the merge back to the group's others
             others = [pos for pos in snake if pos != root]
@@ -674,11 +675,9 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
         elif kind == "residual":
             own.update(chunk=b.chunk(region))
         elif kind == "attention":
-            q = plan.region(region.name.replace(".attn", ".qkv"), region.replica).tiling
             own.update(replica=region.replica, hpp=t.heads_per_pe, head_dim=t.head_dim, ppp=t.positions_per_pe,
-                       slots=t.slots, row_len=ceil_div(t.chain, t.fold), fold=t.fold, use_fp16=fp16,
-                       in_cols=t.heads_per_pe * t.head_dim // q.segment_tile,
-                       in_seg=q.segment_tile)  # fmt: skip
+                       slots=t.slots, row_len=ceil_div(t.chain, t.fold), fold=t.fold,
+                       use_fp16=fp16)  # fmt: skip
         # What every PE of the region starts from (its own params, then its optional outputs' defaults),
         # worked out once: per PE only its connections' params are merged in.
         renames = RENAMES.get(file, {})

@@ -626,14 +626,13 @@ def attention_cost(
     dtype: str,
     positions: int | None = None,
     name: str = "attention",
-    segment: int | None = None,
 ) -> StageCost:
     """One decode item attending to `positions` cached positions (default: the whole context).
 
-    1. the group's stream of [q | k | v] (the group's qkv columns of `segment` values of each of the
-       three, default one column) enters the group's rows and is multicast over its block: every PE
-       reads all of it (comm/recv.csl) before its task starts; every PE moves q into place, and the PE
-       that owns the new position its k into the cache (`_unpack_cycles`).
+    1. the group's stream of [q | k | v] (a run of qkv columns holds them, each contiguous) enters
+       the group's rows and is multicast over its block: every PE reads all of it (comm/recv.csl)
+       before its task starts; the PE that owns the new position moves its k into the cache
+       (`_store_cycles`); the scores read q where it arrived.
     2. each PE, per head (wafer_gpt2/kernels/pe/attention.csl `scores_and_max`): the scores of all its
        positions as one @map over the head dimension (K stored transposed: step d adds q_d * K^T[d, :],
        ppp FMACs) and their max.
@@ -659,8 +658,7 @@ def attention_cost(
     # Every PE reads the header and all of [q | k | v] before its task starts.
     stream = ITEM_HEADER_WORDS + 3 * hpp * dim
     cost.add("q, k, v multicast", stream_cycles(stream, (width - 1) + (tiling.fold - 1)))
-    q_cycles, k_cycles, v_cycles = _unpack_cycles(tiling, segment, dtype)
-    cost.add("q into place", q_cycles)
+    k_cycles, v_cycles = _store_cycles(tiling, dtype)
     # The scores' @map runs over all positions_per_pe (its K^T register steps a whole row per step);
     # the later steps see only the visible ones.
     cost.add("scores q.k", hpp * map_fmac_cycles(dim, tiling.positions_per_pe, macs) + TASK_ACTIVATION_CYCLES)
@@ -687,22 +685,16 @@ def attention_cost(
     return cost
 
 
-def _unpack_cycles(tiling: AttentionTiling, segment: int | None, dtype: str) -> tuple[int, int, int]:
-    """wafer_gpt2/kernels/pe/attention.csl `unpack_q_and_store_k` and `store_v`, (q, k, v) cycles: q of
-    every qkv column moved into place (one DSD move per column, its DSDs stepped by
-    @increment_dsd_offset; lib/fmac.csl rounds it to fp16 as it multiplies), then on the owner k (one
-    operation per column: K^T's rows follow each other across heads) and v (one per piece of a column
-    within one head: V's rows are per head). k and v are DSD moves in fp32, @maps that round each value
-    to the fp16 cache in fp16 (a step: its overhead and the conversion)."""
-    width, dim = tiling.heads_per_pe * tiling.head_dim, tiling.head_dim
-    seg = width if segment is None else segment
-    cols = ceil_div(width, seg)
-    pieces = sum((min(c * seg + seg, width) - 1) // dim - c * seg // dim + 1 for c in range(cols))
+def _store_cycles(tiling: AttentionTiling, dtype: str) -> tuple[int, int]:
+    """wafer_gpt2/kernels/pe/attention.csl `store_k` and `store_v`, (k, v) cycles on the owner: k one
+    DSD operation (K^T's rows follow each other across heads), v one per head (V's rows are per head).
+    They are DSD moves in fp32, @maps that round each value to the fp16 cache in fp16 (a step: its
+    overhead and the conversion)."""
+    width = tiling.heads_per_pe * tiling.head_dim
     per_value = MAP_STEP_CYCLES + FP32_OPS_PER_CYCLE if dtype == "fp16" else FP32_OPS_PER_CYCLE
-    q = cols * DSD_OP_START_CYCLES + width * FP32_OPS_PER_CYCLE
-    k = cols * DSD_OP_START_CYCLES + width * per_value
-    v = pieces * DSD_OP_START_CYCLES + width * per_value
-    return q, k, v
+    k = DSD_OP_START_CYCLES + width * per_value
+    v = tiling.heads_per_pe * DSD_OP_START_CYCLES + width * per_value
+    return k, v
 
 
 @dataclass(frozen=True)

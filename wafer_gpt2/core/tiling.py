@@ -8,8 +8,10 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
 - GEMV `y[N] = x[K] @ W[K, N]`: the region has `rows` PEs along the reduction (K) axis and `cols`
   along the output (N) axis. PE (r, c) holds W[r*tile_k:(r+1)*tile_k, c*tile_n:(c+1)*tile_n]
   (zero-padded at the ragged edge). With `n_split` = s > 1 (c_attn: s = 3 for q | k | v) N is s equal
-  segments and output column c holds the c-th slice of every segment, so one column carries q, k and v
-  of the same heads: `column_order()` lists the N index of every tiled output (-1 for padding).
+  segments, and every run of `split_cols` consecutive columns holds the same slice of every segment,
+  one segment after the other over the run's columns in order: c_attn's runs are a head group's
+  columns, so their outputs read in column order are the group's [q | k | v], each contiguous.
+  `column_order()` lists the N index of every tiled output (-1 for padding).
   The input chunk x[r*tile_k:...] is multicast to every PE of reduction index r; partial sums are
   combined over r in one of two orders (`reduction`, `group`; see "Reductions" below).
   `orientation` says which fabric axis is the K axis: "k_along_y" puts r on y (rows of PEs) and c
@@ -89,7 +91,7 @@ class GemvTiling:
     cols: int  # PEs along N
     orientation: Orientation = "k_along_y"
     reduction: Reduction = "chain"
-    n_split: int = 1  # N = n_split equal segments; column c holds slice c of each (q | k | v)
+    n_split: int = 1  # N = n_split equal segments (q | k | v)
     group: int = 0  # two_level only: reduction indices per first-level run
     # PEs at the end of every K-line that share the epilogue (fc's GELU): the last one scatters
     # slices back along the line, each applies the epilogue to its slice, a gather line sends them out
@@ -100,6 +102,9 @@ class GemvTiling:
     # come back as one streamed sum, each PE's vector zero outside its slice (comm/spread.csl)
     epilogue_multicast: bool = False
     norm_fold: bool = False  # the LayerNorm before this GEMV is folded in (module docstring)
+    # with n_split > 1: the columns of a run that holds its slice of every segment together (it
+    # divides cols; the module docstring)
+    split_cols: int = 1
 
     @property
     def tile_k(self) -> int:
@@ -120,11 +125,13 @@ class GemvTiling:
         """The N index of output j of column c at position c * tile_n + j; -1 where zero-padded."""
         if self.n_split == 1:
             return [i if i < self.n else -1 for i in range(self.cols * self.tile_n)]
-        seg, st = self.n // self.n_split, self.segment_tile
+        if self.cols % self.split_cols:
+            raise ValueError(f"runs of {self.split_cols} columns do not split {self.cols} columns")
+        seg, run = self.n // self.n_split, self.split_cols * self.segment_tile
         order: list[int] = []
-        for c in range(self.cols):
+        for b in range(self.cols // self.split_cols):
             for s in range(self.n_split):
-                order.extend(s * seg + i if i < seg else -1 for i in range(c * st, (c + 1) * st))
+                order.extend(s * seg + i if i < seg else -1 for i in range(b * run, (b + 1) * run))
         return order
 
     @property

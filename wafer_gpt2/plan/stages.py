@@ -43,7 +43,7 @@ def layer_stage_costs(lt: LayerTilings, arch: Arch, dtype: str) -> list[StageCos
     costs = [
         norm_cost(lt.ln, "ln_1"),
         gemv_cost(lt.qkv, arch, dtype, name="qkv"),
-        attention_cost(lt.attn, arch, dtype, name="attn", segment=lt.qkv.segment_tile),
+        attention_cost(lt.attn, arch, dtype, name="attn"),
         gemv_cost(lt.attn_proj, arch, dtype, name="attn_proj"),
         residual_cost(chunk, "res_1"),
         norm_cost(lt.ln, "ln_2"),

@@ -45,7 +45,9 @@ def layer_tilings(
     # ln_1 and ln_2 pass x on; qkv and fc normalise it (the LayerNorm folded in, wafer_gpt2/core/tiling.py)
     ln = NormTiling(c, r, reduction=kind, axis="x", group=group, normalise=False)
     best = best_gemv_reduction
-    qkv = best(GemvTiling(c, 3 * c, r, t_rows, "k_along_x", n_split=3, norm_fold=True), arch, dtype)
+    # a head group's columns (fold of them) hold its [q | k | v] contiguous: attention reads q in place
+    qkv = GemvTiling(c, 3 * c, r, t_rows, "k_along_x", n_split=3, norm_fold=True, split_cols=knobs.fold)
+    qkv = best(qkv, arch, dtype)
     attn = AttentionTiling(heads, config.head_dim, slots, context, heads, knobs.attn_chain, knobs.fold)
     attn = best_attention(attn, arch, dtype)
     o = best(GemvTiling(c, c, t_rows, r, "k_along_y"), arch, dtype)

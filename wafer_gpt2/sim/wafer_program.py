@@ -13,7 +13,7 @@ from them are rebuilt whenever the host writes the symbol again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from wafer_gpt2.core import memory_layout
 from wafer_gpt2.core.abi import CYCLES_SYMBOL, LAYER_OPS
 from wafer_gpt2.core.cost import attention_cost
 from wafer_gpt2.core.steps import StepInputs
-from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling
+from wafer_gpt2.core.tiling import AttentionTiling
 from wafer_gpt2.core.wire import encode_scores
 from wafer_gpt2.sim import kernels, parallel
 from wafer_gpt2.sim.memory import RegionMemory, WaferMemory
@@ -94,7 +94,7 @@ class WaferProgram:
         self._kv: dict[tuple[int, str], tuple[int, np.ndarray]] = {}
         self._coords: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._costs: dict[int, _PipelineCosts] = {}
-        self._attention_tables: dict[tuple[AttentionTiling, int], np.ndarray] = {}
+        self._attention_tables: dict[AttentionTiling, np.ndarray] = {}
         self.total_cycles = np.zeros(len(memory.regions), dtype=np.uint64)
 
     @staticmethod
@@ -338,9 +338,7 @@ class WaferProgram:
                 # The plan prices attention at full context; here each item pays for its own length.
                 tiling = region.region.tiling
                 handoff = stage.phases.get("hand-off", 0) if stage is not None else 0
-                qkv = self.plan.region(region.region.name.replace(".attn", ".qkv"), region.region.replica)
-                qkv_tiling = cast(GemvTiling, qkv.tiling)
-                attention[row] = self._attention_table(tiling, qkv_tiling.segment_tile) + handoff
+                attention[row] = self._attention_table(tiling) + handoff
                 per_item.append(0)
             else:
                 per_item.append(stage.cycles if stage is not None else 0)
@@ -355,18 +353,15 @@ class WaferProgram:
         self._costs[pipe.replica] = costs
         return costs
 
-    def _attention_table(self, tiling: AttentionTiling, segment: int) -> np.ndarray:
-        """Modeled cycles of one item attending to p positions, for p = 0..context (qkv's columns of
-        `segment` values each)."""
-        key = (tiling, segment)
-        if key not in self._attention_tables:
+    def _attention_table(self, tiling: AttentionTiling) -> np.ndarray:
+        """Modeled cycles of one item attending to p positions, for p = 0..context."""
+        if tiling not in self._attention_tables:
             arch, dtype = self.plan.arch, self.plan.dtype
             cycles = [0] + [
-                attention_cost(tiling, arch, dtype, p, segment=segment).cycles
-                for p in range(1, tiling.context + 1)
+                attention_cost(tiling, arch, dtype, p).cycles for p in range(1, tiling.context + 1)
             ]
-            self._attention_tables[key] = np.array(cycles, dtype=np.int64)
-        return self._attention_tables[key]
+            self._attention_tables[tiling] = np.array(cycles, dtype=np.int64)
+        return self._attention_tables[tiling]
 
     def reset_cycles(self) -> None:
         self.total_cycles[...] = 0

@@ -20,17 +20,10 @@ args = parser.parse_args()
 
 params = json.loads((Path(args.name) / "out.json").read_text())["params"]
 row_len, fold, ppp, slots = (int(params[k]) for k in ("row_len", "fold", "ppp", "slots"))
-hpp, dim, cols = int(params["hpp"]), int(params["head_dim"]), int(params["in_cols"])
+hpp, dim = int(params["hpp"]), int(params["head_dim"])
 h2d, d2h = int(params["MEMCPYH2D_DATA_1_ID"]), int(params["MEMCPYD2H_DATA_1_ID"])
-context, width, seg = row_len * fold * ppp, hpp * dim, hpp * dim // cols
+context, width = row_len * fold * ppp, hpp * dim
 rng = np.random.default_rng(5)
-
-
-def qkv_words(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """[q | k | v] of the group as the qkv roots gather it: per column, its seg of q, of k, of v."""
-    return np.concatenate(
-        [np.concatenate([t[c * seg : (c + 1) * seg] for t in (q, k, v)]) for c in range(cols)]
-    )
 
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -64,7 +57,7 @@ for n_round, items in enumerate(rounds):
         )
         keys[position], values[position] = k, v
         expected.append(attend(q, keys[: position + 1], values[: position + 1]))
-        words.append(item_words(header(index, slot, position), qkv_words(q, k, v)))
+        words.append(item_words(header(index, slot, position), np.concatenate([q, k, v])))
     # memcpy runs one command at a time, and the sink holds only a few wavelets: stream an item in,
     # read its output, then the next (all inputs first would stall behind the unread outputs).
     sink_x = row_len + 1 if (fold - 1) % 2 == 0 else 0
