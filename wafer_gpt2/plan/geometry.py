@@ -336,7 +336,10 @@ def embed_spread(config: GPT2Config, tile_k: int, arch: Arch, dtype: str, copy: 
     of the positions, and with a `copy` of wte of a block of the vocabulary too (+ its fixed buffers),
     spread evenly over the fewest rows that hold them."""
     vocab = config.vocab_size if copy else 0
-    room = arch.data_bytes("embed") - pe_bytes(embed_symbols(0, 0, tile_k, dtype))
+    fixed = embed_symbols(0, 0, tile_k, dtype)  # the buffers of a PE that holds no table rows
+    if copy:
+        fixed.pop("relay")  # a copy hands off by lanes, without the gather line's relay FIFO
+    room = arch.data_bytes("embed") - pe_bytes(fixed)
     per_row = tile_k * SYMBOL_BYTES[weight_symbol_dtype(dtype)]
     rows = max(1, ceil_div(vocab + config.n_positions, max(1, room // per_row)))
     while (

@@ -34,6 +34,10 @@ COMM = Symbol("u32", 16)
 # wafer_gpt2/kernels/comm/reduce.csl's FIFO (PASS_WORDS) on a two-level reduction's run ends, where both levels
 # stream at once.
 REDUCE_PASS = Symbol("f32", 16)
+# wafer_gpt2/kernels/comm/gather.csl's relay FIFO (RELAY_WORDS) on a PE of a gather line led from its
+# output end that relays the slices behind it: every program that hands its output off by a gather
+# line may hold one.
+GATHER_RELAY = Symbol("f32", 64)
 
 
 def reduction_symbols(reduction: str) -> dict[str, Symbol]:
@@ -57,6 +61,7 @@ def gemv_symbols(t: GemvTiling, dtype: str, multicast: int = 0) -> dict[str, Sym
         "x": Symbol("f32", max(t.tile_k, multicast)),  # the input as it arrives
         "acc": Symbol("f32", t.tile_n + (NORM_STAT_WORDS if t.norm_fold else 0)),  # fp32 partial sums
         "comm": COMM,
+        "relay": GATHER_RELAY,  # a root's place in a gather line of roots
         **reduction_symbols(t.reduction),
         # comm/spread.csl: a PE sharing the epilogue writes its slice into a vector zero elsewhere
         **(
@@ -69,8 +74,8 @@ def gemv_symbols(t: GemvTiling, dtype: str, multicast: int = 0) -> dict[str, Sym
 
 def norm_symbols(t: NormTiling) -> dict[str, Symbol]:
     """wafer_gpt2/kernels/pe/layernorm.csl's arrays (a strip that only passes x on keeps x alone)."""
-    if not t.normalise:
-        return {"x": Symbol("f32", t.chunk), "comm": COMM}
+    if not t.normalise:  # ln_1 forwards x to the residual add by a gather line
+        return {"x": Symbol("f32", t.chunk), "comm": COMM, "relay": GATHER_RELAY}
     return {
         "gain": Symbol("f32", t.chunk),
         "bias": Symbol("f32", t.chunk),
@@ -78,13 +83,14 @@ def norm_symbols(t: NormTiling) -> dict[str, Symbol]:
         "y": Symbol("f32", t.chunk),
         "sums": Symbol("f32", 2),  # sum of x, sum of x^2: the statistics all-reduced together
         "comm": COMM,
+        "relay": GATHER_RELAY,  # ln_f hands off to the head by a gather line where lanes would cross
         **reduction_symbols(t.reduction),
     }
 
 
 def residual_symbols(chunk: int) -> dict[str, Symbol]:
     """wafer_gpt2/kernels/pe/residual.csl's arrays."""
-    return {"resid": Symbol("f32", chunk), "x": Symbol("f32", chunk), "comm": COMM}
+    return {"resid": Symbol("f32", chunk), "x": Symbol("f32", chunk), "comm": COMM, "relay": GATHER_RELAY}
 
 
 def attention_symbols(t: AttentionTiling, dtype: str) -> dict[str, Symbol]:
@@ -136,6 +142,8 @@ def embed_symbols(tokens_per_pe: int, positions_per_pe: int, tile_k: int, dtype:
         "x": Symbol("f32", tile_k),  # this PE's rows of the item's token and position, plus the line's sum
         "comm": COMM,
         "emb_pass": REDUCE_PASS,  # the embedding's line may be two-level (wafer_gpt2.core.cost.embed_reduction)
+        # in the strip (no copy of wte) it hands off to layer 0 by a gather line; a copy, by lanes
+        **({} if tokens_per_pe else {"relay": GATHER_RELAY}),
     }
 
 
