@@ -185,7 +185,7 @@ def test_a_group_that_goes_on_whole_steps_next_from_its_run():
     assert step.plain and step.run is None and step.inputs.fields[:3] == [[0, 1], [2, 2], [50, 50]]
     assert scheduler.unchanged(step)
     eot = tokenizer.EOT_ID
-    run = DecodeRun(states, step.inputs.columns, [61, 62], 1.0, 2, eot, {eot})
+    run = DecodeRun(states, step.inputs.columns, [61, 62], 1.0, [3, 2], eot, {eot})
     scheduler.keep(step.group, run)
     kept = scheduler.build_step()
     assert kept.plain and kept.run is run and kept.owners == states
@@ -202,8 +202,12 @@ def test_a_group_that_goes_on_whole_steps_next_from_its_run():
     scheduler.add(late)
     scheduler.admit()  # the group changed: the run ends, its next step is built from its requests
     assert scheduler.run(0) is None
-    assert [(t.id, t.logprob, t.special) for t in states[1].tokens] == [(71, -2.0, False)]
     assert [(s.computed, s.pending_token, s.last_token_at) for s in states] == [(4, 70, 1.5), (4, 71, 1.5)]
+    # The text-at-end requests' records are made at the next settle (after the next step is out).
+    assert scheduler.unsettled and not any(state.tokens for state in states)
+    scheduler.settle()
+    assert not scheduler.unsettled
+    assert [(t.id, t.logprob, t.special) for t in states[1].tokens] == [(71, -2.0, False)]
     step = scheduler.build_step()
     assert not step.plain and step.owners == [*states, late]
     assert step.inputs.fields[:3] == [[0, 1, 2], [4, 4, 0], [70, 71, 100]]
@@ -215,7 +219,7 @@ def test_a_run_that_ends_while_its_step_is_in_flight_leaves_each_request_in_flig
     # the step is back, and the others are not stepped again meanwhile.
     scheduler, states, step = _two_plain_requests_after_a_step(slots=2, max_queue=0)
     eot = tokenizer.EOT_ID
-    scheduler.keep(step.group, DecodeRun(states, step.inputs.columns, [61, 62], 1.0, 5, eot, {eot}))
+    scheduler.keep(step.group, DecodeRun(states, step.inputs.columns, [61, 62], 1.0, [5, 5], eot, {eot}))
     kept = scheduler.build_step()
     assert not any(state.in_flight for state in states)
     assert all(scheduler.in_flight(state) for state in states)
@@ -224,6 +228,90 @@ def test_a_run_that_ends_while_its_step_is_in_flight_leaves_each_request_in_flig
     assert not scheduler.build_step().owners  # the other is not stepped again before the step is back
     assert scheduler.step_returned(kept) == [0]
     assert not states[1].in_flight and not scheduler.in_flight(states[1])
+
+
+def test_a_request_that_takes_its_last_token_leaves_the_run_and_the_others_go_on():
+    # Rows persist: a request that ends leaves its group's run, which goes on with the others
+    # condensed, instead of ending and handing every request what it kept.
+    scheduler, states, step = _two_plain_requests_after_a_step(slots=3, max_queue=1)
+    eot = tokenizer.EOT_ID
+    run = DecodeRun(states, step.inputs.columns, [61, 62], 1.0, [4, 2], eot, {eot})
+    scheduler.keep(step.group, run)
+    for tokens, logprobs, now in (([70, 71], [-1.0, -2.0], 1.5), ([72, 73], [-3.0, -4.0], 2.0)):
+        scheduler.step_returned(scheduler.build_step())
+        chosen = np.array(tokens)
+        run.record(chosen, np.array(logprobs), now)
+    assert run.ending(chosen).tolist() == [False, True]  # the second takes its last token (2 steps)
+    kept = scheduler.build_step()  # the run's step is out when the request leaves (the engine's order)
+    left = scheduler.leave(step.group, np.array([False, True]))
+    assert [(row, state, recorded.lists()) for row, state, recorded in left] == [
+        (1, states[1], ([71, 73], [-2.0, -4.0]))
+    ]
+    assert (states[1].computed, states[1].pending_token, states[1].last_token_at) == (5, None, 2.0)
+    assert scheduler.run(0) is run and run.states == [states[0]] and run.ending_step == 4
+    assert not scheduler.in_flight(states[1]) and scheduler.in_flight(states[0])
+    assert scheduler.remove(states[1]) == 1  # not in the step in flight: its slot is free at once
+    assert scheduler.run(0) is run and not scheduler.unsettled
+    scheduler.step_returned(kept)
+    assert scheduler.build_step().inputs.fields[:3] == [[0], [5], [72]]  # the stayer, a position on
+    run.record(np.array([74]), np.array([-5.0]), 2.5)  # a step of the condensed run
+    assert not states[0].tokens and states[0].computed == 3  # the run still holds its tokens
+    late = _state(1)
+    scheduler.add(late)
+    scheduler.admit()  # a request joins: the run ends, the stayer's records come at the next settle
+    assert scheduler.run(0) is None and (states[0].computed, states[0].pending_token) == (6, 74)
+    scheduler.settle()
+    assert [(t.id, t.logprob) for t in states[0].tokens] == [(70, -1.0), (72, -3.0), (74, -5.0)]
+
+
+def _finals(loop: Loop, states: list[RequestState]) -> list[bool]:
+    return [
+        bool(loop.events.get(state.id)) and isinstance(loop.events[state.id][-1], FinishEvent)
+        for state in states
+    ]
+
+
+def _run_requests_of_different_lengths(stream: bool) -> tuple[list, int]:
+    """Requests of different lengths through `EngineCore` with the work deferred at each `finish`
+    (`complete_deferred` after it): their outcomes; the times a request left the group's run while
+    the run went on. Checks that a request that ends gets its records and its end with the deferred
+    work, not at the `finish` of its last step (which the next submit waits for)."""
+    core = EngineCore(
+        NullBackend(50257, slots=4, context=64), gpt2_tokenizer_hooks(), max_queue=4, step_token_budget=16
+    )
+    loop = Loop()
+    lengths = (5, 9, 7, 12)
+    states = [
+        core.add(core.new_request(GenerationRequest((100 + n, 101), n, ignore_eos=True), loop, stream))
+        for n in lengths
+    ]
+    went_on = 0
+    while core.has_work():
+        batch = core.schedule()
+        if not batch:
+            core.complete_deferred()
+            continue
+        results = core.execute(batch)
+        records, run = [len(state.tokens) for state in states], core.scheduler.run(0)
+        core.finish(batch, results, defer=True)
+        at_finish, finals_at_finish = [len(state.tokens) for state in states], _finals(loop, states)
+        core.complete_deferred()
+        ended = [now and not then for now, then in zip(_finals(loop, states), finals_at_finish, strict=True)]
+        for i in np.flatnonzero(ended):
+            assert at_finish[i] == records[i], "a request's records were made at its last step's finish"
+        went_on += any(ended) and run is not None and core.scheduler.run(0) is run
+    outcomes = [_outcome(loop.events[state.id])[1:] for state in states]
+    assert [len(tokens) for tokens, _, _ in outcomes] == list(lengths)
+    return outcomes, went_on
+
+
+def test_requests_that_leave_a_run_end_with_the_deferred_work_and_keep_their_outputs():
+    # Text-at-end requests (not streamed) get their records from the run, streamed ones token by
+    # token: the same tokens and text; the run goes on when a request leaves it.
+    quiet, quiet_went_on = _run_requests_of_different_lengths(stream=False)
+    streamed, streamed_went_on = _run_requests_of_different_lengths(stream=True)
+    assert quiet == streamed
+    assert quiet_went_on >= 2 and streamed_went_on >= 2
 
 
 # ----- the engine -----------------------------------------------------------------------------------

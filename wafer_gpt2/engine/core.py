@@ -33,7 +33,7 @@ from wafer_gpt2.core.steps import (
     TokenScores,
     steps_in_flight,
 )
-from wafer_gpt2.engine.decode_run import DecodeRun
+from wafer_gpt2.engine.decode_run import DecodeRun, Recorded, recorded_tokens
 from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
 from wafer_gpt2.engine.failures import RequestFailed, RequestTimedOut, RequestValidationFailed, ServiceError
 from wafer_gpt2.engine.kv_slots import KVSlotManager
@@ -156,6 +156,9 @@ class EngineCore:
         # end) is `complete_deferred`'s, which the worker runs while the backend computes the next step.
         self._deferring = False
         self._deferred: list[tuple[RequestState, StepScores, int, int, float, float]] = []
+        # Text-at-end requests whose last token a decode run recorded (they left it, `_run_step`): their
+        # records and end wait for `complete_deferred` too, with what the run recorded and how they end.
+        self._ending: list[tuple[RequestState, Recorded, FinishReason]] = []
         self._backend_busy = False  # a step is running: slots freed now reach the backend after it
         self._free_later: list[int] = []
         self._tokens_uncounted = 0  # generated tokens not yet added to the metrics' counter (`_flush`)
@@ -181,6 +184,7 @@ class EngineCore:
 
     def attach(self, backend: Backend) -> None:
         """Serve on `backend` (a fresh one after a reload): fresh KV slots, the queue kept."""
+        self.scheduler.settle()
         scheduler = self._new_scheduler(backend)
         scheduler.waiting.extend(self.scheduler.waiting)
         self.backend, self.scheduler = backend, scheduler
@@ -304,6 +308,8 @@ class EngineCore:
         call (including those of requests that ended at the boundary). `defer`: leave what the next step
         does not need to `complete_deferred` (the worker runs it while the backend computes)."""
         self.steps += 1
+        if self.scheduler.unsettled:  # runs that ended at the boundary: their requests' tokens first
+            self.scheduler.settle()
         self._deferring = defer
         try:
             self._apply(batch, results)
@@ -317,11 +323,16 @@ class EngineCore:
         """Finish the tokens `finish(defer=True)` only chose: detokenize, emit, end the requests whose
         token ended them. `backend_busy`: a step may run meanwhile, so freed slots reach the backend only
         at the next `schedule` (backends are not thread-safe). False when there was nothing to do."""
-        if not self._deferred:
+        if not (self._deferred or self._ending or self.scheduler.unsettled):
             return False
+        self.scheduler.settle()
         deferred, self._deferred = self._deferred, []
+        ending, self._ending = self._ending, []
         self._backend_busy = backend_busy
         try:
+            for state, recorded, finish in ending:
+                if state.status is RequestStatus.RUNNING:  # else ended meanwhile (cancelled, timed out)
+                    self._end_recorded(state, recorded, finish)
             for state, scores, row, token, logprob, chosen_at in deferred:
                 if state.status is not RequestStatus.RUNNING:
                     continue  # ended meanwhile (cancelled, timed out, failed): its token is dropped
@@ -337,7 +348,7 @@ class EngineCore:
 
     @property
     def has_deferred(self) -> bool:
-        return bool(self._deferred)
+        return bool(self._deferred or self._ending or self.scheduler.unsettled)
 
     def release_slots(self) -> None:
         """After a step: free on the backend the slots of requests that ended while it ran."""
@@ -462,16 +473,19 @@ class EngineCore:
         now = time.monotonic()
         if run is not None:
             ids, logprobs, chosen = choices
-            if np.count_nonzero(chosen) == len(owners) and run.goes_on(ids):
-                self._run_step(run, results, ids, logprobs, now)
+            if np.count_nonzero(chosen) == len(owners):
+                leaving = None if run.goes_on(ids) else run.ending(ids)
+                self._run_step(run, batch.group, results, ids, logprobs, now, leaving)
                 return
-            self.scheduler.end_run(batch.group)  # one of them ends, or chooses alone
+            self.scheduler.end_run(batch.group)  # one of them chooses alone
+            self.scheduler.settle()  # what follows reads their tokens
         picks = as_picks(choices)
         eos, special = self._tokenizer.eos_token_id, self._tokenizer.special_names
         context = self.scheduler.slots.context_length
         first, later = self._latencies
         chosen_ids: list[int] = []
-        ending_step = context  # the first step of a run from here at which a request takes its last token
+        # By row, the step of a run from here at which the row's request takes its last token.
+        ends_at: list[int] = []
         recorded = 0  # tokens recorded here (text at the end), for the metrics
         running = RequestStatus.RUNNING
         for row, (state, pick) in enumerate(zip(owners, picks, strict=True)):
@@ -494,7 +508,7 @@ class EngineCore:
                 continue
             token, logprob = pick
             chosen_ids.append(token)
-            ending_step = min(ending_step, request.max_new_tokens - generated - 1, context - state.computed)
+            ends_at.append(min(request.max_new_tokens - generated - 1, context - state.computed))
             if state.text_at_end:
                 (later if generated else first).append(now - (state.last_token_at or state.arrived_at))
                 state.last_token_at = now
@@ -512,39 +526,82 @@ class EngineCore:
         self._tokens_uncounted += recorded
         if len(chosen_ids) == len(owners) and self.scheduler.unchanged(batch):
             columns = batch.inputs.columns
-            run = DecodeRun(owners, columns, chosen_ids, now, ending_step, eos, special)
+            run = DecodeRun(owners, columns, chosen_ids, now, ends_at, eos, special)
             self.scheduler.keep(batch.group, run)
 
     def _run_step(
-        self, run: DecodeRun, results: StepScores, tokens: np.ndarray, logprobs: np.ndarray, now: float
+        self,
+        run: DecodeRun,
+        group: int,
+        results: StepScores,
+        tokens: np.ndarray,
+        logprobs: np.ndarray,
+        now: float,
+        leaving: np.ndarray | None = None,
     ) -> None:
-        """A step of `run` in which every request goes on with its token of `tokens`: the run records
-        them; the requests that hear of each token take theirs one at a time (`_hear`). Every token's
-        latency is the time since the last step's (none is a first token: each request had one)."""
+        """A step of `run`, each request with its token of `tokens`: the run records them; the requests
+        that hear of each token take theirs one at a time (`_hear`). Every token's latency is the time
+        since the last step's (none is a first token: each request had one). `leaving`: by row, whether
+        the token is the request's last: those requests leave the run, which goes on with the others
+        (`DecodeRun.leave`); the text-at-end ones get their records and end with the deferred work
+        (`_ending`), so that no run's records are made between a step's return and the next submit."""
         latency = run.record(tokens, logprobs, now)
-        counted = run.quiet
-        if run.heard:
+        heard, counted = run.heard, run.quiet
+        left = self.scheduler.leave(group, leaving) if leaving is not None else ()
+        ids: list[int] = tokens.tolist() if heard or left else []
+        if heard:
+            values = logprobs.tolist()
             if self._deferring:  # their next items go now, their text and events after the next submit
-                ids, values = tokens.tolist(), logprobs.tolist()
-                self._deferred += [
-                    (state, results, row, ids[row], values[row], now) for row, state in run.heard
-                ]
+                self._deferred += [(state, results, row, ids[row], values[row], now) for row, state in heard]
             else:
-                self._hear(run, tokens, logprobs, now)
-                counted = len(run.states)
+                counted += self._hear(heard, results, ids, values, now, leaving)
+        eos = self._tokenizer.eos_token_id
+        for row, state, recorded in left:
+            if state.text_at_end:
+                ends_on = ids[row] == eos and not state.request.ignore_eos
+                finish = FinishReason.EOS if ends_on else FinishReason.LENGTH
+                if self._deferring:
+                    self._ending.append((state, recorded, finish))
+                else:
+                    self._end_recorded(state, recorded, finish)
         if counted:
             self._repeated_latencies.append((latency, counted))
             self._tokens_uncounted += counted
 
-    def _hear(self, run: DecodeRun, tokens: np.ndarray, logprobs: np.ndarray, now: float) -> None:
-        """`_complete` for the requests of `run` that hear of each token, at a step where none ends: a
-        plain request has no stop string or token and no alternatives, and its token is never its first
-        (no prompt logprobs to send)."""
-        ids, values = tokens.tolist(), logprobs.tolist()
+    def _end_recorded(self, state: RequestState, recorded: Recorded, finish: FinishReason) -> None:
+        """A text-at-end request that left a run with its last token: its records, then its end."""
+        try:
+            ids, logprobs = recorded.lists()
+            state.tokens.extend(recorded_tokens(ids, logprobs, self._tokenizer.special_names))
+            self._end(state, finish=finish)
+        except Exception:
+            self._request_failed(state)
+
+    def _hear(
+        self,
+        heard: list[tuple[int, RequestState]],
+        results: StepScores,
+        ids: list[int],
+        values: list[float],
+        now: float,
+        leaving: np.ndarray | None,
+    ) -> int:
+        """`_complete` for the requests of a run that hear of each token (`heard`: their rows), lean where
+        the token does not end its request (a plain request has no stop string or token and no
+        alternatives, and its token is never its first: no prompt logprobs to send); the tokens so
+        heard (the metrics count them with the run's)."""
         special = self._tokenizer.special_names
         pending, outputs = self._pending, self._outputs
-        for row, state in run.heard:
+        ends = leaving.tolist() if leaving is not None else None
+        lean = 0
+        for row, state in heard:
             token = ids[row]
+            if ends is not None and ends[row]:  # its last token: the general way, which ends it
+                try:
+                    self._complete(state, results, row, token, values[row], now)
+                except Exception:
+                    self._request_failed(state)
+                continue
             is_special = token in special
             try:
                 if is_special and state.request.skip_special_tokens:
@@ -554,12 +611,14 @@ class EngineCore:
             except Exception:
                 self._request_failed(state)
                 continue
+            lean += 1
             state.last_token_at = now
             generated = generated_token_of((token, text, text, values[row], is_special, ()))
             state.tokens.append(generated)
             event = token_event_of((len(state.tokens), generated, ()))
             sink = state.sink
             (outputs if sink is None else pending.setdefault(sink, [])).append((state, event))
+        return lean
 
     def _choose_batched(
         self, results: StepScores, states: list[RequestState], rows: Sequence[int], kinds: list[int]
@@ -725,7 +784,9 @@ class EngineCore:
         if state.deadline_key is not None:
             self._timed.pop(state.deadline_key, None)
         if state.status is RequestStatus.RUNNING:
-            self.scheduler.end_run(state.group)  # what a run kept of the request is its own again
+            self.scheduler.end_run_of(state)  # what a run kept of the request is its own again
+        if self.scheduler.unsettled:
+            self.scheduler.settle()
         if finish is not None and state.text_at_end:
             # While the request still runs: a failure to detokenize fails it (`_request_failed`).
             self._texts_at_end(state, finish)

@@ -9,8 +9,16 @@ its token (id, logprob, its position, when it came) is the same for all of them 
 batch does, so that a step in which no request ends is a few array operations however many requests
 it carries. Only the requests that hear of each token (streamed, or read from `EngineCore.step`) still
 take theirs one at a time, for its text and event; the others (their text made at the end) get their
-tokens when the run ends (`settle`): when a request ends, one joins or leaves the group, or a step of
-the group is not plain.
+tokens when they leave the run or it ends.
+
+A request that takes its last token leaves the run, which goes on with the others, condensed (`leave`,
+as vLLM V1's persistent batch condenses when a request finishes): its tokens go with it, and the
+engine makes its records and ends it after the next step is submitted. The run ends when a request
+joins the group (or one leaves it otherwise, or a step of the group is not plain): each request gets
+its position and next token at once (`release`), what scheduling needs, and the text-at-end ones their
+token records at the next `settle`, which the engine runs after the next step is out (a run's records
+for eight requests over thirty steps cost more than a step's whole turnaround, and with two steps in
+flight the wafer waits for that turnaround).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from itertools import repeat
 import numpy as np
 
 from wafer_gpt2.core.steps import POSITION, TOKEN
-from wafer_gpt2.engine.request import RequestState, generated_token_of
+from wafer_gpt2.engine.request import GeneratedToken, RequestState, generated_token_of
 
 
 class DecodeRun:
@@ -31,35 +39,46 @@ class DecodeRun:
         returned: np.ndarray,
         tokens: Sequence[int],
         last_at: float,
-        ending_step: int,
+        ends_at: Sequence[int],
         eos_token_id: int,
         special: Container[int],
     ):
         """`states`: the group's requests, each at its state after the step that started the run
         (`returned`, its item columns), in which each chose its token of `tokens` at `last_at`;
-        `ending_step`: the run's first step (1: the step `columns` makes) at which one of them takes its
-        last token (by its length, or its KV slot's end)."""
+        `ends_at`: by row, the run's step (1: the step `columns` makes) at which the row's request takes
+        its last token (by its length, or its KV slot's end)."""
         self.states = list(states)
         # What a step adds to the last one's columns: a position (the tokens are written over).
         self._one_position = np.zeros_like(returned)
         self._one_position[POSITION] = 1
         self.columns = _moved_on(returned, tokens, self._one_position)  # the next step's items
         self.last_at = last_at
-        self.ending_step = ending_step
+        self.ends_at = list(ends_at)
+        self.ending_step = min(ends_at)  # the first step at which a row takes its last token
         self.special = special
         self.eos_token_id = eos_token_id
         # Whether end-of-text ends the row's request (not with ignore_eos).
         self.ends_on_eos = np.array([not state.request.ignore_eos for state in states])
-        # Rows whose requests hear of each token: their tokens take the per-request way each step.
-        self.heard = [(row, state) for row, state in enumerate(states) if not state.text_at_end]
-        self.quiet = len(states) - len(self.heard)  # the others: recorded here until `settle`
-        self.kinds = [state.sampler.batched for state in states]
+        self._rows_changed()
         self.steps = 0  # tokens recorded per row
         # A step of the run is on the backend: its requests' own `in_flight` flags are not set, per step,
         # but read through the run (`Scheduler.in_flight`); they are set when the run ends meanwhile.
         self.in_flight = False
-        self._tokens: list[np.ndarray] = []  # per step: the token of each row
+        # Per step since rows last left, the token and logprob of each row.
+        self._tokens: list[np.ndarray] = []
         self._logprobs: list[np.ndarray] = []
+        # The steps before rows last left: tokens and logprobs, steps x rows (the rows now).
+        self._block: tuple[np.ndarray, np.ndarray] | None = None
+
+    def _rows_changed(self) -> None:
+        # Rows whose requests hear of each token: their tokens take the per-request way each step.
+        self.heard = [(row, state) for row, state in enumerate(self.states) if not state.text_at_end]
+        self.quiet = len(self.states) - len(self.heard)  # the others: recorded here until `settle`
+        self.kinds = [state.sampler.batched for state in self.states]
+        self._members = {id(state) for state in self.states}
+
+    def holds(self, state: RequestState) -> bool:
+        return id(state) in self._members
 
     def goes_on(self, tokens: np.ndarray) -> bool:
         """Whether every request goes on after the step that chose `tokens` (one per row): none reaches
@@ -69,9 +88,15 @@ class DecodeRun:
         eos = tokens == self.eos_token_id
         return not np.count_nonzero(eos) or not np.count_nonzero(eos & self.ends_on_eos)
 
+    def ending(self, tokens: np.ndarray) -> np.ndarray:
+        """By row, whether the step that chose `tokens` gives the row's request its last token (its
+        length, its slot's end, or an end-of-text that ends it)."""
+        ends_now = np.array(self.ends_at) <= self.steps + 1
+        return ends_now | ((tokens == self.eos_token_id) & self.ends_on_eos)
+
     def record(self, tokens: np.ndarray, logprobs: np.ndarray, now: float) -> float:
-        """A step's tokens (chosen at `now`), none ending its request: the next step's columns move on
-        by a position with them. Returns the time since the last step's tokens (each row's latency)."""
+        """A step's tokens (chosen at `now`): the next step's columns move on by a position with them.
+        Returns the time since the last step's tokens (each row's latency)."""
         self.steps += 1
         self._tokens.append(tokens)
         self._logprobs.append(logprobs)
@@ -79,24 +104,94 @@ class DecodeRun:
         latency, self.last_at = now - self.last_at, now
         return latency
 
+    def leave(self, leaving: np.ndarray) -> list[tuple[int, RequestState, Recorded]]:
+        """The requests of the rows `leaving` (a mask; their last token recorded) leave the run, which
+        goes on with the others, condensed (as vLLM V1's persistent batch does when a request
+        finishes): each leaving request gets its position now (and when its last token came, if its
+        text is made at its end); returned with its row and what the run recorded of it
+        (`Recorded.lists`, read after the next step is out). A few array operations: no record per
+        request and step is made here."""
+        flags = leaving.tolist()
+        tokens, logprobs = self._recorded()
+        self._tokens, self._logprobs = [], []
+        left = []
+        for row, leaves in enumerate(flags):
+            if leaves:
+                state = self.states[row]
+                state.computed += self.steps
+                state.pending_token = None
+                if state.text_at_end:  # the others' last token is completed the per-request way
+                    state.last_token_at = self.last_at
+                left.append((row, state, Recorded(tokens, logprobs, row)))
+        if len(left) == len(flags):  # every request left: nothing goes on
+            self.states = []
+            return left
+        stay = ~leaving
+        self._block = (tokens[:, stay], logprobs[:, stay])
+        self.states = [state for state, leaves in zip(self.states, flags, strict=True) if not leaves]
+        self.columns = self.columns[:, stay]
+        self._one_position = self._one_position[:, stay]
+        self.ends_on_eos = self.ends_on_eos[stay]
+        self.ends_at = [end for end, leaves in zip(self.ends_at, flags, strict=True) if not leaves]
+        self.ending_step = min(self.ends_at)
+        self._rows_changed()
+        return left
+
+    def _recorded(self) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens and logprobs recorded so far, steps x rows."""
+        if not self._tokens:
+            if self._block is None:
+                raise RuntimeError("the run has recorded no step")
+            return self._block
+        tokens, logprobs = np.array(self._tokens), np.array(self._logprobs)
+        if self._block is not None:
+            tokens = np.concatenate((self._block[0], tokens))
+            logprobs = np.concatenate((self._block[1], logprobs))
+        return tokens, logprobs
+
+    def release(self) -> bool:
+        """The run ends: each request gets its position, its next token to feed and when its last token
+        came (what scheduling needs); True when text-at-end requests still have tokens in the run, which
+        `settle` gives them (after the next step is out: see `Scheduler.end_run`)."""
+        if not self.steps:
+            return False
+        next_tokens = (self._tokens[-1] if self._tokens else self._recorded()[0][-1]).tolist()
+        for state, token in zip(self.states, next_tokens, strict=True):
+            state.computed += self.steps
+            state.pending_token = token
+            state.last_token_at = self.last_at
+        return self.quiet > 0
+
     def settle(self) -> None:
-        """The run ends: each request gets what the run kept of it (its tokens, unless it took them one
-        at a time; its position; its next token to feed; when its last token came)."""
+        """After `release`: each text-at-end request gets the tokens the run recorded for it."""
         if not self.steps:
             return
-        tokens = np.stack(self._tokens, axis=1).tolist()
-        logprobs = np.stack(self._logprobs, axis=1).tolist()
-        special = self.special
+        recorded_ids, recorded_logprobs = self._recorded()
+        tokens, logprobs = recorded_ids.T.tolist(), recorded_logprobs.T.tolist()
         for state, ids, values in zip(self.states, tokens, logprobs, strict=True):
-            state.computed += self.steps
-            state.pending_token = ids[-1]
-            state.last_token_at = self.last_at
             if state.text_at_end:  # their text is made when the request ends (`_texts_at_end`)
-                flags = map(special.__contains__, ids)
-                columns = zip(ids, repeat(""), repeat(""), values, flags, repeat(()))
-                state.tokens.extend(map(generated_token_of, columns))
+                state.tokens.extend(recorded_tokens(ids, values, self.special))
         self.steps = 0
-        self._tokens, self._logprobs = [], []
+        self._tokens, self._logprobs, self._block = [], [], None
+
+
+class Recorded:
+    """What a run recorded of a request that left it: its row of the run's records (steps x rows)."""
+
+    __slots__ = ("_logprobs", "_row", "_tokens")
+
+    def __init__(self, tokens: np.ndarray, logprobs: np.ndarray, row: int) -> None:
+        self._tokens, self._logprobs, self._row = tokens, logprobs, row
+
+    def lists(self) -> tuple[list[int], list[float]]:
+        """Its tokens and their logprobs, oldest first."""
+        return self._tokens[:, self._row].tolist(), self._logprobs[:, self._row].tolist()
+
+
+def recorded_tokens(ids: list[int], logprobs: list[float], special: Container[int]) -> list[GeneratedToken]:
+    """A text-at-end request's token records for its ids and logprobs (no text yet: `_texts_at_end`)."""
+    flags = map(special.__contains__, ids)
+    return list(map(generated_token_of, zip(ids, repeat(""), repeat(""), logprobs, flags, repeat(()))))
 
 
 def _moved_on(

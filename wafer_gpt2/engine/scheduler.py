@@ -18,8 +18,9 @@ The groups persist across steps (vLLM V1's persistent input batch): each keeps i
 admission order, and once a step of the decode items of all of them is back (plain requests: greedy
 or sampled without penalties, no stop string) and every one of them goes on, the engine keeps the
 group as a `DecodeRun` (`keep`): its next steps are that step's item columns moved on, and what they
-choose is recorded by row, not a walk over its requests. Admitting into a group or leaving it ends
-the run (`end_run`: the requests get what it kept of them).
+choose is recorded by row, not a walk over its requests. A request that takes its last token leaves
+the run, which goes on with the others (`leave`); admitting into a group, or another way out of it,
+ends the run (`end_run`: the requests get what it kept of them, their token records at `settle`).
 
 Not thread-safe: the engine calls it under its own lock.
 """
@@ -29,8 +30,10 @@ from __future__ import annotations
 import time
 from collections import deque
 
+import numpy as np
+
 from wafer_gpt2.core.steps import HAS_TARGET, WANT_SCORES, StepInputs
-from wafer_gpt2.engine.decode_run import DecodeRun
+from wafer_gpt2.engine.decode_run import DecodeRun, Recorded
 from wafer_gpt2.engine.failures import Overloaded
 from wafer_gpt2.engine.kv_slots import KVSlotManager
 from wafer_gpt2.engine.request import RequestState, RequestStatus
@@ -92,6 +95,8 @@ class Scheduler:
         self._in_flight = [False] * groups  # a step of the group is on the backend
         # A group's run of plain decode steps (`keep`); None: its next step is built from its requests.
         self._runs: list[DecodeRun | None] = [None] * groups
+        # Runs that ended with tokens still to give their text-at-end requests (`end_run`, `settle`).
+        self._unsettled: list[DecodeRun] = []
 
     @property
     def capacity(self) -> int:
@@ -116,7 +121,7 @@ class Scheduler:
         elif sequence.status is RequestStatus.RUNNING:
             self.running.remove(sequence)
             group = sequence.group
-            self.end_run(group)
+            self.end_run_of(sequence)  # not when it left the run (`DecodeRun.leave`)
             self._members[group].remove(sequence)
             if slot is not None and sequence.in_flight:
                 self._held[sequence] = slot
@@ -265,15 +270,46 @@ class Scheduler:
         return self._runs[group]
 
     def end_run(self, group: int) -> None:
-        """The group's run, if any, ends: its requests get what it kept of them (`DecodeRun.settle`)."""
+        """The group's run, if any, ends: its requests get their positions and next tokens now
+        (`DecodeRun.release`), and the text-at-end ones the tokens it recorded at the next `settle`,
+        which the engine calls before it reads them: an admission ends a run just before its group's
+        next step is built, and that step need not wait for the records."""
         run = self._runs[group]
         if run is not None:
             self._runs[group] = None
-            run.settle()
+            if run.release():
+                self._unsettled.append(run)
             if run.in_flight:  # its step is still on the backend: each request's own flag says so now
                 run.in_flight = False
                 for sequence in run.states:
                     sequence.in_flight = True
+
+    def end_run_of(self, sequence: RequestState) -> None:
+        """End the run of the request's group if the request is one of its rows (`end_run`)."""
+        run = self._runs[sequence.group]
+        if run is not None and run.holds(sequence):
+            self.end_run(sequence.group)
+
+    def leave(self, group: int, leaving: np.ndarray) -> list[tuple[int, RequestState, Recorded]]:
+        """The requests of the group's run's rows `leaving` leave it (`DecodeRun.leave`); the run goes on
+        with the others (none: the group has no run)."""
+        run = self._runs[group]
+        if run is None:
+            raise RuntimeError(f"group {group} has no run to leave")
+        left = run.leave(leaving)
+        if not run.states:
+            self._runs[group] = None
+        return left
+
+    @property
+    def unsettled(self) -> bool:
+        return bool(self._unsettled)
+
+    def settle(self) -> None:
+        """Give the requests of the runs that ended the tokens the runs recorded (`DecodeRun.settle`)."""
+        runs, self._unsettled = self._unsettled, []
+        for run in runs:
+            run.settle()
 
     def in_flight(self, sequence: RequestState) -> bool:
         """Whether the request has items in a step the backend has not returned: its own flag, or its
@@ -283,7 +319,7 @@ class Scheduler:
         if sequence.status is not RequestStatus.RUNNING:
             return False
         run = self._runs[sequence.group]
-        return run is not None and run.in_flight
+        return run is not None and run.in_flight and run.holds(sequence)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
