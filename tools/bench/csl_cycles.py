@@ -9,6 +9,12 @@ the model's is the stage without its input phase, which the executor span leaves
 is the whole token, like for like: the executor's cycles from the decode step's first H2D command to its
 last D2H (memcpy edge in to edge out) against the sum of the model's stages at that position.
 
+The second table follows the token along its path, like for like: per region, the executor's cycles
+from the moment the last of its PEs had its input in memory to the same moment of the next region on
+the path (the PEs' `started` stamps, read from the executor's memory), against the model's cycles
+between the same two moments (the stage without its input phase, any route after it, and the next
+stage's input phase). Its rows add up to the path from the first region with counters to io.out.
+
     python tools/bench/csl_cycles.py [--arch wse2] [--vocab 50257] [--objective compact] [--position 32] [--idle]
 """
 
@@ -33,6 +39,9 @@ from wafer_gpt2.model.params import GPT2Params  # noqa: E402
 from wafer_gpt2.plan import build_plan  # noqa: E402
 
 INPUT_PHASES = ("input", "input multicast", "q, k, v multicast", "hand-off", "input to the farthest column")
+# The phases a stage begins with before its last PE has its input in memory (the hand-off ends one).
+LEADING_PHASES = tuple(p for p in INPUT_PHASES if p != "hand-off")
+STARTED_SYMBOL = "started"  # wafer_gpt2/kernels/lib/timing.csl: the TSC when the PE's last item began
 
 
 def region_spans(model: WaferGPT2, replica: int = 0) -> dict[str, int]:
@@ -49,26 +58,80 @@ def region_spans(model: WaferGPT2, replica: int = 0) -> dict[str, int]:
     return spans
 
 
+def region_starts(model: WaferGPT2, runtime: CslExecutorRuntime, replica: int = 0) -> dict[str, int]:
+    """Per region with counters, the executor's cycle at which the last of its PEs began its last item
+    (lib/timing.csl `started` plus the cycle the PE enabled its counter)."""
+    starts = {}
+    for region in model.plan.regions:
+        if region.replica != replica:
+            continue
+        latest = None
+        for y in range(region.y, region.y + region.h):
+            for x in range(region.x, region.x + region.w):
+                pe = runtime.machine.pes[(x, y)]
+                var = next((v for v in pe.program.symbols if v.name == STARTED_SYMBOL), None)
+                if var is None or not pe.tsc_on:
+                    continue
+                stamp = int(pe.mH[var.addr]) | int(pe.mH[var.addr + 1]) << 16
+                latest = max(latest or 0, pe.tsc_base + stamp)
+        if latest is not None:
+            starts[region.name] = latest
+    return starts
+
+
+def path_rows(
+    plan, position: int, starts: dict[str, int], edges: tuple[int, int]
+) -> list[tuple[str, int, int]]:
+    """(region, executor, model) between consecutive regions of the token's path that have counters:
+    the moments their last PE had its input in memory (see the module's docstring); the first row from
+    the memcpy edge in (`edges`: the executor's first H2D start and last D2H end), the last to the edge
+    out."""
+    moment, at = {}, 0
+    for stage in plan.stage_costs:
+        phases = list(_phases(plan, stage, position).items())
+        lead = 0
+        for name, cycles in phases:
+            if name not in LEADING_PHASES:
+                break
+            lead += cycles
+        moment[stage.name] = at + lead
+        at += sum(c for _, c in phases)
+    on_path = [name for name in moment if name in starts]
+    first, last = on_path[0], on_path[-1]
+    return [
+        ("edge in", starts[first] - edges[0], moment[first]),
+        *(
+            (a, starts[b] - starts[a], moment[b] - moment[a])
+            for a, b in zip(on_path, on_path[1:], strict=False)
+        ),
+        (last, edges[1] - starts[last], at - moment[last]),
+    ]
+
+
+def _phases(plan, stage, position: int) -> dict[str, int]:
+    region = next((r for r in plan.regions if r.name == stage.name), None)
+    if region is not None and region.kind == "attention":
+        return dict(attention_cost(region.tiling, plan.arch, plan.dtype, position + 1).phases)
+    return dict(stage.phases)
+
+
 def modeled(plan, position: int, whole: bool = False) -> dict[str, int]:
     """Per stage, the model's cycles for a decode item at `position` (attention priced at that context);
     without `whole`, less the input phases the executor's span leaves out."""
     out = {}
     for stage in plan.stage_costs:
-        phases = dict(stage.phases)
-        region = next((r for r in plan.regions if r.name == stage.name), None)
-        if region is not None and region.kind == "attention":
-            phases = dict(attention_cost(region.tiling, plan.arch, plan.dtype, position + 1).phases)
+        phases = _phases(plan, stage, position)
         out[stage.name] = sum(v for k, v in phases.items() if whole or k not in INPUT_PHASES)
     return out
 
 
-def edge_to_edge(runtime: CslExecutorRuntime) -> int:
-    """The executor's cycles from the step's first H2D command starting to its last D2H ending: the
+def edges(runtime: CslExecutorRuntime) -> tuple[int, int]:
+    """The executor's cycles at which the step's first H2D command started and its last D2H ended: the
     token's whole path, memcpy edge in to memcpy edge out, as the model's `decode_cycles` counts it."""
     times = runtime.machine.command_times
     starts = [start for kind, start, _ in times if kind == "StreamH2D"]
     ends = [end for kind, _, end in times if kind == "StreamD2H"]
-    return max(ends) - min(starts)
+    return min(starts), max(ends)
 
 
 def main() -> int:
@@ -102,7 +165,9 @@ def main() -> int:
         runtime.machine.command_times.clear()  # the decode step's commands only
         model.step(StepInputs.of_items([StepItem(0, args.position, 1, want_scores=True)]))
         spans = region_spans(model)
-        token = edge_to_edge(runtime)
+        starts = region_starts(model, runtime)
+        edge_in, edge_out = edges(runtime)
+        token = edge_out - edge_in
     finally:
         model.close()
     model_cycles = modeled(plan, args.position)
@@ -123,8 +188,17 @@ def main() -> int:
     path = sum(modeled(plan, args.position, whole=True).values())
     rows.append({"region": "token", "executor": token, "cost_model": path, "ratio": round(token / path, 2)})
     print(f"{'token (edge to edge)':<14}{token:>10,}{path:>12,}{token / path:>8.2f}")
+    print("\nalong the path: from a region's input in memory to the next one's")
+    print(f"{'region':<14}{'executor':>10}{'cost model':>12}{'ratio':>8}")
+    path_table = []
+    for name, executor, cost in path_rows(plan, args.position, starts, (edge_in, edge_out)):
+        ratio = executor / cost if cost else float("inf")
+        path_table.append(
+            {"region": name, "executor": executor, "cost_model": cost, "ratio": round(ratio, 2)}
+        )
+        print(f"{name:<14}{executor:>10,}{cost:>12,}{ratio:>8.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"spans": rows, "path": path_table}, indent=1))
     return 0
 
 
