@@ -453,8 +453,8 @@ def epilogue_cycles(
       every PE passes the header and the words before its slice on in one operation, then appends its
       own, a task activation and a DSD operation later (comm/gather.csl's steps).
     Priced as the time the gathered stream has left, less what the unshared lane takes for the same
-    stream (its header, one task and two DSD operations, tile_n words), which the model leaves to the
-    hand-off."""
+    stream (its header and tile_n words, one DSD operation: comm/gather.csl `send_framed`), which the
+    model leaves to the hand-off."""
     added = tile_n * FP32_OPS_PER_CYCLE if bias else 0
     if pes <= 1:
         return added + tile_n * per_output
@@ -473,7 +473,7 @@ def epilogue_cycles(
         # PE j passes the header and the j slices before its own on in one operation, then its own
         passed = max(ready[j] + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + j * part, end + _RELAY)
         end = passed + _TASK_STEP + part
-    lane = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + _TASK_STEP + tile_n
+    lane = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + tile_n
     return end - lane
 
 
@@ -509,15 +509,19 @@ _RELAY = HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE
 _TASK_STEP = TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES
 
 
-def gathered_handoff_cycles(sources: int, chunk: int, hops: int) -> int:
+def gathered_handoff_cycles(sources: int, chunk: int, hops: int, framed: bool = True) -> int:
     """A vector held in `chunk`-word slices by a line of `sources` PEs, handed to a region through a
     gather line led from its output end and one multicast (comm/gather.csl's near-led roles, which
     wafer_gpt2/codegen/build.py `connect` builds where a bundle of lanes would share routers): the
-    lead sends the header and its slice (a DSD operation, then a task and the next), then relays in
-    one operation what the others sent at once; the last word reaches it after the line's words or
-    after the farthest slice's relays through every PE, whichever is later, and then crosses `hops`
-    routers to the farthest reader, which takes the whole payload in one operation."""
-    relay_start = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + 2 * _TASK_STEP + chunk
+    lead sends the header and its slice, then (a task later) relays in one operation what the others
+    sent at once; the last word reaches it after the line's words or after the farthest slice's
+    relays through every PE, whichever is later, and then crosses `hops` routers to the farthest
+    reader, which takes the whole payload in one operation. `framed`: the lead's slice follows the
+    header in its frame (`send_framed`, the residual adds), so both leave in one DSD operation;
+    otherwise the header is one and the slice, a task later, the next (the embedding)."""
+    relay_start = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + _TASK_STEP + chunk
+    if not framed:
+        relay_start += _TASK_STEP
     relayed = max((sources - 1) * chunk, (sources - 1) * _RELAY + chunk)
     return relay_start + relayed + hops * HOP_CYCLES + ROUTER_TO_PE_CYCLES
 

@@ -89,7 +89,8 @@ def outer_stage_costs(
     def route(name: str) -> int:
         src, dst = ends[name]
         if geo.gathered(src, dst):
-            return gathered_handoff_cycles(geo.r, chunk, geo.gather_hops(src, dst))
+            # the residual adds send from their input's frame; the embedding sends its row apart
+            return gathered_handoff_cycles(geo.r, chunk, geo.gather_hops(src, dst), framed=src != "embed")
         hops, _ = geo.route_legs(src, dst)
         return stream_cycles(route_words(name, config, geo, head), hops)
 
