@@ -141,7 +141,7 @@ commands:
   cs_python SCRIPT ARGS... run an SDK host script (run.py) on the executor
   wrappers DIR             write DIR/cslc and DIR/cs_python: put DIR on PATH, run commands_*.sh as is
   examples PATH ...        run a checkout of Cerebras/csl-examples (examples --help)
-  calibrate WAFERLLM       WaferLLM's MeshGEMV at the published CS-3 points: executor vs hardware cycles
+  calibrate WAFERLLM       WaferLLM's MeshGEMV or MeshGEMM at the published CS-3 points: executor vs hardware cycles
 """
 
 

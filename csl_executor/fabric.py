@@ -140,6 +140,13 @@ class Channel:
             self.data_waiters.append(fn)
 
 
+def ramp_has_room(ce: Channel) -> bool:
+    """Whether a wavelet may start down the ramp into the CE's input queue `ce` (timing.STREAM_PACING):
+    the queue's depth counts the wavelets on their way down, or the ramp holds them besides it."""
+    ramp = timing.ROUTER_TO_CE if timing.STREAM_PACING == "link-rate" else 0
+    return ce.free() + ramp > 0
+
+
 # ---------------------------------------------------------------------------------------------------
 # Routers
 
@@ -311,7 +318,7 @@ class RouterColor:
             if d == "RAMP":
                 if self._to_ce(w):
                     ce = self.machine.pe_input(self.x, self.y, self.color)
-                    if ce.free() <= 0:
+                    if not ramp_has_room(ce):
                         ce.wait_space(self._kick)
                         return
             elif nb.buf.free() <= 0:

@@ -27,7 +27,7 @@ from greenlet import greenlet
 from csl_executor import timing
 from csl_executor.compiler import csl_location
 from csl_executor.errors import CslDeadlock, CslError, CslRuntimeError
-from csl_executor.fabric import CTRL, Channel, RouterColor
+from csl_executor.fabric import CTRL, Channel, RouterColor, ramp_has_room
 from csl_executor.layout import CompiledLayout
 from csl_executor.pe import PE
 from csl_executor.program import ColorConfig
@@ -488,7 +488,7 @@ class _Feeder:
             self.move_kick(ready)
             return
         ce = self.pe.input(self.cmd.color)
-        if ce.free() <= 0:
+        if not ramp_has_room(ce):
             ce.wait_space(self.move_kick)
             return
         self.path.pop(t)

@@ -10,6 +10,8 @@ csl_executor/README.md, "What it does not model".
 
 from __future__ import annotations
 
+from typing import Literal
+
 # Calibrated on Cerebras hardware: the published CS-3 runs of WaferLLM's MeshGEMV (docs/calibration.md,
 # "The data"; the executor's own table is in csl_executor/README.md, "Timed like hardware"). The cost
 # model (wafer_gpt2.core.cost) fits three constants on them; the executor uses the same three, each where the
@@ -18,6 +20,14 @@ HOP = 2  # router to router, per wavelet: the fit gives 2.03 cycles (the SDK's "
 # neighbours is the link's rate, one wavelet per cycle); topic-13's simulator log shows a broadcast
 # reaching x = 1, 2, 3 at cycles 1156, 1158, 1160
 ROUTER_TO_CE = 7  # a wavelet stopping at a PE (csl-notes: "router to processor about 7 cycles")
+# How a stream into a PE's input queue is paced (docs/kernels.md; csl_executor/README.md, "Timed like
+# hardware", has the hardware evidence). "queue-depth": a wavelet holds its place in the input queue from
+# the cycle the router sends it down the ramp until the CE takes it (ROUTER_TO_CE cycles later at the
+# earliest), so a long stream into one queue runs at depth / ROUTER_TO_CE wavelets a cycle (4/7 into a
+# four-deep queue; about depth / 8 for a SIMD-64 read, which takes wavelets in pairs). "link-rate": the
+# ramp holds the wavelets on their way down besides the queue (ROUTER_TO_CE of them), so a stream runs at
+# the link's rate, a wavelet a cycle, and a queue nobody reads backs up depth + ROUTER_TO_CE wavelets.
+STREAM_PACING: Literal["queue-depth", "link-rate"] = "queue-depth"
 CE_TO_ROUTER = 1  # output queue to router (assumption: one cycle, a link's rate)
 TASK_START = 20  # picking a task and entering it (assumption, as wafer_gpt2.core.cost.TASK_ACTIVATION_CYCLES)
 STATEMENT = 1  # one scalar operation of a task (assumption: the CE issues about one per cycle)

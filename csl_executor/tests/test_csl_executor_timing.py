@@ -6,6 +6,9 @@ down), timed per PE with <time>. Every PE added to the column adds one hop and o
 (a hop, the router-to-CE latency, one step of the add, the output queue to the router) and one hop
 to the multicast: the test checks the executor's loop period grows by exactly that.
 
+csl_executor/tests/data/stream/ is a pair of PEs, one streaming to the other's input queue: the
+test checks how fast a long stream runs under each `timing.STREAM_PACING` rule.
+
 The hardware check runs WaferLLM's own MeshGEMV for WSE-3, unmodified, at published CS-3 points
 (csl_executor/README.md, "Timed like hardware"): set WAFER_CSL_WAFERLLM to a checkout of
 github.com/MeshInfra/WaferLLM; without it that test is skipped.
@@ -21,6 +24,7 @@ import pytest
 from csl_executor_helpers import Host, compile_program, f16_bits
 
 from csl_executor import timing
+from csl_executor.arch import RULES
 
 MT, NT, ROUNDS = 4, 2, 5
 
@@ -49,6 +53,30 @@ def loop_period(arch: str, p: int) -> float:
 def test_each_pe_of_the_chain_adds_its_hops_and_its_stop(arch):
     per_pe = 2 * timing.HOP + timing.ROUTER_TO_CE + 1 + timing.CE_TO_ROUTER
     assert loop_period(arch, 8) - loop_period(arch, 4) == 4 * per_pe
+
+
+def stream_cycles(arch: str, e: int, queue: int) -> int:
+    """Cycles the receiver of csl_executor/tests/data/stream/ spends reading e wavelets."""
+    host = Host(compile_program("stream", arch=arch, params={"E": e, "queue": queue}))
+    data = np.arange(1, e + 1, dtype=np.uint32)
+    host.h2d("buf", data)
+    host.launch("run")
+    got = host.d2h("buf", e, rect=(1, 0, 1, 1))
+    words = host.d2h("stamps", 6, rect=(1, 0, 1, 1), bits=16).astype(np.int64)
+    host.stop()
+    np.testing.assert_array_equal(got, data)
+    return int((words[3:] - words[:3]) @ np.array([1, 1 << 16, 1 << 32]))
+
+
+@pytest.mark.parametrize(("arch", "queue"), [("wse3", 2), ("wse2", 4)])
+@pytest.mark.parametrize("pacing", ["queue-depth", "link-rate"])
+def test_a_long_stream_into_an_input_queue_runs_at_the_pacing_rules_rate(monkeypatch, arch, queue, pacing):
+    monkeypatch.setattr(timing, "STREAM_PACING", pacing)
+    per_wavelet = (stream_cycles(arch, 64, queue) - stream_cycles(arch, 32, queue)) / 32
+    depth = RULES[arch].input_queues[queue]
+    # queue-depth: a wavelet holds its place in the queue from the router until the CE takes it
+    # (ROUTER_TO_CE cycles later), so `depth` of them are under way at a time; link-rate: one a cycle.
+    assert per_wavelet == (timing.ROUTER_TO_CE / depth if pacing == "queue-depth" else 1)
 
 
 WAFERLLM = os.environ.get("WAFER_CSL_WAFERLLM", "")
