@@ -61,41 +61,55 @@ def test_gemv_cost_by_hand() -> None:
     # the accumulator zeroed (an @fmovs of the tile's 2 outputs), then one @map started, over 2
     # inputs, each step ceil(2 / 4) = 1 cycle of FMACs
     zero = S + 2
+    # gemv.csl's steps on the last PE: a task for the input, one for the sums, the bias's operation,
+    # the header and outputs sent in one operation
+    send = S + 5
     assert c.phases == {
         "input multicast": H + R,
+        "task: the input in": T,
         "tile FMAC": zero + S + 2 * (M + 1),
         "chain reduction": STEP + 2,
-        "bias + epilogue": 2,
+        "task: the sums in": T,
+        "bias + epilogue": S + 2,
+        "the output's header (its send's start)": send,
     }
-    assert c.cycles == (H + R) + zero + S + 2 * (M + 1) + (STEP + 2) + 2
+    steps = 2 * T + S + send
+    assert c.cycles == (H + R) + zero + S + 2 * (M + 1) + (STEP + 2) + 2 + steps
     assert cost.gemv_cost(small, "wse2", "fp32").cycles == c.cycles + 2  # 2 outputs at 1 per cycle
     wide = GemvTiling(64, 64, 4, 1)  # tile 16x64
     zero = S + 64
-    assert cost.gemv_cost(wide, "wse2", "fp16").cycles == R + zero + S + 16 * (M + 16) + (3 * STEP + 64) + 64
-    assert cost.gemv_cost(wide, "wse3", "fp16").cycles == R + zero + S + 16 * (M + 8) + (3 * STEP + 64) + 64
+    assert cost.gemv_cost(wide, "wse2", "fp16").cycles == (
+        R + zero + S + 16 * (M + 16) + (3 * STEP + 64) + 64 + steps
+    )
+    assert cost.gemv_cost(wide, "wse3", "fp16").cycles == (
+        R + zero + S + 16 * (M + 8) + (3 * STEP + 64) + 64 + steps
+    )
     two = GemvTiling(64, 64, 4, 1, reduction="two_level", group=2)
     c = cost.gemv_cost(two, "wse2", "fp16", epilogue_cycles_per_output=cost.GELU_CYCLES)
     assert c.phases["two_level reduction (runs of 2)"] == STEP + (2 * H + R + 1) + 64
-    assert c.phases["bias + epilogue"] == 64 * (1 + cost.GELU_CYCLES)
+    # the bias's operation, then the GELU's @map
+    assert c.phases["bias + epilogue"] == S + 64 + S + 64 * cost.GELU_CYCLES
 
 
 def test_a_shared_epilogue_by_hand() -> None:
     """fc's GELU shared by the last PEs of a K-line (wafer_gpt2.core.cost.epilogue_cycles): 16 outputs on 2 PEs.
-    The root biases all 16 (16) and starts the stream of slice 0 back (S), which reaches the other PE
+    The root biases all 16 (an operation, S + 16) and starts the stream of slice 0 back (S), which reaches the other PE
     one link later with its 8 words (STEP + 8); a task activation there, 8 GELUs (the root's own 8
     are done long before). The gather line: the far PE's header (S + 5), a task and a DSD operation,
     its 8 words; the root, its own slice long done, passes the header and those 8 words on in one
     operation (STEP after the far PE's last word), then a task and an operation, its own 8. Less the
     unshared lane's S + 5 + 16 (its header and outputs in one operation from their frame)."""
     g = cost.GELU_CYCLES
-    far = 16 + S + STEP + 8 + T + 8 * g
+    far = S + 16 + S + STEP + 8 + T + 8 * g
     end = far + S + 5 + (T + S) + 8 + STEP + (T + S) + 8
     assert cost.epilogue_cycles(16, 2, g) == end - (S + 5 + 16)
-    assert cost.epilogue_cycles(16, 1, g) == 16 * (1 + g)  # the last PE alone, as before
+    assert cost.epilogue_cycles(16, 1, g) == (S + 16) + (S + 16 * g)  # the last PE alone: two operations
     shared = GemvTiling(768, 3072, 32, 192, "k_along_x", epilogue_pes=4)
     phases = cost.gemv_cost(shared, "wse2", "fp16", g).phases
     assert (
-        phases["bias + epilogue (shared by 4 PEs)"] == cost.epilogue_cycles(16, 4, g) < 16 * (1 + g) * 2 / 3
+        phases["bias + epilogue (shared by 4 PEs)"]
+        == cost.epilogue_cycles(16, 4, g)
+        < cost.epilogue_cycles(16, 1, g) * 2 / 3
     )
     with pytest.raises(ValueError, match="do not split 16 outputs"):
         cost.epilogue_cycles(16, 3, g)
@@ -106,13 +120,13 @@ def test_a_shared_epilogue_by_hand() -> None:
 
 
 def test_a_multicast_epilogue_by_hand() -> None:
-    """The epilogue shared through comm/spread.csl: 16 outputs on 2 PEs. The root biases all 16 (16)
+    """The epilogue shared through comm/spread.csl: 16 outputs on 2 PEs. The root biases all 16 (S + 16)
     and starts the multicast of the other PE's 8 sums (S), which are in that PE a link and 8 words
     later; a task, its 8 GELUs, the start of its part of the sum (S). The root's own 8 GELUs and its
     read of the sum (S) are done before the sum comes: one chain step on, 8 words, a task to start
     the lane."""
     g = cost.GELU_CYCLES
-    far = 16 + S + (H + R + 8) + T + 8 * g + S
+    far = S + 16 + S + (H + R + 8) + T + 8 * g + S
     assert cost.epilogue_cycles(16, 2, g, multicast=True) == far + STEP + 8 + T
     # 8 PEs for 32 outputs: the farthest PE's multicast is in 7 links away, the chain of 7 steps
     far = S + (7 * H + R + 28) + T + 4 * g + S
@@ -327,9 +341,12 @@ def test_standalone_gemv() -> None:
     assert c.phases == {
         "input injection": R + 2,
         "input multicast": H + R,
+        "task: the input in": T,
         "tile FMAC": (S + 2) + S + 2 * (M + 1),
         "chain reduction": STEP + 2,
-        "bias + epilogue": 2,
+        "task: the sums in": T,
+        "bias + epilogue": S + 2,
+        "the output's header (its send's start)": S + 5,
     }
     assert c.cycles == sum(c.phases.values())
     wide = cost.standalone_gemv_cost("wse2", 16, 4, 64, 64, "fp16")
@@ -387,8 +404,11 @@ def test_occupancy_is_the_span_of_a_blocking_stage() -> None:
     copy = pipelined.renamed("z")
     assert (copy.name, copy.phases, copy.first_word, copy.occupancy) == ("z", {"a": 100}, 40, 30)
     assert copy.phases is not pipelined.phases
-    # the residual add streams: its sum's first word leaves a hop, the ramp and an add after the start
-    assert cost.residual_cost(16).first_word == H + R + 1
+    # the residual add (residual.csl): the chunk in, a task and one add, then its header and sum leave
+    # in one operation, the sum's first word after the header
+    res = cost.residual_cost(16)
+    assert res.cycles == (H + R + 16) + (T + S + 16) + (S + 5 + 16)
+    assert res.first_word == (H + R + 16) + (T + S + 16) + (S + 5)
 
 
 def test_a_gathered_hand_off_by_hand() -> None:

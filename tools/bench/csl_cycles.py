@@ -38,7 +38,15 @@ from wafer_gpt2.model.config import GPT2Config  # noqa: E402
 from wafer_gpt2.model.params import GPT2Params  # noqa: E402
 from wafer_gpt2.plan import build_plan  # noqa: E402
 
-INPUT_PHASES = ("input", "input multicast", "q, k, v multicast", "hand-off", "input to the farthest column")
+INPUT_PHASES = (
+    "input",
+    "input multicast",
+    "task: the input in",
+    "the chunk in",
+    "q, k, v multicast",
+    "hand-off",
+    "input to the farthest column",
+)
 # The phases a stage begins with before its last PE has its input in memory (the hand-off ends one).
 LEADING_PHASES = tuple(p for p in INPUT_PHASES if p != "hand-off")
 STARTED_SYMBOL = "started"  # wafer_gpt2/kernels/lib/timing.csl: the TSC when the PE's last item began

@@ -391,6 +391,11 @@ def gemv_cost(
     With the LayerNorm folded in (`norm_fold`), every PE also sums its chunk's x and x^2 (as
     `norm_cost` prices it), the reduction carries the two sums as two more words, and the last PE
     turns them into mean and rstd and applies them with the bias (two FMACs per output).
+    The PE program's steps on the last PE's path (wafer_gpt2/kernels/pe/gemv.csl): a task when the
+    input is in (`got_input`), another when the sums are (`reduced`), an operation's start per
+    vector operation of the epilogue, and the output's send, the header and the outputs in one
+    operation from their frame (comm/gather.csl `send_framed`; the outputs' words are priced where
+    the next stage reads them).
     `input_phase` (name, cycles) replaces the multicast where the input's latency is priced otherwise
     (the LM head); `epilogue` False: the outputs go on without a bias or an epilogue (the LM head).
     """
@@ -399,6 +404,7 @@ def gemv_cost(
     if input_phase is None:
         input_phase = ("input multicast", (tiling.cols - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES)
     cost.add(*input_phase)
+    cost.add("task: the input in", TASK_ACTIVATION_CYCLES)
     cost.add("tile FMAC", max(tiling.tile_k, gemv_compute_cycles(tiling, arch, dtype)))
     stats = NORM_STAT_WORDS if tiling.norm_fold else 0
     if tiling.norm_fold:
@@ -408,12 +414,13 @@ def gemv_cost(
         f" (runs of {tiling.group})" if tiling.reduction == "two_level" else ""
     )
     cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group))
-    # shared through comm/spread.csl, every PE applies the LayerNorm to its own slice (in the epilogue)
-    spread_norm = epilogue and tiling.norm_fold and tiling.epilogue_multicast and tiling.epilogue_pes > 1
-    if tiling.norm_fold and not spread_norm:  # the bias rides the multiply by rstd: not a pass of its own
-        cost.add("LayerNorm (mean, rstd) + bias", RSQRT_CYCLES + 2 * tiling.tile_n)
     if not epilogue:
         return cost
+    cost.add("task: the sums in", TASK_ACTIVATION_CYCLES)
+    # shared through comm/spread.csl, every PE applies the LayerNorm to its own slice (in the epilogue)
+    spread_norm = tiling.norm_fold and tiling.epilogue_multicast and tiling.epilogue_pes > 1
+    if tiling.norm_fold and not spread_norm:  # the bias rides the multiply by rstd: not a pass of its own
+        cost.add("LayerNorm (mean, rstd) + bias", RSQRT_CYCLES + 2 * (DSD_OP_START_CYCLES + tiling.tile_n))
     cycles = epilogue_cycles(
         tiling.tile_n,
         tiling.epilogue_pes,
@@ -429,6 +436,7 @@ def gemv_cost(
             "LayerNorm + epilogue" if spread_norm else "epilogue" if tiling.norm_fold else "bias + epilogue"
         )
         cost.add(what + shared, cycles)
+    cost.add("the output's header (its send's start)", DSD_OP_START_CYCLES + ITEM_HEADER_WORDS)
     return cost
 
 
@@ -455,9 +463,9 @@ def epilogue_cycles(
     Priced as the time the gathered stream has left, less what the unshared lane takes for the same
     stream (its header and tile_n words, one DSD operation: comm/gather.csl `send_framed`), which the
     model leaves to the hand-off."""
-    added = tile_n * FP32_OPS_PER_CYCLE if bias else 0
-    if pes <= 1:
-        return added + tile_n * per_output
+    added = tile_n * FP32_OPS_PER_CYCLE + DSD_OP_START_CYCLES if bias else 0
+    if pes <= 1:  # the bias one operation, the epilogue one more (lib/gelu.csl's @map)
+        return added + (DSD_OP_START_CYCLES + tile_n * per_output if per_output else 0)
     if tile_n % pes:
         raise ValueError(f"{pes} epilogue PEs do not split {tile_n} outputs evenly")
     if multicast:
@@ -614,11 +622,16 @@ def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
 
 
 def residual_cost(chunk: int, name: str = "residual") -> StageCost:
-    """Add the residual stream chunk to the arriving chunk and pass it on (fp32, streamed)."""
-    # the sum leaves as the chunk arrives: its first word a hop, the ramp and one add after the start
+    """Add the residual stream's chunk to the arriving one and pass the sum on, as
+    wafer_gpt2/kernels/pe/residual.csl does: the chunk in (a hop, the ramp, its words), a task, one
+    fp32 add over the chunk, then the header and the sum in one operation from the input's frame."""
     link = HOP_CYCLES + ROUTER_TO_PE_CYCLES
-    cost = StageCost(name, first_word=link + FP32_OPS_PER_CYCLE)
-    return cost.add("add + forward", link + chunk)
+    cost = StageCost(name)
+    cost.add("the chunk in", link + chunk)
+    cost.add("task: add", TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES + chunk * FP32_OPS_PER_CYCLE)
+    send = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS
+    cost.first_word = cost.cycles + send
+    return cost.add("the sum's send", send + chunk)
 
 
 # --- Attention -------------------------------------------------------------------------------------
