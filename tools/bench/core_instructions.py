@@ -213,13 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     trees = [ROOT, *(Path(tree).resolve() for tree in args.tree)]
-    kind = ("streamed" if args.stream else "non-streamed") + (
-        ", the engine process's sink" if args.pipe else ""
-    )
+    kind = "streamed" if args.stream else "non-streamed"
+    sink = ", events to the engine process's sink" if args.pipe else ""
     groups = f", {args.steps_in_flight} groups" if args.steps_in_flight > 1 else ""
     print(
         f"engine core over the {args.backend} backend{groups}: {args.requests} {kind} requests x "
-        f"{args.new_tokens} new tokens per round"
+        f"{args.new_tokens} new tokens per round{sink}"
     )
     with tempfile.TemporaryDirectory() as scratch:
         if args.backend == "modeled":  # planned once, here: the search would cost minutes under valgrind

@@ -14,6 +14,10 @@ process, and the HTTP process talks to it over a pipe (the messages, typed, in
   `Answer`s, and `Stopped` last.
 
 Requests and step events cross in a compact form (plain tuples packed by marshal), the rest pickled.
+The engine process's messages are encoded and written by a thread of their own (`_Sender`), so the
+worker does not wait for the pipe. A non-streamed request without stop sequences ends as its ids and
+logprobs (`IdsFinishEvent`, `_PipeSink.makes_text`): its text is made here, in the HTTP process
+(`EngineProcess._deliver_events`), not on the engine's thread.
 The engine process's reader hands each request to the worker without taking the engine's lock
 (`Engine.submit_nowait`); `_Book` keeps the requests by id for cancellations. In the HTTP process the
 server's event loop reads the pipe itself (`FrameReader`), so the loop has no thread to share the GIL
