@@ -92,8 +92,11 @@ def workload(
     core = EngineCore(backend, gpt2_tokenizer_hooks(), max_queue=requests, step_token_budget=512)
     loop = asyncio.new_event_loop()  # events go to its queue, as under the server; never run
     sink: EventSink = loop_sink(loop)
+    ended = [0]  # with `pipe`: the tokens of the requests that ended (some have no records here)
     if pipe:
-        from wafer_gpt2.engine import messages, process
+        from wafer_gpt2.engine import messages, process, request
+
+        ids_only = getattr(request, "IdsFinishEvent", None)  # none in a tree to compare from before it
 
         class Forgotten:  # the book of the engine process's requests, for cancellations: none here
             def ended(self, request_ids: list[str]) -> None:
@@ -101,6 +104,11 @@ def workload(
 
         def send(message: messages.FromEngine) -> None:
             messages.encode(message)
+            for _, event in message.events if isinstance(message, messages.Events) else ():
+                if type(event) is ids_only:
+                    ended[0] += len(getattr(event, "ids", ()))
+                elif type(event) is not request.TokenEvent:
+                    ended[0] += len(getattr(event, "tokens", ()))
 
         sink = process._PipeSink(send, Forgotten())  # type: ignore[arg-type]
     generated = 0
@@ -112,7 +120,8 @@ def workload(
             ]
             while core.has_work():
                 core.step()
-            generated += sum(len(state.tokens) for state in states)
+            generated += ended[0] if pipe else sum(len(state.tokens) for state in states)
+            ended[0] = 0
             loop._ready.clear()  # type: ignore[attr-defined]  # the undelivered event hand-overs
     finally:
         loop.close()

@@ -159,7 +159,8 @@ class RequestState:
     # a time: nobody reads the text before then (no token events, no stop sequence to find in it).
     text_at_end: bool = False
     # A text-at-end request whose sink makes the text (`EventSink.makes_text`): it ends with an
-    # `IdsFinishEvent`, and its tokens never get text here.
+    # `IdsFinishEvent`, and its tokens never get text here (nor records, those of a run it left last:
+    # its end carries them as ids).
     text_in_front: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: str = field(default_factory=new_request_id)
