@@ -8,11 +8,9 @@ applied when it is (`wafer_gpt2.engine.process._Book`)."""
 from __future__ import annotations
 
 import marshal
-import multiprocessing
 import threading
 import time
 from decimal import Decimal
-from typing import NamedTuple
 
 import pytest
 
@@ -47,7 +45,7 @@ from wafer_gpt2.engine.messages import (
     encode,
 )
 from wafer_gpt2.engine.metrics import ServiceMetrics
-from wafer_gpt2.engine.process import _Book, _Sender
+from wafer_gpt2.engine.process import _Book
 from wafer_gpt2.engine.request import (
     Alternative,
     ErrorEvent,
@@ -462,45 +460,3 @@ def test_a_sink_that_makes_text_gets_ids_and_makes_the_end_the_engine_would_have
         assert made == here
         reasons.add(made.finish_reason)
     assert reasons == {FinishReason.LENGTH, FinishReason.EOS}
-
-
-# ----- the engine process's sender --------------------------------------------------------------------
-
-
-def test_the_sender_writes_every_message_in_order_and_then_says_the_pipe_broke():
-    receiving, sending = multiprocessing.Pipe()
-    sender = _Sender(sending)
-    sent = [Events([(f"req-{i}", TokenEvent(i + 1, TOKENS[0]))]) for i in range(50)] + [Stopped()]
-    for message in sent:
-        sender.send(message)
-    arrived = [decode_from_engine(receiving.recv_bytes()) for _ in sent]
-    assert arrived == sent
-    receiving.close()
-    with pytest.raises(OSError):  # the write that finds the pipe closed breaks it; later sends raise
-        for _ in range(1000):
-            sender.send(Stopped())
-            time.sleep(0.001)
-    sender.close(5)
-    sending.close()
-
-
-class _Unpackable(NamedTuple):
-    lock: object
-
-
-def test_an_events_message_the_sender_cannot_encode_fails_its_requests_alone():
-    receiving, sending = multiprocessing.Pipe()
-    sender = _Sender(sending)
-    ended = FinishEvent(FinishReason.LENGTH, "", "", (), (), None, 1, None)
-    # An error event whose error pickle cannot pack (a lock): the message cannot be encoded.
-    broken = ErrorEvent(ServiceError("boom"))
-    object.__setattr__(broken, "error", _Unpackable(threading.Lock()))
-    sender.send(Events([("req-1", TokenEvent(1, TOKENS[0])), ("req-1", broken), ("req-2", ended)]))
-    sender.send(Events([("req-3", ended)]))
-    first, second = (decode_from_engine(receiving.recv_bytes()) for _ in range(2))
-    assert [(i, type(e)) for i, e in first.events] == [("req-1", ErrorEvent), ("req-2", ErrorEvent)]
-    assert all(isinstance(e.error, RequestFailed) for _, e in first.events)
-    assert second == Events([("req-3", ended)])
-    sender.close(5)
-    receiving.close()
-    sending.close()

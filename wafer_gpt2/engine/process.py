@@ -14,10 +14,9 @@ process, and the HTTP process talks to it over a pipe (the messages, typed, in
   `Answer`s, and `Stopped` last.
 
 Requests and step events cross in a compact form (plain tuples packed by marshal), the rest pickled.
-The engine process's messages are encoded and written by a thread of their own (`_Sender`), so the
-worker does not wait for the pipe. A non-streamed request without stop sequences ends as its ids and
-logprobs (`IdsFinishEvent`, `_PipeSink.makes_text`): its text is made here, in the HTTP process
-(`EngineProcess._deliver_events`), not on the engine's thread.
+A non-streamed request without stop sequences ends as its ids and logprobs (`IdsFinishEvent`,
+`_PipeSink.makes_text`): its text is made here, in the HTTP process (`EngineProcess._deliver_events`),
+not on the engine's thread.
 The engine process's reader hands each request to the worker without taking the engine's lock
 (`Engine.submit_nowait`); `_Book` keeps the requests by id for cancellations. In the HTTP process the
 server's event loop reads the pipe itself (`FrameReader`), so the loop has no thread to share the GIL
@@ -54,7 +53,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import queue
 import signal
 import socket
 import struct
@@ -363,59 +361,6 @@ class FrameReader:
 _LENGTH = struct.Struct("!i")
 _LONG_LENGTH = struct.Struct("!Q")
 
-# Messages that may wait for the sender's thread before `_Sender.send` waits for it to write them.
-SENDER_LIMIT = 4096
-SENDER_CLOSE_S = 5.0  # how long the engine process's end waits for its last messages to be written
-
-
-class _Sender:
-    """The engine process's messages to the HTTP process, encoded and written to the pipe by a thread
-    of its own, in the order they were handed over (one queue for the worker, the state reports and
-    the answers). The worker hands a step's events over and goes on: encoding them and writing them
-    took its thread, the wafer's critical path, a write that wakes the HTTP process waiting for a CPU
-    as long as 0.6 ms (90th percentile under load); the sender's thread runs while the worker waits
-    for the wafer. When `limit` messages wait (an HTTP process that does not read), `send` waits for
-    the writer, as a full pipe held the engine back before. Once the pipe is broken, `send` raises
-    OSError, as a write to it did."""
-
-    def __init__(self, connection: Any, limit: int = SENDER_LIMIT):
-        self._connection = connection
-        self._queue: queue.SimpleQueue[FromEngine | None] = queue.SimpleQueue()
-        self._limit = limit
-        self._broken: OSError | ValueError | None = None
-        self._thread = threading.Thread(target=self._write, name="wafer-engine-sender", daemon=True)
-        self._thread.start()
-
-    def send(self, message: FromEngine) -> None:
-        if self._broken is not None:
-            raise BrokenPipeError("the pipe to the HTTP process is closed") from self._broken
-        self._queue.put(message)
-        while self._queue.qsize() > self._limit and self._broken is None and self._thread.is_alive():
-            time.sleep(0.001)  # rare: the HTTP process does not read
-
-    def close(self, timeout_s: float) -> None:
-        """Write what waits (for up to `timeout_s`), then stop the thread."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-
-    def _write(self) -> None:
-        get, write = self._queue.get, self._connection.send_bytes
-        while (message := get()) is not None:
-            if self._broken is not None:
-                continue  # nobody reads: what is handed over is dropped until `close`
-            try:
-                data = engine_messages.encode(message)
-            except Exception:  # a bug: the requests of an events message fail alone; the engine goes on
-                log.exception("could not encode the engine's %s message", type(message).__name__)
-                if not isinstance(message, Events):
-                    continue
-                ids = dict.fromkeys(request_id for request_id, _ in message.events)
-                data = engine_messages.encode(Events([(i, ErrorEvent(request_failed(i))) for i in ids]))
-            try:
-                write(data)
-            except (OSError, ValueError) as error:
-                self._broken = error
-
 
 def engine_main(connection, options: EngineOptions) -> None:
     """The engine process: serve the HTTP process's messages until `shutdown` (or the pipe closes)."""
@@ -423,8 +368,12 @@ def engine_main(connection, options: EngineOptions) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if options.log_config is not None:
         logs.configure(*options.log_config)
-    sender = _Sender(connection)
-    send = sender.send
+    send_lock = threading.Lock()
+
+    def send(message: FromEngine) -> None:
+        with send_lock:
+            connection.send_bytes(engine_messages.encode(message))
+
     fatal: list[str] = []
     metrics = ServiceMetrics(options.model_id)
     engine = options.engine(metrics, on_fatal=fatal.append)
@@ -490,7 +439,6 @@ def engine_main(connection, options: EngineOptions) -> None:
             send(Stopped())
         except (OSError, ValueError):
             pass
-        sender.close(SENDER_CLOSE_S)
         reader.close()
         connection.close()
 
