@@ -18,10 +18,12 @@ def load():
     return module
 
 
+@pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
-def test_the_workload_generates_every_token_of_every_round(stream):
+def test_the_workload_generates_every_token_of_every_round(stream, pipe):
+    """`--pipe`: the events go to the engine process's sink, encoded for its pipe."""
     bench = load()
-    assert bench.workload(rounds=2, requests=4, new_tokens=8, stream=stream) == 2 * 4 * 8
+    assert bench.workload(rounds=2, requests=4, new_tokens=8, stream=stream, pipe=pipe) == 2 * 4 * 8
 
 
 def test_varied_lengths_keep_the_rounds_total_and_end_one_after_another():

@@ -15,7 +15,8 @@ from decimal import Decimal
 import pytest
 
 from wafer_gpt2.backends.stand_ins import NullBackend
-from wafer_gpt2.engine.core import gpt2_tokenizer_hooks
+from wafer_gpt2.core.steps import StepScores
+from wafer_gpt2.engine.core import EngineCore, finish_event_of, gpt2_tokenizer_hooks
 from wafer_gpt2.engine.failures import Overloaded, RequestFailed, ServiceError, Unavailable
 from wafer_gpt2.engine.kv_slots import KVUsage
 from wafer_gpt2.engine.messages import (
@@ -52,6 +53,7 @@ from wafer_gpt2.engine.request import (
     FinishReason,
     GeneratedToken,
     GenerationRequest,
+    IdsFinishEvent,
     PromptToken,
     RequestState,
     TokenEvent,
@@ -384,3 +386,77 @@ def test_the_helper_finishes_tokens_beside_steps_that_wait_and_not_beside_steps_
             assert (served._helper_cpu_s > 0) is overlaps, factory.__name__
         finally:
             served.shutdown(5)
+
+
+# ----- text made in the HTTP process ------------------------------------------------------------------
+
+EOT = 50256
+
+
+class _Eosy(NullBackend):
+    """The null backend, with end-of-text as the best candidate at some (slot, position)s."""
+
+    def step(self, inputs):
+        scores = self.answer(inputs)
+        ids = scores.topk_ids.copy()
+        slot, position = inputs.columns[0][scores.index], inputs.columns[1][scores.index]
+        ids[((slot * 7 + position) % 11) == 5, 0] = EOT
+        return StepScores(
+            scores.count,
+            scores.index,
+            ids,
+            scores.topk_logits,
+            scores.logsumexp,
+            scores.target_logit,
+            scores.has_target,
+        )
+
+
+class _Collect(Loop):
+    def __init__(self, makes_text: bool) -> None:
+        super().__init__()
+        self.makes_text = makes_text
+
+
+TEXT_AT_END = [
+    GenerationRequest((464, 2068, 318), 12),
+    GenerationRequest((464, 2068), 9, skip_special_tokens=False),
+    GenerationRequest((318,), 14, include_stop_str_in_output=True, skip_special_tokens=False),
+    GenerationRequest((11, 12, 13), 10, ignore_eos=True),
+    GenerationRequest((7, 8), 8, SamplingParams(do_sample=True, temperature=0.9, seed=5), min_tokens=3),
+    GenerationRequest((464, 318), 6, top_n_tokens=2, prompt_logprobs=True),
+    GenerationRequest((9,), 11, SamplingParams(repetition_penalty=1.3), stop_token_ids=frozenset({11})),
+    GenerationRequest((5, 6), 0, prompt_logprobs=True),
+]
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_sink_that_makes_text_gets_ids_and_makes_the_end_the_engine_would_have_made(groups):
+    """A non-streamed request without stop sequences whose sink makes text (the engine process's pipe:
+    the HTTP process makes it) ends with its ids and logprobs only (`IdsFinishEvent`), across the pipe in
+    its compact form; the `FinishEvent` made of them (`finish_event_of`) is the one the engine makes
+    for a sink that does not, whatever ended the request (length, end-of-text, a stop token, a slot's
+    end) and whatever it asked (special tokens shown, alternatives, prompt logprobs, sampling)."""
+    hooks = gpt2_tokenizer_hooks()
+    ends = []
+    for sink in (_Collect(makes_text=False), _Collect(makes_text=True)):
+        backend = _Eosy(50257, slots=3, context=24, top_k=8)
+        backend.steps_in_flight = groups
+        core = EngineCore(backend, hooks, max_queue=16, step_token_budget=32)
+        states = [core.add(core.new_request(request, sink, stream=False)) for request in TEXT_AT_END]
+        assert all(state.text_in_front is sink.makes_text for state in states)
+        while core.has_work():
+            core.step()
+        core.complete_deferred()
+        by_id = dict(sink.events)
+        assert len(by_id) == len(sink.events) == len(states)
+        ends.append([by_id[state.id] for state in states])
+    made_here, sent = ends
+    (crossed,) = decode(encode(Events([(str(i), event) for i, event in enumerate(sent)])))
+    reasons = set()
+    for request, here, ids, (_, arrived) in zip(TEXT_AT_END, made_here, sent, crossed, strict=True):
+        assert type(ids) is IdsFinishEvent and arrived == ids
+        made = finish_event_of(arrived, request, hooks)
+        assert made == here
+        reasons.add(made.finish_reason)
+    assert reasons == {FinishReason.LENGTH, FinishReason.EOS}

@@ -12,10 +12,13 @@ randomisation off (`setarch -R`) and numpy's thread pools at one thread (their i
 would be counted too).
 
     python tools/bench/core_instructions.py [--tree PATH ...] [--requests 64] [--new-tokens 32] [--stream]
-                                            [--backend null|modeled] [--steps-in-flight N] [--varied]
+                                            [--backend null|modeled] [--steps-in-flight N] [--varied] [--pipe]
 
 `--varied` gives the requests of a round different lengths (the same total), so that they end one after
-another, as the server's closed-loop clients' requests do, instead of all at the round's end.
+another, as the server's closed-loop clients' requests do, instead of all at the round's end. `--pipe`
+hands the events to the engine process's sink (`wafer_gpt2.engine.process`), which encodes each step's
+events for the pipe (the bytes are dropped) and whose receiver makes the text of non-streamed requests,
+instead of to an event loop's sink in the same process: what the engine process's thread does.
 
 `--tree` (repeatable) counts another checkout of the repository too (e.g. a `git worktree` of the
 commit before a change), alternately with this one. Needs valgrind and setarch (Debian: valgrind,
@@ -69,6 +72,7 @@ def workload(
     plan_file: str = "",
     steps_in_flight: int = 1,
     varied: bool = False,
+    pipe: bool = False,
 ) -> int:
     """Step the engine core over the null backend (or the modeled one, its plan pickled in `plan_file`,
     never waiting: only its instructions count; its steps in flight give the core's groups); the
@@ -76,7 +80,7 @@ def workload(
     from wafer_gpt2.backends.stand_ins import ModeledWaferBackend, NullBackend
     from wafer_gpt2.core.steps import Backend
     from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
-    from wafer_gpt2.engine.request import GenerationRequest, loop_sink
+    from wafer_gpt2.engine.request import EventSink, GenerationRequest, loop_sink
 
     backend: Backend
     if plan_file:
@@ -87,16 +91,37 @@ def workload(
         backend = NullBackend(50257, slots=requests, context=len(PROMPT) + longest, top_k=64)
     core = EngineCore(backend, gpt2_tokenizer_hooks(), max_queue=requests, step_token_budget=512)
     loop = asyncio.new_event_loop()  # events go to its queue, as under the server; never run
+    sink: EventSink = loop_sink(loop)
+    ended = [0]  # with `pipe`: the tokens of the requests that ended (some have no records here)
+    if pipe:
+        from wafer_gpt2.engine import messages, process, request
+
+        ids_only = getattr(request, "IdsFinishEvent", None)  # none in a tree to compare from before it
+
+        class Forgotten:  # the book of the engine process's requests, for cancellations: none here
+            def ended(self, request_ids: list[str]) -> None:
+                pass
+
+        def send(message: messages.FromEngine) -> None:
+            messages.encode(message)
+            for _, event in message.events if isinstance(message, messages.Events) else ():
+                if type(event) is ids_only:
+                    ended[0] += len(getattr(event, "ids", ()))
+                elif type(event) is not request.TokenEvent:
+                    ended[0] += len(getattr(event, "tokens", ()))
+
+        sink = process._PipeSink(send, Forgotten())  # type: ignore[arg-type]
     generated = 0
     try:
         for _ in range(rounds):
             states = [
-                core.add(core.new_request(GenerationRequest(PROMPT, length), loop_sink(loop), stream=stream))
+                core.add(core.new_request(GenerationRequest(PROMPT, length), sink, stream=stream))
                 for length in lengths(requests, new_tokens, varied)
             ]
             while core.has_work():
                 core.step()
-            generated += sum(len(state.tokens) for state in states)
+            generated += ended[0] if pipe else sum(len(state.tokens) for state in states)
+            ended[0] = 0
             loop._ready.clear()  # type: ignore[attr-defined]  # the undelivered event hand-overs
     finally:
         loop.close()
@@ -122,6 +147,8 @@ def count(tree: Path, rounds: int, args: argparse.Namespace) -> int:
         command.append("--stream")
     if args.varied:
         command.append("--varied")
+    if args.pipe:
+        command.append("--pipe")
     if args.plan_file:
         command += ["--plan-file", args.plan_file, "--steps-in-flight", str(args.steps_in_flight)]
     env = {**os.environ, **FIXED_ENV, "PYTHONPATH": str(tree)}
@@ -148,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         "--varied",
         action="store_true",
         help="requests of different lengths (the same total), ending one after another as under the server",
+    )
+    parser.add_argument(
+        "--pipe",
+        action="store_true",
+        help="the engine process's sink: each step's events encoded for the pipe, text made by the receiver",
     )
     parser.add_argument(
         "--backend",
@@ -179,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             args.plan_file,
             args.steps_in_flight,
             args.varied,
+            args.pipe,
         )
         return 0
     missing = [tool for tool in ("valgrind", "setarch") if shutil.which(tool) is None]
@@ -190,10 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trees = [ROOT, *(Path(tree).resolve() for tree in args.tree)]
     kind = "streamed" if args.stream else "non-streamed"
+    sink = ", events to the engine process's sink" if args.pipe else ""
     groups = f", {args.steps_in_flight} groups" if args.steps_in_flight > 1 else ""
     print(
         f"engine core over the {args.backend} backend{groups}: {args.requests} {kind} requests x "
-        f"{args.new_tokens} new tokens per round"
+        f"{args.new_tokens} new tokens per round{sink}"
     )
     with tempfile.TemporaryDirectory() as scratch:
         if args.backend == "modeled":  # planned once, here: the search would cost minutes under valgrind

@@ -45,10 +45,13 @@ from wafer_gpt2.engine.request import (
     EventSink,
     FinishEvent,
     FinishReason,
+    GeneratedToken,
     GenerationRequest,
+    IdsFinishEvent,
     PromptToken,
     RequestState,
     RequestStatus,
+    SinkEvent,
     TokenEvent,
     generated_token_of,
     token_event_of,
@@ -73,6 +76,7 @@ REQUEST_FAILED_MESSAGE = (
 )
 
 Output = tuple[RequestState, Event]  # an event and the request it belongs to
+SinkOutput = tuple[RequestState, SinkEvent]  # the same, for a sink (`EventSink.makes_text`)
 
 
 # Keys of the requests' deadline entries (`EngineCore._reap`), unique across engines: a request handed
@@ -121,6 +125,58 @@ def shown(request: GenerationRequest, special: bool, ending: bool) -> bool:
     )
 
 
+def texts_at_end(
+    request: GenerationRequest,
+    detokenizer: IncrementalDetokenizer,
+    ids: Sequence[int],
+    logprobs: Sequence[float],
+    special: Sequence[bool],
+    top: Sequence[tuple[Alternative, ...]],
+    finish: FinishReason,
+) -> list[GeneratedToken]:
+    """A text-at-end request's token records with their text, made in one pass of its (fresh)
+    detokenizer: the text each would have got token by token (`EngineCore._complete`; only the last
+    token can have ended it)."""
+    if not ids:
+        return []
+    last = len(ids) - 1
+    skipped = request.skip_special_tokens and any(special)
+    hidden = {i for i, s in enumerate(special) if s} if skipped else set()
+    if not shown(request, special[last], ending=finish is FinishReason.EOS):
+        hidden.add(last)
+    if hidden:
+        texts = iter(detokenizer.add_all([t for i, t in enumerate(ids) if i not in hidden]))
+        pieces = ["" if i in hidden else next(texts) for i in range(len(ids))]
+    else:
+        pieces = detokenizer.add_all(ids)
+    columns = zip(ids, pieces, pieces, logprobs, special, top, strict=True)
+    return list(map(generated_token_of, columns))
+
+
+def finish_event_of(
+    event: IdsFinishEvent, request: GenerationRequest, tokenizer: TokenizerHooks
+) -> FinishEvent:
+    """The `FinishEvent` the engine would have made for `request` (a text-at-end one) where it sent
+    `event` instead: its tokens' records and text, made by the receiver (`EventSink.makes_text`)."""
+    ids = event.ids
+    detokenizer = IncrementalDetokenizer(
+        tokenizer.token_bytes, (), request.include_stop_str_in_output, tokenizer.token_text
+    )
+    special = list(map(tokenizer.special_names.__contains__, ids))
+    top = event.top or ((),) * len(ids)
+    tokens = texts_at_end(request, detokenizer, ids, event.logprobs, special, top, event.finish_reason)
+    return FinishEvent(
+        finish_reason=event.finish_reason,
+        text=detokenizer.text,
+        tail="",  # nothing is held back without stop sequences
+        tokens=tuple(tokens),
+        prefill=event.prefill,
+        seed=event.seed,
+        input_length=event.input_length,
+        stop_sequence=None,
+    )
+
+
 def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> tuple[Alternative, ...]:
     """The n best candidates the wafer returned that the tokenizer knows, with the model's logprobs."""
     if n <= 0:
@@ -150,7 +206,7 @@ class EngineCore:
         self._outputs: list[Output] = []
         # Events for requests with a sink, handed over once per step (one call per sink per step instead
         # of one per token): what `_flush` sends.
-        self._pending: dict[EventSink, list[Output]] = {}
+        self._pending: dict[EventSink, list[SinkOutput]] = {}
         # Overlap: with `finish(defer=True)` a chosen token whose request cannot end on its
         # text (no stop sequences) is only recorded; the rest (detokenizing, the event, the metrics, the
         # end) is `complete_deferred`'s, which the worker runs while the backend computes the next step.
@@ -208,12 +264,15 @@ class EngineCore:
     ) -> RequestState:
         """A request's engine state (not yet queued); `sink`: where its events go (None: `step()`'s
         result); `stream` False: its handler waits for the final event only, so no token events are
-        sent to the sink (and, without stop sequences, its text is made only when it ends)."""
+        sent to the sink (and, without stop sequences, its text is made only when it ends: by the sink's
+        receiver where it makes text, `EventSink.makes_text`)."""
         text_at_end = sink is not None and not stream and not request.stop_sequences
         sampler = Sampler(request.sampling, vocab_size=self._tokenizer.vocab_size)
         return RequestState(
             stream=stream,
             text_at_end=text_at_end,
+            # A sink that does not say makes none.
+            text_in_front=text_at_end and getattr(sink, "makes_text", False),
             plain=sampler.batched != BATCH_NONE
             and not (
                 request.stop_sequences or request.min_tokens or request.top_n_tokens or request.stop_token_ids
@@ -569,9 +628,13 @@ class EngineCore:
             self._tokens_uncounted += counted
 
     def _end_recorded(self, state: RequestState, recorded: Recorded, finish: FinishReason) -> None:
-        """A text-at-end request that left a run with its last token: its records, then its end."""
+        """A text-at-end request that left a run with its last token: its records, then its end (no
+        records where the receiver makes them: the run's ids go with its end)."""
         try:
             ids, logprobs = recorded.lists()
+            if state.text_in_front:
+                self._end(state, finish=finish, recorded=(ids, logprobs))
+                return
             state.tokens.extend(recorded_tokens(ids, logprobs, self._tokenizer.special_names))
             self._end(state, finish=finish)
         except Exception:
@@ -778,16 +841,21 @@ class EngineCore:
                 self._emit(state, token_event_of((generated + 1, tokens[-1], prefill)))
 
     def _end(
-        self, state: RequestState, finish: FinishReason | None = None, error: ServiceError | None = None
+        self,
+        state: RequestState,
+        finish: FinishReason | None = None,
+        error: ServiceError | None = None,
+        recorded: tuple[list[int], list[float]] | None = None,
     ) -> None:
-        """The one way out of the engine: release the slot (scheduler and wafer), report, notify."""
+        """The one way out of the engine: release the slot (scheduler and wafer), report, notify.
+        `recorded`: a text-in-front request's last tokens (ids, logprobs) that have no records."""
         if state.deadline_key is not None:
             self._timed.pop(state.deadline_key, None)
         if state.status is RequestStatus.RUNNING:
             self.scheduler.end_run_of(state)  # what a run kept of the request is its own again
         if self.scheduler.unsettled:
             self.scheduler.settle()
-        if finish is not None and state.text_at_end:
+        if finish is not None and state.text_at_end and not state.text_in_front:
             # While the request still runs: a failure to detokenize fails it (`_request_failed`).
             self._texts_at_end(state, finish)
         slot = self.scheduler.remove(state)
@@ -798,14 +866,19 @@ class EngineCore:
                 self._free_on_backend(slot, state)
         now = time.monotonic()
         if finish is not None:
-            tail = state.detokenizer.flush() if finish is not FinishReason.STOP else ""
             admitted = state.admitted_at or now
             self.metrics.record_success(
                 "stop" if finish is not FinishReason.LENGTH else "length",
                 queue_s=admitted - state.arrived_at,
                 inference_s=now - admitted,
-                generated_tokens=len(state.tokens),
+                generated_tokens=len(state.tokens) + (len(recorded[0]) if recorded else 0),
             )
+            if state.text_in_front and state.sink is not None:
+                self._pending.setdefault(state.sink, []).append(
+                    (state, self._ids_finish(state, finish, recorded))
+                )
+                return
+            tail = state.detokenizer.flush() if finish is not FinishReason.STOP else ""
             self._emit(
                 state,
                 FinishEvent(
@@ -825,25 +898,30 @@ class EngineCore:
             self._emit(state, ErrorEvent(error))
 
     def _texts_at_end(self, state: RequestState, finish: FinishReason) -> None:
-        """A text-at-end request's tokens get their text now, in one pass of its detokenizer: the text
-        each would have got token by token (`_complete`; only the last token can have ended it)."""
+        """A text-at-end request's tokens get their text now (`texts_at_end`)."""
         tokens = state.tokens
         if not tokens:
             return
-        request = state.request
         ids, _, _, logprobs, special, top = zip(*tokens, strict=True)
-        last = len(ids) - 1
-        skipped = request.skip_special_tokens and any(special)
-        hidden = {i for i, s in enumerate(special) if s} if skipped else set()
-        if not shown(request, special[last], ending=finish is FinishReason.EOS):
-            hidden.add(last)
-        if hidden:
-            texts = iter(state.detokenizer.add_all([t for i, t in enumerate(ids) if i not in hidden]))
-            pieces = ["" if i in hidden else next(texts) for i in range(len(ids))]
-        else:
-            pieces = state.detokenizer.add_all(ids)
-        columns = zip(ids, pieces, pieces, logprobs, special, top, strict=True)
-        state.tokens = list(map(generated_token_of, columns))
+        state.tokens = texts_at_end(state.request, state.detokenizer, ids, logprobs, special, top, finish)
+
+    @staticmethod
+    def _ids_finish(
+        state: RequestState, finish: FinishReason, recorded: tuple[list[int], list[float]] | None
+    ) -> IdsFinishEvent:
+        """A text-in-front request's end: its tokens' ids and logprobs (those with records, then
+        `recorded`'s), for the receiver to make the text of (`finish_event_of`)."""
+        tokens = state.tokens
+        ids = [token.id for token in tokens]
+        logprobs = [token.logprob for token in tokens]
+        top = tuple(token.top for token in tokens) if state.request.top_n_tokens else ()
+        if recorded is not None:
+            ids += recorded[0]
+            logprobs += recorded[1]
+            if top:
+                top += ((),) * len(recorded[0])
+        prefill = tuple(state.prefill)
+        return IdsFinishEvent(finish, ids, logprobs, top, prefill, state.sampler.seed, len(state.prompt))
 
     def _free_on_backend(self, slot: int, state: RequestState | None) -> None:
         if self.backend is None:

@@ -14,7 +14,8 @@ more to pack and unpack than the engine spends choosing and decoding the token: 
 pickled with its class and rebuilt attribute by attribute. So these two travel as plain tuples,
 packed by `marshal` (built-in types only; both ends run the same interpreter), and are rebuilt as the
 same records on arrival; the tokens of a step's token events, and of a finish event, travel as
-columns. Every other message, and an events message with an error in it (rare; an error is an
+columns, and a text-at-end request's end as its ids and logprobs (`IdsFinishEvent`: the HTTP process
+makes its records and text). Every other message, and an events message with an error in it (rare; an error is an
 exception with a class), is pickled (its fields; the kind's byte says which class to rebuild).
 
 On the wire a message is its kind's byte, the form's byte (`MARSHALLED` or `PICKLED`) and the body.
@@ -35,12 +36,13 @@ from wafer_gpt2.core.steps import BackendError
 from wafer_gpt2.engine.kv_slots import KVUsage
 from wafer_gpt2.engine.request import (
     Alternative,
-    Event,
     FinishEvent,
     FinishReason,
     GeneratedToken,
     GenerationRequest,
+    IdsFinishEvent,
     PromptToken,
+    SinkEvent,
     TokenEvent,
     generated_token_of,
     token_event_of,
@@ -134,7 +136,7 @@ class Ask(NamedTuple):
 class Events(NamedTuple):
     """One step's events, by request id, in the order the engine produced them."""
 
-    events: list[tuple[str, Event]]
+    events: list[tuple[str, SinkEvent]]
 
 
 class Shape(NamedTuple):
@@ -316,8 +318,9 @@ def _unpack_prefill(prefill: tuple) -> tuple[PromptToken, ...]:
     return tuple(PromptToken(p[0], p[1], _unpack_top(p[2]), p[3]) for p in prefill)
 
 
-def _pack_events(events: list[tuple[str, Event]]) -> tuple | None:
-    """(token events, finish events), each packed as tuples; None when an event is neither (an error).
+def _pack_events(events: list[tuple[str, SinkEvent]]) -> tuple | None:
+    """(token events, finish events, ids-only finish events), each packed as tuples; None when an event
+    is none of them (an error).
 
     The token events, most of a step's, travel as columns: their request ids, numbers, tokens (as
     `_pack_tokens` packs them) and prefills. They arrive ahead of the finish events: a request's token
@@ -327,6 +330,7 @@ def _pack_events(events: list[tuple[str, Event]]) -> tuple | None:
     tokens: list[GeneratedToken] = []
     prefills: list[tuple] = []
     finishes = []
+    ends = []
     for request_id, event in events:
         if type(event) is TokenEvent:
             ids.append(request_id)
@@ -345,15 +349,27 @@ def _pack_events(events: list[tuple[str, Event]]) -> tuple | None:
                 event.stop_sequence,
             )
             finishes.append((request_id, finish))
+        elif type(event) is IdsFinishEvent:
+            top = tuple(map(_pack_top, event.top)) if event.top else ()
+            ended = (
+                event.finish_reason.value,
+                event.ids,
+                event.logprobs,
+                top,
+                _pack_prefill(event.prefill) if event.prefill else (),
+                event.seed,
+                event.input_length,
+            )
+            ends.append((request_id, ended))
         else:
             return None
     steps = (tuple(ids), tuple(numbers), _pack_tokens(tokens), tuple(prefills)) if ids else ()
-    return steps, tuple(finishes)
+    return steps, tuple(finishes), tuple(ends)
 
 
-def _unpack_events(packed: tuple) -> list[tuple[str, Event]]:
-    steps, finishes = packed
-    out: list[tuple[str, Event]] = []
+def _unpack_events(packed: tuple) -> list[tuple[str, SinkEvent]]:
+    steps, finishes, ends = packed
+    out: list[tuple[str, SinkEvent]] = []
     if steps:
         ids, numbers, tokens, prefills = steps
         if any(prefills):
@@ -373,6 +389,12 @@ def _unpack_events(packed: tuple) -> list[tuple[str, Event]]:
             stop_sequence,
         )
         out.append((request_id, event))
+    for request_id, (reason, token_ids, logprobs, top, prefill, seed, input_length) in ends:
+        top = tuple(map(_unpack_top, top)) if top else ()
+        ended = IdsFinishEvent(
+            FinishReason(reason), token_ids, logprobs, top, _unpack_prefill(prefill), seed, input_length
+        )
+        out.append((request_id, ended))
     return out
 
 

@@ -14,6 +14,9 @@ process, and the HTTP process talks to it over a pipe (the messages, typed, in
   `Answer`s, and `Stopped` last.
 
 Requests and step events cross in a compact form (plain tuples packed by marshal), the rest pickled.
+A non-streamed request without stop sequences ends as its ids and logprobs (`IdsFinishEvent`,
+`_PipeSink.makes_text`): its text is made here, in the HTTP process (`EngineProcess._deliver_events`),
+not on the engine's thread.
 The engine process's reader hands each request to the worker without taking the engine's lock
 (`Engine.submit_nowait`); `_Book` keeps the requests by id for cancellations. In the HTTP process the
 server's event loop reads the pipe itself (`FrameReader`), so the loop has no thread to share the GIL
@@ -63,7 +66,7 @@ from wafer_gpt2 import logs
 from wafer_gpt2.core.steps import Backend
 from wafer_gpt2.engine import heap
 from wafer_gpt2.engine import messages as engine_messages
-from wafer_gpt2.engine.core import gpt2_tokenizer_hooks
+from wafer_gpt2.engine.core import TokenizerHooks, finish_event_of, gpt2_tokenizer_hooks
 from wafer_gpt2.engine.failures import Overloaded, RequestTimedOut, ServiceError, Unavailable
 from wafer_gpt2.engine.kv_slots import KVUsage
 from wafer_gpt2.engine.messages import (
@@ -88,9 +91,12 @@ from wafer_gpt2.engine.metrics import Family, ServiceMetrics
 from wafer_gpt2.engine.request import (
     ErrorEvent,
     Event,
+    FinishEvent,
     GenerationRequest,
+    IdsFinishEvent,
     RequestState,
     RequestStatus,
+    SinkEvent,
     Submitted,
     TokenEvent,
     new_request_id,
@@ -117,6 +123,7 @@ class RemoteRequest:
     id: str
     stream: bool
     loop: asyncio.AbstractEventLoop
+    request: GenerationRequest  # what its end's text is made by (`finish_event_of`)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     timeout_s: float | None = None  # the request's own (queue and generation)
@@ -236,13 +243,16 @@ class _Book:
 
 class _PipeSink:
     """The engine process's requests' `EventSink`: a step's events leave for the HTTP process as one
-    `Events` message, and the requests that ended are forgotten by the book."""
+    `Events` message, and the requests that ended are forgotten by the book. The HTTP process makes
+    the text of the requests whose text is made at their end (`makes_text`: the engine sends their ids)."""
+
+    makes_text = True
 
     def __init__(self, send: Callable[[FromEngine], None], book: _Book):
         self._send = send
         self._book = book
 
-    def hand_over(self, events: list[tuple[RequestState, Event]]) -> None:
+    def hand_over(self, events: list[tuple[RequestState, SinkEvent]]) -> None:
         out = [(state.id, event) for state, event in events]
         self._book.ended([state.id for state, event in events if not isinstance(event, TokenEvent)])
         self._send(Events(out))
@@ -649,6 +659,7 @@ class EngineProcess:
         self._snapshot = self._reported  # what the API reads: the report as this process sees it
         self._shape: ShapeReport | None = None
         self._requests: dict[str, RemoteRequest] = {}
+        self._tokenizer: TokenizerHooks = gpt2_tokenizer_hooks()  # the engine's: the same text
         self._ids = itertools.count(1)
         self._asked: set[int] = set()  # questions waiting for their answer (`_ask`)
         self._answers: dict[int, Any] = {}
@@ -777,7 +788,7 @@ class EngineProcess:
         self._snapshot = snapshot
         self._changed.notify_all()
 
-    def _deliver_events(self, events: list[tuple[str, Event]]) -> None:
+    def _deliver_events(self, events: list[tuple[str, SinkEvent]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RemoteRequest, Event]]] = {}
         requests = self._requests
         for request_id, event in events:
@@ -787,8 +798,18 @@ class EngineProcess:
             if not isinstance(event, TokenEvent):
                 remote.finished = True
                 del requests[request_id]
+                if isinstance(event, IdsFinishEvent):
+                    event = self._finish_of(remote, event)
             by_loop.setdefault(remote.loop, []).append((remote, event))
         self._put_by_loop(by_loop)
+
+    def _finish_of(self, remote: RemoteRequest, event: IdsFinishEvent) -> FinishEvent | ErrorEvent:
+        """(On the event loop.) The end the engine sent as ids, with its records and text made here."""
+        try:
+            return finish_event_of(event, remote.request, self._tokenizer)
+        except Exception:  # a bug: this request fails alone (500, a log reference)
+            log.exception("could not make the text of request %s", remote.id, extra={"request_id": remote.id})
+            return ErrorEvent(request_failed(remote.id))
 
     def _hand_over(self, items: list[tuple[RemoteRequest, Event]]) -> None:
         """(On the event loop.) Each event into its request's queue, on the request's event loop."""
@@ -1115,6 +1136,7 @@ class EngineProcess:
             new_request_id(),
             stream,
             asyncio.get_running_loop(),
+            request,
             timeout_s=timeout,
             deadline=None if timeout is None else time.monotonic() + timeout,
         )

@@ -106,12 +106,31 @@ class FinishEvent:  # dataclass sets each field through object.__setattr__, a ca
     stop_sequence: str | None
 
 
+@dataclass(slots=True)
+class IdsFinishEvent:
+    """The end of a request whose receiver makes its text (`RequestState.text_in_front`): what the engine
+    chose, as ids and logprobs, without token records or text. The receiver turns it into the
+    `FinishEvent` the engine would have made (`wafer_gpt2.engine.core.finish_event_of`), as vLLM V1's
+    output processor detokenizes in the front process: the engine's thread, the wafer's critical path,
+    does not."""
+
+    finish_reason: FinishReason
+    ids: list[int]
+    logprobs: list[float]
+    top: tuple[tuple[Alternative, ...], ...]  # by token; () when the request asked for none
+    prefill: tuple[PromptToken, ...]
+    seed: int | None
+    input_length: int
+
+
 @dataclass(frozen=True)
 class ErrorEvent:
     error: ServiceError
 
 
+# What a request's queue gets; an engine's sink may also get an `IdsFinishEvent` (`EventSink.makes_text`).
 Event = TokenEvent | FinishEvent | ErrorEvent
+SinkEvent = Event | IdsFinishEvent
 
 
 class RequestStatus(enum.Enum):
@@ -139,6 +158,10 @@ class RequestState:
     # Its tokens get their text in one pass when it ends (`IncrementalDetokenizer.add_all`), not one at
     # a time: nobody reads the text before then (no token events, no stop sequence to find in it).
     text_at_end: bool = False
+    # A text-at-end request whose sink makes the text (`EventSink.makes_text`): it ends with an
+    # `IdsFinishEvent`, and its tokens never get text here (nor records, those of a run it left last:
+    # its end carries them as ids).
+    text_in_front: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: str = field(default_factory=new_request_id)
     status: RequestStatus = RequestStatus.WAITING
@@ -187,7 +210,7 @@ class Submitted(Protocol):
     def events(self) -> asyncio.Queue: ...
 
 
-def deliver(events: list[tuple[RequestState, Event]]) -> None:
+def deliver(events: list[tuple[RequestState, SinkEvent]]) -> None:
     """On the event loop: put a step's events into their requests' queues (the core's one call per step)."""
     for state, event in events:
         state.events.put_nowait(event)
@@ -196,9 +219,12 @@ def deliver(events: list[tuple[RequestState, Event]]) -> None:
 class EventSink(Protocol):
     """Where the engine sends the events of the requests that name it, from the engine's worker thread.
     Two kinds: an event loop's (`LoopSink`, the server in this process) and the engine process's pipe to
-    the HTTP process (`wafer_gpt2.engine.process`)."""
+    the HTTP process (`wafer_gpt2.engine.process`). A sink whose `makes_text` is True gets a text-at-end
+    request's end as an `IdsFinishEvent` and makes its text itself (one without the attribute does not)."""
 
-    def hand_over(self, events: list[tuple[RequestState, Event]]) -> None:
+    makes_text: bool
+
+    def hand_over(self, events: list[tuple[RequestState, SinkEvent]]) -> None:
         """One step's events of this sink's requests, in the order they happened (one call per step)."""
         ...
 
@@ -215,6 +241,7 @@ class LoopSink:
     its loop weakly, as `loop_sink`'s table does: a loop that is gone has nobody listening."""
 
     __slots__ = ("_loop",)
+    makes_text = False  # its requests' queues get whole `FinishEvent`s
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)
@@ -223,7 +250,7 @@ class LoopSink:
     def loop(self) -> asyncio.AbstractEventLoop | None:
         return self._loop()
 
-    def hand_over(self, events: list[tuple[RequestState, Event]]) -> None:
+    def hand_over(self, events: list[tuple[RequestState, SinkEvent]]) -> None:
         loop = self._loop()
         if loop is None:
             return
