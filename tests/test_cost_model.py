@@ -152,17 +152,18 @@ def test_a_multicast_epilogue_by_hand() -> None:
 
 
 def test_norm_cost_by_hand() -> None:
-    # 16 values on 4 PEs: input, the local sums of x and x^2 (one @map of 4 steps, each its overhead
-    # and 1 + 2 ops), one all-reduce of the two words towards PE 1 (each step passes 2 words, the
-    # broadcast too), rsqrt, normalise
+    # 16 values on 4 PEs: input, a task, the local sums of x and x^2 (one @map of 4 steps, each its
+    # overhead and 1 + 2 ops), one all-reduce of the two words towards PE 1 (each step passes 2 words,
+    # the broadcast too), a task, rsqrt, normalise (four operations over the chunk), the header's send
     two = cost.norm_cost(NormTiling(16, 4, reduction="two_level", group=2))
     allreduce = ((STEP + 2) + H + R + 1 + 2 + T) + (2 * H + R + 2)
     sums = S + 4 * (M + 3)
     assert two.phases["local sums (x, x^2)"] == sums
     assert two.phases["two_level all-reduce"] == allreduce
-    assert two.cycles == (R + 4) + sums + allreduce + 10 + 16
+    steps = (R + 4) + T + sums + allreduce + T + 10 + 4 * (S + 4) + (S + 5)
+    assert two.cycles == steps
     chain = cost.norm_cost(NormTiling(16, 4, reduction="chain"))
-    assert chain.cycles == (R + 4) + sums + allreduce + 10 + 16
+    assert chain.cycles == steps
 
 
 def test_attention_cost_by_hand() -> None:

@@ -610,14 +610,19 @@ def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
         # The GEMV after it has the LayerNorm folded in and takes the stream through the strip's
         # routers (wafer_gpt2/codegen/build.py): one hop, which the hand-off counts.
         return cost.add("through its routers", 0)
+    # layernorm.csl's steps: a task when the chunk is in (got_input), one when the statistics are
+    # (got_sum), an operation's start per vector operation, the output's header and its send's start
     cost.add("input", ROUTER_TO_PE_CYCLES + tiling.chunk)
+    cost.add("task: the input in", TASK_ACTIVATION_CYCLES)
     cost.add("local sums (x, x^2)", norm_sums_cycles(tiling.chunk))
     cost.add(
         f"{tiling.reduction} all-reduce",
         allreduce_cycles(tiling.reduction, tiling.pes, NORM_STAT_WORDS, tiling.group),
     )
+    cost.add("task: the sums in", TASK_ACTIVATION_CYCLES)
     cost.add("rsqrt", RSQRT_CYCLES)
-    cost.add("normalise", 4 * tiling.chunk)
+    cost.add("normalise", 4 * (DSD_OP_START_CYCLES + tiling.chunk))
+    cost.add("the output's header (its send's start)", DSD_OP_START_CYCLES + ITEM_HEADER_WORDS)
     return cost
 
 
