@@ -43,6 +43,7 @@ INPUT_PHASES = (
     "input multicast",
     "task: the input in",
     "the chunk in",
+    "request to the lines' first PE",
     "q, k, v multicast",
     "hand-off",
     "input to the farthest column",

@@ -10,6 +10,7 @@ from wafer_gpt2.core.cost import (
     DSD_OP_START_CYCLES,
     GELU_CYCLES,
     HOP_CYCLES,
+    ITEM_HEADER_WORDS,
     MAP_STEP_CYCLES,
     TASK_ACTIVATION_CYCLES,
     StageCost,
@@ -120,6 +121,12 @@ def outer_stage_costs(
     how = "chained" if kind == "chain" else f"{kind} (runs of {group})"
     through = "the embedding's rows" if geo.embed_copy else "the head's columns and the wpe rows"
     embed.add(f"wte and wpe chunks reduced through {through}, {how}", reduce_cycles(kind, rows, chunk, group))
+    # embed.csl on row 0: the request's header copied into x's frame (while the line's sum is in the
+    # fabric, where the line is longer than one PE), a task when the sum is in, the header and the sum
+    # sent in one operation
+    copy = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS
+    embed.add("task: the sum in", TASK_ACTIVATION_CYCLES + (copy if rows == 1 else 0))
+    embed.add("the output's header (its send's start)", DSD_OP_START_CYCLES + ITEM_HEADER_WORDS)
     embed.add("to layer 0", route("embed.out"))
     before.append(embed)
     turns = {
