@@ -377,8 +377,6 @@ def gemv_cost(
     dtype: str,
     epilogue_cycles_per_output: int = 0,
     name: str = "gemv",
-    input_phase: tuple[str, int] | None = None,
-    epilogue: bool = True,
 ) -> StageCost:
     """y = x @ W on the tiling's grid, from the input chunks at the region's edge to the output
     chunks leaving the far edge.
@@ -396,14 +394,10 @@ def gemv_cost(
     vector operation of the epilogue, and the output's send, the header and the outputs in one
     operation from their frame (comm/gather.csl `send_framed`; the outputs' words are priced where
     the next stage reads them).
-    `input_phase` (name, cycles) replaces the multicast where the input's latency is priced otherwise
-    (the LM head); `epilogue` False: the outputs go on without a bias or an epilogue (the LM head).
     """
     arch = resolve_arch(arch)
     cost = StageCost(name)
-    if input_phase is None:
-        input_phase = ("input multicast", (tiling.cols - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES)
-    cost.add(*input_phase)
+    cost.add("input multicast", (tiling.cols - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES)
     cost.add("task: the input in", TASK_ACTIVATION_CYCLES)
     cost.add("tile FMAC", max(tiling.tile_k, gemv_compute_cycles(tiling, arch, dtype)))
     stats = NORM_STAT_WORDS if tiling.norm_fold else 0
@@ -414,8 +408,6 @@ def gemv_cost(
         f" (runs of {tiling.group})" if tiling.reduction == "two_level" else ""
     )
     cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group))
-    if not epilogue:
-        return cost
     cost.add("task: the sums in", TASK_ACTIVATION_CYCLES)
     # shared through comm/spread.csl, every PE applies the LayerNorm to its own slice (in the epilogue)
     spread_norm = tiling.norm_fold and tiling.epilogue_multicast and tiling.epilogue_pes > 1
