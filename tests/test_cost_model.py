@@ -56,39 +56,52 @@ def test_streams_and_reductions() -> None:
 
 
 def test_gemv_cost_by_hand() -> None:
+    g = cost.GELU_CYCLES
     small = GemvTiling(4, 4, 2, 2)  # tile 2x2, chain over 2 rows
-    c = cost.gemv_cost(small, "wse2", "fp16")
     # the accumulator zeroed (an @fmovs of the tile's 2 outputs), then one @map started, over 2
     # inputs, each step ceil(2 / 4) = 1 cycle of FMACs
     zero = S + 2
-    # gemv.csl's steps on the last PE: a task for the input, one for the sums, the bias's operation,
-    # the header and outputs sent in one operation
+    fmac = zero + S + 2 * (M + 1)
+    # With an epilogue (fc's GELU), gemv.csl's steps on the last PE: a task for the input, one for the
+    # sums, the bias's operation and the GELU's @map, the header and outputs sent in one operation.
     send = S + 5
+    c = cost.gemv_cost(small, "wse2", "fp16", epilogue_cycles_per_output=g)
     assert c.phases == {
         "input multicast": H + R,
         "task: the input in": T,
-        "tile FMAC": zero + S + 2 * (M + 1),
+        "tile FMAC": fmac,
         "chain reduction": STEP + 2,
         "task: the sums in": T,
-        "bias + epilogue": S + 2,
+        "bias + epilogue": (S + 2) + (S + 2 * g),
         "the output's header (its send's start)": send,
     }
-    steps = 2 * T + S + send
-    assert c.cycles == (H + R) + zero + S + 2 * (M + 1) + (STEP + 2) + 2 + steps
+    # Without one (attn_proj, proj) the sums stream into the lane as the reduction makes them: the
+    # last PE's bias pass, header and the lane's operation start (3 S + 2 + 5), then its 2 words, are
+    # later than the reduction's 2 words here (a line of two PEs), by the rest.
+    assert small.bias_at_root and cost.streams_out(small) and not cost.streams_out(small, g)
+    c = cost.gemv_cost(small, "wse2", "fp16")
+    own = 3 * S + 2 + 5
+    assert c.phases == {
+        "input multicast": H + R,
+        "task: the input in": T,
+        "tile FMAC": fmac,
+        "chain reduction": STEP + 2,
+        "the last PE's bias and header (beyond the reduction)": own + 2 - (STEP + 2),
+    }
     assert cost.gemv_cost(small, "wse2", "fp32").cycles == c.cycles + 2  # 2 outputs at 1 per cycle
-    wide = GemvTiling(64, 64, 4, 1)  # tile 16x64
-    zero = S + 64
-    assert cost.gemv_cost(wide, "wse2", "fp16").cycles == (
-        R + zero + S + 16 * (M + 16) + (3 * STEP + 64) + 64 + steps
-    )
-    assert cost.gemv_cost(wide, "wse3", "fp16").cycles == (
-        R + zero + S + 16 * (M + 8) + (3 * STEP + 64) + 64 + steps
-    )
+    # tile 16x64: the last PE's bias pass over 64 words, its header and the lane's start (3 S + 64 + 5)
+    # outlast the 3 links of the chain, so its 64 words leave after them
+    wide = GemvTiling(64, 64, 4, 1)
+    zero, last = S + 64, (3 * S + 64 + 5) + 64
+    assert cost.gemv_cost(wide, "wse2", "fp16").cycles == R + T + zero + S + 16 * (M + 16) + last
+    assert cost.gemv_cost(wide, "wse3", "fp16").cycles == R + T + zero + S + 16 * (M + 8) + last
+    folded = GemvTiling(64, 64, 4, 1, norm_fold=True)  # the LayerNorm folded in: the framed send
+    assert not folded.bias_at_root and "task: the sums in" in cost.gemv_cost(folded, "wse2", "fp16").phases
     two = GemvTiling(64, 64, 4, 1, reduction="two_level", group=2)
-    c = cost.gemv_cost(two, "wse2", "fp16", epilogue_cycles_per_output=cost.GELU_CYCLES)
+    c = cost.gemv_cost(two, "wse2", "fp16", epilogue_cycles_per_output=g)
     assert c.phases["two_level reduction (runs of 2)"] == STEP + (2 * H + R + 1) + 64
     # the bias's operation, then the GELU's @map
-    assert c.phases["bias + epilogue"] == S + 64 + S + 64 * cost.GELU_CYCLES
+    assert c.phases["bias + epilogue"] == S + 64 + S + 64 * g
 
 
 def test_a_shared_epilogue_by_hand() -> None:
@@ -345,9 +358,7 @@ def test_standalone_gemv() -> None:
         "task: the input in": T,
         "tile FMAC": (S + 2) + S + 2 * (M + 1),
         "chain reduction": STEP + 2,
-        "task: the sums in": T,
-        "bias + epilogue": S + 2,
-        "the output's header (its send's start)": S + 5,
+        "the last PE's bias and header (beyond the reduction)": (3 * S + 2 + 5) + 2 - (STEP + 2),
     }
     assert c.cycles == sum(c.phases.values())
     wide = cost.standalone_gemv_cost("wse2", 16, 4, 64, 64, "fp16")
@@ -410,6 +421,8 @@ def test_occupancy_is_the_span_of_a_blocking_stage() -> None:
     res = cost.residual_cost(16)
     assert res.cycles == (H + R + 16) + (T + S + 16) + (S + 5 + 16)
     assert res.first_word == (H + R + 16) + (T + S + 16) + (S + 5)
+    # after a GEMV whose sums stream out, the chunk's words are in that GEMV's reduction
+    assert cost.residual_cost(16, streamed_in=True).cycles == res.cycles - 16
 
 
 def test_a_gathered_hand_off_by_hand() -> None:

@@ -57,6 +57,22 @@ def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
         )
 
 
+@pytest.mark.parametrize("reduction", ["chain", "two_level"])
+def test_a_bias_at_the_root_joins_the_last_partial_once(reduction):
+    """`root_bias`: the bias added to the partial of the PE that ends the reduction, before the
+    reduction (gemv.csl `bias_first`). Small integers make every fp32 sum exact whatever its order, so
+    the result is x @ W + b exactly: the bias lands once, on its own output."""
+    rng = np.random.default_rng(2)
+    k, n = 40, 48
+    weight = rng.integers(-3, 4, (k, n)).astype(np.float32)
+    x = rng.integers(-3, 4, (2, k)).astype(np.float32)
+    bias = rng.integers(-50, 50, n).astype(np.float32)
+    for tiling in (GemvTiling(k, n, 5, 4, reduction=reduction, group=2), GemvTiling(k, n, 1, 6)):
+        cache = kernels.gemv_weight_cache(memory_layout.gemv_weight_tiles(weight, tiling), tiling)
+        got = kernels.gemv_region(x, cache, tiling, False, bias)
+        assert np.array_equal(got, x @ weight + bias)
+
+
 def test_a_run_of_split_columns_holds_each_segment_contiguous():
     """c_attn's q | k | v over runs of columns: a run's outputs in column order are its slice of q,
     then of k, then of v (a head group's stream, read by attention.csl without reordering)."""

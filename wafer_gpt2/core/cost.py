@@ -394,6 +394,11 @@ def gemv_cost(
     vector operation of the epilogue, and the output's send, the header and the outputs in one
     operation from their frame (comm/gather.csl `send_framed`; the outputs' words are priced where
     the next stage reads them).
+    Where nothing follows the sum (`GemvTiling.bias_at_root` and no epilogue: attn_proj and proj,
+    whose outputs are lanes into the residual strip under their columns), the last PE adds the bias
+    to its own partial and sends the header while the partials are in the fabric, and the
+    reduction's last add writes the lane (gemv.csl `streams_out`): the sums leave as they are made,
+    their words priced in the reduction (`residual_cost(streamed_in=True)` takes them at a link).
     """
     arch = resolve_arch(arch)
     cost = StageCost(name)
@@ -407,7 +412,17 @@ def gemv_cost(
     label = f"{tiling.reduction} reduction" + (
         f" (runs of {tiling.group})" if tiling.reduction == "two_level" else ""
     )
-    cost.add(label, reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group))
+    reduced = reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group)
+    cost.add(label, reduced)
+    if streams_out(tiling, epilogue_cycles_per_output):
+        # the last PE's bias pass, the header's send and the lane's operation start after its FMACs;
+        # its own vector joins the stream when those are done (beyond the reduction where the line
+        # is short; a line of one PE sends it)
+        own = 3 * DSD_OP_START_CYCLES + tiling.tile_n * FP32_OPS_PER_CYCLE + ITEM_HEADER_WORDS
+        late = own + tiling.tile_n * FP32_OPS_PER_CYCLE - reduced
+        if late > 0:
+            cost.add("the last PE's bias and header (beyond the reduction)", late)
+        return cost
     cost.add("task: the sums in", TASK_ACTIVATION_CYCLES)
     # shared through comm/spread.csl, every PE applies the LayerNorm to its own slice (in the epilogue)
     spread_norm = tiling.norm_fold and tiling.epilogue_multicast and tiling.epilogue_pes > 1
@@ -430,6 +445,12 @@ def gemv_cost(
         cost.add(what + shared, cycles)
     cost.add("the output's header (its send's start)", DSD_OP_START_CYCLES + ITEM_HEADER_WORDS)
     return cost
+
+
+def streams_out(tiling: GemvTiling, epilogue_cycles_per_output: int = 0) -> bool:
+    """Whether the GEMV's sums leave as its reduction makes them (wafer_gpt2/kernels/pe/gemv.csl
+    `streams_out`): the bias at the root, and no epilogue after the sum."""
+    return tiling.bias_at_root and not epilogue_cycles_per_output
 
 
 @lru_cache(maxsize=4096)  # pure, and priced for every candidate of the search
@@ -618,13 +639,15 @@ def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
     return cost
 
 
-def residual_cost(chunk: int, name: str = "residual") -> StageCost:
+def residual_cost(chunk: int, name: str = "residual", streamed_in: bool = False) -> StageCost:
     """Add the residual stream's chunk to the arriving one and pass the sum on, as
-    wafer_gpt2/kernels/pe/residual.csl does: the chunk in (a hop, the ramp, its words), a task, one
-    fp32 add over the chunk, then the header and the sum in one operation from the input's frame."""
+    wafer_gpt2/kernels/pe/residual.csl does: the chunk in (a hop, the ramp, its words; `streamed_in`:
+    the GEMV before it sends its sums as its reduction makes them, whose words its cost holds), a
+    task, one fp32 add over the chunk, then the header and the sum in one operation from the input's
+    frame."""
     link = HOP_CYCLES + ROUTER_TO_PE_CYCLES
     cost = StageCost(name)
-    cost.add("the chunk in", link + chunk)
+    cost.add("the chunk in", link + (0 if streamed_in else chunk))
     cost.add("task: add", TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES + chunk * FP32_OPS_PER_CYCLE)
     send = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS
     cost.first_word = cost.cycles + send

@@ -139,6 +139,14 @@ class GemvTiling:
         return self.rows * self.cols
 
     @property
+    def bias_at_root(self) -> bool:
+        """Whether the bias joins the partial sum of the PE that ends the reduction before the reduction
+        (((... + p_last-1) + (p_last + b)) in the reduction's order) instead of the finished sum: where
+        no epilogue follows it (no LayerNorm folded in, one epilogue PE), so that the sums can leave
+        as the reduction makes them (wafer_gpt2/kernels/pe/gemv.csl `bias_first`)."""
+        return not self.norm_fold and self.epilogue_pes == 1
+
+    @property
     def grid_wh(self) -> tuple[int, int]:
         """(w, h) of the rectangle on the fabric."""
         return (self.cols, self.rows) if self.orientation == "k_along_y" else (self.rows, self.cols)

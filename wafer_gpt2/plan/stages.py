@@ -24,6 +24,7 @@ from wafer_gpt2.core.cost import (
     reduce_cycles,
     residual_cost,
     stream_cycles,
+    streams_out,
 )
 from wafer_gpt2.core.tiling import HeadTiling, NormTiling
 from wafer_gpt2.core.wire import HEADER_WORDS, ITEM_WORDS, record_words
@@ -46,11 +47,11 @@ def layer_stage_costs(lt: LayerTilings, arch: Arch, dtype: str) -> list[StageCos
         gemv_cost(lt.qkv, arch, dtype, name="qkv"),
         attention_cost(lt.attn, arch, dtype, name="attn"),
         gemv_cost(lt.attn_proj, arch, dtype, name="attn_proj"),
-        residual_cost(chunk, "res_1"),
+        residual_cost(chunk, "res_1", streams_out(lt.attn_proj)),
         norm_cost(lt.ln, "ln_2"),
         gemv_cost(lt.fc, arch, dtype, epilogue_cycles_per_output=GELU_CYCLES, name="fc"),
         gemv_cost(lt.proj, arch, dtype, name="proj"),
-        residual_cost(chunk, "res_2"),
+        residual_cost(chunk, "res_2", streams_out(lt.proj)),
     ]
     # Every hand-off between touching regions is one hop (the receiving phase counts its ramp).
     return [c.renamed(f"layer.{c.name}").add("hand-off", HANDOFF_CYCLES) for c in costs]

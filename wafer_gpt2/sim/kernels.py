@@ -100,9 +100,17 @@ GEMV_ALIGN = 16  # block widths are a multiple of this many columns (whole SIMD 
 GEMV_PARALLEL_MACS = 1 << 24
 
 
-def gemv_region(x: np.ndarray, weight_cache: np.ndarray, tiling: GemvTiling, fp16: bool) -> np.ndarray:
-    """x [B, K] -> y [B, N] (no bias): every PE's fp32 partial sum of its tile, combined over the
-    reduction index in the tiling's order (chain, or two_level runs)."""
+def gemv_region(
+    x: np.ndarray,
+    weight_cache: np.ndarray,
+    tiling: GemvTiling,
+    fp16: bool,
+    root_bias: np.ndarray | None = None,
+) -> np.ndarray:
+    """x [B, K] -> y [B, N]: every PE's fp32 partial sum of its tile, combined over the reduction
+    index in the tiling's order (chain, or two_level runs). `root_bias` [N] (fp32) is added to the
+    partial of the PE that ends the reduction before it is combined (`GemvTiling.bias_at_root`);
+    without it the sums carry no bias."""
     batch, tk = x.shape[0], tiling.tile_k
     xp = np.zeros((batch, tiling.rows * tk), dtype=F32)
     xp[:, : tiling.k] = round_fp16(x) if fp16 else x  # the multicast into the region carries fp16
@@ -119,7 +127,8 @@ def gemv_region(x: np.ndarray, weight_cache: np.ndarray, tiling: GemvTiling, fp1
     def reduce_block(span: tuple[int, int]) -> None:
         start, stop = span
         columns = weight_cache[:, :, start:stop]
-        out[:, start:stop] = _reduce_columns(chunks, columns, tiling.reduction, group)
+        bias = None if root_bias is None else root_bias[start:stop]
+        out[:, start:stop] = _reduce_columns(chunks, columns, tiling.reduction, group, bias)
 
     # Blocks of output columns are independent (as the PE columns are), so they run side by side on
     # the pool, as many per thread; the arithmetic of each block is unchanged.
@@ -139,9 +148,12 @@ def _column_blocks(n: int, widest: int, threads: int) -> list[tuple[int, int]]:
     return [(start, min(start + width, n)) for start in range(0, n, width)]
 
 
-def _reduce_columns(chunks: np.ndarray, weights: np.ndarray, reduction: str, group: int) -> np.ndarray:
+def _reduce_columns(
+    chunks: np.ndarray, weights: np.ndarray, reduction: str, group: int, root_bias: np.ndarray | None = None
+) -> np.ndarray:
     """sum over r of chunks[r] @ weights[r], `group` rows per matmul: a chain carries its running sum
-    from group to group; a two-level reduction (whose runs are the groups) chains the groups' sums."""
+    from group to group; a two-level reduction (whose runs are the groups) chains the groups' sums.
+    `root_bias` joins the last row's partial first."""
     rows, batch = chunks.shape[:2]
     starts = range(0, rows, group)
     # One buffer for every group's partials, reused group after group, and one for the groups' sums.
@@ -150,6 +162,8 @@ def _reduce_columns(chunks: np.ndarray, weights: np.ndarray, reduction: str, gro
     for i, g in enumerate(starts):
         size = min(group, rows - g)
         block = np.matmul(chunks[g : g + size], weights[g : g + size], out=partials[:size])  # [G, B, block]
+        if root_bias is not None and g + size == rows:
+            block[size - 1] += root_bias  # before the running sum reaches it: the PE's own vector
         if reduction == "chain" and i:
             block[0] += nodes[i - 1]  # the running sum arriving from PE g - 1 (a + b == b + a)
         nodes[i] = chain_sum(block)

@@ -303,12 +303,14 @@ class WaferProgram:
     def _gemv(self, region: RegionMemory, x: np.ndarray) -> np.ndarray:
         weight, bias = self.gemv_weights(region)
         tiling = region.region.tiling
+        if tiling.bias_at_root:
+            return kernels.gemv_region(x, weight, tiling, self.fp16, bias)
         sums = kernels.gemv_region(x, weight, tiling, self.fp16)
         if tiling.norm_fold:
             sums = kernels.folded_norm(
                 sums, x, self.norm_colsum(region), tiling, self.config.layer_norm_epsilon
             )
-        return sums + bias  # bias at the far edge, fp32
+        return sums + bias  # bias on the finished sum, fp32
 
     # -- modeled cycles ----------------------------------------------------------------------------
 
