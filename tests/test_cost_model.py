@@ -10,7 +10,7 @@ from wafer_gpt2.core.arch import ARCHS
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.model.config import PRESETS
 from wafer_gpt2.plan import build_plan
-from wafer_gpt2.plan.stages import RECORD_SORT_PHASE
+from wafer_gpt2.plan.stages import RECORD_SORT_PHASE, UNSTREAMED_RES_2_PHASE
 
 H, R, S, T = cost.HOP_CYCLES, cost.ROUTER_TO_PE_CYCLES, cost.DSD_OP_START_CYCLES, cost.TASK_ACTIVATION_CYCLES
 M = cost.MAP_STEP_CYCLES  # one step of a GEMV's @map, beyond its FMACs
@@ -423,6 +423,11 @@ def test_occupancy_is_the_span_of_a_blocking_stage() -> None:
     assert res.first_word == (H + R + 16) + (T + S + 16) + (S + 5)
     # after a GEMV whose sums stream out, the chunk's words are in that GEMV's reduction
     assert cost.residual_cost(16, streamed_in=True).cycles == res.cycles - 16
+    # a lane in, a lane out (res_2 in a band): the header is in long before the streamed sums, so each
+    # word passes at a link and an add; after a framed send the words wait for the header's steps
+    assert cost.residual_cost(16, streamed_in=True, streams_through=True).cycles == H + R + 1
+    steps = T + (S + 5) + S
+    assert cost.residual_cost(16, streams_through=True).cycles == (H + R + 5) + steps + 16
 
 
 def test_a_gathered_hand_off_by_hand() -> None:
@@ -462,3 +467,8 @@ def test_hand_offs_that_are_gather_lines_are_priced_as_one() -> None:
     assert final.phases["route"] == cost.gathered_handoff_cycles(
         geo.r, chunk, geo.gather_hops("L1.res_2", "ln_f")
     )
+    # the last res_2 leads that line: it adds and sends from its frame instead of streaming through
+    res_2 = next(s for s in plan.stage_costs if s.name == "L1.res_2")
+    assert "the words in, added as they pass" in res_2.phases
+    framed = cost.residual_cost(chunk, streamed_in=True).cycles
+    assert final.phases[UNSTREAMED_RES_2_PHASE] == framed - cost.residual_cost(chunk, "r", True, True).cycles

@@ -639,14 +639,25 @@ def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
     return cost
 
 
-def residual_cost(chunk: int, name: str = "residual", streamed_in: bool = False) -> StageCost:
+def residual_cost(
+    chunk: int, name: str = "residual", streamed_in: bool = False, streams_through: bool = False
+) -> StageCost:
     """Add the residual stream's chunk to the arriving one and pass the sum on, as
     wafer_gpt2/kernels/pe/residual.csl does: the chunk in (a hop, the ramp, its words; `streamed_in`:
     the GEMV before it sends its sums as its reduction makes them, whose words its cost holds), a
     task, one fp32 add over the chunk, then the header and the sum in one operation from the input's
-    frame."""
+    frame. `streams_through` (a lane in, a lane out, nothing forwarded: res_2 inside a band): the
+    header is read alone, and a task sends it on and starts one add from the arriving words into the
+    lane; where the GEMV streamed, its header came long before its sums, and each word passes at a
+    link and an add; else the words wait for those steps."""
     link = HOP_CYCLES + ROUTER_TO_PE_CYCLES
     cost = StageCost(name)
+    if streams_through:
+        if streamed_in:
+            return cost.add("the words in, added as they pass", link + FP32_OPS_PER_CYCLE)
+        steps = TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + DSD_OP_START_CYCLES
+        cost.add("the header in, a task, its send, the add's start", link + ITEM_HEADER_WORDS + steps)
+        return cost.add("the words, added as they pass", chunk * FP32_OPS_PER_CYCLE)
     cost.add("the chunk in", link + (0 if streamed_in else chunk))
     cost.add("task: add", TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES + chunk * FP32_OPS_PER_CYCLE)
     send = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS
@@ -681,9 +692,9 @@ def attention_cost(
        head; with one head per PE the round's FMAC multiplies) is summed over the same links, a plain streamed add (comm/reduce.csl), every PE ready at
        its own time (M reaches the far ones later, the owner is later by what its stores cost beyond
        its wait for M: "the owner's k, v store (not hidden)").
-    5. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV: the header, then
-       (a task later) the output, multiplied by it as it leaves (wafer_gpt2/kernels/comm/gather.csl
-       send_scaled).
+    5. 1/sum on the PE that ends the merge and the hand-off to its rows of the O GEMV: the output,
+       multiplied by it as it leaves (wafer_gpt2/kernels/comm/gather.csl send_scaled_parts), its
+       header sent as the item came in.
     """
     arch = resolve_arch(arch)
     positions = tiling.context if positions is None else max(1, min(positions, tiling.context))
@@ -713,9 +724,9 @@ def attention_cost(
     # 1/l per head; acc * (1/l) is made as the output leaves (one @fmuls into the fabric per head, each
     # after the previous one's task).
     cost.add("1 / sum", hpp * RSQRT_CYCLES + (hpp - 1) * (TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES))
-    # comm/gather.csl's lane: the header leaves first (a DSD operation), then a task starts the first
-    # head's operation.
-    cost.add("the output's header", DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + _TASK_STEP)
+    # comm/gather.csl's lane: its header left as the item came in (attention.csl), so the first
+    # head's product leaves in an operation started by the task that ends the merge.
+    cost.add("the output's first operation", DSD_OP_START_CYCLES)
     # The PE that ends the merge sends the group's output to its O rows (a multicast over them).
     cost.first_word = cost.cycles
     cost.add("to the O rows", stream_cycles(hpp * dim, width - 1 + tiling.fold - 1))

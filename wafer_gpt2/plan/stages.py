@@ -35,6 +35,9 @@ from wafer_gpt2.plan.tilings import LayerTilings
 REQUEST_WORDS = 1 + ITEM_WORDS  # wafer_gpt2/kernels/pe/io_in.csl: the item's number, then its fields
 HANDOFF_CYCLES = HOP_CYCLES  # the next stage's first phase pays its router-to-PE crossing
 
+# The phase of a hand-off from a res_2 that leads a gather line: its add and send from its frame.
+UNSTREAMED_RES_2_PHASE = "res_2's add and send (it leads a gather line)"
+
 # io.out's phase that puts the head's record best first: the top-k's last step, done on io.out.
 RECORD_SORT_PHASE = "the record put best first"
 
@@ -51,10 +54,20 @@ def layer_stage_costs(lt: LayerTilings, arch: Arch, dtype: str) -> list[StageCos
         norm_cost(lt.ln, "ln_2"),
         gemv_cost(lt.fc, arch, dtype, epilogue_cycles_per_output=GELU_CYCLES, name="fc"),
         gemv_cost(lt.proj, arch, dtype, name="proj"),
-        residual_cost(chunk, "res_2", streams_out(lt.proj)),
+        # res_2 hands off in lanes inside a band (a gathered hand-off adds its own difference:
+        # `outer_stage_costs`)
+        residual_cost(chunk, "res_2", streams_out(lt.proj), streams_through=True),
     ]
     # Every hand-off between touching regions is one hop (the receiving phase counts its ramp).
     return [c.renamed(f"layer.{c.name}").add("hand-off", HANDOFF_CYCLES) for c in costs]
+
+
+def _unstreamed_res_2(lt: LayerTilings) -> int:
+    """What a res_2 that hands off by a gather line (residual.csl sends from its frame) takes beyond
+    the streamed res_2 of `layer_stage_costs`."""
+    streamed_in = streams_out(lt.proj)
+    framed = residual_cost(lt.ln.chunk, streamed_in=streamed_in).cycles
+    return framed - residual_cost(lt.ln.chunk, streamed_in=streamed_in, streams_through=True).cycles
 
 
 def _edge_hops(ox: int) -> int:
@@ -130,14 +143,22 @@ def outer_stage_costs(
     embed.add("the output's header (its send's start)", DSD_OP_START_CYCLES + ITEM_HEADER_WORDS)
     embed.add("to layer 0", route("embed.out"))
     before.append(embed)
+
+    def from_res_2(stage: StageCost, name: str) -> StageCost:
+        # A res_2 that leads a gather line does not stream through (residual.csl sends from its
+        # frame): its add and send, which the layer's res_2 stage leaves out, go here.
+        if geo.gathered(*ends[name]):
+            stage.add(UNSTREAMED_RES_2_PHASE, _unstreamed_res_2(lt))
+        return stage.add("route", route(name))
+
     turns = {
-        name: StageCost(f"band turn after L{name.split('.')[1]}").add("route", route(name))
+        name: from_res_2(StageCost(f"band turn after L{name.split('.')[1]}"), name)
         for name in ends
         if name.startswith("turn.")
     }
     ln_f_stage, head_stage = _tail_stages(ln_f, head, arch, dtype)
     after = [
-        StageCost("to ln_f").add("route", route("final")),
+        from_res_2(StageCost("to ln_f"), "final"),
         ln_f_stage.renamed("ln_f"),
         head_stage.renamed("head"),
         StageCost("io.out")
