@@ -44,7 +44,7 @@ INPUT_PHASES = (
     "task: the input in",
     "the chunk in",
     "request to the lines' first PE",
-    "q, k, v multicast",
+    "k, q multicast",
     "hand-off",
     "input to the farthest column",
 )

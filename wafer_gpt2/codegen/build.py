@@ -38,7 +38,7 @@ from wafer_gpt2.codegen.frames import Frame, frame_of
 from wafer_gpt2.codegen.routes import Flow, Pos, assign_colors, make_flow
 from wafer_gpt2.core.arch import ARCHS
 from wafer_gpt2.core.cost import HEAD_CHUNK, TOPK_BINS, embed_reduction
-from wafer_gpt2.core.tiling import ceil_div, reduction_runs
+from wafer_gpt2.core.tiling import QKV_ORDER, ceil_div, reduction_runs
 from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, record_words
 from wafer_gpt2.errors import ProgramError
 from wafer_gpt2.plan.checks import check_layer_norms_folded
@@ -84,7 +84,7 @@ TASKS = {
     "pe/layernorm.csl": 10,
     "pe/residual.csl": 10,
     "pe/gemv.csl": 8,
-    "pe/attention.csl": 7,
+    "pe/attention.csl": 8,
     "pe/idle.csl": 0,
 }
 
@@ -522,9 +522,14 @@ class _Builder:
         t, q = attn.tiling, qkv.tiling
         f = self.frame(attn)
         width = t.heads_per_pe * t.head_dim
-        if q.n_split != 3 or q.split_cols * q.segment_tile != width or q.cols != t.head_groups * q.split_cols:
+        if (
+            q.n_split != 3
+            or q.segment_order != QKV_ORDER
+            or q.split_cols * q.segment_tile != width
+            or q.cols != t.head_groups * q.split_cols
+        ):
             raise ProgramError(
-                f"{attn.name}: a head group's [q | k | v] ({width} values each) must be a run of whole qkv "
+                f"{attn.name}: a head group's [k | q | v] ({width} values each) must be a run of whole qkv "
                 f"columns (columns of {q.segment_tile} values of each, runs of {q.split_cols} columns)"
             )
         cols_per_group = q.split_cols

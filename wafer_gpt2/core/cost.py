@@ -677,10 +677,10 @@ def attention_cost(
 ) -> StageCost:
     """One decode item attending to `positions` cached positions (default: the whole context).
 
-    1. the group's stream of [q | k | v] (a run of qkv columns holds them, each contiguous) enters
-       the group's rows and is multicast over its block: every PE reads all of it (comm/recv.csl)
-       before its task starts; the PE that owns the new position moves its k into the cache
-       (`_store_cycles`); the scores read q where it arrived.
+    1. the group's stream of [k | q | v] (a run of qkv columns holds them, each contiguous) enters
+       the group's rows and is multicast over its block: every PE reads k and q (comm/recv.csl)
+       before its task starts, v meanwhile; the PE that owns the new position moves its k into the
+       cache (`_store_cycles`); the scores read q where it arrived.
     2. each PE, per head (wafer_gpt2/kernels/pe/attention.csl `scores_and_max`): the scores of all its
        positions as one @map over the head dimension (K stored transposed: step d adds q_d * K^T[d, :],
        ppp FMACs) and their max.
@@ -703,9 +703,9 @@ def attention_cost(
     hpp, dim = tiling.heads_per_pe, tiling.head_dim
     local = min(tiling.positions_per_pe, positions)
     cost = StageCost(name)
-    # Every PE reads the header and all of [q | k | v] before its task starts.
-    stream = ITEM_HEADER_WORDS + 3 * hpp * dim
-    cost.add("q, k, v multicast", stream_cycles(stream, (width - 1) + (tiling.fold - 1)))
+    # Every PE reads the header, k and q before its task starts (v is read meanwhile).
+    stream = ITEM_HEADER_WORDS + 2 * hpp * dim
+    cost.add("k, q multicast", stream_cycles(stream, (width - 1) + (tiling.fold - 1)))
     k_cycles, v_cycles = _store_cycles(tiling, dtype)
     # The scores' @map runs over all positions_per_pe (its K^T register steps a whole row per step);
     # the later steps see only the visible ones.
@@ -715,7 +715,8 @@ def attention_cost(
     weights = local * hpp * EXP_CYCLES + hpp * map_fmac_cycles(local, dim, macs)
     rounds = merge_rounds(tiling, weights)
     owner = (positions - 1) // tiling.positions_per_pe
-    stored = merge_rounds(tiling, weights, owner, k_cycles, v_cycles)
+    # the owner stores v and makes its weights in a task of their own, when v is in
+    stored = merge_rounds(tiling, weights, owner, k_cycles, v_cycles + TASK_ACTIVATION_CYCLES)
     cost.add("exp + weighted V", weights)
     cost.add("max merge round + M multicast (beyond the weights)", rounds.m_known - weights)
     cost.add("rescale", rounds.rescale)

@@ -9,8 +9,9 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
   along the output (N) axis. PE (r, c) holds W[r*tile_k:(r+1)*tile_k, c*tile_n:(c+1)*tile_n]
   (zero-padded at the ragged edge). With `n_split` = s > 1 (c_attn: s = 3 for q | k | v) N is s equal
   segments, and every run of `split_cols` consecutive columns holds the same slice of every segment,
-  one segment after the other over the run's columns in order: c_attn's runs are a head group's
-  columns, so their outputs read in column order are the group's [q | k | v], each contiguous.
+  one segment after the other over the run's columns (in `segment_order`): c_attn's runs are a head
+  group's columns, so their outputs read in column order are the group's [k | q | v] (`QKV_ORDER`),
+  each contiguous.
   `column_order()` lists the N index of every tiled output (-1 for padding).
   The input chunk x[r*tile_k:...] is multicast to every PE of reduction index r; partial sums are
   combined over r in one of two orders (`reduction`, `group`; see "Reductions" below).
@@ -49,6 +50,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Orientation = Literal["k_along_y", "k_along_x"]
+
+# c_attn's segments (q, k, v in its N order) in the order a head group's stream carries them: k
+# first, so that the PE that stores the new position's k does so while q arrives, and every PE starts
+# its scores with q in before v (wafer_gpt2/kernels/pe/attention.csl).
+QKV_ORDER = (1, 0, 2)
 Reduction = Literal["chain", "two_level"]
 REDUCTIONS = ("chain", "two_level")
 Axis = Literal["x", "y"]
@@ -105,6 +111,9 @@ class GemvTiling:
     # with n_split > 1: the columns of a run that holds its slice of every segment together (it
     # divides cols; the module docstring)
     split_cols: int = 1
+    # with n_split > 1: the segments' order along a run (default 0, 1, ...): qkv's runs hold k first,
+    # so that attention's owner stores k while q arrives (wafer_gpt2/kernels/pe/attention.csl)
+    segment_order: tuple[int, ...] = ()
 
     @property
     def tile_k(self) -> int:
@@ -127,10 +136,13 @@ class GemvTiling:
             return [i if i < self.n else -1 for i in range(self.cols * self.tile_n)]
         if self.cols % self.split_cols:
             raise ValueError(f"runs of {self.split_cols} columns do not split {self.cols} columns")
+        segments = self.segment_order or tuple(range(self.n_split))
+        if sorted(segments) != list(range(self.n_split)):
+            raise ValueError(f"segment order {segments} is not an order of {self.n_split} segments")
         seg, run = self.n // self.n_split, self.split_cols * self.segment_tile
         order: list[int] = []
         for b in range(self.cols // self.split_cols):
-            for s in range(self.n_split):
+            for s in segments:
                 order.extend(s * seg + i if i < seg else -1 for i in range(b * run, (b + 1) * run))
         return order
 

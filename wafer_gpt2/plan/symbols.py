@@ -101,7 +101,7 @@ def attention_symbols(t: AttentionTiling, dtype: str) -> dict[str, Symbol]:
     return {
         "k_cache": Symbol(wd, cache),  # [slot][head in PE][head_dim][position in PE]
         "v_cache": Symbol(wd, cache),  # [slot][head in PE][position in PE][head_dim]
-        "qkv": Symbol("f32", 3 * hd),  # the group's [q | k | v] as it arrives (the scores read q there)
+        "qkv": Symbol("f32", 3 * hd),  # the group's [k | q | v] as it arrives (the scores read q there)
         "scores": Symbol("f32", t.heads_per_pe * t.positions_per_pe),  # every head's scores, then weights
         "rec": Symbol("f32", t.heads_per_pe + hd),  # [sum per head | exp-weighted V]
         "stats": Symbol("f32", 4 * t.heads_per_pe),  # own max, the max round's, M, the factors

@@ -16,7 +16,7 @@ from wafer_gpt2.core.cost import (
     best_head,
     reduction_options,
 )
-from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, Reduction
+from wafer_gpt2.core.tiling import QKV_ORDER, AttentionTiling, GemvTiling, HeadTiling, NormTiling, Reduction
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.structure import Knobs
 
@@ -45,8 +45,18 @@ def layer_tilings(
     # ln_1 and ln_2 pass x on; qkv and fc normalise it (the LayerNorm folded in, wafer_gpt2/core/tiling.py)
     ln = NormTiling(c, r, reduction=kind, axis="x", group=group, normalise=False)
     best = best_gemv_reduction
-    # a head group's columns (fold of them) hold its [q | k | v] contiguous: attention reads q in place
-    qkv = GemvTiling(c, 3 * c, r, t_rows, "k_along_x", n_split=3, norm_fold=True, split_cols=knobs.fold)
+    # a head group's columns (fold of them) hold its [k | q | v] contiguous: attention reads q in place
+    qkv = GemvTiling(
+        c,
+        3 * c,
+        r,
+        t_rows,
+        "k_along_x",
+        n_split=3,
+        norm_fold=True,
+        split_cols=knobs.fold,
+        segment_order=QKV_ORDER,
+    )
     qkv = best(qkv, arch, dtype)
     attn = AttentionTiling(heads, config.head_dim, slots, context, heads, knobs.attn_chain, knobs.fold)
     attn = best_attention(attn, arch, dtype)

@@ -57,7 +57,7 @@ for n_round, items in enumerate(rounds):
         )
         keys[position], values[position] = k, v
         expected.append(attend(q, keys[: position + 1], values[: position + 1]))
-        words.append(item_words(header(index, slot, position), np.concatenate([q, k, v])))
+        words.append(item_words(header(index, slot, position), np.concatenate([k, q, v])))
     # memcpy runs one command at a time, and the sink holds only a few wavelets: stream an item in,
     # read its output, then the next (all inputs first would stall behind the unread outputs).
     sink_x = row_len + 1 if (fold - 1) % 2 == 0 else 0
