@@ -428,6 +428,11 @@ def test_occupancy_is_the_span_of_a_blocking_stage() -> None:
     assert cost.residual_cost(16, streamed_in=True, streams_through=True).cycles == H + R + 1
     steps = T + (S + 5) + S
     assert cost.residual_cost(16, streams_through=True).cycles == (H + R + 5) + steps + 16
+    # a lane in and a send after (res_1, which forwards x'): the words added into x's frame as they
+    # come, then a task and the frame's send
+    send = T + (S + 5 + 16)
+    assert cost.residual_cost(16, streamed_in=True, lane_in=True).cycles == (H + R + 1) + send
+    assert cost.residual_cost(16, lane_in=True).cycles == (H + R + 5) + (T + S) + 16 + send
 
 
 def test_a_gathered_hand_off_by_hand() -> None:
@@ -470,5 +475,5 @@ def test_hand_offs_that_are_gather_lines_are_priced_as_one() -> None:
     # the last res_2 leads that line: it adds and sends from its frame instead of streaming through
     res_2 = next(s for s in plan.stage_costs if s.name == "L1.res_2")
     assert "the words in, added as they pass" in res_2.phases
-    framed = cost.residual_cost(chunk, streamed_in=True).cycles
+    framed = cost.residual_cost(chunk, streamed_in=True, lane_in=True).cycles
     assert final.phases[UNSTREAMED_RES_2_PHASE] == framed - cost.residual_cost(chunk, "r", True, True).cycles

@@ -640,26 +640,39 @@ def norm_cost(tiling: NormTiling, name: str = "layernorm") -> StageCost:
 
 
 def residual_cost(
-    chunk: int, name: str = "residual", streamed_in: bool = False, streams_through: bool = False
+    chunk: int,
+    name: str = "residual",
+    streamed_in: bool = False,
+    streams_through: bool = False,
+    lane_in: bool = False,
 ) -> StageCost:
     """Add the residual stream's chunk to the arriving one and pass the sum on, as
-    wafer_gpt2/kernels/pe/residual.csl does: the chunk in (a hop, the ramp, its words; `streamed_in`:
-    the GEMV before it sends its sums as its reduction makes them, whose words its cost holds), a
-    task, one fp32 add over the chunk, then the header and the sum in one operation from the input's
-    frame. `streams_through` (a lane in, a lane out, nothing forwarded: res_2 inside a band): the
-    header is read alone, and a task sends it on and starts one add from the arriving words into the
-    lane; where the GEMV streamed, its header came long before its sums, and each word passes at a
-    link and an add; else the words wait for those steps."""
+    wafer_gpt2/kernels/pe/residual.csl does. `streamed_in`: the GEMV before it sends its sums as its
+    reduction makes them, its header long before, and its cost holds their words.
+    - `lane_in` (the GEMV output comes on a lane: res_1, res_2): the header is read alone, and a task
+      then starts one add that takes the words as they come into x's frame; where the GEMV streamed,
+      each word is added a link after it left. Then a task, the header and the sum in one operation.
+    - `streams_through` (a lane in, a lane out, nothing forwarded: res_2 inside a band): that add
+      writes the lane out, the header sent on before it; each word passes at a link and an add.
+    - else the chunk in (a hop, the ramp, its words), a task, one fp32 add over the chunk, then the
+      header and the sum in one operation from the input's frame."""
     link = HOP_CYCLES + ROUTER_TO_PE_CYCLES
     cost = StageCost(name)
-    if streams_through:
+    if streams_through or lane_in:
         if streamed_in:
-            return cost.add("the words in, added as they pass", link + FP32_OPS_PER_CYCLE)
-        steps = TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES + ITEM_HEADER_WORDS + DSD_OP_START_CYCLES
-        cost.add("the header in, a task, its send, the add's start", link + ITEM_HEADER_WORDS + steps)
-        return cost.add("the words, added as they pass", chunk * FP32_OPS_PER_CYCLE)
-    cost.add("the chunk in", link + (0 if streamed_in else chunk))
-    cost.add("task: add", TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES + chunk * FP32_OPS_PER_CYCLE)
+            cost.add("the words in, added as they pass", link + FP32_OPS_PER_CYCLE)
+        else:
+            # the header's send (streams_through) and the add's start, while the words wait
+            send = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS if streams_through else 0
+            steps = TASK_ACTIVATION_CYCLES + send + DSD_OP_START_CYCLES
+            cost.add("the header in, a task, the add's start", link + ITEM_HEADER_WORDS + steps)
+            cost.add("the words, added as they pass", chunk * FP32_OPS_PER_CYCLE)
+        if streams_through:
+            return cost
+        cost.add("task: the sum in", TASK_ACTIVATION_CYCLES)
+    else:
+        cost.add("the chunk in", link + (0 if streamed_in else chunk))
+        cost.add("task: add", TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES + chunk * FP32_OPS_PER_CYCLE)
     send = DSD_OP_START_CYCLES + ITEM_HEADER_WORDS
     cost.first_word = cost.cycles + send
     return cost.add("the sum's send", send + chunk)

@@ -50,7 +50,7 @@ def layer_stage_costs(lt: LayerTilings, arch: Arch, dtype: str) -> list[StageCos
         gemv_cost(lt.qkv, arch, dtype, name="qkv"),
         attention_cost(lt.attn, arch, dtype, name="attn"),
         gemv_cost(lt.attn_proj, arch, dtype, name="attn_proj"),
-        residual_cost(chunk, "res_1", streams_out(lt.attn_proj)),
+        residual_cost(chunk, "res_1", streams_out(lt.attn_proj), lane_in=True),
         norm_cost(lt.ln, "ln_2"),
         gemv_cost(lt.fc, arch, dtype, epilogue_cycles_per_output=GELU_CYCLES, name="fc"),
         gemv_cost(lt.proj, arch, dtype, name="proj"),
@@ -66,7 +66,7 @@ def _unstreamed_res_2(lt: LayerTilings) -> int:
     """What a res_2 that hands off by a gather line (residual.csl sends from its frame) takes beyond
     the streamed res_2 of `layer_stage_costs`."""
     streamed_in = streams_out(lt.proj)
-    framed = residual_cost(lt.ln.chunk, streamed_in=streamed_in).cycles
+    framed = residual_cost(lt.ln.chunk, streamed_in=streamed_in, lane_in=True).cycles
     return framed - residual_cost(lt.ln.chunk, streamed_in=streamed_in, streams_through=True).cycles
 
 
