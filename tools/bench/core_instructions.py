@@ -17,8 +17,9 @@ would be counted too).
 `--varied` gives the requests of a round different lengths (the same total), so that they end one after
 another, as the server's closed-loop clients' requests do, instead of all at the round's end. `--pipe`
 hands the events to the engine process's sink (`wafer_gpt2.engine.process`), which encodes each step's
-events for the pipe (the bytes are dropped) and whose receiver makes the text of non-streamed requests,
-instead of to an event loop's sink in the same process: what the engine process's thread does.
+events for the pipe (the bytes are dropped) and whose receiver makes the text of the requests without
+stop sequences, instead of to an event loop's sink in the same process: what the engine process's
+thread does.
 
 `--tree` (repeatable) counts another checkout of the repository too (e.g. a `git worktree` of the
 commit before a change), alternately with this one. Needs valgrind and setarch (Debian: valgrind,
@@ -105,8 +106,8 @@ def workload(
         def send(message: messages.FromEngine) -> None:
             messages.encode(message)
             for _, event in message.events if isinstance(message, messages.Events) else ():
-                if type(event) is ids_only:
-                    ended[0] += len(getattr(event, "ids", ()))
+                if type(event) is ids_only:  # a streamed one's carries the tokens after its token events'
+                    ended[0] += getattr(event, "streamed", 0) + len(getattr(event, "ids", ()))
                 elif type(event) is not request.TokenEvent:
                     ended[0] += len(getattr(event, "tokens", ()))
 

@@ -52,6 +52,7 @@ from wafer_gpt2.engine.request import (
     RequestState,
     RequestStatus,
     SinkEvent,
+    StreamedIds,
     TokenEvent,
     generated_token_of,
     token_event_of,
@@ -153,28 +154,81 @@ def texts_at_end(
     return list(map(generated_token_of, columns))
 
 
+def text_in_front(request: GenerationRequest, makes_text: bool) -> bool:
+    """Whether the receiver of `request`'s events makes its text (`RequestState.text_in_front`), given
+    whether its sink makes text: not with stop sequences, which are found in the text as it is made."""
+    return makes_text and not request.stop_sequences
+
+
+class FrontText:
+    """The receiver's side of a request whose text it makes (`RequestState.text_in_front`, `EventSink.
+    makes_text`): the records, text and events the engine would have made, from the ids it sent. A
+    streamed request's token events (`token`, `token_event`) then its end (`finish`); a text-at-end
+    request's end alone (`finish_event_of`)."""
+
+    __slots__ = ("_detokenizer", "_hide_special", "_request", "_special", "tokens")
+
+    def __init__(self, request: GenerationRequest, tokenizer: TokenizerHooks):
+        self._request = request
+        self._special = tokenizer.special_names
+        self._hide_special = request.skip_special_tokens
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer.token_bytes, (), request.include_stop_str_in_output, tokenizer.token_text
+        )
+        self.tokens: list[GeneratedToken] = []  # the records of the token events made so far
+
+    def token(
+        self,
+        token: int,
+        logprob: float,
+        top: tuple[Alternative, ...] = (),
+        prefill: tuple[PromptToken, ...] = (),
+    ) -> TokenEvent:
+        """A token event's record and text (`EngineCore._complete`'s: a token with an event never ends
+        its request, so only a skipped special token adds no text; without stop sequences all of a
+        token's text is released with it)."""
+        special = token in self._special
+        text = "" if special and self._hide_special else self._detokenizer.add_unstopped(token)
+        record = generated_token_of((token, text, text, logprob, special, top))
+        tokens = self.tokens
+        tokens.append(record)
+        return token_event_of((len(tokens), record, prefill))
+
+    def token_event(self, event: TokenEvent) -> TokenEvent:
+        """The engine's token event (its record without text) with its text."""
+        record = event.token
+        return self.token(record.id, record.logprob, record.top, event.prefill)
+
+    def finish(self, event: IdsFinishEvent) -> FinishEvent:
+        """The `FinishEvent` the engine would have made where it sent `event`: the records of its ids
+        (after the token events' ones), and the whole text."""
+        if event.streamed != len(self.tokens):
+            raise ValueError(f"the end follows {event.streamed} token events, not {len(self.tokens)}")
+        ids = event.ids
+        special = list(map(self._special.__contains__, ids))
+        top = event.top or ((),) * len(ids)
+        detokenizer = self._detokenizer
+        rest = texts_at_end(
+            self._request, detokenizer, ids, event.logprobs, special, top, event.finish_reason
+        )
+        return FinishEvent(
+            finish_reason=event.finish_reason,
+            text=detokenizer.text,
+            tail="",  # nothing is held back without stop sequences
+            tokens=(*self.tokens, *rest),
+            prefill=event.prefill,
+            seed=event.seed,
+            input_length=event.input_length,
+            stop_sequence=None,
+        )
+
+
 def finish_event_of(
     event: IdsFinishEvent, request: GenerationRequest, tokenizer: TokenizerHooks
 ) -> FinishEvent:
     """The `FinishEvent` the engine would have made for `request` (a text-at-end one) where it sent
     `event` instead: its tokens' records and text, made by the receiver (`EventSink.makes_text`)."""
-    ids = event.ids
-    detokenizer = IncrementalDetokenizer(
-        tokenizer.token_bytes, (), request.include_stop_str_in_output, tokenizer.token_text
-    )
-    special = list(map(tokenizer.special_names.__contains__, ids))
-    top = event.top or ((),) * len(ids)
-    tokens = texts_at_end(request, detokenizer, ids, event.logprobs, special, top, event.finish_reason)
-    return FinishEvent(
-        finish_reason=event.finish_reason,
-        text=detokenizer.text,
-        tail="",  # nothing is held back without stop sequences
-        tokens=tuple(tokens),
-        prefill=event.prefill,
-        seed=event.seed,
-        input_length=event.input_length,
-        stop_sequence=None,
-    )
+    return FrontText(request, tokenizer).finish(event)
 
 
 def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> tuple[Alternative, ...]:
@@ -207,6 +261,10 @@ class EngineCore:
         # Events for requests with a sink, handed over once per step (one call per sink per step instead
         # of one per token): what `_flush` sends.
         self._pending: dict[EventSink, list[SinkOutput]] = {}
+        # The plain steps' tokens of streamed requests whose sink makes their text, as ids, by sink; and
+        # those of a deferred step, sent with its deferred work.
+        self._streamed: dict[EventSink, list[StreamedIds]] = {}
+        self._deferred_ids: list[tuple[EventSink, StreamedIds]] = []
         # Overlap: with `finish(defer=True)` a chosen token whose request cannot end on its
         # text (no stop sequences) is only recorded; the rest (detokenizing, the event, the metrics, the
         # end) is `complete_deferred`'s, which the worker runs while the backend computes the next step.
@@ -272,7 +330,7 @@ class EngineCore:
             stream=stream,
             text_at_end=text_at_end,
             # A sink that does not say makes none.
-            text_in_front=text_at_end and getattr(sink, "makes_text", False),
+            text_in_front=text_in_front(request, getattr(sink, "makes_text", False)),
             plain=sampler.batched != BATCH_NONE
             and not (
                 request.stop_sequences or request.min_tokens or request.top_n_tokens or request.stop_token_ids
@@ -382,11 +440,14 @@ class EngineCore:
         """Finish the tokens `finish(defer=True)` only chose: detokenize, emit, end the requests whose
         token ended them. `backend_busy`: a step may run meanwhile, so freed slots reach the backend only
         at the next `schedule` (backends are not thread-safe). False when there was nothing to do."""
-        if not (self._deferred or self._ending or self.scheduler.unsettled):
+        if not (self._deferred or self._ending or self._deferred_ids or self.scheduler.unsettled):
             return False
         self.scheduler.settle()
         deferred, self._deferred = self._deferred, []
         ending, self._ending = self._ending, []
+        for sink, streamed in self._deferred_ids:
+            self._streamed.setdefault(sink, []).append(streamed)
+        self._deferred_ids = []
         self._backend_busy = backend_busy
         try:
             for state, recorded, finish in ending:
@@ -407,7 +468,7 @@ class EngineCore:
 
     @property
     def has_deferred(self) -> bool:
-        return bool(self._deferred or self._ending or self.scheduler.unsettled)
+        return bool(self._deferred or self._ending or self._deferred_ids or self.scheduler.unsettled)
 
     def release_slots(self) -> None:
         """After a step: free on the backend the slots of requests that ended while it ran."""
@@ -545,7 +606,8 @@ class EngineCore:
         chosen_ids: list[int] = []
         # By row, the step of a run from here at which the row's request takes its last token.
         ends_at: list[int] = []
-        recorded = 0  # tokens recorded here (text at the end), for the metrics
+        recorded = 0  # tokens recorded here (text at the end, or made by the sink), for the metrics
+        streamed: dict[EventSink, StreamedIds] = {}  # the tokens of streamed ones whose sink makes text
         running = RequestStatus.RUNNING
         for row, (state, pick) in enumerate(zip(owners, picks, strict=True)):
             if state.status is not running:
@@ -568,12 +630,21 @@ class EngineCore:
             token, logprob = pick
             chosen_ids.append(token)
             ends_at.append(min(request.max_new_tokens - generated - 1, context - state.computed))
-            if state.text_at_end:
+            if state.text_at_end or state.text_in_front:
                 (later if generated else first).append(now - (state.last_token_at or state.arrived_at))
                 state.last_token_at = now
                 tokens.append(generated_token_of((token, "", "", logprob, token in special, ())))
                 state.pending_token = token
                 recorded += 1
+                if state.stream:  # its token event: the sink makes it of the id
+                    sink = state.sink
+                    assert sink is not None  # the sink makes its text
+                    sent = streamed.get(sink)
+                    if sent is None:
+                        sent = streamed[sink] = StreamedIds([], [], [])
+                    sent.request_ids.append(state.id)
+                    sent.ids.append(token)
+                    sent.logprobs.append(logprob)
             elif self._deferring:  # its next item goes now, its text and event after the next submit
                 state.pending_token = token
                 self._deferred.append((state, results, row, token, logprob, now))
@@ -583,6 +654,8 @@ class EngineCore:
                 except Exception:
                     self._request_failed(state)
         self._tokens_uncounted += recorded
+        for sink, sent in streamed.items():
+            self._send_ids(sink, sent)
         if len(chosen_ids) == len(owners) and self.scheduler.unchanged(batch):
             columns = batch.inputs.columns
             run = DecodeRun(owners, columns, chosen_ids, now, ends_at, eos, special)
@@ -606,6 +679,8 @@ class EngineCore:
         (`_ending`), so that no run's records are made between a step's return and the next submit."""
         latency = run.record(tokens, logprobs, now)
         heard, counted = run.heard, run.quiet
+        for sink, rows, request_ids in run.streamed:  # before `leave` renumbers the rows
+            self._send_ids(sink, _step_ids(tokens, logprobs, rows, request_ids, leaving))
         left = self.scheduler.leave(group, leaving) if leaving is not None else ()
         ids: list[int] = tokens.tolist() if heard or left else []
         if heard:
@@ -616,7 +691,7 @@ class EngineCore:
                 counted += self._hear(heard, results, ids, values, now, leaving)
         eos = self._tokenizer.eos_token_id
         for row, state, recorded in left:
-            if state.text_at_end:
+            if state.text_at_end or state.text_in_front:
                 ends_on = ids[row] == eos and not state.request.ignore_eos
                 finish = FinishReason.EOS if ends_on else FinishReason.LENGTH
                 if self._deferring:
@@ -815,8 +890,8 @@ class EngineCore:
         eos = token == tokenizer.eos_token_id and not request.ignore_eos
         stop_token = token in request.stop_token_ids
         special = token in tokenizer.special_names
-        if state.text_at_end:
-            text, released, stop = "", "", None  # `_texts_at_end` gives it its text
+        if state.text_at_end or state.text_in_front:
+            text, released, stop = "", "", None  # `_texts_at_end` or the sink gives it its text
         elif shown(request, special, eos or stop_token):
             text, released, stop = state.detokenizer.add(token, check_stops=not early)
         else:
@@ -910,18 +985,25 @@ class EngineCore:
         state: RequestState, finish: FinishReason, recorded: tuple[list[int], list[float]] | None
     ) -> IdsFinishEvent:
         """A text-in-front request's end: its tokens' ids and logprobs (those with records, then
-        `recorded`'s), for the receiver to make the text of (`finish_event_of`)."""
+        `recorded`'s), for the receiver to make the text of (`FrontText`); a streamed one's after those
+        its token events carried: its last (a token with an event never ends its request)."""
         tokens = state.tokens
         ids = [token.id for token in tokens]
         logprobs = [token.logprob for token in tokens]
-        top = tuple(token.top for token in tokens) if state.request.top_n_tokens else ()
         if recorded is not None:
             ids += recorded[0]
             logprobs += recorded[1]
-            if top:
-                top += ((),) * len(recorded[0])
+        streamed = max(len(ids) - 1, 0) if state.stream else 0
+        top: tuple[tuple[Alternative, ...], ...] = ()
+        if state.request.top_n_tokens:  # a run records no alternatives (a plain request asks none)
+            top = tuple(token.top for token in tokens[streamed:])
+            top += ((),) * (len(ids) - streamed - len(top))
+        if streamed:
+            ids, logprobs = ids[streamed:], logprobs[streamed:]
         prefill = tuple(state.prefill)
-        return IdsFinishEvent(finish, ids, logprobs, top, prefill, state.sampler.seed, len(state.prompt))
+        return IdsFinishEvent(
+            finish, ids, logprobs, top, prefill, state.sampler.seed, len(state.prompt), streamed
+        )
 
     def _free_on_backend(self, slot: int, state: RequestState | None) -> None:
         if self.backend is None:
@@ -949,11 +1031,47 @@ class EngineCore:
             self._tokens_uncounted = 0
             self._latencies = ([], [])
             self._repeated_latencies = []
-        if not self._pending:
+        if not (self._pending or self._streamed):
             return
         pending, self._pending = self._pending, {}
+        if not self._streamed:
+            for sink, events in pending.items():
+                sink.hand_over(events)
+            return
+        streamed, self._streamed = self._streamed, {}
         for sink, events in pending.items():
-            sink.hand_over(events)
+            sink.hand_over(events, streamed.pop(sink, None))
+        for sink, ids in streamed.items():
+            sink.hand_over([], ids)
+
+    def _send_ids(self, sink: EventSink, ids: StreamedIds) -> None:
+        """A step's token events as ids to their sink, with the step's events or its deferred work."""
+        if not ids.ids:
+            return
+        if self._deferring:
+            self._deferred_ids.append((sink, ids))
+        else:
+            self._streamed.setdefault(sink, []).append(ids)
+
+
+def _step_ids(
+    tokens: np.ndarray,
+    logprobs: np.ndarray,
+    rows: np.ndarray | None,
+    request_ids: list[str],
+    leaving: np.ndarray | None,
+) -> StreamedIds:
+    """A run's step's tokens of the rows `rows` (None: every row), whose requests are `request_ids`, as
+    their token events' ids, less those of the rows `leaving` (their last token goes with their end)."""
+    if rows is not None:
+        tokens, logprobs = tokens[rows], logprobs[rows]
+    if leaving is not None:
+        stay = ~(leaving if rows is None else leaving[rows])
+        tokens, logprobs = tokens[stay], logprobs[stay]
+        request_ids = [
+            request_id for request_id, kept in zip(request_ids, stay.tolist(), strict=True) if kept
+        ]
+    return StreamedIds(request_ids, tokens.tolist(), logprobs.tolist())
 
 
 def bare_greedy(backend: Backend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
