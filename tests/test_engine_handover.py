@@ -463,6 +463,10 @@ def test_a_sink_that_makes_text_gets_ids_and_makes_the_end_the_engine_would_have
         by_id = dict(sink.events)
         assert len(by_id) == len(sink.events) == len(states)
         ends.append([by_id[state.id] for state in states])
+        if sink.makes_text:  # no token records in the engine, but where alternatives were asked
+            assert [bool(state.tokens) for state in states] == [
+                bool(request.top_n_tokens and request.max_new_tokens) for request in TEXT_AT_END
+            ]
     made_here, sent = ends
     crossed = decode_from_engine(encode(Events([(str(i), event) for i, event in enumerate(sent)]))).events
     reasons = set()

@@ -562,7 +562,7 @@ class EngineCore:
             except Exception:
                 self._request_failed(state)
         kinds = [
-            state.sampler.batched if len(state.tokens) >= state.request.min_tokens else BATCH_NONE
+            state.sampler.batched if state.generated() >= state.request.min_tokens else BATCH_NONE
             for state, _ in to_sample
         ]
         states, rows = [state for state, _ in to_sample], [row for _, row in to_sample]
@@ -580,8 +580,9 @@ class EngineCore:
         A step of a group's run (`DecodeRun`) in which every request goes on is recorded by the run, in
         a few array operations; only the requests that hear of each token take theirs one at a time
         (`_run_step`). Otherwise, in one loop, what `_apply` and `_sample` do for such a request: one
-        whose text is made at its end records its token here (`_complete`'s work for it), a streamed
-        one's token is completed as `_sample` does, a row the batched choices leave alone and a token
+        whose text is made at its end or by its sink records its token here (`_complete`'s work for it;
+        a streamed one's id goes to its sink with the step's, `StreamedIds`), another streamed one's
+        token is completed as `_sample` does, a row the batched choices leave alone and a token
         that ends its request take the general way. When every request goes on, the group goes on as
         a run."""
         owners = batch.owners
@@ -614,8 +615,8 @@ class EngineCore:
                 continue  # ended while its step ran (the engine failed it, or stopped)
             state.computed += 1  # a decode item's position is the request's `computed`
             state.pending_token = None
-            request, tokens = state.request, state.tokens
-            generated = len(tokens)
+            request = state.request
+            generated = len(state.ids) if state.text_in_front else len(state.tokens)
             if (
                 pick is None
                 or (pick[0] == eos and not request.ignore_eos)
@@ -633,7 +634,11 @@ class EngineCore:
             if state.text_at_end or state.text_in_front:
                 (later if generated else first).append(now - (state.last_token_at or state.arrived_at))
                 state.last_token_at = now
-                tokens.append(generated_token_of((token, "", "", logprob, token in special, ())))
+                if state.text_in_front:
+                    state.ids.append(token)
+                    state.logprobs.append(logprob)
+                else:  # its text is made at its end, here: of records
+                    state.tokens.append(generated_token_of((token, "", "", logprob, token in special, ())))
                 state.pending_token = token
                 recorded += 1
                 if state.stream:  # its token event: the sink makes it of the id
@@ -671,8 +676,9 @@ class EngineCore:
         now: float,
         leaving: np.ndarray | None = None,
     ) -> None:
-        """A step of `run`, each request with its token of `tokens`: the run records them; the requests
-        that hear of each token take theirs one at a time (`_hear`). Every token's latency is the time
+        """A step of `run`, each request with its token of `tokens`: the run records them; the streamed
+        requests whose sink makes their text get the step's ids (`StreamedIds`), the requests that hear
+        of each token take theirs one at a time (`_hear`). Every token's latency is the time
         since the last step's (none is a first token: each request had one). `leaving`: by row, whether
         the token is the request's last: those requests leave the run, which goes on with the others
         (`DecodeRun.leave`); the text-at-end ones get their records and end with the deferred work
@@ -854,7 +860,7 @@ class EngineCore:
             ends = (
                 (token == self._tokenizer.eos_token_id and not request.ignore_eos)
                 or token in request.stop_token_ids
-                or len(state.tokens) + 1 >= request.max_new_tokens
+                or state.generated() + 1 >= request.max_new_tokens
                 or state.computed >= self.scheduler.slots.context_length
             )
             state.pending_token = None if ends else token
@@ -865,7 +871,7 @@ class EngineCore:
     def _choose(self, state: RequestState, scores: TokenScores) -> tuple[int, float]:
         """The sampler's choice for a request `greedy_batch` left alone."""
         request = state.request
-        early = len(state.tokens) < request.min_tokens  # min_tokens: no end yet
+        early = state.generated() < request.min_tokens  # min_tokens: no end yet
         ends = request.stop_token_ids | (
             frozenset() if request.ignore_eos else {self._tokenizer.eos_token_id}
         )
@@ -873,15 +879,15 @@ class EngineCore:
         p = state.sampler.params
         # The penalties read the history only when they are on: building it is O(length) per token.
         history = state.history() if p.repetition_penalty != 1.0 else ()
-        output = [t.id for t in state.tokens] if p.presence_penalty or p.frequency_penalty else ()
+        output = state.output_ids() if p.presence_penalty or p.frequency_penalty else ()
         return state.sampler.choose(scores, history, output, banned)
 
     def _complete(
         self, state: RequestState, scores: StepScores, row: int, token: int, logprob: float, now: float
     ) -> None:
         """A chosen token's text, event and end (`now`: when it was chosen; `row`: its scores')."""
-        request, tokenizer, tokens = state.request, self._tokenizer, state.tokens
-        generated = len(tokens)
+        request, tokenizer = state.request, self._tokenizer
+        generated = len(state.ids) if state.text_in_front else len(state.tokens)
         early = generated < request.min_tokens  # min_tokens: no end yet
         self._latencies[1 if generated else 0].append(now - (state.last_token_at or state.arrived_at))
         self._tokens_uncounted += 1
@@ -901,7 +907,14 @@ class EngineCore:
             if request.top_n_tokens
             else ()
         )
-        tokens.append(generated_token_of((token, text, released, logprob, special, top)))
+        record = generated_token_of((token, text, released, logprob, special, top))
+        if state.text_in_front:  # its end carries the ids (`_ids_finish`), and the alternatives
+            state.ids.append(token)
+            state.logprobs.append(logprob)
+            if request.top_n_tokens:
+                state.tokens.append(record)
+        else:
+            state.tokens.append(record)
 
         if eos or stop_token:
             self._end(state, finish=FinishReason.EOS)
@@ -913,7 +926,7 @@ class EngineCore:
             state.pending_token = token
             if state.stream or state.sink is None:  # a non-streamed request hears only its end (`_emit`)
                 prefill = tuple(state.prefill) if not generated else ()
-                self._emit(state, token_event_of((generated + 1, tokens[-1], prefill)))
+                self._emit(state, token_event_of((generated + 1, record, prefill)))
 
     def _end(
         self,
@@ -946,7 +959,7 @@ class EngineCore:
                 "stop" if finish is not FinishReason.LENGTH else "length",
                 queue_s=admitted - state.arrived_at,
                 inference_s=now - admitted,
-                generated_tokens=len(state.tokens) + (len(recorded[0]) if recorded else 0),
+                generated_tokens=state.generated() + (len(recorded[0]) if recorded else 0),
             )
             if state.text_in_front and state.sink is not None:
                 self._pending.setdefault(state.sink, []).append(
@@ -984,22 +997,19 @@ class EngineCore:
     def _ids_finish(
         state: RequestState, finish: FinishReason, recorded: tuple[list[int], list[float]] | None
     ) -> IdsFinishEvent:
-        """A text-in-front request's end: its tokens' ids and logprobs (those with records, then
-        `recorded`'s), for the receiver to make the text of (`FrontText`); a streamed one's after those
-        its token events carried: its last (a token with an event never ends its request)."""
-        tokens = state.tokens
-        ids = [token.id for token in tokens]
-        logprobs = [token.logprob for token in tokens]
+        """A text-in-front request's end: its tokens' ids and logprobs (then `recorded`'s), for the
+        receiver to make the text of (`FrontText`); a streamed one's after those its token events
+        carried: its last (a token with an event never ends its request)."""
+        ids, logprobs = state.ids, state.logprobs
         if recorded is not None:
-            ids += recorded[0]
-            logprobs += recorded[1]
+            ids, logprobs = ids + recorded[0], logprobs + recorded[1]
         streamed = max(len(ids) - 1, 0) if state.stream else 0
+        ids, logprobs = ids[streamed:], logprobs[streamed:]  # copies: the event outlives nothing here
         top: tuple[tuple[Alternative, ...], ...] = ()
-        if state.request.top_n_tokens:  # a run records no alternatives (a plain request asks none)
-            top = tuple(token.top for token in tokens[streamed:])
-            top += ((),) * (len(ids) - streamed - len(top))
-        if streamed:
-            ids, logprobs = ids[streamed:], logprobs[streamed:]
+        if state.request.top_n_tokens:  # its tokens' records (a run records no alternatives, but a
+            # request that asks for them is never plain)
+            top = tuple(token.top for token in state.tokens[streamed:])
+            top += ((),) * (len(ids) - len(top))
         prefill = tuple(state.prefill)
         return IdsFinishEvent(
             finish, ids, logprobs, top, prefill, state.sampler.seed, len(state.prompt), streamed

@@ -10,7 +10,8 @@ batch does, so that a step in which no request ends is a few array operations ho
 it carries. Only the requests that hear of each token with its text made here (streamed, or read from
 `EngineCore.step`) still take theirs one at a time, for its text and event; the streamed ones whose sink
 makes their text get a step's tokens as one `StreamedIds` per sink (`streamed`), and all but the heard
-ones get their records when they leave the run or it ends.
+ones get their tokens when they leave the run or it ends: as records where their text is made at their
+end, here; as ids and logprobs where their sink makes it (no record is made of them).
 
 A request that takes its last token leaves the run, which goes on with the others, condensed (`leave`,
 as vLLM V1's persistent batch condenses when a request finishes): its tokens go with it, and the
@@ -188,7 +189,10 @@ class DecodeRun:
         recorded_ids, recorded_logprobs = self._recorded()
         tokens, logprobs = recorded_ids.T.tolist(), recorded_logprobs.T.tolist()
         for state, ids, values in zip(self.states, tokens, logprobs, strict=True):
-            if state.text_at_end or state.text_in_front:  # their text: at their end, or by their sink
+            if state.text_in_front:  # their sink makes the text: the ids are all their end needs
+                state.ids += ids
+                state.logprobs += values
+            elif state.text_at_end:  # the records of the text made at their end (`_texts_at_end`)
                 state.tokens.extend(recorded_tokens(ids, values, self.special))
         self.steps = 0
         self._tokens, self._logprobs, self._block = [], [], None

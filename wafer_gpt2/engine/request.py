@@ -190,7 +190,12 @@ class RequestState:
     # Its tokens are chosen the plain way (`EngineCore._apply_plain`): greedy or sampled with no
     # penalty, nothing banned, no stop token or string, no alternatives.
     plain: bool = False
+    # Its tokens: their records where its text is made here; where its sink makes it (`text_in_front`)
+    # their ids and logprobs (`ids`, `logprobs`; a run's at its end, `DecodeRun.settle`), which its end
+    # carries, and records only where it asked for alternatives (its end carries theirs).
     tokens: list[GeneratedToken] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
     prefill: list[PromptToken] = field(default_factory=list)
     cancelled: bool = False
     cancelled_at_step: int = 0  # the engine's step count when the cancellation arrived
@@ -214,7 +219,15 @@ class RequestState:
 
     def history(self) -> list[int]:
         """Prompt and generated ids: what the repetition penalty looks at."""
-        return [*self.prompt, *(token.id for token in self.tokens)]
+        return [*self.prompt, *self.output_ids()]
+
+    def generated(self) -> int:
+        """How many tokens it has chosen (those of a run it is in once the run ends)."""
+        return len(self.ids) if self.text_in_front else len(self.tokens)
+
+    def output_ids(self) -> list[int]:
+        """The ids of the tokens it has chosen."""
+        return self.ids if self.text_in_front else [token.id for token in self.tokens]
 
 
 class Submitted(Protocol):
