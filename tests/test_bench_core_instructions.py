@@ -36,6 +36,15 @@ def test_varied_lengths_keep_the_rounds_total_and_end_one_after_another():
     assert bench.workload(rounds=2, requests=5, new_tokens=8, stream=False, varied=True) == 2 * 5 * 8
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_closed_loop_serves_n_of_a_round_at_a_time_and_generates_every_token(stream):
+    """`--closed-loop N`: N of a round's requests at a time, the next joining as one ends (a group's run
+    ends at each join), every token of every round still generated."""
+    bench = load()
+    assert bench.workload(2, 8, 8, stream, varied=True, pipe=True, closed_loop=3) == 2 * 8 * 8
+    assert bench.workload(2, 5, 8, stream, closed_loop=2) == 2 * 5 * 8
+
+
 def test_the_instruction_count_is_read_from_cachegrind_and_its_absence_is_an_error():
     bench = load()
     assert bench.parse_instructions("==12== \n==12== I   refs:      1,748,121,465\n") == 1_748_121_465

@@ -16,7 +16,7 @@ import pytest
 
 from wafer_gpt2.backends.stand_ins import NullBackend
 from wafer_gpt2.core.steps import StepScores
-from wafer_gpt2.engine.core import EngineCore, finish_event_of, gpt2_tokenizer_hooks
+from wafer_gpt2.engine.core import EngineCore, FrontText, finish_event_of, gpt2_tokenizer_hooks
 from wafer_gpt2.engine.failures import Overloaded, RequestFailed, ServiceError, Unavailable
 from wafer_gpt2.engine.kv_slots import KVUsage
 from wafer_gpt2.engine.messages import (
@@ -56,6 +56,7 @@ from wafer_gpt2.engine.request import (
     IdsFinishEvent,
     PromptToken,
     RequestState,
+    StreamedIds,
     TokenEvent,
 )
 from wafer_gpt2.engine.sampling import SamplingParams
@@ -100,7 +101,7 @@ def test_token_events_arrive_ahead_of_finish_events_each_requests_in_its_order()
         ("req-1", TokenEvent(5, TOKENS[1])),
         ("req-1", FinishEvent(FinishReason.EOS, "a b", "", TOKENS, (), 7, 2, None)),
     ]
-    (arrived,) = decode(encode(Events(events)))
+    arrived = decode_from_engine(encode(Events(events))).events
     assert arrived == [events[i] for i in (0, 2, 3, 1, 4)]
 
 
@@ -132,6 +133,17 @@ def test_other_messages_and_errors_are_pickled():
     assert token == TokenEvent(1, TOKENS[0])
     assert type(failed.error) is Overloaded and str(failed.error) == str(error)
     assert decode(encode(Ask(3, "kv_usage"))) == Ask(3, "kv_usage")
+
+
+def test_a_steps_token_ids_cross_compact_or_pickled_with_an_error():
+    streamed = [StreamedIds(["req-1", "req-2"], [464, 2068], [-0.5, -1.25])]
+    ended = IdsFinishEvent(FinishReason.EOS, [50256], [-0.1], (), (), None, 3, streamed=6)
+    data = encode(Events([("req-3", ended)], streamed))
+    assert data[:2] == b"e" + MARSHALLED
+    assert decode(data) == Events([("req-3", ended)], streamed)
+    failed = ErrorEvent(Overloaded("the server is at capacity; retry later"))
+    arrived = decode(encode(Events([("req-3", failed)], streamed)))
+    assert type(arrived) is Events and arrived.streamed == streamed
 
 
 def test_a_value_marshal_cannot_pack_crosses_pickled():
@@ -451,8 +463,12 @@ def test_a_sink_that_makes_text_gets_ids_and_makes_the_end_the_engine_would_have
         by_id = dict(sink.events)
         assert len(by_id) == len(sink.events) == len(states)
         ends.append([by_id[state.id] for state in states])
+        if sink.makes_text:  # no token records in the engine, but where alternatives were asked
+            assert [bool(state.tokens) for state in states] == [
+                bool(request.top_n_tokens and request.max_new_tokens) for request in TEXT_AT_END
+            ]
     made_here, sent = ends
-    (crossed,) = decode(encode(Events([(str(i), event) for i, event in enumerate(sent)])))
+    crossed = decode_from_engine(encode(Events([(str(i), event) for i, event in enumerate(sent)]))).events
     reasons = set()
     for request, here, ids, (_, arrived) in zip(TEXT_AT_END, made_here, sent, crossed, strict=True):
         assert type(ids) is IdsFinishEvent and arrived == ids
@@ -460,3 +476,77 @@ def test_a_sink_that_makes_text_gets_ids_and_makes_the_end_the_engine_would_have
         assert made == here
         reasons.add(made.finish_reason)
     assert reasons == {FinishReason.LENGTH, FinishReason.EOS}
+
+
+STREAMED = [
+    *TEXT_AT_END,
+    GenerationRequest((464, 2068, 318), 16),
+    GenerationRequest((17,), 5, SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=3)),
+    GenerationRequest(
+        (21, 22), 13, stop_sequences=("hth",), ignore_eos=True
+    ),  # its text is made in the engine
+    GenerationRequest((30, 31, 32), 20, ignore_eos=True),
+]
+
+
+class _MakesText(Loop):
+    """A sink that makes text as the engine process's pipe and the HTTP process do: each hand-over
+    crosses the pipe's encoding, and the requests' text is made of the ids (`FrontText`) where the
+    engine did not make it."""
+
+    makes_text = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fronts: dict[str, FrontText] = {}
+
+    def hand_over(self, events, streamed=None) -> None:
+        message = decode_from_engine(encode(Events([(state.id, event) for state, event in events], streamed)))
+        assert isinstance(message, Events)
+        for ids in message.streamed or ():
+            assert type(ids) is StreamedIds
+            for request_id, token, logprob in zip(ids.request_ids, ids.ids, ids.logprobs, strict=True):
+                self.events.append((request_id, self.fronts[request_id].token(token, logprob)))
+        for request_id, event in message.events:
+            front = self.fronts.get(request_id)
+            if front is not None and type(event) is TokenEvent:
+                event = front.token_event(event)
+            elif front is not None and type(event) is IdsFinishEvent:
+                event = front.finish(event)
+            self.events.append((request_id, event))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("defer", [False, True])
+def test_streamed_requests_whose_sink_makes_text_get_the_events_the_engine_would_have_made(groups, defer):
+    """A streamed request without stop sequences whose sink makes text sends its token events without
+    text (a plain step's as the step's ids, `StreamedIds`) and its end as its last id; the events the
+    receiver makes of them (`FrontText`) are the ones the engine makes for a sink that does not, token
+    by token and at the end, whatever ended the request and whatever it asked; a request with stop
+    sequences gets its text from the engine either way. With the engine's work deferred (`finish(defer=
+    True)`) too, in one group or two."""
+    hooks = gpt2_tokenizer_hooks()
+    heard = []
+    for sink in (Loop(), _MakesText()):
+        backend = _Eosy(50257, slots=4, context=24, top_k=8)
+        backend.steps_in_flight = groups
+        core = EngineCore(backend, hooks, max_queue=16, step_token_budget=32)
+        states = [core.add(core.new_request(request, sink, stream=True)) for request in STREAMED]
+        assert [state.text_in_front for state in states] == [
+            isinstance(sink, _MakesText) and not request.stop_sequences for request in STREAMED
+        ]
+        if isinstance(sink, _MakesText):
+            sink.fronts = {s.id: FrontText(s.request, hooks) for s in states if s.text_in_front}
+        while core.has_work():
+            batch = core.schedule()
+            if batch:
+                core.finish(batch, core.execute(batch), defer=defer)
+            core.complete_deferred()
+        by_request: dict[str, list] = {state.id: [] for state in states}
+        for request_id, event in sink.events:
+            by_request[request_id].append(event)
+        heard.append([by_request[state.id] for state in states])
+    made_here, made_there = heard
+    assert made_there == made_here
+    assert all(type(events[-1]) is FinishEvent for events in made_here)
+    assert {FinishReason.LENGTH, FinishReason.EOS} <= {events[-1].finish_reason for events in made_here}

@@ -79,6 +79,74 @@ def test_the_engine_runs_in_another_process_and_answers_like_the_in_process_one(
     assert answers[0] == answers[1]
 
 
+STREAMS = [
+    ("/generate_stream", {"inputs": PROMPT, "parameters": {"max_new_tokens": 14, "details": True}}),
+    (
+        "/generate_stream",
+        {
+            "inputs": "A second prompt, streamed",
+            "parameters": {
+                "max_new_tokens": 9,
+                "top_n_tokens": 2,
+                "details": True,
+            },
+        },
+    ),
+    (
+        "/generate_stream",
+        {
+            "inputs": PROMPT,
+            "parameters": {"max_new_tokens": 11, "do_sample": True, "temperature": 0.8, "seed": 4},
+        },
+    ),
+    ("/generate_stream", {"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "stop": ["e", "in"]}}),
+    (
+        "/v1/completions",
+        {
+            "prompt": "Streams of different lengths",
+            "max_tokens": 7,
+            "stream": True,
+            "logprobs": 1,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "temperature": 0,
+        },
+    ),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "stream": True, "seed": 9, "temperature": 0.7}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "stream": True, "temperature": 0, "stop": [" "]}),
+    (
+        "/v1/completions",
+        {"prompt": "Echoed", "max_tokens": 5, "stream": True, "echo": True, "logprobs": 2, "seed": 1},
+    ),
+]
+
+
+def _stream_events(url: str, route: str, body: dict) -> list[dict | str]:
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", route, json=body) as response:
+            assert response.status_code == 200
+            events = list(sse_events(response))
+    for event in events:  # an OpenAI chunk's id and time are its own
+        if isinstance(event, dict):
+            event.pop("id", None)
+            event.pop("created", None)
+    return events
+
+
+def test_streams_from_the_engine_process_are_the_in_process_engines(small_params):
+    """Streamed requests whose text the HTTP process makes (no stop sequences: their token events cross
+    the pipe as ids) and those whose text the engine makes (stop sequences) hear the same events, token
+    by token and at the end, as from an engine in the server's own process (one at a time: the
+    reference backend's logprobs depend on what else is in the step)."""
+    heard = []
+    for engine_process in (False, True):
+        config = ServerSettings(backend="reference", model_id="tiny-gpt2", engine_process=engine_process)
+        with running_server(config, backend_factory("reference", small_params, slots=2)) as running:
+            heard.append([_stream_events(running.url, route, body) for route, body in STREAMS])
+    assert heard[0] == heard[1]
+    assert all(len(events) > 2 for events in heard[0])
+
+
 def test_a_failed_step_reaches_the_requests_in_flight_and_the_engine_reloads(small_params):
     with running_server(settings(max_concurrent_requests=2), slow(small_params, 2)) as running:
         first_token = threading.Event()

@@ -13,12 +13,16 @@ would be counted too).
 
     python tools/bench/core_instructions.py [--tree PATH ...] [--requests 64] [--new-tokens 32] [--stream]
                                             [--backend null|modeled] [--steps-in-flight N] [--varied] [--pipe]
+                                            [--closed-loop N]
 
 `--varied` gives the requests of a round different lengths (the same total), so that they end one after
 another, as the server's closed-loop clients' requests do, instead of all at the round's end. `--pipe`
 hands the events to the engine process's sink (`wafer_gpt2.engine.process`), which encodes each step's
-events for the pipe (the bytes are dropped) and whose receiver makes the text of non-streamed requests,
-instead of to an event loop's sink in the same process: what the engine process's thread does.
+events for the pipe (the bytes are dropped) and whose receiver makes the text of the requests without
+stop sequences, instead of to an event loop's sink in the same process: what the engine process's
+thread does. `--closed-loop N` serves a round's requests N at a time, the next joining as one ends, as
+the server's closed-loop clients' requests do: a group's decode run ends at each join, and the tokens it
+recorded are settled (with `--varied`, as under the server).
 
 `--tree` (repeatable) counts another checkout of the repository too (e.g. a `git worktree` of the
 commit before a change), alternately with this one. Needs valgrind and setarch (Debian: valgrind,
@@ -73,6 +77,7 @@ def workload(
     steps_in_flight: int = 1,
     varied: bool = False,
     pipe: bool = False,
+    closed_loop: int = 0,
 ) -> int:
     """Step the engine core over the null backend (or the modeled one, its plan pickled in `plan_file`,
     never waiting: only its instructions count; its steps in flight give the core's groups); the
@@ -80,7 +85,7 @@ def workload(
     from wafer_gpt2.backends.stand_ins import ModeledWaferBackend, NullBackend
     from wafer_gpt2.core.steps import Backend
     from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
-    from wafer_gpt2.engine.request import EventSink, GenerationRequest, loop_sink
+    from wafer_gpt2.engine.request import EventSink, GenerationRequest, RequestStatus, loop_sink
 
     backend: Backend
     if plan_file:
@@ -105,8 +110,8 @@ def workload(
         def send(message: messages.FromEngine) -> None:
             messages.encode(message)
             for _, event in message.events if isinstance(message, messages.Events) else ():
-                if type(event) is ids_only:
-                    ended[0] += len(getattr(event, "ids", ()))
+                if type(event) is ids_only:  # a streamed one's carries the tokens after its token events'
+                    ended[0] += getattr(event, "streamed", 0) + len(getattr(event, "ids", ()))
                 elif type(event) is not request.TokenEvent:
                     ended[0] += len(getattr(event, "tokens", ()))
 
@@ -115,11 +120,17 @@ def workload(
     try:
         for _ in range(rounds):
             states = [
-                core.add(core.new_request(GenerationRequest(PROMPT, length), sink, stream=stream))
+                core.new_request(GenerationRequest(PROMPT, length), sink, stream=stream)
                 for length in lengths(requests, new_tokens, varied)
             ]
+            waiting = states[::-1]  # the next to join last
+            in_flight = [core.add(waiting.pop()) for _ in range(min(closed_loop, requests) or requests)]
             while core.has_work():
                 core.step()
+                if waiting:  # (closed loop) as many join as ended
+                    for i, state in enumerate(in_flight):
+                        if state.status is RequestStatus.FINISHED and waiting:
+                            in_flight[i] = core.add(waiting.pop())
             generated += ended[0] if pipe else sum(len(state.tokens) for state in states)
             ended[0] = 0
             loop._ready.clear()  # type: ignore[attr-defined]  # the undelivered event hand-overs
@@ -149,6 +160,8 @@ def count(tree: Path, rounds: int, args: argparse.Namespace) -> int:
         command.append("--varied")
     if args.pipe:
         command.append("--pipe")
+    if args.closed_loop:
+        command += ["--closed-loop", str(args.closed_loop)]
     if args.plan_file:
         command += ["--plan-file", args.plan_file, "--steps-in-flight", str(args.steps_in_flight)]
     env = {**os.environ, **FIXED_ENV, "PYTHONPATH": str(tree)}
@@ -182,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the engine process's sink: each step's events encoded for the pipe, text made by the receiver",
     )
     parser.add_argument(
+        "--closed-loop",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N of a round's requests at a time, the next joining as one ends (a run ends at each join)",
+    )
+    parser.add_argument(
         "--backend",
         choices=("null", "modeled"),
         default="null",
@@ -212,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             args.steps_in_flight,
             args.varied,
             args.pipe,
+            args.closed_loop,
         )
         return 0
     missing = [tool for tool in ("valgrind", "setarch") if shutil.which(tool) is None]
@@ -223,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trees = [ROOT, *(Path(tree).resolve() for tree in args.tree)]
     kind = "streamed" if args.stream else "non-streamed"
+    at_a_time = f" ({args.closed_loop} at a time)" if args.closed_loop else ""
     sink = ", events to the engine process's sink" if args.pipe else ""
     groups = f", {args.steps_in_flight} groups" if args.steps_in_flight > 1 else ""
     print(
-        f"engine core over the {args.backend} backend{groups}: {args.requests} {kind} requests x "
+        f"engine core over the {args.backend} backend{groups}: {args.requests} {kind} requests{at_a_time} x "
         f"{args.new_tokens} new tokens per round{sink}"
     )
     with tempfile.TemporaryDirectory() as scratch:

@@ -52,6 +52,7 @@ from wafer_gpt2.engine.request import (
     RequestState,
     RequestStatus,
     SinkEvent,
+    StreamedIds,
     TokenEvent,
     generated_token_of,
     token_event_of,
@@ -153,28 +154,81 @@ def texts_at_end(
     return list(map(generated_token_of, columns))
 
 
+def text_in_front(request: GenerationRequest, makes_text: bool) -> bool:
+    """Whether the receiver of `request`'s events makes its text (`RequestState.text_in_front`), given
+    whether its sink makes text: not with stop sequences, which are found in the text as it is made."""
+    return makes_text and not request.stop_sequences
+
+
+class FrontText:
+    """The receiver's side of a request whose text it makes (`RequestState.text_in_front`, `EventSink.
+    makes_text`): the records, text and events the engine would have made, from the ids it sent. A
+    streamed request's token events (`token`, `token_event`) then its end (`finish`); a text-at-end
+    request's end alone (`finish_event_of`)."""
+
+    __slots__ = ("_detokenizer", "_hide_special", "_request", "_special", "tokens")
+
+    def __init__(self, request: GenerationRequest, tokenizer: TokenizerHooks):
+        self._request = request
+        self._special = tokenizer.special_names
+        self._hide_special = request.skip_special_tokens
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer.token_bytes, (), request.include_stop_str_in_output, tokenizer.token_text
+        )
+        self.tokens: list[GeneratedToken] = []  # the records of the token events made so far
+
+    def token(
+        self,
+        token: int,
+        logprob: float,
+        top: tuple[Alternative, ...] = (),
+        prefill: tuple[PromptToken, ...] = (),
+    ) -> TokenEvent:
+        """A token event's record and text (`EngineCore._complete`'s: a token with an event never ends
+        its request, so only a skipped special token adds no text; without stop sequences all of a
+        token's text is released with it)."""
+        special = token in self._special
+        text = "" if special and self._hide_special else self._detokenizer.add_unstopped(token)
+        record = generated_token_of((token, text, text, logprob, special, top))
+        tokens = self.tokens
+        tokens.append(record)
+        return token_event_of((len(tokens), record, prefill))
+
+    def token_event(self, event: TokenEvent) -> TokenEvent:
+        """The engine's token event (its record without text) with its text."""
+        record = event.token
+        return self.token(record.id, record.logprob, record.top, event.prefill)
+
+    def finish(self, event: IdsFinishEvent) -> FinishEvent:
+        """The `FinishEvent` the engine would have made where it sent `event`: the records of its ids
+        (after the token events' ones), and the whole text."""
+        if event.streamed != len(self.tokens):
+            raise ValueError(f"the end follows {event.streamed} token events, not {len(self.tokens)}")
+        ids = event.ids
+        special = list(map(self._special.__contains__, ids))
+        top = event.top or ((),) * len(ids)
+        detokenizer = self._detokenizer
+        rest = texts_at_end(
+            self._request, detokenizer, ids, event.logprobs, special, top, event.finish_reason
+        )
+        return FinishEvent(
+            finish_reason=event.finish_reason,
+            text=detokenizer.text,
+            tail="",  # nothing is held back without stop sequences
+            tokens=(*self.tokens, *rest),
+            prefill=event.prefill,
+            seed=event.seed,
+            input_length=event.input_length,
+            stop_sequence=None,
+        )
+
+
 def finish_event_of(
     event: IdsFinishEvent, request: GenerationRequest, tokenizer: TokenizerHooks
 ) -> FinishEvent:
     """The `FinishEvent` the engine would have made for `request` (a text-at-end one) where it sent
     `event` instead: its tokens' records and text, made by the receiver (`EventSink.makes_text`)."""
-    ids = event.ids
-    detokenizer = IncrementalDetokenizer(
-        tokenizer.token_bytes, (), request.include_stop_str_in_output, tokenizer.token_text
-    )
-    special = list(map(tokenizer.special_names.__contains__, ids))
-    top = event.top or ((),) * len(ids)
-    tokens = texts_at_end(request, detokenizer, ids, event.logprobs, special, top, event.finish_reason)
-    return FinishEvent(
-        finish_reason=event.finish_reason,
-        text=detokenizer.text,
-        tail="",  # nothing is held back without stop sequences
-        tokens=tuple(tokens),
-        prefill=event.prefill,
-        seed=event.seed,
-        input_length=event.input_length,
-        stop_sequence=None,
-    )
+    return FrontText(request, tokenizer).finish(event)
 
 
 def alternatives(scores: TokenScores, n: int, vocab_size: int | None = None) -> tuple[Alternative, ...]:
@@ -207,6 +261,10 @@ class EngineCore:
         # Events for requests with a sink, handed over once per step (one call per sink per step instead
         # of one per token): what `_flush` sends.
         self._pending: dict[EventSink, list[SinkOutput]] = {}
+        # The plain steps' tokens of streamed requests whose sink makes their text, as ids, by sink; and
+        # those of a deferred step, sent with its deferred work.
+        self._streamed: dict[EventSink, list[StreamedIds]] = {}
+        self._deferred_ids: list[tuple[EventSink, StreamedIds]] = []
         # Overlap: with `finish(defer=True)` a chosen token whose request cannot end on its
         # text (no stop sequences) is only recorded; the rest (detokenizing, the event, the metrics, the
         # end) is `complete_deferred`'s, which the worker runs while the backend computes the next step.
@@ -272,7 +330,7 @@ class EngineCore:
             stream=stream,
             text_at_end=text_at_end,
             # A sink that does not say makes none.
-            text_in_front=text_at_end and getattr(sink, "makes_text", False),
+            text_in_front=text_in_front(request, getattr(sink, "makes_text", False)),
             plain=sampler.batched != BATCH_NONE
             and not (
                 request.stop_sequences or request.min_tokens or request.top_n_tokens or request.stop_token_ids
@@ -382,11 +440,14 @@ class EngineCore:
         """Finish the tokens `finish(defer=True)` only chose: detokenize, emit, end the requests whose
         token ended them. `backend_busy`: a step may run meanwhile, so freed slots reach the backend only
         at the next `schedule` (backends are not thread-safe). False when there was nothing to do."""
-        if not (self._deferred or self._ending or self.scheduler.unsettled):
+        if not (self._deferred or self._ending or self._deferred_ids or self.scheduler.unsettled):
             return False
         self.scheduler.settle()
         deferred, self._deferred = self._deferred, []
         ending, self._ending = self._ending, []
+        for sink, streamed in self._deferred_ids:
+            self._streamed.setdefault(sink, []).append(streamed)
+        self._deferred_ids = []
         self._backend_busy = backend_busy
         try:
             for state, recorded, finish in ending:
@@ -407,7 +468,7 @@ class EngineCore:
 
     @property
     def has_deferred(self) -> bool:
-        return bool(self._deferred or self._ending or self.scheduler.unsettled)
+        return bool(self._deferred or self._ending or self._deferred_ids or self.scheduler.unsettled)
 
     def release_slots(self) -> None:
         """After a step: free on the backend the slots of requests that ended while it ran."""
@@ -501,7 +562,7 @@ class EngineCore:
             except Exception:
                 self._request_failed(state)
         kinds = [
-            state.sampler.batched if len(state.tokens) >= state.request.min_tokens else BATCH_NONE
+            state.sampler.batched if state.generated() >= state.request.min_tokens else BATCH_NONE
             for state, _ in to_sample
         ]
         states, rows = [state for state, _ in to_sample], [row for _, row in to_sample]
@@ -519,8 +580,9 @@ class EngineCore:
         A step of a group's run (`DecodeRun`) in which every request goes on is recorded by the run, in
         a few array operations; only the requests that hear of each token take theirs one at a time
         (`_run_step`). Otherwise, in one loop, what `_apply` and `_sample` do for such a request: one
-        whose text is made at its end records its token here (`_complete`'s work for it), a streamed
-        one's token is completed as `_sample` does, a row the batched choices leave alone and a token
+        whose text is made at its end or by its sink records its token here (`_complete`'s work for it;
+        a streamed one's id goes to its sink with the step's, `StreamedIds`), another streamed one's
+        token is completed as `_sample` does, a row the batched choices leave alone and a token
         that ends its request take the general way. When every request goes on, the group goes on as
         a run."""
         owners = batch.owners
@@ -545,15 +607,16 @@ class EngineCore:
         chosen_ids: list[int] = []
         # By row, the step of a run from here at which the row's request takes its last token.
         ends_at: list[int] = []
-        recorded = 0  # tokens recorded here (text at the end), for the metrics
+        recorded = 0  # tokens recorded here (text at the end, or made by the sink), for the metrics
+        streamed: dict[EventSink, StreamedIds] = {}  # the tokens of streamed ones whose sink makes text
         running = RequestStatus.RUNNING
         for row, (state, pick) in enumerate(zip(owners, picks, strict=True)):
             if state.status is not running:
                 continue  # ended while its step ran (the engine failed it, or stopped)
             state.computed += 1  # a decode item's position is the request's `computed`
             state.pending_token = None
-            request, tokens = state.request, state.tokens
-            generated = len(tokens)
+            request = state.request
+            generated = len(state.ids) if state.text_in_front else len(state.tokens)
             if (
                 pick is None
                 or (pick[0] == eos and not request.ignore_eos)
@@ -568,12 +631,25 @@ class EngineCore:
             token, logprob = pick
             chosen_ids.append(token)
             ends_at.append(min(request.max_new_tokens - generated - 1, context - state.computed))
-            if state.text_at_end:
+            if state.text_at_end or state.text_in_front:
                 (later if generated else first).append(now - (state.last_token_at or state.arrived_at))
                 state.last_token_at = now
-                tokens.append(generated_token_of((token, "", "", logprob, token in special, ())))
+                if state.text_in_front:
+                    state.ids.append(token)
+                    state.logprobs.append(logprob)
+                else:  # its text is made at its end, here: of records
+                    state.tokens.append(generated_token_of((token, "", "", logprob, token in special, ())))
                 state.pending_token = token
                 recorded += 1
+                if state.stream:  # its token event: the sink makes it of the id
+                    sink = state.sink
+                    assert sink is not None  # the sink makes its text
+                    sent = streamed.get(sink)
+                    if sent is None:
+                        sent = streamed[sink] = StreamedIds([], [], [])
+                    sent.request_ids.append(state.id)
+                    sent.ids.append(token)
+                    sent.logprobs.append(logprob)
             elif self._deferring:  # its next item goes now, its text and event after the next submit
                 state.pending_token = token
                 self._deferred.append((state, results, row, token, logprob, now))
@@ -583,6 +659,8 @@ class EngineCore:
                 except Exception:
                     self._request_failed(state)
         self._tokens_uncounted += recorded
+        for sink, sent in streamed.items():
+            self._send_ids(sink, sent)
         if len(chosen_ids) == len(owners) and self.scheduler.unchanged(batch):
             columns = batch.inputs.columns
             run = DecodeRun(owners, columns, chosen_ids, now, ends_at, eos, special)
@@ -598,14 +676,17 @@ class EngineCore:
         now: float,
         leaving: np.ndarray | None = None,
     ) -> None:
-        """A step of `run`, each request with its token of `tokens`: the run records them; the requests
-        that hear of each token take theirs one at a time (`_hear`). Every token's latency is the time
+        """A step of `run`, each request with its token of `tokens`: the run records them; the streamed
+        requests whose sink makes their text get the step's ids (`StreamedIds`), the requests that hear
+        of each token take theirs one at a time (`_hear`). Every token's latency is the time
         since the last step's (none is a first token: each request had one). `leaving`: by row, whether
         the token is the request's last: those requests leave the run, which goes on with the others
         (`DecodeRun.leave`); the text-at-end ones get their records and end with the deferred work
         (`_ending`), so that no run's records are made between a step's return and the next submit."""
         latency = run.record(tokens, logprobs, now)
         heard, counted = run.heard, run.quiet
+        for sink, rows, request_ids in run.streamed:  # before `leave` renumbers the rows
+            self._send_ids(sink, _step_ids(tokens, logprobs, rows, request_ids, leaving))
         left = self.scheduler.leave(group, leaving) if leaving is not None else ()
         ids: list[int] = tokens.tolist() if heard or left else []
         if heard:
@@ -616,7 +697,7 @@ class EngineCore:
                 counted += self._hear(heard, results, ids, values, now, leaving)
         eos = self._tokenizer.eos_token_id
         for row, state, recorded in left:
-            if state.text_at_end:
+            if state.text_at_end or state.text_in_front:
                 ends_on = ids[row] == eos and not state.request.ignore_eos
                 finish = FinishReason.EOS if ends_on else FinishReason.LENGTH
                 if self._deferring:
@@ -779,7 +860,7 @@ class EngineCore:
             ends = (
                 (token == self._tokenizer.eos_token_id and not request.ignore_eos)
                 or token in request.stop_token_ids
-                or len(state.tokens) + 1 >= request.max_new_tokens
+                or state.generated() + 1 >= request.max_new_tokens
                 or state.computed >= self.scheduler.slots.context_length
             )
             state.pending_token = None if ends else token
@@ -790,7 +871,7 @@ class EngineCore:
     def _choose(self, state: RequestState, scores: TokenScores) -> tuple[int, float]:
         """The sampler's choice for a request `greedy_batch` left alone."""
         request = state.request
-        early = len(state.tokens) < request.min_tokens  # min_tokens: no end yet
+        early = state.generated() < request.min_tokens  # min_tokens: no end yet
         ends = request.stop_token_ids | (
             frozenset() if request.ignore_eos else {self._tokenizer.eos_token_id}
         )
@@ -798,15 +879,15 @@ class EngineCore:
         p = state.sampler.params
         # The penalties read the history only when they are on: building it is O(length) per token.
         history = state.history() if p.repetition_penalty != 1.0 else ()
-        output = [t.id for t in state.tokens] if p.presence_penalty or p.frequency_penalty else ()
+        output = state.output_ids() if p.presence_penalty or p.frequency_penalty else ()
         return state.sampler.choose(scores, history, output, banned)
 
     def _complete(
         self, state: RequestState, scores: StepScores, row: int, token: int, logprob: float, now: float
     ) -> None:
         """A chosen token's text, event and end (`now`: when it was chosen; `row`: its scores')."""
-        request, tokenizer, tokens = state.request, self._tokenizer, state.tokens
-        generated = len(tokens)
+        request, tokenizer = state.request, self._tokenizer
+        generated = len(state.ids) if state.text_in_front else len(state.tokens)
         early = generated < request.min_tokens  # min_tokens: no end yet
         self._latencies[1 if generated else 0].append(now - (state.last_token_at or state.arrived_at))
         self._tokens_uncounted += 1
@@ -815,8 +896,8 @@ class EngineCore:
         eos = token == tokenizer.eos_token_id and not request.ignore_eos
         stop_token = token in request.stop_token_ids
         special = token in tokenizer.special_names
-        if state.text_at_end:
-            text, released, stop = "", "", None  # `_texts_at_end` gives it its text
+        if state.text_at_end or state.text_in_front:
+            text, released, stop = "", "", None  # `_texts_at_end` or the sink gives it its text
         elif shown(request, special, eos or stop_token):
             text, released, stop = state.detokenizer.add(token, check_stops=not early)
         else:
@@ -826,7 +907,14 @@ class EngineCore:
             if request.top_n_tokens
             else ()
         )
-        tokens.append(generated_token_of((token, text, released, logprob, special, top)))
+        record = generated_token_of((token, text, released, logprob, special, top))
+        if state.text_in_front:  # its end carries the ids (`_ids_finish`), and the alternatives
+            state.ids.append(token)
+            state.logprobs.append(logprob)
+            if request.top_n_tokens:
+                state.tokens.append(record)
+        else:
+            state.tokens.append(record)
 
         if eos or stop_token:
             self._end(state, finish=FinishReason.EOS)
@@ -838,7 +926,7 @@ class EngineCore:
             state.pending_token = token
             if state.stream or state.sink is None:  # a non-streamed request hears only its end (`_emit`)
                 prefill = tuple(state.prefill) if not generated else ()
-                self._emit(state, token_event_of((generated + 1, tokens[-1], prefill)))
+                self._emit(state, token_event_of((generated + 1, record, prefill)))
 
     def _end(
         self,
@@ -871,7 +959,7 @@ class EngineCore:
                 "stop" if finish is not FinishReason.LENGTH else "length",
                 queue_s=admitted - state.arrived_at,
                 inference_s=now - admitted,
-                generated_tokens=len(state.tokens) + (len(recorded[0]) if recorded else 0),
+                generated_tokens=state.generated() + (len(recorded[0]) if recorded else 0),
             )
             if state.text_in_front and state.sink is not None:
                 self._pending.setdefault(state.sink, []).append(
@@ -909,19 +997,23 @@ class EngineCore:
     def _ids_finish(
         state: RequestState, finish: FinishReason, recorded: tuple[list[int], list[float]] | None
     ) -> IdsFinishEvent:
-        """A text-in-front request's end: its tokens' ids and logprobs (those with records, then
-        `recorded`'s), for the receiver to make the text of (`finish_event_of`)."""
-        tokens = state.tokens
-        ids = [token.id for token in tokens]
-        logprobs = [token.logprob for token in tokens]
-        top = tuple(token.top for token in tokens) if state.request.top_n_tokens else ()
+        """A text-in-front request's end: its tokens' ids and logprobs (then `recorded`'s), for the
+        receiver to make the text of (`FrontText`); a streamed one's after those its token events
+        carried: its last (a token with an event never ends its request)."""
+        ids, logprobs = state.ids, state.logprobs
         if recorded is not None:
-            ids += recorded[0]
-            logprobs += recorded[1]
-            if top:
-                top += ((),) * len(recorded[0])
+            ids, logprobs = ids + recorded[0], logprobs + recorded[1]
+        streamed = max(len(ids) - 1, 0) if state.stream else 0
+        ids, logprobs = ids[streamed:], logprobs[streamed:]  # copies: the event outlives nothing here
+        top: tuple[tuple[Alternative, ...], ...] = ()
+        if state.request.top_n_tokens:  # its tokens' records (a run records no alternatives, but a
+            # request that asks for them is never plain)
+            top = tuple(token.top for token in state.tokens[streamed:])
+            top += ((),) * (len(ids) - len(top))
         prefill = tuple(state.prefill)
-        return IdsFinishEvent(finish, ids, logprobs, top, prefill, state.sampler.seed, len(state.prompt))
+        return IdsFinishEvent(
+            finish, ids, logprobs, top, prefill, state.sampler.seed, len(state.prompt), streamed
+        )
 
     def _free_on_backend(self, slot: int, state: RequestState | None) -> None:
         if self.backend is None:
@@ -949,11 +1041,47 @@ class EngineCore:
             self._tokens_uncounted = 0
             self._latencies = ([], [])
             self._repeated_latencies = []
-        if not self._pending:
+        if not (self._pending or self._streamed):
             return
         pending, self._pending = self._pending, {}
+        if not self._streamed:
+            for sink, events in pending.items():
+                sink.hand_over(events)
+            return
+        streamed, self._streamed = self._streamed, {}
         for sink, events in pending.items():
-            sink.hand_over(events)
+            sink.hand_over(events, streamed.pop(sink, None))
+        for sink, ids in streamed.items():
+            sink.hand_over([], ids)
+
+    def _send_ids(self, sink: EventSink, ids: StreamedIds) -> None:
+        """A step's token events as ids to their sink, with the step's events or its deferred work."""
+        if not ids.ids:
+            return
+        if self._deferring:
+            self._deferred_ids.append((sink, ids))
+        else:
+            self._streamed.setdefault(sink, []).append(ids)
+
+
+def _step_ids(
+    tokens: np.ndarray,
+    logprobs: np.ndarray,
+    rows: np.ndarray | None,
+    request_ids: list[str],
+    leaving: np.ndarray | None,
+) -> StreamedIds:
+    """A run's step's tokens of the rows `rows` (None: every row), whose requests are `request_ids`, as
+    their token events' ids, less those of the rows `leaving` (their last token goes with their end)."""
+    if rows is not None:
+        tokens, logprobs = tokens[rows], logprobs[rows]
+    if leaving is not None:
+        stay = ~(leaving if rows is None else leaving[rows])
+        tokens, logprobs = tokens[stay], logprobs[stay]
+        request_ids = [
+            request_id for request_id, kept in zip(request_ids, stay.tolist(), strict=True) if kept
+        ]
+    return StreamedIds(request_ids, tokens.tolist(), logprobs.tolist())
 
 
 def bare_greedy(backend: Backend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

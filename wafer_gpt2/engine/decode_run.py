@@ -7,9 +7,11 @@ the last one's item columns a position further with the chosen tokens, and what 
 its token (id, logprob, its position, when it came) is the same for all of them but the values. A
 `DecodeRun` keeps that by row (a request's row: its index in `states`), as vLLM V1's persistent input
 batch does, so that a step in which no request ends is a few array operations however many requests
-it carries. Only the requests that hear of each token (streamed, or read from `EngineCore.step`) still
-take theirs one at a time, for its text and event; the others (their text made at the end) get their
-tokens when they leave the run or it ends.
+it carries. Only the requests that hear of each token with its text made here (streamed, or read from
+`EngineCore.step`) still take theirs one at a time, for its text and event; the streamed ones whose sink
+makes their text get a step's tokens as one `StreamedIds` per sink (`streamed`), and all but the heard
+ones get their tokens when they leave the run or it ends: as records where their text is made at their
+end, here; as ids and logprobs where their sink makes it (no record is made of them).
 
 A request that takes its last token leaves the run, which goes on with the others, condensed (`leave`,
 as vLLM V1's persistent batch condenses when a request finishes): its tokens go with it, and the
@@ -29,7 +31,7 @@ from itertools import repeat
 import numpy as np
 
 from wafer_gpt2.core.steps import POSITION, TOKEN
-from wafer_gpt2.engine.request import GeneratedToken, RequestState, generated_token_of
+from wafer_gpt2.engine.request import EventSink, GeneratedToken, RequestState, generated_token_of
 
 
 class DecodeRun:
@@ -71,9 +73,27 @@ class DecodeRun:
         self._block: tuple[np.ndarray, np.ndarray] | None = None
 
     def _rows_changed(self) -> None:
-        # Rows whose requests hear of each token: their tokens take the per-request way each step.
-        self.heard = [(row, state) for row, state in enumerate(self.states) if not state.text_at_end]
-        self.quiet = len(self.states) - len(self.heard)  # the others: recorded here until `settle`
+        # Rows whose requests hear of each token with its text made here: the per-request way each step.
+        # The others are recorded here until `settle`; of them, the streamed rows (their sink makes their
+        # text) by sink: what a step sends them (`EngineCore._run_step`): (sink, rows or None for all,
+        # their requests' ids).
+        heard: list[tuple[int, RequestState]] = []
+        by_sink: dict[EventSink, list[int]] = {}
+        for row, state in enumerate(self.states):
+            if not (state.text_at_end or state.text_in_front):
+                heard.append((row, state))
+            elif state.stream and state.sink is not None:
+                by_sink.setdefault(state.sink, []).append(row)
+        self.heard = heard
+        self.quiet = len(self.states) - len(heard)
+        self.streamed = [
+            (
+                sink,
+                None if len(rows) == len(self.states) else np.array(rows),
+                [self.states[row].id for row in rows],
+            )
+            for sink, rows in by_sink.items()
+        ]
         self.kinds = [state.sampler.batched for state in self.states]
         self._members = {id(state) for state in self.states}
 
@@ -120,7 +140,7 @@ class DecodeRun:
                 state = self.states[row]
                 state.computed += self.steps
                 state.pending_token = None
-                if state.text_at_end:  # the others' last token is completed the per-request way
+                if state.text_at_end or state.text_in_front:  # the heard ones' last token: per request
                     state.last_token_at = self.last_at
                 left.append((row, state, Recorded(tokens, logprobs, row)))
         if len(left) == len(flags):  # every request left: nothing goes on
@@ -169,7 +189,10 @@ class DecodeRun:
         recorded_ids, recorded_logprobs = self._recorded()
         tokens, logprobs = recorded_ids.T.tolist(), recorded_logprobs.T.tolist()
         for state, ids, values in zip(self.states, tokens, logprobs, strict=True):
-            if state.text_at_end:  # their text is made when the request ends (`_texts_at_end`)
+            if state.text_in_front:  # their sink makes the text: the ids are all their end needs
+                state.ids += ids
+                state.logprobs += values
+            elif state.text_at_end:  # the records of the text made at their end (`_texts_at_end`)
                 state.tokens.extend(recorded_tokens(ids, values, self.special))
         self.steps = 0
         self._tokens, self._logprobs, self._block = [], [], None

@@ -14,9 +14,11 @@ more to pack and unpack than the engine spends choosing and decoding the token: 
 pickled with its class and rebuilt attribute by attribute. So these two travel as plain tuples,
 packed by `marshal` (built-in types only; both ends run the same interpreter), and are rebuilt as the
 same records on arrival; the tokens of a step's token events, and of a finish event, travel as
-columns, and a text-at-end request's end as its ids and logprobs (`IdsFinishEvent`: the HTTP process
-makes its records and text). Every other message, and an events message with an error in it (rare; an error is an
-exception with a class), is pickled (its fields; the kind's byte says which class to rebuild).
+columns. A request whose text the HTTP process makes (no stop sequences) ends as its ids and logprobs
+(`IdsFinishEvent`), and a streamed one's tokens of a plain step travel as the step's ids
+(`StreamedIds`, lists marshal packs as they are): the HTTP process makes their records and text.
+Every other message, and an events message with an error in it (rare; an error is an exception with a
+class), is pickled (its fields; the kind's byte says which class to rebuild).
 
 On the wire a message is its kind's byte, the form's byte (`MARSHALLED` or `PICKLED`) and the body.
 The pipe is private to the server and its own engine process: `marshal`, like `pickle`, is not for
@@ -43,6 +45,7 @@ from wafer_gpt2.engine.request import (
     IdsFinishEvent,
     PromptToken,
     SinkEvent,
+    StreamedIds,
     TokenEvent,
     generated_token_of,
     token_event_of,
@@ -134,9 +137,11 @@ class Ask(NamedTuple):
 
 
 class Events(NamedTuple):
-    """One step's events, by request id, in the order the engine produced them."""
+    """One step's events, by request id, in the order the engine produced them; `streamed`: token events
+    as ids (each request's come before its other events: a request has at most one token a step)."""
 
     events: list[tuple[str, SinkEvent]]
+    streamed: list[StreamedIds] | None = None
 
 
 class Shape(NamedTuple):
@@ -193,11 +198,19 @@ def _unpack_submit(packed: tuple) -> Submit:
 
 
 def _pack_events_message(message: Events) -> tuple | None:
-    return _pack_events(message.events)
+    events = _pack_events(message.events)
+    if events is None:
+        return None
+    streamed = message.streamed
+    if streamed is None:
+        return events
+    return (*events, [(ids.request_ids, ids.ids, ids.logprobs) for ids in streamed])
 
 
 def _unpack_events_message(packed: tuple) -> Events:
-    return Events(_unpack_events(packed))
+    if len(packed) == 3:
+        return Events(_unpack_events(packed))
+    return Events(_unpack_events(packed[:3]), [StreamedIds(*ids) for ids in packed[3]])
 
 
 TO_ENGINE, FROM_ENGINE = True, False
@@ -359,6 +372,7 @@ def _pack_events(events: list[tuple[str, SinkEvent]]) -> tuple | None:
                 _pack_prefill(event.prefill) if event.prefill else (),
                 event.seed,
                 event.input_length,
+                event.streamed,
             )
             ends.append((request_id, ended))
         else:
@@ -389,10 +403,17 @@ def _unpack_events(packed: tuple) -> list[tuple[str, SinkEvent]]:
             stop_sequence,
         )
         out.append((request_id, event))
-    for request_id, (reason, token_ids, logprobs, top, prefill, seed, input_length) in ends:
+    for request_id, (reason, token_ids, logprobs, top, prefill, seed, input_length, streamed) in ends:
         top = tuple(map(_unpack_top, top)) if top else ()
         ended = IdsFinishEvent(
-            FinishReason(reason), token_ids, logprobs, top, _unpack_prefill(prefill), seed, input_length
+            FinishReason(reason),
+            token_ids,
+            logprobs,
+            top,
+            _unpack_prefill(prefill),
+            seed,
+            input_length,
+            streamed,
         )
         out.append((request_id, ended))
     return out

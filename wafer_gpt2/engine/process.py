@@ -14,9 +14,10 @@ process, and the HTTP process talks to it over a pipe (the messages, typed, in
   `Answer`s, and `Stopped` last.
 
 Requests and step events cross in a compact form (plain tuples packed by marshal), the rest pickled.
-A non-streamed request without stop sequences ends as its ids and logprobs (`IdsFinishEvent`,
-`_PipeSink.makes_text`): its text is made here, in the HTTP process (`EngineProcess._deliver_events`),
-not on the engine's thread.
+The text of a request without stop sequences is made here, in the HTTP process
+(`EngineProcess._deliver_events`, `FrontText`), not on the engine's thread (`_PipeSink.makes_text`):
+a non-streamed one ends as its ids and logprobs (`IdsFinishEvent`); a streamed one's token events
+come without text, those of a plain step as the step's ids (`StreamedIds`), and its end as its last id.
 The engine process's reader hands each request to the worker without taking the engine's lock
 (`Engine.submit_nowait`); `_Book` keeps the requests by id for cancellations. In the HTTP process the
 server's event loop reads the pipe itself (`FrameReader`), so the loop has no thread to share the GIL
@@ -66,7 +67,13 @@ from wafer_gpt2 import logs
 from wafer_gpt2.core.steps import Backend
 from wafer_gpt2.engine import heap
 from wafer_gpt2.engine import messages as engine_messages
-from wafer_gpt2.engine.core import TokenizerHooks, finish_event_of, gpt2_tokenizer_hooks
+from wafer_gpt2.engine.core import (
+    FrontText,
+    TokenizerHooks,
+    finish_event_of,
+    gpt2_tokenizer_hooks,
+    text_in_front,
+)
 from wafer_gpt2.engine.failures import Overloaded, RequestTimedOut, ServiceError, Unavailable
 from wafer_gpt2.engine.kv_slots import KVUsage
 from wafer_gpt2.engine.messages import (
@@ -97,6 +104,7 @@ from wafer_gpt2.engine.request import (
     RequestState,
     RequestStatus,
     SinkEvent,
+    StreamedIds,
     Submitted,
     TokenEvent,
     new_request_id,
@@ -124,6 +132,7 @@ class RemoteRequest:
     stream: bool
     loop: asyncio.AbstractEventLoop
     request: GenerationRequest  # what its end's text is made by (`finish_event_of`)
+    front: FrontText | None = None  # streamed, its text made here: its token events' text so far
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     timeout_s: float | None = None  # the request's own (queue and generation)
@@ -244,7 +253,7 @@ class _Book:
 class _PipeSink:
     """The engine process's requests' `EventSink`: a step's events leave for the HTTP process as one
     `Events` message, and the requests that ended are forgotten by the book. The HTTP process makes
-    the text of the requests whose text is made at their end (`makes_text`: the engine sends their ids)."""
+    the text of the requests without stop sequences (`makes_text`: the engine sends their ids)."""
 
     makes_text = True
 
@@ -252,10 +261,12 @@ class _PipeSink:
         self._send = send
         self._book = book
 
-    def hand_over(self, events: list[tuple[RequestState, SinkEvent]]) -> None:
+    def hand_over(
+        self, events: list[tuple[RequestState, SinkEvent]], streamed: list[StreamedIds] | None = None
+    ) -> None:
         out = [(state.id, event) for state, event in events]
-        self._book.ended([state.id for state, event in events if not isinstance(event, TokenEvent)])
-        self._send(Events(out))
+        self._book.ended([state.id for state, event in events if type(event) is not TokenEvent])
+        self._send(Events(out, streamed))
 
     def wait_for_turn(self, timeout_s: float) -> None:
         """Nothing to wait for: the receiver, the HTTP process's event loop, has a GIL of its own."""
@@ -741,8 +752,8 @@ class EngineProcess:
     def _handle(self, message: FromEngine) -> bool:
         """One message from the engine process; False when it says it stopped."""
         match message:
-            case Events(events):
-                self._deliver_events(events)
+            case Events(events, streamed):
+                self._deliver_events(events, streamed)
             case Shape(shape):
                 self._shape = shape
             case Status(snapshot, fatal):
@@ -788,28 +799,58 @@ class EngineProcess:
         self._snapshot = snapshot
         self._changed.notify_all()
 
-    def _deliver_events(self, events: list[tuple[str, SinkEvent]]) -> None:
+    def _deliver_events(
+        self, events: list[tuple[str, SinkEvent]], streamed: list[StreamedIds] | None = None
+    ) -> None:
+        """(On the event loop.) A step's events into their requests' queues, with the text made here of
+        the requests whose text the engine does not make (`FrontText`)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RemoteRequest, Event]]] = {}
         requests = self._requests
+        made: Event
+        for ids in streamed or ():  # each request's token comes before its other events
+            for request_id, token, logprob in zip(ids.request_ids, ids.ids, ids.logprobs, strict=True):
+                remote = requests.get(request_id)
+                if remote is None:
+                    continue  # cancelled and forgotten
+                try:
+                    made = remote.front.token(token, logprob)  # type: ignore[union-attr]  # None: a bug
+                except Exception:
+                    made = self._text_failed(remote)
+                by_loop.setdefault(remote.loop, []).append((remote, made))
         for request_id, event in events:
             remote = requests.get(request_id)
             if remote is None:
                 continue  # cancelled and forgotten
-            if not isinstance(event, TokenEvent):
+            if type(event) is TokenEvent:
+                made = event
+                if remote.front is not None:
+                    try:
+                        made = remote.front.token_event(event)
+                    except Exception:
+                        made = self._text_failed(remote)
+            else:
                 remote.finished = True
                 del requests[request_id]
-                if isinstance(event, IdsFinishEvent):
-                    event = self._finish_of(remote, event)
-            by_loop.setdefault(remote.loop, []).append((remote, event))
+                made = self._finish_of(remote, event) if type(event) is IdsFinishEvent else event  # type: ignore[assignment]
+            by_loop.setdefault(remote.loop, []).append((remote, made))
         self._put_by_loop(by_loop)
 
     def _finish_of(self, remote: RemoteRequest, event: IdsFinishEvent) -> FinishEvent | ErrorEvent:
         """(On the event loop.) The end the engine sent as ids, with its records and text made here."""
         try:
+            if remote.front is not None:
+                return remote.front.finish(event)
             return finish_event_of(event, remote.request, self._tokenizer)
         except Exception:  # a bug: this request fails alone (500, a log reference)
             log.exception("could not make the text of request %s", remote.id, extra={"request_id": remote.id})
             return ErrorEvent(request_failed(remote.id))
+
+    def _text_failed(self, remote: RemoteRequest) -> ErrorEvent:
+        """(On the event loop.) A streamed token's text could not be made here (a bug): the request fails
+        alone (500, a log reference), and the engine drops it."""
+        log.exception("could not make the text of request %s", remote.id, extra={"request_id": remote.id})
+        self.cancel(remote)
+        return ErrorEvent(request_failed(remote.id))
 
     def _hand_over(self, items: list[tuple[RemoteRequest, Event]]) -> None:
         """(On the event loop.) Each event into its request's queue, on the request's event loop."""
@@ -1137,6 +1178,8 @@ class EngineProcess:
             stream,
             asyncio.get_running_loop(),
             request,
+            # The engine process's sink makes text (`_PipeSink.makes_text`): the rule the engine applies.
+            front=FrontText(request, self._tokenizer) if stream and text_in_front(request, True) else None,
             timeout_s=timeout,
             deadline=None if timeout is None else time.monotonic() + timeout,
         )

@@ -110,9 +110,10 @@ class FinishEvent:  # dataclass sets each field through object.__setattr__, a ca
 class IdsFinishEvent:
     """The end of a request whose receiver makes its text (`RequestState.text_in_front`): what the engine
     chose, as ids and logprobs, without token records or text. The receiver turns it into the
-    `FinishEvent` the engine would have made (`wafer_gpt2.engine.core.finish_event_of`), as vLLM V1's
+    `FinishEvent` the engine would have made (`wafer_gpt2.engine.core.FrontText`), as vLLM V1's
     output processor detokenizes in the front process: the engine's thread, the wafer's critical path,
-    does not."""
+    does not. A streamed request's end carries only the tokens after the `streamed` ones its token
+    events carried (its last)."""
 
     finish_reason: FinishReason
     ids: list[int]
@@ -121,6 +122,19 @@ class IdsFinishEvent:
     prefill: tuple[PromptToken, ...]
     seed: int | None
     input_length: int
+    streamed: int = 0
+
+
+@dataclass(slots=True)
+class StreamedIds:
+    """One step's tokens of streamed requests whose receiver makes their text (`RequestState.text_in_front`;
+    chosen the plain way: no alternatives, never a first token): by token, its request's id, its id
+    and logprob. The receiver makes each token's record, text and `TokenEvent` (`FrontText.token`), so
+    that the engine's thread does no per-token work for them beyond choosing and recording."""
+
+    request_ids: list[str]
+    ids: list[int]
+    logprobs: list[float]
 
 
 @dataclass(frozen=True)
@@ -158,9 +172,10 @@ class RequestState:
     # Its tokens get their text in one pass when it ends (`IncrementalDetokenizer.add_all`), not one at
     # a time: nobody reads the text before then (no token events, no stop sequence to find in it).
     text_at_end: bool = False
-    # A text-at-end request whose sink makes the text (`EventSink.makes_text`): it ends with an
-    # `IdsFinishEvent`, and its tokens never get text here (nor records, those of a run it left last:
-    # its end carries them as ids).
+    # A request without stop sequences whose sink makes the text (`EventSink.makes_text`): its tokens
+    # never get text here. Text at the end: it ends with an `IdsFinishEvent` (no records either, for
+    # those of a run it left last: its end carries them as ids). Streamed: its token events go with empty
+    # text, those of a plain step as the step's ids (`StreamedIds`), and its end as its last id.
     text_in_front: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: str = field(default_factory=new_request_id)
@@ -175,7 +190,12 @@ class RequestState:
     # Its tokens are chosen the plain way (`EngineCore._apply_plain`): greedy or sampled with no
     # penalty, nothing banned, no stop token or string, no alternatives.
     plain: bool = False
+    # Its tokens: their records where its text is made here; where its sink makes it (`text_in_front`)
+    # their ids and logprobs (`ids`, `logprobs`; a run's at its end, `DecodeRun.settle`), which its end
+    # carries, and records only where it asked for alternatives (its end carries theirs).
     tokens: list[GeneratedToken] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
     prefill: list[PromptToken] = field(default_factory=list)
     cancelled: bool = False
     cancelled_at_step: int = 0  # the engine's step count when the cancellation arrived
@@ -199,7 +219,15 @@ class RequestState:
 
     def history(self) -> list[int]:
         """Prompt and generated ids: what the repetition penalty looks at."""
-        return [*self.prompt, *(token.id for token in self.tokens)]
+        return [*self.prompt, *self.output_ids()]
+
+    def generated(self) -> int:
+        """How many tokens it has chosen (those of a run it is in once the run ends)."""
+        return len(self.ids) if self.text_in_front else len(self.tokens)
+
+    def output_ids(self) -> list[int]:
+        """The ids of the tokens it has chosen."""
+        return self.ids if self.text_in_front else [token.id for token in self.tokens]
 
 
 class Submitted(Protocol):
@@ -219,13 +247,18 @@ def deliver(events: list[tuple[RequestState, SinkEvent]]) -> None:
 class EventSink(Protocol):
     """Where the engine sends the events of the requests that name it, from the engine's worker thread.
     Two kinds: an event loop's (`LoopSink`, the server in this process) and the engine process's pipe to
-    the HTTP process (`wafer_gpt2.engine.process`). A sink whose `makes_text` is True gets a text-at-end
-    request's end as an `IdsFinishEvent` and makes its text itself (one without the attribute does not)."""
+    the HTTP process (`wafer_gpt2.engine.process`). A sink whose `makes_text` is True makes the text of
+    its requests without stop sequences itself (`RequestState.text_in_front`; one without the attribute
+    does not): it gets their ends as `IdsFinishEvent`s and the plain steps' tokens of the streamed ones
+    as `StreamedIds`."""
 
     makes_text: bool
 
-    def hand_over(self, events: list[tuple[RequestState, SinkEvent]]) -> None:
-        """One step's events of this sink's requests, in the order they happened (one call per step)."""
+    def hand_over(
+        self, events: list[tuple[RequestState, SinkEvent]], streamed: list[StreamedIds] | None = None
+    ) -> None:
+        """One step's events of this sink's requests, in the order they happened (one call per step);
+        `streamed`: token events as ids (`StreamedIds`), each request's before its other events."""
         ...
 
     def wait_for_turn(self, timeout_s: float) -> None:
@@ -250,7 +283,9 @@ class LoopSink:
     def loop(self) -> asyncio.AbstractEventLoop | None:
         return self._loop()
 
-    def hand_over(self, events: list[tuple[RequestState, SinkEvent]]) -> None:
+    def hand_over(
+        self, events: list[tuple[RequestState, SinkEvent]], streamed: list[StreamedIds] | None = None
+    ) -> None:  # `streamed`: never (it makes no text)
         loop = self._loop()
         if loop is None:
             return
