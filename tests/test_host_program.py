@@ -59,7 +59,7 @@ def test_upload_puts_each_tile_on_its_pe(sim16, small_params):
     """Check a few PEs against the layout's definition, computed here from the tensors directly."""
     plan = sim16.plan
     # qkv: PE (r, c) holds rows r*tk.. of diag(ln_1 gain) @ W (the LayerNorm folded in); its columns
-    # are a run's [q | k | v] (a run of G columns holds the run's G*st outputs of each of q, k and v, in
+    # are a run's [k | q | v] (a run of G columns holds the run's G*st outputs of each of k, q and v, in
     # that order, tile_n to a column); the roots hold the column sums of those fp16 weights.
     qkv = plan.region("L1.qkv")
     t = qkv.tiling
@@ -72,17 +72,17 @@ def test_upload_puts_each_tile_on_its_pe(sim16, small_params):
 
     def outputs(c: int) -> np.ndarray:  # the indices of W's columns that column c holds
         b, j = divmod(c, t.split_cols)
-        ids = np.concatenate([s * c_dim + np.arange(b * run, (b + 1) * run) for s in range(3)])
+        ids = np.concatenate([s * c_dim + np.arange(b * run, (b + 1) * run) for s in (1, 0, 2)])
         return ids[j * t.tile_n : (j + 1) * t.tile_n]
 
-    assert t.split_cols > 1  # a head group's columns hold its q, k and v
+    assert t.split_cols > 1 and t.segment_order == (1, 0, 2)  # a head group's columns hold its k, q and v
     for r, c in ((0, 0), (t.rows - 1, t.cols - 1), (1, 2)):
         tile = memory[pe_at(qkv, k=r, n=c)].reshape(t.tile_k, t.tile_n)
         want = folded[r * t.tile_k : (r + 1) * t.tile_k][:, outputs(c)]
         np.testing.assert_array_equal(tile[: want.shape[0]], want)
     colsum = read_pe(sim16, qkv, "norm_g")[pe_at(qkv, k=t.rows - 1, n=0)]
     want = folded.astype(np.float64).sum(axis=0).astype(np.float32)
-    np.testing.assert_array_equal(colsum, want[outputs(0)])  # column 0's outputs (q's first)
+    np.testing.assert_array_equal(colsum, want[outputs(0)])  # column 0's outputs (k's first)
     # proj: PE (0, 1) holds the first tile_k rows of the second tile_n columns.
     proj = plan.region("L1.proj")
     t = proj.tiling

@@ -9,7 +9,7 @@ import pytest
 
 from wafer_gpt2.core import memory_layout
 from wafer_gpt2.core.steps import StepInputs
-from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling
+from wafer_gpt2.core.tiling import QKV_ORDER, AttentionTiling, GemvTiling, HeadTiling
 from wafer_gpt2.plan import Symbol, build_plan
 from wafer_gpt2.sim import SimRuntime, kernels
 from wafer_gpt2.sim.memory import PlanMemoryError
@@ -85,6 +85,11 @@ def test_a_run_of_split_columns_holds_each_segment_contiguous():
     assert one[:6] == [0, 1, 8, 9, 16, 17]  # a run of one column: its two of each
     with pytest.raises(ValueError, match="runs of 3 columns"):
         GemvTiling(8, 24, 2, 4, "k_along_x", n_split=3, split_cols=3).column_order()
+    # qkv's runs carry k first (QKV_ORDER): the same slices, k's before q's
+    kqv = GemvTiling(8, 24, 2, 4, "k_along_x", n_split=3, split_cols=2, segment_order=QKV_ORDER)
+    assert kqv.column_order()[:12] == [8, 9, 10, 11, 0, 1, 2, 3, 16, 17, 18, 19]
+    with pytest.raises(ValueError, match="not an order of 3 segments"):
+        GemvTiling(8, 24, 2, 4, "k_along_x", n_split=3, split_cols=2, segment_order=(0, 0, 2)).column_order()
 
 
 @pytest.mark.parametrize("stored", [np.float32, np.float16])
