@@ -95,8 +95,17 @@ def test_gemv_cost_by_hand() -> None:
     zero, last = S + 64, (3 * S + 64 + 5) + 64
     assert cost.gemv_cost(wide, "wse2", "fp16").cycles == R + T + zero + S + 16 * (M + 16) + last
     assert cost.gemv_cost(wide, "wse3", "fp16").cycles == R + T + zero + S + 16 * (M + 8) + last
-    folded = GemvTiling(64, 64, 4, 1, norm_fold=True)  # the LayerNorm folded in: the framed send
-    assert not folded.bias_at_root and "task: the sums in" in cost.gemv_cost(folded, "wse2", "fp16").phases
+    # The LayerNorm folded in (qkv): a task for the sums, the statistics, one FMAC into memory, and the
+    # last one (the bias plus the sums times rstd) as the output leaves, its header sent long before
+    folded = GemvTiling(64, 64, 4, 1, norm_fold=True)
+    phases = cost.gemv_cost(folded, "wse2", "fp16").phases
+    assert not folded.bias_at_root and phases["task: the sums in"] == T
+    assert phases["LayerNorm (mean, rstd), the bias as the output leaves"] == 10 + (S + 64) + S
+    assert "the output's header (its send's start)" not in phases
+    # with GELU after it (fc) the epilogue makes the output in memory, and the frame is sent
+    phases = cost.gemv_cost(folded, "wse2", "fp16", g).phases
+    assert phases["LayerNorm (mean, rstd) + bias"] == 10 + 2 * (S + 64)
+    assert phases["the output's header (its send's start)"] == S + 5
     two = GemvTiling(64, 64, 4, 1, reduction="two_level", group=2)
     c = cost.gemv_cost(two, "wse2", "fp16", epilogue_cycles_per_output=g)
     assert c.phases["two_level reduction (runs of 2)"] == STEP + (2 * H + R + 1) + 64

@@ -426,6 +426,13 @@ def gemv_cost(
     cost.add("task: the sums in", TASK_ACTIVATION_CYCLES)
     # shared through comm/spread.csl, every PE applies the LayerNorm to its own slice (in the epilogue)
     spread_norm = tiling.norm_fold and tiling.epilogue_multicast and tiling.epilogue_pes > 1
+    # An unshared LayerNorm without GELU (qkv): its last FMAC (the bias plus the sums times rstd) is the
+    # send's own operation, the header sent while the reduction was in the fabric (gemv.csl
+    # `norm_sends`, comm/gather.csl `send_fmac`).
+    norm_sends = tiling.norm_fold and tiling.epilogue_pes == 1 and not epilogue_cycles_per_output
+    if norm_sends:
+        last = RSQRT_CYCLES + DSD_OP_START_CYCLES + tiling.tile_n + DSD_OP_START_CYCLES
+        return cost.add("LayerNorm (mean, rstd), the bias as the output leaves", last)
     if tiling.norm_fold and not spread_norm:  # the bias rides the multiply by rstd: not a pass of its own
         cost.add("LayerNorm (mean, rstd) + bias", RSQRT_CYCLES + 2 * (DSD_OP_START_CYCLES + tiling.tile_n))
     cycles = epilogue_cycles(
