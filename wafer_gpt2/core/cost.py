@@ -399,6 +399,8 @@ def gemv_cost(
     to its own partial and sends the header while the partials are in the fabric, and the
     reduction's last add writes the lane (gemv.csl `streams_out`): the sums leave as they are made,
     their words priced in the reduction (`residual_cost(streamed_in=True)` takes them at a link).
+    An unshared LayerNorm without GELU (qkv) makes its last FMAC as its output's send, its header sent
+    while the reduction was in the fabric (gemv.csl `norm_sends`, comm/gather.csl `send_fmac`).
     """
     arch = resolve_arch(arch)
     cost = StageCost(name)
@@ -426,9 +428,7 @@ def gemv_cost(
     cost.add("task: the sums in", TASK_ACTIVATION_CYCLES)
     # shared through comm/spread.csl, every PE applies the LayerNorm to its own slice (in the epilogue)
     spread_norm = tiling.norm_fold and tiling.epilogue_multicast and tiling.epilogue_pes > 1
-    # An unshared LayerNorm without GELU (qkv): its last FMAC (the bias plus the sums times rstd) is the
-    # send's own operation, the header sent while the reduction was in the fabric (gemv.csl
-    # `norm_sends`, comm/gather.csl `send_fmac`).
+    # qkv's LayerNorm: the second FMAC (the bias plus the sums times rstd) is the send's own operation
     norm_sends = tiling.norm_fold and tiling.epilogue_pes == 1 and not epilogue_cycles_per_output
     if norm_sends:
         last = RSQRT_CYCLES + DSD_OP_START_CYCLES + tiling.tile_n + DSD_OP_START_CYCLES
