@@ -457,32 +457,46 @@ def test_a_gathered_hand_off_by_hand() -> None:
     assert cost.gathered_handoff_cycles(16, 4, 10) == (15 + 5 + 35 + 4) + (15 * 10 + 4) + 10 * 2 + 7
 
 
-def test_hand_offs_that_are_gather_lines_are_priced_as_one() -> None:
-    """Where a bundle of lanes would share routers (a strip handing off to columns not its own) the
-    generator builds a gather line and a multicast: the plan's geometry names exactly those hand-offs
-    (`gathered`), and the critical path prices the last layer's as one."""
+@pytest.mark.parametrize("objective", ["latency", "compact"])
+def test_hand_offs_that_are_gather_lines_are_priced_as_one(objective: str) -> None:
+    """Where a bundle of lanes would share routers (a strip handing off to columns not its own, with
+    no room between the rows for lanes that turn) the generator builds a gather line and a multicast:
+    the plan's geometry names exactly those hand-offs (`gathered`), and the critical path prices the
+    last layer's as one, or as lanes that turn where its strip and ln_f are rows apart (`staircase`)."""
     from wafer_gpt2.codegen import build_program
     from wafer_gpt2.model.config import GPT2Config
     from wafer_gpt2.plan import build_plan, price_candidates
 
     config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=64, name="tiny")
     options = dict(arch="wse2", dtype="fp32", slots=2, context=64)
-    plan = build_plan(config, objective="latency", **options)
-    cand = next(c for c in price_candidates(config, **options).priced if c.knobs == plan.knobs)
-    geo = cand.geometry
+    plan = build_plan(config, objective=objective, **options)
+    search = price_candidates(config, compact=objective == "compact", **options)
+    geo = next(c for c in search.priced if c.knobs == plan.knobs).geometry
+    turns = geo.staircase("L1.res_2", "ln_f")
+    assert turns == (objective == "latency")  # the plans of the executor's tests: one of each
+    final_line = set() if turns else {"final"}
     gathered = {name for name, src, dst in geo.routes() if geo.gathered(src, dst)}
-    assert gathered == {"L0.resid_1", "L0.resid_2", "L1.resid_1", "L1.resid_2", "final"}
-    built = {flow.name.split(".", 1)[1].rsplit(".gather", 1)[0] for flow in build_program(plan).flows
+    assert gathered == {"L0.resid_1", "L0.resid_2", "L1.resid_1", "L1.resid_2"} | final_line
+    program = build_program(plan)
+    built = {flow.name.split(".", 1)[1].rsplit(".gather", 1)[0] for flow in program.flows
              if ".gather" in flow.name and ".qkv.g" not in flow.name}  # fmt: skip
     # the generator's names: the skips ln_1 -> res_1 -> res_2, ln_f (the embedding's are lanes)
-    assert built == {"L0.ln_1.x", "L0.res_1.x", "L1.ln_1.x", "L1.res_1.x", "final"}
+    assert built == {"L0.ln_1.x", "L0.res_1.x", "L1.ln_1.x", "L1.res_1.x"} | final_line
     chunk = 64 // geo.r
     final = next(s for s in plan.stage_costs if s.name == "to ln_f")
+    res_2 = next(s for s in plan.stage_costs if s.name == "L1.res_2")
+    assert "the words in, added as they pass" in res_2.phases
+    if turns:
+        # a lane a source PE, all on one color, each as many routers as a straight lane would cross
+        lanes = [flow for flow in program.flows if ".final.lane" in flow.name]
+        hops, _ = geo.route_legs("L1.res_2", "ln_f")
+        assert len(lanes) == geo.r and len({lane.color for lane in lanes}) == 1
+        assert {len(lane.routes) for lane in lanes} == {hops}
+        assert final.phases == {"route": cost.stream_cycles(chunk, hops)}
+        return
     assert final.phases["route"] == cost.gathered_handoff_cycles(
         geo.r, chunk, geo.gather_hops("L1.res_2", "ln_f")
     )
     # the last res_2 leads that line: it adds and sends from its frame instead of streaming through
-    res_2 = next(s for s in plan.stage_costs if s.name == "L1.res_2")
-    assert "the words in, added as they pass" in res_2.phases
     framed = cost.residual_cost(chunk, streamed_in=True, lane_in=True).cycles
     assert final.phases[UNSTREAMED_RES_2_PHASE] == framed - cost.residual_cost(chunk, "r", True, True).cycles

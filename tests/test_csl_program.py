@@ -366,10 +366,10 @@ def test_two_level_reductions_equal_the_simulator():
 
 @pytest.mark.slow
 def test_two_level_attention_merge_equals_the_simulator():
-    """Attention's two merge rounds (the max, then the rescaled sums) over runs of 3 ([0 1 2] [3 4 5]
-    [6 7]) and their ends, on a snake folded in 4 rows, M multicast back from PE 7; 22 positions (4
-    per PE at a context of 32) fill six of the eight PEs, so two take part with (-inf, 0, 0). On
-    WSE-2 only: the two-level test above runs a two-level merge on WSE-3 (CI time)."""
+    """Attention's two merge rounds (the max, then the rescaled sums) over runs of 3 and their ends,
+    the last run shorter, on the plan's folded snake, M multicast back from the chain's last PE; 22
+    positions fill only some of the PEs, so the others take part with (-inf, 0, 0). On WSE-2 only:
+    the two-level test above runs a two-level merge on WSE-3 (CI time)."""
     from dataclasses import replace
 
     from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan
@@ -383,7 +383,8 @@ def test_two_level_attention_merge_equals_the_simulator():
     plan = build_plan(config, arch="wse2", dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
     for region in plan.regions:
         if region.kind == "attention":
-            assert (region.tiling.chain, region.tiling.fold, region.tiling.positions_per_pe) == (8, 4, 4)
+            t = region.tiling
+            assert t.fold > 1 and t.chain % 3 and t.chain > 6 and -(-22 // t.positions_per_pe) < t.chain, t
             region.tiling = replace(region.tiling, reduction="two_level", group=3)
     params = GPT2Params.random(config, seed=7)
     csl = start_model(plan, CslExecutorRuntime(compile_plan(plan)), params)
@@ -587,3 +588,31 @@ def two_steps_equal_the_simulator(plan, params: GPT2Params) -> None:
     finally:
         csl.close()
         sim.close()
+
+
+@pytest.mark.parametrize("west", [True, False])
+@pytest.mark.parametrize("north", [True, False])
+def test_lanes_that_turn_share_no_router(west: bool, north: bool) -> None:
+    """A row of sources handing off to a row of PEs in other columns, rows apart: lanes that each turn
+    at a row of their own share no router (so one color serves them all), each crosses as many routers
+    as a straight lane of the same reach, and starts and ends at the ramps; sources in the opposite
+    column order would cross, and rows too close leave no turn rows."""
+    from wafer_gpt2.codegen.build import _disjoint
+    from wafer_gpt2.codegen.routes import make_flow, make_path_flow, staircase_corners
+
+    sy, dy = (20, 3) if north else (3, 20)
+    sources = [(30 + i, sy) for i in range(6)] if west else [(i, sy) for i in range(6)]
+    dsts = [(2 + i, dy) for i in range(6)] if west else [(40 + i, dy) for i in range(6)]
+    straight = [make_flow(f"s{i}", s, [d]) for i, (s, d) in enumerate(zip(sources, dsts, strict=True))]
+    assert not _disjoint(straight)
+    corners = staircase_corners(sources, dsts)
+    assert corners is not None
+    lanes = [make_path_flow(f"l{i}", path) for i, path in enumerate(corners)]
+    assert _disjoint(lanes)
+    for lane, src, dst in zip(lanes, sources, dsts, strict=True):
+        assert len(lane.routes) == abs(dst[0] - src[0]) + abs(dst[1] - src[1]) + 1
+        assert lane.routes[src][0] == "RAMP" and "RAMP" in lane.routes[dst][1]
+        assert lane.destinations == (dst,)
+    crossed = staircase_corners(sources, dsts[::-1])
+    assert crossed is not None and not _disjoint([make_path_flow(f"c{i}", p) for i, p in enumerate(crossed)])
+    assert staircase_corners(sources, [(x, sy + (6 if sy < dy else -6)) for x, _ in dsts]) is None

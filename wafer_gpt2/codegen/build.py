@@ -35,7 +35,7 @@ from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from wafer_gpt2.codegen.frames import Frame, frame_of
-from wafer_gpt2.codegen.routes import Flow, Pos, assign_colors, make_flow
+from wafer_gpt2.codegen.routes import Flow, Pos, assign_colors, make_flow, make_path_flow, staircase_corners
 from wafer_gpt2.core.arch import ARCHS
 from wafer_gpt2.core.cost import HEAD_CHUNK, TOPK_BINS, embed_reduction
 from wafer_gpt2.core.tiling import QKV_ORDER, ceil_div, reduction_runs
@@ -135,6 +135,16 @@ class _Connection:
     into: dict[Pos, dict[str, Any]]
 
 
+def _disjoint(flows: list[Flow]) -> bool:
+    """Whether no two of `flows` share a router (lanes that can share one color)."""
+    seen: set[Pos] = set()
+    for flow in flows:
+        if seen & flow.routes.keys():
+            return False
+        seen |= flow.routes.keys()
+    return True
+
+
 class _Builder:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
@@ -196,23 +206,21 @@ class _Builder:
         wanting [d*line_chunk, +line_chunk). Source params: {out}_role/_rx/_tx/_line; destination
         params: {into}_color/_payload/_per_stream (and the per-row window is computed on the PE)."""
         if len(sources) == len(lines) and chunk == line_chunk:
-            lanes = [
-                self.flow(f"{name}.lane{i}", src, line)
-                for i, (src, line) in enumerate(zip(sources, lines, strict=True))
-            ]
-            seen: set[Pos] = set()
-            disjoint = True
-            for lane in lanes:
-                if seen & lane.routes.keys():
-                    disjoint = False
-                seen |= lane.routes.keys()
-            if disjoint:
+            pairs = enumerate(zip(sources, lines, strict=True))
+            lanes = [make_flow(f"{name}.lane{i}", src, line) for i, (src, line) in pairs]
+            if not _disjoint(lanes) and all(len(line) == 1 for line in lines):
+                # lanes that turn, each at a row of its own (`staircase_corners`), where the
+                # straight ones would share routers
+                corners = staircase_corners(sources, [line[0] for line in lines])
+                if corners is not None:
+                    lanes = [make_path_flow(f"{name}.lane{i}", path) for i, path in enumerate(corners)]
+            if _disjoint(lanes):
+                self.flows.extend(lanes)
                 for src, lane, line in zip(sources, lanes, lines, strict=True):
                     self._out(src, out, ALONE, None, lane, 1)
                     for pos in line:
                         self._into(pos, into, lane, chunk, 1)
                 return
-            del self.flows[-len(lanes) :]
         # A gather line led from its output end (comm/gather.csl): sources[0] sends the header and its
         # slice and starts the multicast, every other source sends its slice at once and then relays
         # what comes from behind it, so the stream [header | sources' slices, in order] runs at the

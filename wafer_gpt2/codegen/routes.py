@@ -77,6 +77,54 @@ def make_flow(name: str, src: Pos, dsts: list[Pos] | tuple[Pos, ...]) -> Flow:
     return Flow(name, src, dsts, {(sx + dx, sy + dy): route for dx, dy, route in shape})
 
 
+def make_path_flow(name: str, corners: list[Pos]) -> Flow:
+    """A flow along straight legs from corners[0] through each corner to the last, its one
+    destination: a lane that turns where a dimension-ordered path would cross its neighbours'."""
+    if len(corners) < 2 or len(set(corners)) != len(corners):
+        raise ProgramError(f"flow {name}: a path needs distinct corners, got {corners}")
+    routes: dict[Pos, tuple[str, set[str]]] = {corners[0]: ("RAMP", set())}
+    here = corners[0]
+    for corner in corners[1:]:
+        if here[0] != corner[0] and here[1] != corner[1]:
+            raise ProgramError(f"flow {name}: the leg {here} -> {corner} is not straight")
+        d = (
+            ("EAST" if corner[0] > here[0] else "WEST")
+            if corner[0] != here[0]
+            else ("SOUTH" if corner[1] > here[1] else "NORTH")
+        )
+        while here != corner:
+            routes[here][1].add(d)
+            here = (here[0] + STEP[d][0], here[1] + STEP[d][1])
+            if here in routes:
+                raise ProgramError(f"flow {name}: the path crosses itself at {here}")
+            routes[here] = (OPPOSITE[d], set())
+    routes[here][1].add("RAMP")
+    return Flow(name, corners[0], (here,), {pos: (rx, frozenset(tx)) for pos, (rx, tx) in routes.items()})
+
+
+def staircase_corners(sources: list[Pos], dsts: list[Pos]) -> list[list[Pos]] | None:
+    """Corners of lanes from a row of sources to a row of destinations, source i to destination i,
+    where straight lanes would share routers (the rows are apart and the columns are not the same):
+    lane i leaves its source along y, turns along x at a row of its own between the two rows, and
+    turns again along y in its destination's column. The lane nearest the destinations' side turns
+    first, so no lane's leg along x crosses another's legs along y when both rows are in the same
+    column order; None where the rows are too close for a turn row each, or not rows."""
+    n = len(sources)
+    if n != len(dsts) or n < 2 or len({y for _, y in sources}) != 1 or len({y for _, y in dsts}) != 1:
+        return None
+    sy, dy = sources[0][1], dsts[0][1]
+    if abs(dy - sy) <= n:
+        return None
+    towards_y = 1 if dy > sy else -1
+    west = dsts[0][0] < sources[0][0]
+    order = sorted(range(n), key=lambda i: sources[i][0], reverse=not west)
+    turn = {i: sy + towards_y * (k + 1) for k, i in enumerate(order)}
+    return [
+        [src, (src[0], turn[i]), (dst[0], turn[i]), dst] if src[0] != dst[0] else [src, dst]
+        for i, (src, dst) in enumerate(zip(sources, dsts, strict=True))
+    ]
+
+
 @lru_cache(maxsize=4096)
 def _shape(offsets: tuple[Pos, ...]) -> tuple[tuple[int, int, tuple[str, frozenset[str]]], ...]:
     """The routes of a flow from (0, 0) to `offsets`, as (dx, dy, route) in the tree's order. A tree

@@ -221,15 +221,34 @@ class Geometry:
 
     def gathered(self, src: str, dst: str) -> bool:
         """Whether the hand-off from the strip `src` to `dst` is a gather line and one multicast, not a
-        bundle of lanes (wafer_gpt2/codegen/build.py `connect`): the lanes leave a strip along x at its
-        row, so they share routers unless the strip lies in dst's own columns."""
+        bundle of lanes (wafer_gpt2/codegen/build.py `connect`): straight lanes leave a strip along x
+        at its row, so they share routers unless the strip lies in dst's own columns, and lanes that
+        turn (`staircase`) need rows between the two strips."""
         if src == "head.root":
             return False
         sx, _, sw, sh = self.rect(src)
         dx, _, dw, _ = self.rect(dst)
         if src == "embed":  # it sends from its row 0
             sh = 1
-        return sh == 1 and sw > 1 and (sx, sw) != (dx, dw)
+        return sh == 1 and sw > 1 and (sx, sw) != (dx, dw) and not self.staircase(src, dst)
+
+    def staircase(self, src: str, dst: str) -> bool:
+        """Whether the hand-off from the strip `src` to the strip `dst` is a bundle of lanes that turn
+        (wafer_gpt2/codegen/routes.py `staircase_corners`): both are rows of the same width in
+        columns apart, their indices grow the same way, a row of its own between them for every lane
+        to turn along x, and dst's PEs are the lanes' only readers (not a LayerNorm fed on into its
+        GEMV's K-lines)."""
+        if src in ("embed", "head.root") or self.multicast_readers(dst) != (dst,):
+            return False
+        sx, sy, sw, sh = self.rect(src)
+        dx, dy, dw, dh = self.rect(dst)
+        return (
+            sh == dh == 1
+            and sw == dw > 1
+            and (sx + sw <= dx or dx + dw <= sx)
+            and abs(dy - sy) > sw
+            and self._strip_axis(src) == self._strip_axis(dst)
+        )
 
     @staticmethod
     def multicast_readers(dst: str) -> tuple[str, ...]:
@@ -275,6 +294,11 @@ class Geometry:
         x0, x1 = min(sx, dx), max(sx + sw, dx + dw)
         y0, y1 = min(sy, dy), max(sy + sh, dy + dh)
         hops = abs(dx - sx) + abs(dy - sy) + 1
+        if src != "head.root" and self.staircase(src, dst):
+            # along y in src's columns to the turn rows next to src, along x, along y in dst's columns
+            turns = (sy + 1, sy + sw) if dy > sy else (sy - sw, sy - 1)
+            top = min(sy, turns[0])
+            return hops, ((sx, top, sw, sw + 1), (x0, turns[0], x1 - x0, sw), (dx, y0, dw, y1 - y0))
         return hops, ((x0, sy, x1 - x0, sh), (dx, y0, dw, y1 - y0))
 
 

@@ -64,7 +64,10 @@ DEFAULT_REPLICAS = 1
 DEFAULT_TOP_K = 64  # candidates the head returns per token
 
 STREAM_WIDTHS = (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128)
-HEAD_TILES = (16, 32, 64, 128, 256)
+# Logits per head column (the head has vocab / tile columns, one strip row each): between 128 and 256
+# the steps let the strip grow to the height the layers' bands give a replica, whose tile FMACs are
+# what limits a throughput plan's head.
+HEAD_TILES = (16, 32, 64, 96, 128, 160, 192, 208, 224, 256)
 # `compact` also tries the narrowest strips and the widest vocabulary tiles: fewest PEs, not speed.
 # A strip is at least 2 PEs wide: a head K-line's root hands its logits to PEs before it (HeadTiling).
 COMPACT_STREAM_WIDTHS = (2, 4)
