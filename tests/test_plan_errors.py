@@ -46,9 +46,9 @@ def test_layout_limit_names_the_kernel_area() -> None:
 
 def test_too_many_replicas() -> None:
     with pytest.raises(
-        PlanError, match=r"kernel area: 30 replicas do not fit; at most \d+ replicas of \d+x\d+ PEs do"
+        PlanError, match=r"kernel area: 60 replicas do not fit; at most \d+ replicas of \d+x\d+ PEs do"
     ):
-        build_plan(PRESETS["gpt2"], "wse2", slots=2, context=64, objective="throughput", replicas=30)
+        build_plan(PRESETS["gpt2"], "wse2", slots=2, context=64, objective="throughput", replicas=60)
     with pytest.raises(PlanError, match=r"500 replica\(s\) .* over by [\d.]+ GiB"):
         build_plan(PRESETS["gpt2"], "wse2", slots=2, context=64, objective="throughput", replicas=500)
 

@@ -322,7 +322,7 @@ def replica_geometry(
             f"one layer and the head strip are {need} PEs wide, "
             f"{need - arch.kernel_w} over the kernel width {arch.kernel_w}"
         )
-    bands = ceil_div(config.n_layer, per_band)
+    bands = max(ceil_div(config.n_layer, per_band), knobs.bands)
     if knobs.even_bands and bands % 2 and bands < config.n_layer:
         bands += 1
     per_band = ceil_div(config.n_layer, bands)  # spread the layers evenly over the bands

@@ -4,7 +4,7 @@ places and passes every check (`build_plan`); the most KV slots a plan fits (`la
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from wafer_gpt2.core.arch import Arch, resolve_arch
@@ -136,7 +136,9 @@ class PricedCandidate:
 class CandidateSearch:
     explored: int  # candidate sizes tried
     priced: list[PricedCandidate]  # those within the memory and kernel-area limits, in explored order
-    nearest_miss: tuple[float, str] | None  # (how far over, why) of the closest candidate left out
+    # (how far over, why) of the closest candidate left out: of those that fit the per-PE memory, where
+    # any does (another size's memory miss does not name what stops the ones that fit it)
+    nearest_miss: tuple[float, str] | None
 
 
 def price_candidates(
@@ -147,15 +149,19 @@ def price_candidates(
     context: int | None = None,
     top_k: int = DEFAULT_TOP_K,
     compact: bool = False,
+    pack: bool = False,
 ) -> CandidateSearch:
     """Every candidate size of the planner's search, checked against the per-PE memory and the kernel
-    area and priced by the cycle model (one replica at the kernel's corner); `build_plan` picks from these."""
+    area and priced by the cycle model (one replica at the kernel's corner); `build_plan` picks from these.
+    `pack` (the throughput objective): each size also with the band count that fits the most replicas
+    in the kernel, where that is more bands than fewest (`Knobs.bands`)."""
     arch = resolve_arch(arch)
     context = check_request(config, dtype, slots, context, top_k)
-    priced = []
+    priced: list[PricedCandidate] = []
     closest: tuple[float, str] | None = None
+    area: tuple[float, str] | None = None  # the closest of those that fit the memory
     knobs_list = _candidate_knobs(config, arch, dtype, slots, context, compact)
-    for index, knobs in enumerate(knobs_list):
+    for knobs in knobs_list:
         lt = _layer_tilings(
             config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
         )
@@ -164,23 +170,56 @@ def price_candidates(
         if over is not None:
             closest = _closer(closest, over)
             continue
-        geo = replica_geometry(config, knobs, arch, dtype, Dirs.of(lt, head))
+        dirs = Dirs.of(lt, head)
+        geo = replica_geometry(config, knobs, arch, dtype, dirs)
         if not isinstance(geo, Geometry):
-            closest = _closer(closest, (geo[0], f"kernel area: {geo[1]}"))
+            area = _closer(area, (geo[0], f"kernel area: {geo[1]}"))
             continue
-        fit = (arch.kernel_w // geo.width) * (arch.kernel_h // geo.height)
-        layer_stages = _cached_layer_stages(lt, arch, dtype)
-        outer = outer_stage_costs(config, geo, lt, head, lt.ln_f, arch, dtype, 0)
-        # The critical path is layer_stages n_layer times plus the outer stages (see `token_critical_path`).
-        outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
-        layer_cycles = [s.cycles for s in layer_stages]
-        latency = config.n_layer * sum(layer_cycles) + sum(outer_cycles)
-        # the initiation interval: the busiest stage (a blocking stage's whole span, StageCost.busy)
-        bottleneck = max(s.busy for s in layer_stages + outer[0] + list(outer[1].values()) + outer[2])
-        priced.append(
-            PricedCandidate(index, knobs, lt, head, geo, fit, layer_stages, outer, latency, bottleneck)
-        )
-    return CandidateSearch(len(knobs_list), priced, closest)
+        shapes = [(knobs, geo)]
+        if pack:
+            shapes += _packed(config, knobs, geo, arch, dtype, dirs)
+        for k, g in shapes:
+            priced.append(_priced(len(priced), config, k, lt, head, g, arch, dtype))
+    return CandidateSearch(len(knobs_list), priced, area or closest)
+
+
+def _replicas_fit(geo: Geometry, arch: Arch) -> int:
+    return (arch.kernel_w // geo.width) * (arch.kernel_h // geo.height)
+
+
+def _packed(
+    config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch, dtype: str, dirs: Dirs
+) -> list[tuple[Knobs, Geometry]]:
+    """The same size with the band count above its own that fits the most replicas in the kernel (the
+    fewest such bands), where one fits more than its own: [] otherwise."""
+    best, most = None, _replicas_fit(geo, arch)
+    for bands in range(geo.bands + 1, config.n_layer + 1):
+        shape = replica_geometry(config, replace(knobs, bands=bands), arch, dtype, dirs)
+        if isinstance(shape, Geometry) and _replicas_fit(shape, arch) > most:
+            best, most = shape, _replicas_fit(shape, arch)
+    return [] if best is None else [(replace(knobs, bands=best.bands), best)]
+
+
+def _priced(
+    index: int,
+    config: GPT2Config,
+    knobs: Knobs,
+    lt: LayerTilings,
+    head: HeadTiling,
+    geo: Geometry,
+    arch: Arch,
+    dtype: str,
+) -> PricedCandidate:
+    layer_stages = _cached_layer_stages(lt, arch, dtype)
+    outer = outer_stage_costs(config, geo, lt, head, lt.ln_f, arch, dtype, 0)
+    # The critical path is layer_stages n_layer times plus the outer stages (see `token_critical_path`).
+    outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
+    layer_cycles = [s.cycles for s in layer_stages]
+    latency = config.n_layer * sum(layer_cycles) + sum(outer_cycles)
+    # the initiation interval: the busiest stage (a blocking stage's whole span, StageCost.busy)
+    bottleneck = max(s.busy for s in layer_stages + outer[0] + list(outer[1].values()) + outer[2])
+    fit = _replicas_fit(geo, arch)
+    return PricedCandidate(index, knobs, lt, head, geo, fit, layer_stages, outer, latency, bottleneck)
 
 
 def build_plan(
@@ -232,7 +271,16 @@ def _search_plan(
         raise PlanError(f"replicas must be a positive integer or 'auto', got {replicas!r}")
     check_total_capacity(config, arch, dtype, slots, context, 1 if isinstance(replicas, str) else replicas)
 
-    search = price_candidates(config, arch, dtype, slots, context, top_k, compact=objective == "compact")
+    search = price_candidates(
+        config,
+        arch,
+        dtype,
+        slots,
+        context,
+        top_k,
+        compact=objective == "compact",
+        pack=objective == "throughput",
+    )
     closest = search.nearest_miss
     most_replicas: tuple[int, str] | None = None  # the most replicas any candidate fits, when short
     ranked = []

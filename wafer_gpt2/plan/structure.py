@@ -117,6 +117,8 @@ class Knobs:
     head_cols: int  # LM head output columns (vocab split), laid out along y
     even_bands: bool = False  # add a band when that makes the count even: the last layer then ends
     # next to the head strip instead of across the wafer
+    bands: int = 0  # at least this many bands of layers (0: as few as the kernel's width allows): more,
+    # shorter bands make a squarer replica, of which more can fit the kernel
 
 
 @dataclass
