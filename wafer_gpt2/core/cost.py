@@ -875,6 +875,21 @@ def threshold_bins(vocab: int, cols: int, tile_n: int, k: int) -> tuple[float, f
     Phi(L) = (ln 2 / cols) ** (1 / tile_n)) or the least logit; the threshold bin sits at the k-th
     best logit, where the density is vocab * pdf(x_k), so it holds about that times a bin's width, and
     round C takes k and half of it."""
+    top, low, x_k, inside = _threshold_range(vocab, cols, tile_n, k)
+    width = (top - low) / TOPK_BINS
+    bin_t = max(1.0, vocab * NormalDist().pdf(x_k) * width)
+    return min(inside, k + bin_t / 2), min(inside, bin_t)
+
+
+def threshold_index(vocab: int, cols: int, tile_n: int, k: int) -> int:
+    """The threshold bin's index (0 the bin at M) for the logits `threshold_bins` assumes: where the
+    k-th best logit falls among the bins splitting [L, M]; lib/topk.csl `threshold` counts up to it."""
+    top, low, x_k, _ = _threshold_range(vocab, cols, tile_n, k)
+    return min(TOPK_BINS - 1, max(0, int((top - x_k) / (top - low) * TOPK_BINS)))
+
+
+def _threshold_range(vocab: int, cols: int, tile_n: int, k: int) -> tuple[float, float, float, float]:
+    """(M, L, the k-th best logit, the logits in [L, M]) in units of the logits' spread."""
     normal = NormalDist()
     top = normal.inv_cdf(1 - 0.5 / vocab)
     if cols >= k:
@@ -882,10 +897,7 @@ def threshold_bins(vocab: int, cols: int, tile_n: int, k: int) -> tuple[float, f
         low, inside = normal.inv_cdf(below), max(float(cols), vocab * (1.0 - below))
     else:
         low, inside = -top, float(vocab)
-    x_k = normal.inv_cdf(1 - min(k, vocab - 1) / vocab)
-    width = (top - low) / TOPK_BINS
-    bin_t = max(1.0, vocab * normal.pdf(x_k) * width)
-    return min(inside, k + bin_t / 2), min(inside, bin_t)
+    return top, low, normal.inv_cdf(1 - min(k, vocab - 1) / vocab), inside
 
 
 def _run_ends(ready: np.ndarray, group: int, link: int, step: int, first_step: int) -> np.ndarray:
@@ -1037,9 +1049,13 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     root_b = np.maximum(row, root_a_at + DSD_OP_START_CYCLES) + DSD_OP_START_CYCLES
     centre_b = head_tree_cycles(tiling, root_b, words_b)
     cost.add("round B: histogram and sum of exps reduced to the centre", centre_b - a_out)
-    verdict = EXP_CYCLES + 4 * TOPK_BINS + 8 + DSD_OP_START_CYCLES + 1  # log S, t, the broadcast
-    cost.add("the centre's log-sum-exp, threshold bin, broadcast", verdict)
+    # the running count up to bin t, t's broadcast; then (off the path unless the columns' counts come
+    # sooner) log S and the selection's setup: every bin's first place, every place emptied
+    t_index = threshold_index(tiling.vocab, cols, g.tile_n, k)
+    verdict = 4 * (t_index + 1) + 8 + DSD_OP_START_CYCLES + 1
+    cost.add("the centre's threshold bin, broadcast", verdict)
     b_out = centre_b + verdict
+    centre_set = b_out + EXP_CYCLES + 2 * TOPK_BINS + 2 * k
     # 5. round C: a worker's selection pass, its count (after the worker before it: its read of that
     # count was started before it comes, so a count passes a worker or a root in one send) and its
     # entries after those it relays
@@ -1048,6 +1064,7 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     step = DSD_OP_START_CYCLES + 1
     ready_c = [heard(b_out, j, 1) + select + DSD_OP_START_CYCLES for j in range(e)]
     root_c = chained([ready_c[0] + step, *ready_c[1:]], step) + link_cycles(1)
+    root_c[m] = max(int(root_c[m]), centre_set)
     counts = head_relay_cycles(tiling, root_c)
     cost.add("round C: the lists merged to the centre (their counts)", counts - b_out)
     # The centre takes the entries as they come (slower than their words), a chunk at a time from
@@ -1057,7 +1074,7 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     take = kept * (2 + TOPK_TAKE_CYCLES) + chunks * DSD_OP_START_CYCLES + bin_t * TOPK_INVERSION_CYCLES
     cost.add("round C: the entries taken by the centre", int(take))
     record = 2 * (DSD_OP_START_CYCLES + k)  # the ids and the logits into the record
-    cost.add("the output record", 2 * TOPK_BINS + 2 * k + record + DSD_OP_START_CYCLES)
+    cost.add("the output record", record + DSD_OP_START_CYCLES)
     return cost
 
 
