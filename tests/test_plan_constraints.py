@@ -172,7 +172,7 @@ def test_the_embedding_is_priced_as_the_reduction_the_csl_runs() -> None:
     in its CE: a hop, the ramp and an add per link; in runs with a chain of their ends where that is
     faster. Without it (narrow strips: the throughput plan), every head column of a K-line and then every
     wpe row, a chain on WSE-3, whose head leaves no input queue for a second level. Either way the
-    request's way to the line's first PE is on the path."""
+    request's way to the line's first PE is on the path, from io.in where the lines start."""
     for arch in ("wse2", "wse3"):
         plan = build_plan(PRESETS["gpt2"], arch, "fp16")
         region, io_in = plan.region("embed"), plan.region("io.in")
@@ -190,7 +190,9 @@ def test_the_embedding_is_priced_as_the_reduction_the_csl_runs() -> None:
             ]
             == linked
         )
-        hops = (region.x + region.w - 1 - io_in.x) + (region.y + region.h - 1 - io_in.y)
+        # io.in sits under the copy's far row, where the lines start, in its first column
+        assert (io_in.x, io_in.y) == (region.x, region.y + region.h)
+        hops = (region.x + region.w - 1 - io_in.x) + (io_in.y - (region.y + region.h - 1))
         assert (
             embed.phases["request to the lines' first PE"]
             == cost.stream_cycles(6, hops) + cost.TASK_ACTIVATION_CYCLES

@@ -95,9 +95,10 @@ def wafer_map(data: ReportData, out_dir: Path, command: str) -> Figure:
         "The wafer map",
         MODELED,
         "Every region of the plan at its place on the fabric, coloured by kind: the west strip holds the "
-        "I/O ports, `wte` transposed (the tied LM head with the top-k) and the final LayerNorm; the "
+        "output port, `wte` transposed (the tied LM head with the top-k) and the final LayerNorm; the "
         "transformer layers follow in bands that turn at the fabric's edge, the embedding (`wte` and `wpe` by "
-        "rows) under layer 0's first strip, or at the top of the west strip where it needs more rows. This is the "
+        "rows) under layer 0's first strip with the input port under it, or at the top of the west strip where "
+        "it needs more rows (the input port then at the strip's bottom). This is the "
         "layout `wafer_gpt2.plan` computes (and the CSL and the simulator execute); the figures in its title are "
         f"modeled. The same map alone: `wafer-gpt2 plan --model {data.config.name} --arch {s.arch} --dtype "
         f"{s.dtype} --slots {s.slots} --png map.png`.",

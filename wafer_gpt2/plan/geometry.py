@@ -145,18 +145,21 @@ class Geometry:
         return max(self.strip_h, self.bands * self.band_h)
 
     def strip_rects(self) -> dict[str, tuple[int, int, int, int]]:
-        """The strip west of the layers, top down. With a copy of wte beside layer 0 (`embed_copy`):
-        io.out and io.in in its first row, the LM head, the final LayerNorm (fed by the last layer).
-        Without: io.out, the embedding (wpe), the LM head, the final LayerNorm and io.in, the token's
+        """The strip west of the layers, top down, and io.in. With a copy of wte beside layer 0
+        (`embed_copy`): io.out in its first row, the LM head, the final LayerNorm (fed by the last
+        layer); io.in under the copy's far row, where layer 0's columns leave one free (the request
+        reaches every line's first PE a row and at most a strip's width away; memcpy's stream crosses
+        the strip's routers on its own color), else beside io.out. Without: io.out, the embedding (wpe), the LM head, the final LayerNorm and io.in, the token's
         request entering at the bottom and running up, as the embedding's lines do (every head column,
         then the wpe rows, then layer 0 at the top). Either way ln_f's output runs up the head, whose
         rounds end on its centre column's root, which sends the output record up to io.out
         (`wafer_gpt2.core.cost.head_cost`)."""
         e, v, r = self.embed_rows, self.head_cols, self.r
         if self.embed_copy:
+            x, y, _, h = self.embed_rect()
             return {
                 "io.out": (0, 0, 1, 1),
-                "io.in": (1, 0, 1, 1),
+                "io.in": (x, y + h, 1, 1) if self.embed_rows <= self.f else (1, 0, 1, 1),
                 "head": (0, 1, r, v),
                 "ln_f": (0, 1 + v, r, 1),
             }
