@@ -149,9 +149,10 @@ class Geometry:
         (`embed_copy`): io.out in its first row, the LM head, the final LayerNorm (fed by the last
         layer); io.in under the copy's far row, where layer 0's columns leave one free (the request
         reaches every line's first PE a row and at most a strip's width away; memcpy's stream crosses
-        the strip's routers on its own color), else beside io.out. Without: io.out, the embedding (wpe), the LM head, the final LayerNorm and io.in, the token's
-        request entering at the bottom and running up, as the embedding's lines do (every head column,
-        then the wpe rows, then layer 0 at the top). Either way ln_f's output runs up the head, whose
+        the strip's routers on its own color), else beside io.out. Without: io.out, the embedding
+        (wpe), the LM head, the final LayerNorm and io.in, the token's request entering at the bottom
+        and running up, as the embedding's lines do (every head column, then the wpe rows, then layer 0
+        at the top). Either way ln_f's output runs up the head, whose
         rounds end on its centre column's root, which sends the output record up to io.out
         (`wafer_gpt2.core.cost.head_cost`)."""
         e, v, r = self.embed_rows, self.head_cols, self.r
