@@ -13,13 +13,13 @@ import threading
 import numpy as np
 import pytest
 
-from tools.bench.bench_host import twin_factory
 from wafer_gpt2.backends.stand_ins import (
     ModeledWaferBackend,
     NullBackend,
     modeled_step_seconds,
     pipelined_span,
 )
+from wafer_gpt2.benchmarks.host import twin_factory
 from wafer_gpt2.core.steps import BackendError, StepInputs, StepItem, steps_in_flight
 from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
 from wafer_gpt2.engine.decode_run import DecodeRun

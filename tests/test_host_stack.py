@@ -1,5 +1,5 @@
 """The host stack: the stand-in backends (null, modeled), the whole-step greedy choice, the
-hand-built stream frames, and `python -m tools.bench host` end to end (a real server on loopback and its
+hand-built stream frames, and `wafer-gpt2 bench host` end to end (a real server on loopback and its
 load generator in a process of its own)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from tools.bench import bench_host
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
 from wafer_gpt2.backends.stand_ins import ModeledWaferBackend, NullBackend, modeled_step_seconds
+from wafer_gpt2.benchmarks import host as bench_host
 from wafer_gpt2.core.steps import BackendError, StepInputs, StepItem, StepScores, TokenScores
 from wafer_gpt2.engine.core import EngineCore, TokenizerHooks
 from wafer_gpt2.engine.request import (

@@ -9,6 +9,12 @@ from dataclasses import dataclass
 # limit less this, never make accept() fail (wafer_gpt2.service.connections.fit_to_fd_limit).
 FD_RESERVE = 64
 
+# `serve` runs the engine in a process of its own (HTTP and the engine each get a core and a GIL: more
+# tokens/s where the host, not the backend, is the limit, and no loss on the simulator), and so does
+# `bench host` by default, to measure what `serve` runs; an app built in-process (`ServerSettings`, the
+# tests) keeps it on a thread unless asked.
+SERVE_ENGINE_PROCESS = True
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -77,7 +83,7 @@ class ServerSettings:
     event_loop: str = "asyncio"
     # The engine in a process of its own (`wafer_gpt2/engine/process.py`): HTTP and the engine each get a
     # GIL. The backend factory must then be picklable (it crosses a spawn). `serve` turns it on
-    # (`wafer_gpt2.cli.serve_command.SERVE_ENGINE_PROCESS`).
+    # (`SERVE_ENGINE_PROCESS` above).
     engine_process: bool = False
     # An engine process that has not reported for this long is taken for stopped or hung: /health answers
     # 503 `unresponsive`, new requests 503, and the requests it holds end at their own deadline

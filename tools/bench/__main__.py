@@ -1,11 +1,10 @@
-"""The benchmarks' command line: `python -m tools.bench sim|service|host [options]`.
+"""The benchmarks' command line: `python -m tools.bench sim|service [options]`.
 
     python -m tools.bench sim [--batch 1,16] [--new-tokens N] [--threads T]   # simulator vs transformers
     python -m tools.bench service [--streams 16] [--new-tokens N]              # HTTP service vs the engine
-    python -m tools.bench host [--stand-in null,modeled] ...                   # the host stack's tokens/s
 
-tools/bench/bench_sim.py holds the parser (`--help` lists every option); bench_service.py and
-bench_host.py the other two.
+tools/bench/bench_sim.py holds the parser (`--help` lists every option); bench_service.py the other.
+The host stack's benchmark ships with the product: `wafer-gpt2 bench host` (wafer_gpt2/benchmarks/).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tools.bench.bench_server import BenchFailed, BenchServer, HelperProcess
+from wafer_gpt2.benchmarks.bench_server import BenchFailed, BenchServer, HelperProcess
 from wafer_gpt2.core.steps import Backend, StepScores
 from wafer_gpt2.engine.core import bare_greedy
 from wafer_gpt2.errors import UserError

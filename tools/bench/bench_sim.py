@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tools.bench import bench_host, bench_service
+from tools.bench import bench_service
 from wafer_gpt2.backends.registry import BackendOptions, build_backend
 from wafer_gpt2.cli.runner import run as run_command
 from wafer_gpt2.engine.core import bare_greedy
@@ -37,15 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m tools.bench",
         description="The benchmarks, measured on this machine: sim (the embedded simulator against Hugging Face "
-        "transformers), service (the HTTP service against direct backend steps) and host (the host stack's "
-        "tokens/s over the null and modeled stand-ins). Each option's help says which it applies to.",
+        "transformers) and service (the HTTP service against direct backend steps). Each option's help says "
+        "which it applies to. The host stack's benchmark ships with the product: `wafer-gpt2 bench host`.",
     )
     parser.add_argument(
         "target",
-        choices=("sim", "service", "host"),
-        help="what to benchmark: sim (the embedded simulator against transformers), service "
-        "(HTTP service against direct backend steps, tools/bench/bench_service.py) or host "
-        "(the host stack's tokens/s over null and modeled-wafer backends, tools/bench/bench_host.py)",
+        choices=("sim", "service"),
+        help="what to benchmark: sim (the embedded simulator against transformers) or service "
+        "(HTTP service against direct backend steps, tools/bench/bench_service.py)",
     )
     parser.add_argument(
         "--model",
@@ -78,7 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the libraries' defaults)",
     )
     bench_service.add_arguments(parser)
-    bench_host.add_arguments(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -92,8 +90,6 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.target == "service":
         return bench_service.run(args)
-    if args.target == "host":
-        return bench_host.run(args)
     try:
         batches = sorted({int(part) for part in args.batch.split(",")})
     except ValueError:

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         if args.backend == "modeled":  # planned once, here: the search would cost minutes under valgrind
             sys.path.insert(0, str(ROOT))  # run as a script: the repository's root is not on the path
-            from tools.bench.bench_host import modeled_plan
+            from wafer_gpt2.benchmarks.host import modeled_plan
             from wafer_gpt2.model.config import PRESETS
 
             args.plan_file = str(Path(scratch) / "plan.pickle")

@@ -1,4 +1,4 @@
-"""Where the HTTP process's event-loop thread spends its time under `python -m tools.bench host`.
+"""Where the HTTP process's event-loop thread spends its time under `wafer-gpt2 bench host`.
 
 py-spy samples every thread of a process and counts a thread that waits for the GIL or for a core as
 busy at the line it stopped on; cProfile, enabled on the loop's own thread, times every call the loop
@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.bench import bench_host  # noqa: E402
-from tools.bench.bench_server import HelperProcess  # noqa: E402
-from tools.bench.load_client import client_process  # noqa: E402
+from wafer_gpt2.benchmarks import host as bench_host  # noqa: E402
+from wafer_gpt2.benchmarks.bench_server import HelperProcess  # noqa: E402
+from wafer_gpt2.benchmarks.load_client import client_process  # noqa: E402
 
 NEW_TOKENS = 32
 WARMUP_S = 1.0

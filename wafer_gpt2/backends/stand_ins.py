@@ -1,4 +1,4 @@
-"""Backends that stand in for the wafer when the host stack itself is measured (`python -m tools.bench host`).
+"""Backends that stand in for the wafer when the host stack itself is measured (`wafer-gpt2 bench host`).
 
 - `NullBackend` (backend `null`): answers every item at once with fixed top-k scores and runs no model,
   so whatever a benchmark measures over it is the host's cost alone.

@@ -10,12 +10,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from wafer_gpt2.cli import compile_command, cost_command, generate_command, plan_command, serve_command
+from wafer_gpt2.cli import (
+    bench_command,
+    compile_command,
+    cost_command,
+    generate_command,
+    plan_command,
+    serve_command,
+)
 from wafer_gpt2.cli.runner import run, user_errors
 from wafer_gpt2.errors import UserError
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = [serve_command, generate_command, compile_command, plan_command, cost_command]
+COMMANDS = [serve_command, generate_command, compile_command, plan_command, cost_command, bench_command]
 
 __all__ = ["COMMANDS", "UserError", "build_parser", "main", "run", "user_errors"]
 

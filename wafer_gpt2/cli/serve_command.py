@@ -30,14 +30,10 @@ from wafer_gpt2.logs import configure as configure_logging
 from wafer_gpt2.model.checkpoint import load_checkpoint, resolve_weights
 from wafer_gpt2.model.params import GPT2Params
 from wafer_gpt2.service.chat_template import ChatTemplateError, load_chat_template
-from wafer_gpt2.settings import ServerSettings
+from wafer_gpt2.settings import SERVE_ENGINE_PROCESS, ServerSettings
 
 API_KEY_ENV = "WAFER_GPT2_API_KEY"
 ALLOW_NO_API_KEY_ENV = "WAFER_GPT2_ALLOW_NO_API_KEY"
-# `serve` runs the engine in a process of its own (HTTP and the engine each get a core and a GIL: more
-# tokens/s where the host, not the backend, is the limit, and no loss on the simulator), while an app built in-process
-# (`ServerSettings`, the tests, `bench`) keeps it on a thread unless asked.
-SERVE_ENGINE_PROCESS = True
 
 
 def exposure_problem(host: str, api_key: str | None, allow_no_api_key: bool) -> str | None:

@@ -1,4 +1,4 @@
-"""The load generator of `python -m tools.bench host`: many keep-alive HTTP/1.1 connections over raw sockets,
+"""The load generator of `wafer-gpt2 bench host`: many keep-alive HTTP/1.1 connections over raw sockets,
 in a process of its own, so that its work is never the service's.
 
 Each connection sends the same request again and again for a window of time and counts what comes
@@ -154,12 +154,9 @@ def _cpu() -> float:
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
+    import uvloop  # a run dependency; imported here so that building the CLI's parser does not load it
 
-        return uvloop.new_event_loop()
-    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def run_job(job: LoadJob) -> LoadResult:

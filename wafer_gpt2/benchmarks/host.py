@@ -1,4 +1,4 @@
-"""`python -m tools.bench host`: how many tokens per second the host stack (HTTP, engine, sampler,
+"""`wafer-gpt2 bench host`: how many tokens per second the host stack (HTTP, engine, sampler,
 detokenizer) delivers, over backends that stand in for the wafer (`wafer_gpt2/backends/stand_ins.py`):
 
 - `null`: fixed scores at once, no model: the host's own ceiling;
@@ -8,7 +8,7 @@ detokenizer) delivers, over backends that stand in for the wafer (`wafer_gpt2/ba
 
 For each backend and number of streams S, the real server (`wafer_gpt2.service.api.create_app` under uvicorn on
 127.0.0.1, in this process) serves S KV slots, and a load generator in a process of its own
-(`tools/bench/load_client.py`) keeps S connections busy with the same greedy request (a short
+(`wafer_gpt2/benchmarks/load_client.py`) keeps S connections busy with the same greedy request (a short
 prompt, N new tokens, end-of-text never first) over each route for a timed window. The figures: tokens/s
 as the clients receive them, the server's CPU time per token (this process, whose main thread only
 waits, and the engine process's: by default the engine runs in one, as under `serve`), the client's
@@ -30,12 +30,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.bench.bench_server import BenchFailed, BenchServer, HelperProcess
-from tools.bench.load_client import LoadJob, LoadResult, client_process, record_response, replay_server
 from wafer_gpt2.backends.stand_ins import ModeledWaferBackend, NullBackend, modeled_step_seconds
-from wafer_gpt2.cli.serve_command import SERVE_ENGINE_PROCESS
+from wafer_gpt2.benchmarks.bench_server import BenchFailed, BenchServer, HelperProcess
+from wafer_gpt2.benchmarks.load_client import (
+    LoadJob,
+    LoadResult,
+    client_process,
+    record_response,
+    replay_server,
+)
 from wafer_gpt2.core.steps import Backend
 from wafer_gpt2.errors import UserError
+from wafer_gpt2.settings import SERVE_ENGINE_PROCESS
 
 STAND_INS = ("null", "modeled")
 ROUTES = ("tgi-stream", "openai-stream", "generate", "openai")
@@ -479,26 +485,33 @@ def _names(text: str, flag: str, allowed: tuple[str, ...]) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags only `bench host` reads (`--streams` and `--new-tokens` are shared with the others)."""
+    """Every flag `bench host` reads (`wafer_gpt2/cli/bench_command.py` gives them to its parser)."""
     parser.add_argument(
         "--stand-in",
         default="null,modeled",
-        help="host: stand-in backends, comma-separated: null (no model, no time), modeled (the cost "
+        help="stand-in backends, comma-separated: null (no model, no time), modeled (the cost "
         "model's step time for a GPT-2 124M plan; modeled) (null,modeled)",
     )
     parser.add_argument(
-        "--routes", default=",".join(ROUTES), help=f"host: routes, comma-separated ({','.join(ROUTES)})"
+        "--routes", default=",".join(ROUTES), help=f"routes, comma-separated ({','.join(ROUTES)})"
     )
     parser.add_argument(
-        "--host-streams", default="16,64,256", metavar="S,..", help="host: concurrent streams (16,64,256)"
+        "--host-streams",
+        default="16,64,256",
+        metavar="S,..",
+        help="concurrent streams, comma-separated (16,64,256)",
     )
-    parser.add_argument("--seconds", type=float, default=3.0, help="host: measured window per cell (3)")
-    parser.add_argument("--warmup", type=float, default=1.0, help="host: unmeasured start of each window (1)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=32, metavar="N", help="tokens generated per request, greedy (32)"
+    )
+    parser.add_argument("--reps", type=int, default=3, help="windows per cell; medians are reported (3)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured window per cell (3)")
+    parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured start of each window (1)")
     parser.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=SERVE_ENGINE_PROCESS,
-        help="host: the server's engine in a process of its own, as `serve` runs it "
+        help="the server's engine in a process of its own, as `serve` runs it "
         "(--no-engine-process: on a thread of the HTTP process)",
     )
     parser.add_argument(
@@ -506,7 +519,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="host: steps the modeled wafer takes at a time; above 1 the engine submits the next step "
+        help="steps the modeled wafer takes at a time; above 1 the engine submits the next step "
         "from what became ready while another computes (1: one step at a time, as the host program "
         "drives the wafer today; docs/performance.md has both)",
     )

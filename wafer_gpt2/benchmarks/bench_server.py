@@ -1,6 +1,6 @@
-"""What `bench service` and `bench host` share: the service app under uvicorn on 127.0.0.1 (a free
-port), in a thread of the benchmark's process; a spawned helper process (the clients) that answers
-over a pipe; and the error a benchmark that cannot run raises."""
+"""What `wafer-gpt2 bench host` and `python -m tools.bench service` share: the service app under
+uvicorn on 127.0.0.1 (a free port), in a thread of the benchmark's process; a spawned helper process
+(the clients) that answers over a pipe; and the error a benchmark that cannot run raises."""
 
 from __future__ import annotations
 
