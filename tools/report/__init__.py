@@ -61,7 +61,7 @@ KEPT_BEGIN, KEPT_END = "<!-- kept: begin -->", "<!-- kept: end -->"
 
 def keep_sections(old: str, new: str) -> str:
     """Carry the sections written by hand (between KEPT_BEGIN and KEPT_END: the host stack's
-    measurements of `python -m tools.bench host`, which the report does not run) from the old report into the
+    measurements of `wafer-gpt2 bench host`, which the report does not run) from the old report into the
     new one, before its Reproduce section."""
     kept = []
     rest = old

@@ -68,7 +68,7 @@ def render(data: ReportData, figures: list[Figure], command: str) -> str:
             if data.measured is not None
             else ""
         )
-        + ". The section on the host is written by hand from `python -m tools.bench host` runs, dated "
+        + ". The section on the host is written by hand from `wafer-gpt2 bench host` runs, dated "
         "there; regenerating keeps it.\n\n"
         "Two kinds of figure appear here, and each says which it is:\n\n"
         "- **modeled**: computed by the cycle model `wafer_gpt2/core/cost.py` on the plan `wafer_gpt2/plan/` builds "
