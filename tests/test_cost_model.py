@@ -53,6 +53,13 @@ def test_streams_and_reductions() -> None:
     kind, group = cost.best_reduction(64, 1)
     assert kind == "two_level" and 2 <= group < 64 and cost.best_reduction(3, 64) == ("chain", 0)
     assert cost.reduction_options(4) == [("chain", 0), ("two_level", 2), ("two_level", 3)]
+    # three levels over 8 PEs, runs of 2, their ends in runs of 2: a link in each run, a link of 2 hops
+    # between the ends of a pair of runs, one of 4 hops between the two pairs' ends
+    assert cost.three_level_reduce_cycles(8, 4, 2, 2) == STEP + (2 * H + R + 1) + (4 * H + R + 1) + 4
+    assert cost.reduce_cycles("three_level", 8, 4, 2, 2) == cost.three_level_reduce_cycles(8, 4, 2, 2)
+    # only whole runs, whole runs of their ends and at least two of those (what comm/reduce.csl takes)
+    assert [o for o in cost.gemv_reduction_options(8) if o[0] == "three_level"] == [("three_level", 2, 2)]
+    assert cost.gemv_reduction_options(7) == [(kind, g, 0) for kind, g in cost.reduction_options(7)]
 
 
 def test_gemv_cost_by_hand() -> None:
@@ -349,11 +356,14 @@ def test_best_choices_are_the_cheapest() -> None:
     t = GemvTiling(768, 3072, 32, 96, "k_along_x")
     best = cost.best_gemv_reduction(t, ARCHS["wse2"], "fp16", cost.GELU_CYCLES)
     chain = GemvTiling(**{**vars(t), "reduction": "chain"})
+    two = cost.best_gemv_reduction(GemvTiling(768, 3072, 31, 96, "k_along_x"), ARCHS["wse2"], "fp16")
     assert (
         cost.gemv_cost(best, "wse2", "fp16", cost.GELU_CYCLES).cycles
         <= cost.gemv_cost(chain, "wse2", "fp16", cost.GELU_CYCLES).cycles
     )
-    assert best.reduction == "two_level" and 2 <= best.group < 32  # 32 rows: runs beat one chain
+    # 32 rows: runs of runs beat runs, which beat one chain; 31 (prime) takes no third level
+    assert best.reduction == "three_level" and best.group * best.end_group * 2 <= 32
+    assert two.reduction == "two_level" and 2 <= two.group < 31
 
 
 def test_standalone_gemv() -> None:
@@ -371,7 +381,7 @@ def test_standalone_gemv() -> None:
     }
     assert c.cycles == sum(c.phases.values())
     wide = cost.standalone_gemv_cost("wse2", 16, 4, 64, 64, "fp16")
-    assert wide.name.startswith("two_level, runs of")
+    assert wide.name.startswith("three_level (runs of 2, their ends in runs of 2)")
 
 
 def test_ready_time_reductions_are_the_closed_forms_at_zero_skew() -> None:
@@ -387,6 +397,10 @@ def test_ready_time_reductions_are_the_closed_forms_at_zero_skew() -> None:
                     two = cost.two_level_reduce_cycles(n, words, g)
                     assert cost.level_times(zero, [g]) + words == two, (n, g)
                     assert cost.reduce_times("two_level", zero, g) == cost.level_times(zero, [g])
+            for _, g, e in cost.gemv_reduction_options(n):
+                if e:
+                    three = cost.three_level_reduce_cycles(n, words, g, e)
+                    assert cost.level_times(zero, [g, e]) + words == three, (n, g, e)
             # the all-reduce: its reduction to the middle, a task, the broadcast back both ways
             back = T + max(root, n - 1 - root) * H + R + words
             for kind, group in cost.reduction_options(n)[:6]:

@@ -327,9 +327,9 @@ def test_full_vocabulary_fp32_scores_equal_the_simulator(arch):
 
 
 @pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
-def test_two_level_reductions_equal_the_simulator():
-    """A plan whose GEMVs, LayerNorms and attention merges reduce in two levels (the latency objective
-    picks them for this config), with 8-PE
+def test_multi_level_reductions_equal_the_simulator():
+    """A plan whose LayerNorms and attention merges reduce in two levels and whose GEMVs in three (the
+    latency objective picks them for this config), with 8-PE
     strips, a folded attention snake and gathers between regions, and the head's tree over its roots
     in two levels too (runs of 2: set here): the generator's general case, on WSE-3 (whose queue rules
     are the tighter ones)."""
@@ -340,9 +340,13 @@ def test_two_level_reductions_equal_the_simulator():
     config = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=200, n_positions=32, name="tiny-two-level")
     plan = build_plan(config, arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
     tilings = [r.tiling for r in plan.regions if r.tiling is not None]
-    kinds = {type(t).__name__: getattr(t, "reduction", None) for t in tilings}
-    assert kinds.pop("HeadTiling") is None
-    assert set(kinds.values()) == {"two_level"} and len(kinds) == 3, kinds
+    kinds = {(type(t).__name__, getattr(t, "reduction", None)) for t in tilings}
+    assert kinds == {
+        ("HeadTiling", None),
+        ("NormTiling", "two_level"),
+        ("AttentionTiling", "two_level"),
+        ("GemvTiling", "three_level"),
+    }, kinds
     head = plan.region("head")
     assert head.tiling.gemv.cols >= 4
     plan.head = head.tiling = replace(head.tiling, tree="two_level", tree_group=2)

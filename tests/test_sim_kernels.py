@@ -36,6 +36,31 @@ def test_reductions_follow_the_tiling_order_bit_for_bit(n):
     assert np.array_equal(kernels.combine(partials.copy(), "two_level", 3), total)
 
 
+@pytest.mark.parametrize(("n", "group", "end_group"), [(8, 2, 2), (12, 2, 3), (48, 3, 4), (96, 4, 4)])
+def test_three_level_reductions_follow_the_tiling_order_bit_for_bit(n, group, end_group):
+    """Runs of `group` chained, their sums chained in runs of `end_group`, those sums chained in order
+    (comm/reduce.csl's third level), in the simulator's combine and in its GEMV's blocked reduction."""
+    rng = np.random.default_rng(n)
+    partials = (rng.standard_normal((n, 3, 7)) * 10.0 ** rng.integers(-3, 4, (n, 1, 1))).astype(np.float32)
+
+    def chained(vectors):
+        total = vectors[0].copy()
+        for v in vectors[1:]:
+            total = total + v
+        return total
+
+    runs = [chained(partials[s : s + group]) for s in range(0, n, group)]
+    tops = [chained(runs[s : s + end_group]) for s in range(0, len(runs), end_group)]
+    expected = chained(tops)
+    assert np.array_equal(kernels.combine(partials.copy(), "three_level", group, end_group), expected)
+    assert not np.array_equal(expected, kernels.combine(partials.copy(), "two_level", group))
+    # the GEMV's blocked form: one input of 1.0 per row, so row r's partial is its weight row
+    weights = np.ascontiguousarray(partials.transpose(1, 0, 2)[:1].transpose(1, 0, 2))  # [n, 1, 7]
+    chunks = np.ones((n, 1, 1), dtype=np.float32)
+    got = kernels._reduce_columns(chunks, weights, "three_level", group, None, end_group)
+    assert np.array_equal(got, kernels.combine(weights.copy(), "three_level", group, end_group))
+
+
 def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
     rng = np.random.default_rng(0)
     k, n = 40, 48
@@ -44,6 +69,7 @@ def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
     for tiling in (
         GemvTiling(k, n, 3, 5),
         GemvTiling(k, n, 6, 4, "k_along_x", "two_level", group=4),
+        GemvTiling(k, n, 8, 4, "k_along_x", "three_level", group=2, end_group=2),
         GemvTiling(k, n, 4, 4, "k_along_x", "chain", n_split=3),
         GemvTiling(k, n, 4, 4, "k_along_x", "chain", n_split=3, split_cols=2),
     ):
@@ -57,7 +83,7 @@ def test_gemv_matches_a_plain_matmul_for_every_orientation_and_split():
         )
 
 
-@pytest.mark.parametrize("reduction", ["chain", "two_level"])
+@pytest.mark.parametrize("reduction", ["chain", "two_level", "three_level"])
 def test_a_bias_at_the_root_joins_the_last_partial_once(reduction):
     """`root_bias`: the bias added to the partial of the PE that ends the reduction, before the
     reduction (gemv.csl `bias_first`). Small integers make every fp32 sum exact whatever its order, so
@@ -67,7 +93,9 @@ def test_a_bias_at_the_root_joins_the_last_partial_once(reduction):
     weight = rng.integers(-3, 4, (k, n)).astype(np.float32)
     x = rng.integers(-3, 4, (2, k)).astype(np.float32)
     bias = rng.integers(-50, 50, n).astype(np.float32)
-    for tiling in (GemvTiling(k, n, 5, 4, reduction=reduction, group=2), GemvTiling(k, n, 1, 6)):
+    rows = 8 if reduction == "three_level" else 5
+    lines = GemvTiling(k, n, rows, 4, reduction=reduction, group=2, end_group=2)
+    for tiling in (lines, GemvTiling(k, n, 1, 6)):
         cache = kernels.gemv_weight_cache(memory_layout.gemv_weight_tiles(weight, tiling), tiling)
         got = kernels.gemv_region(x, cache, tiling, False, bias)
         assert np.array_equal(got, x @ weight + bias)

@@ -38,7 +38,13 @@ from wafer_gpt2.codegen.frames import Frame, frame_of
 from wafer_gpt2.codegen.routes import Flow, Pos, assign_colors, make_flow, make_path_flow, staircase_corners
 from wafer_gpt2.core.arch import ARCHS
 from wafer_gpt2.core.cost import HEAD_CHUNK, TOPK_BINS, embed_reduction
-from wafer_gpt2.core.tiling import QKV_ORDER, ceil_div, reduction_runs
+from wafer_gpt2.core.tiling import (
+    QKV_ORDER,
+    ceil_div,
+    reduction_end_runs,
+    reduction_runs,
+    three_level_fits,
+)
 from wafer_gpt2.core.wire import D2H_COLOR, H2D_COLOR, record_words
 from wafer_gpt2.errors import ProgramError
 from wafer_gpt2.plan.checks import check_layer_norms_folded
@@ -175,10 +181,14 @@ class _Builder:
             p[rx_key] = links[i - 1] if i > 0 else None
             p[tx_key] = links[i] if i < len(links) else None
 
-    def reduction(self, name: str, members: list[Pos], prefix: str, kind: str, group: int) -> Pos:
+    def reduction(
+        self, name: str, members: list[Pos], prefix: str, kind: str, group: int, end_group: int = 0
+    ) -> Pos:
         """A reduction along `members` in the tiling's order (comm/reduce.csl): the runs chain
         ({prefix}_role/_rx/_tx), then the runs' last PEs ({prefix}_end_role/_end_rx/_end_tx; ROLE_NONE
-        elsewhere, and everywhere for a single run). Returns the PE that ends with the result."""
+        elsewhere, and everywhere for a single run); three_level: those in runs of `end_group`, whose
+        last PEs then chain ({prefix}_top_role/_rx/_tx, which the caller sets to ROLE_NONE first: only
+        the programs that take a third level declare them). Returns the PE that ends with the result."""
         runs = reduction_runs(len(members), kind, group)
         for pos in members:
             self.params.setdefault(pos, {}).update(
@@ -189,8 +199,20 @@ class _Builder:
         if len(runs) == 1:
             return members[-1]
         ends = [members[run[-1]] for run in runs]
-        self.chain(f"{name}.ends", ends, f"{prefix}_end")
-        return ends[-1]
+        end_runs = reduction_end_runs(len(runs), kind, end_group)
+        if len(end_runs) == 1:
+            self.chain(f"{name}.ends", ends, f"{prefix}_end")
+            return ends[-1]
+        if not three_level_fits(len(members), group, end_group):
+            raise ProgramError(
+                f"{name}: a three-level reduction of {len(members)} PEs in runs of {group}, their ends in "
+                f"runs of {end_group}, is not one comm/reduce.csl implements"
+            )
+        for s, end_run in enumerate(end_runs):
+            self.chain(f"{name}.ends{s}", [ends[j] for j in end_run], f"{prefix}_end")
+        tops = [ends[end_run[-1]] for end_run in end_runs]
+        self.chain(f"{name}.top", tops, f"{prefix}_top")
+        return tops[-1]
 
     def connect(
         self,
@@ -414,7 +436,12 @@ class _Builder:
         lines = [[f.pe(r, c) for c in range(t.cols)] for r in range(t.rows)]
         for c in range(t.cols):
             members = [f.pe(r, c) for r in range(t.rows)]
-            self.reduction(f"{region.name}@{region.replica}.red{c}", members, "chain", t.reduction, t.group)
+            for pos in members:
+                self.params.setdefault(pos, {}).update(
+                    chain_top_role=NONE, chain_top_rx=None, chain_top_tx=None
+                )
+            name = f"{region.name}@{region.replica}.red{c}"
+            self.reduction(name, members, "chain", t.reduction, t.group, t.end_group)
         return f, lines, [f.pe(t.rows - 1, c) for c in range(t.cols)]
 
     def layer(self, replica: int, layer: int, stream: list[Pos], chunk: int) -> tuple[list[Pos], int]:

@@ -35,6 +35,7 @@ from wafer_gpt2.core.tiling import (
     allreduce_root,
     ceil_div,
     reduction_runs,
+    three_level_fits,
 )
 
 # --- Named constants --------------------------------------------------------------------------------
@@ -132,11 +133,25 @@ def two_level_reduce_cycles(n: int, words: int, group: int) -> int:
     return chain_reduce_cycles(group - 1, words) + cross
 
 
-def reduce_cycles(kind: str, n: int, words: int, group: int = 0) -> int:
+def three_level_reduce_cycles(n: int, words: int, group: int, end_group: int) -> int:
+    """Runs of `group` PEs chain at once; the runs' ends chain in runs of `end_group` (their links
+    `group` PEs long) as their sums stream out, and those runs' ends (`group` x `end_group` PEs apart)
+    chain theirs (comm/reduce.csl's third level: two FIFOs on such an end, every level streaming at
+    once): every link adds its latency, the vector streams through once. For the shapes
+    `three_level_fits` allows."""
+    span = group * end_group
+    second = (end_group - 1) * (group * HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE)
+    third = (n // span - 1) * (span * HOP_CYCLES + ROUTER_TO_PE_CYCLES + FP32_OPS_PER_CYCLE)
+    return chain_reduce_cycles(group - 1, words) + second + third
+
+
+def reduce_cycles(kind: str, n: int, words: int, group: int = 0, end_group: int = 0) -> int:
     if kind == "chain":
         return chain_reduce_cycles(n - 1, words)
     if kind == "two_level":
         return two_level_reduce_cycles(n, words, group)
+    if kind == "three_level":
+        return three_level_reduce_cycles(n, words, group, end_group)
     raise ValueError(f"unknown reduction {kind!r}")
 
 
@@ -279,6 +294,16 @@ def reduction_options(n: int) -> list[tuple[Reduction, int]]:
     return chain + [("two_level", g) for g in range(2, n) if n > 2]
 
 
+def gemv_reduction_options(n: int) -> list[tuple[Reduction, int, int]]:
+    """(kind, group, end_group) of every reduction a GEMV's K-lines of n PEs can take: those of
+    `reduction_options`, and the three-level ones `three_level_fits` allows (wafer_gpt2/kernels/pe/gemv.csl
+    gives the third level an input queue of its own; the other users of comm/reduce.csl have none left)."""
+    three: list[tuple[Reduction, int, int]] = [
+        ("three_level", g, e) for g in range(2, n) for e in range(2, n) if three_level_fits(n, g, e)
+    ]
+    return [(kind, g, 0) for kind, g in reduction_options(n)] + three
+
+
 @lru_cache(maxsize=4096)  # the planner asks again for every candidate of the same strip
 def best_reduction(n: int, words: int) -> tuple[str, int]:
     """The (kind, group) the model finds fastest for n PEs and `words` per partial."""
@@ -411,10 +436,10 @@ def gemv_cost(
     if tiling.norm_fold:
         # in the steps of the FMACs' @map (wafer_gpt2/kernels/lib/fmac.csl `sums`): their scalar work alone
         cost.add("LayerNorm sums (x, x^2)", NORM_SUM_OPS * tiling.tile_k)
-    label = f"{tiling.reduction} reduction" + (
-        f" (runs of {tiling.group})" if tiling.reduction == "two_level" else ""
+    label = f"{tiling.reduction} reduction" + reduction_shape(tiling)
+    reduced = reduce_cycles(
+        tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group, tiling.end_group
     )
-    reduced = reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group)
     cost.add(label, reduced)
     if streams_out(tiling, epilogue_cycles_per_output):
         # the last PE's bias pass, the header's send and the lane's operation start after its FMACs;
@@ -452,6 +477,16 @@ def gemv_cost(
         cost.add(what + shared, cycles)
     cost.add("the output's header (its send's start)", DSD_OP_START_CYCLES + ITEM_HEADER_WORDS)
     return cost
+
+
+def reduction_shape(tiling: GemvTiling) -> str:
+    """How a GEMV's reduction runs, for a stage's label: " (runs of g)", " (runs of g, their ends in
+    runs of e)", or nothing for a chain."""
+    if tiling.reduction == "two_level":
+        return f" (runs of {tiling.group})"
+    if tiling.reduction == "three_level":
+        return f" (runs of {tiling.group}, their ends in runs of {tiling.end_group})"
+    return ""
 
 
 def streams_out(tiling: GemvTiling, epilogue_cycles_per_output: int = 0) -> bool:
@@ -590,20 +625,21 @@ def epilogue_ways(tiling: GemvTiling, per_output: int) -> list[tuple[int, bool]]
 def best_gemv_reduction(
     tiling: GemvTiling, arch: Arch | str, dtype: str, epilogue_cycles_per_output: int = 0
 ) -> GemvTiling:
-    """The tiling with the reduction (chain, or two_level with its best run length) and the epilogue
-    sharing (`epilogue_options`) the model finds fastest. Only what wafer_gpt2/kernels/comm implements is offered:
-    a faster plan the CSL cannot run is worth nothing."""
+    """The tiling with the reduction (`gemv_reduction_options`: chain, two or three levels with their
+    best run lengths) and the epilogue sharing (`epilogue_options`) the model finds fastest. Only what
+    wafer_gpt2/kernels/comm implements is offered: a faster plan the CSL cannot run is worth nothing."""
     options = [
         GemvTiling(
             **{
                 **vars(tiling),
                 "reduction": kind,
                 "group": group,
+                "end_group": end_group,
                 "epilogue_pes": pes,
                 "epilogue_multicast": mc,
             }
         )
-        for kind, group in reduction_options(tiling.rows)
+        for kind, group, end_group in gemv_reduction_options(tiling.rows)
         for pes, mc in epilogue_ways(tiling, epilogue_cycles_per_output)
     ]
     return min(options, key=lambda t: gemv_cost(t, arch, dtype, epilogue_cycles_per_output).cycles)
@@ -1135,7 +1171,6 @@ def standalone_gemv_cost(arch: Arch | str, rows: int, cols: int, k: int, n: int,
     injected at the grid's edge, the outputs leaving the far edge; the reduction (chain, or two_level
     with its best run length) is the one the model finds fastest. The stage name says which."""
     tiling = best_gemv_reduction(GemvTiling(k, n, rows, cols), resolve_arch(arch), dtype)
-    how = tiling.reduction + (f", runs of {tiling.group}" if tiling.reduction == "two_level" else "")
-    cost = gemv_cost(tiling, arch, dtype, name=f"{how} reduction")
+    cost = gemv_cost(tiling, arch, dtype, name=f"{tiling.reduction}{reduction_shape(tiling)} reduction")
     cost.phases = {"input injection": ROUTER_TO_PE_CYCLES + tiling.tile_k, **cost.phases}
     return cost

@@ -55,8 +55,8 @@ Orientation = Literal["k_along_y", "k_along_x"]
 # first, so that the PE that stores the new position's k does so while q arrives, and every PE starts
 # its scores with q in before v (wafer_gpt2/kernels/pe/attention.csl).
 QKV_ORDER = (1, 0, 2)
-Reduction = Literal["chain", "two_level"]
-REDUCTIONS = ("chain", "two_level")
+Reduction = Literal["chain", "two_level", "three_level"]
+REDUCTIONS = ("chain", "two_level", "three_level")
 Axis = Literal["x", "y"]
 
 
@@ -66,12 +66,28 @@ def ceil_div(a: int, b: int) -> int:
 
 def reduction_runs(n: int, reduction: str, group: int) -> list[range]:
     """The runs of indices that are combined first (one run for a chain); their results then combine
-    in run order (two_level)."""
+    in run order (two_level), or in runs of runs first (three_level: `reduction_end_runs`)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}")
     if reduction == "chain" or group <= 0 or group >= n:
         return [range(n)]
     return [range(start, min(start + group, n)) for start in range(0, n, group)]
+
+
+def reduction_end_runs(runs: int, reduction: str, end_group: int) -> list[range]:
+    """The runs' results (by run index) combined at the second level: one run of them all, except in
+    a three_level reduction, whose runs of `end_group` runs' ends chain first and whose second-level
+    ends then chain their sums in order."""
+    if reduction != "three_level" or end_group <= 0 or end_group >= runs:
+        return [range(runs)]
+    return [range(start, min(start + end_group, runs)) for start in range(0, runs, end_group)]
+
+
+def three_level_fits(n: int, group: int, end_group: int) -> bool:
+    """Whether a three_level reduction of n PEs in runs of `group`, their ends in runs of `end_group`,
+    is one comm/reduce.csl implements: every run and every second-level run whole (at least two
+    members each) and at least two second-level runs, so each PE's three roles are a chain's."""
+    return group >= 2 and end_group >= 2 and n % (group * end_group) == 0 and n // (group * end_group) >= 2
 
 
 def allreduce_root(n: int) -> int:
@@ -98,7 +114,8 @@ class GemvTiling:
     orientation: Orientation = "k_along_y"
     reduction: Reduction = "chain"
     n_split: int = 1  # N = n_split equal segments (q | k | v)
-    group: int = 0  # two_level only: reduction indices per first-level run
+    group: int = 0  # two_level and three_level: reduction indices per first-level run
+    end_group: int = 0  # three_level only: first-level runs per second-level run
     # PEs at the end of every K-line that share the epilogue (fc's GELU): the last one scatters
     # slices back along the line, each applies the epilogue to its slice, a gather line sends them out
     # (epilogue_pes divides tile_n)
@@ -165,6 +182,10 @@ class GemvTiling:
 
     def runs(self) -> list[range]:
         return reduction_runs(self.rows, self.reduction, self.group)
+
+    def end_runs(self) -> list[range]:
+        """The runs (by index into `runs()`) whose ends chain at the second level."""
+        return reduction_end_runs(len(self.runs()), self.reduction, self.end_group)
 
 
 @dataclass(frozen=True)

@@ -152,8 +152,10 @@ def input_queue_roles(region: Region, head_embeds: str | None = None) -> dict[st
         roles["root"] = base + (6,) + ((7,) if two(t.tree) else ())
         roles["centre"] = base + (6, 7)
     elif isinstance(t, GemvTiling):
-        # the input stream, the reduction's run; a gather line's links (an output that is gathered)
-        base = (2, 3, 4) + ((5,) if two(t.reduction) else ())
+        # the input stream, the reduction's run; a gather line's links (an output that is gathered);
+        # the runs' ends, and the third level's
+        levels = {"chain": (), "two_level": (5,), "three_level": (5, 7)}[t.reduction]
+        base = (2, 3, 4) + levels
         roles["K-line member"] = base
         if t.epilogue_pes > 1:
             roles["PE sharing the epilogue"] = base + (6,)
@@ -202,10 +204,10 @@ def check_input_queues(regions: list[Region], arch: Arch) -> str | None:
 
 def reduction_colors(kind: str, n: int) -> int:
     """Colors a reduction over n PEs needs: a chain alternates two (a PE never receives and sends on
-    the same color); a two-level reduction has a chain on each level."""
+    the same color); a two- or three-level reduction has a chain on each level."""
     if n <= 1:
         return 0
-    return 2 if kind == "chain" else 4
+    return {"chain": 2, "two_level": 4, "three_level": 6}[kind]
 
 
 def assign_colors(regions: list[Region], routes: list[Route]) -> None:

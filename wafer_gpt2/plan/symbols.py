@@ -32,7 +32,7 @@ def weight_symbol_dtype(dtype: str) -> Literal["f16", "f32"]:
 # modules (wafer_gpt2/kernels/comm): counted as one small array.
 COMM = Symbol("u32", 16)
 # wafer_gpt2/kernels/comm/reduce.csl's FIFO (PASS_WORDS) on a two-level reduction's run ends, where both levels
-# stream at once.
+# stream at once; a three-level reduction's second-level ends hold a second one.
 REDUCE_PASS = Symbol("f32", 16)
 # wafer_gpt2/kernels/comm/gather.csl's relay FIFO (RELAY_WORDS) on a PE of a gather line led from its
 # output end that relays the slices behind it: every program that hands its output off by a gather
@@ -41,7 +41,10 @@ GATHER_RELAY = Symbol("f32", 64)
 
 
 def reduction_symbols(reduction: str) -> dict[str, Symbol]:
-    """The FIFO a PE of a two-level reduction may hold (the run ends that stream into the ends' chain)."""
+    """The FIFOs a PE of a two- or three-level reduction may hold (the run ends that stream into the
+    ends' chain; the second-level ends that stream into the third level's)."""
+    if reduction == "three_level":
+        return {"reduce_pass": REDUCE_PASS, "reduce_pass_top": REDUCE_PASS}
     return {"reduce_pass": REDUCE_PASS} if reduction == "two_level" else {}
 
 

@@ -30,6 +30,7 @@ from wafer_gpt2.core.tiling import (
     NormTiling,
     allreduce_halves,
     ceil_div,
+    reduction_end_runs,
     reduction_runs,
 )
 from wafer_gpt2.sim import parallel
@@ -47,13 +48,25 @@ def chain_sum(partials: np.ndarray) -> np.ndarray:
     return np.add.reduce(partials, axis=0)
 
 
-def combine(partials: np.ndarray, reduction: str, group: int = 0) -> np.ndarray:
+def combine(partials: np.ndarray, reduction: str, group: int = 0, end_group: int = 0) -> np.ndarray:
     """Sum over axis 0 in the order of `wafer_gpt2.core.tiling.reduction_runs`: each run chained, then the runs'
-    sums chained. May overwrite `partials`."""
+    sums chained (three_level: in runs of `end_group` first, `ends_sum`). May overwrite `partials`."""
     runs = reduction_runs(partials.shape[0], reduction, group)
     if len(runs) == 1:
         return chain_sum(partials)
-    return chain_sum(np.stack([chain_sum(partials[run.start : run.stop]) for run in runs]))
+    return ends_sum(
+        np.stack([chain_sum(partials[run.start : run.stop]) for run in runs]), reduction, end_group
+    )
+
+
+def ends_sum(run_sums: np.ndarray, reduction: str, end_group: int = 0) -> np.ndarray:
+    """The runs' sums (axis 0, in run order) combined as the second level of a reduction does
+    (`wafer_gpt2.core.tiling.reduction_end_runs`): one chain, or chains of `end_group` whose sums
+    then chain (three_level)."""
+    ends = reduction_end_runs(run_sums.shape[0], reduction, end_group)
+    if len(ends) == 1:
+        return chain_sum(run_sums)
+    return chain_sum(np.stack([chain_sum(run_sums[e.start : e.stop]) for e in ends]))
 
 
 def allreduce_sum(partials: np.ndarray, reduction: str, group: int = 0) -> np.ndarray:
@@ -115,7 +128,7 @@ def gemv_region(
     xp = np.zeros((batch, tiling.rows * tk), dtype=F32)
     xp[:, : tiling.k] = round_fp16(x) if fp16 else x  # the multicast into the region carries fp16
     chunks = np.ascontiguousarray(xp.reshape(batch, tiling.rows, tk).transpose(1, 0, 2))  # chunk r to row r
-    if tiling.reduction == "two_level" and 0 < tiling.group < tiling.rows:
+    if tiling.reduction in ("two_level", "three_level") and 0 < tiling.group < tiling.rows:
         group = tiling.group
     else:
         group = 8
@@ -128,7 +141,7 @@ def gemv_region(
         start, stop = span
         columns = weight_cache[:, :, start:stop]
         bias = None if root_bias is None else root_bias[start:stop]
-        out[:, start:stop] = _reduce_columns(chunks, columns, tiling.reduction, group, bias)
+        out[:, start:stop] = _reduce_columns(chunks, columns, tiling.reduction, group, bias, tiling.end_group)
 
     # Blocks of output columns are independent (as the PE columns are), so they run side by side on
     # the pool, as many per thread; the arithmetic of each block is unchanged.
@@ -149,11 +162,16 @@ def _column_blocks(n: int, widest: int, threads: int) -> list[tuple[int, int]]:
 
 
 def _reduce_columns(
-    chunks: np.ndarray, weights: np.ndarray, reduction: str, group: int, root_bias: np.ndarray | None = None
+    chunks: np.ndarray,
+    weights: np.ndarray,
+    reduction: str,
+    group: int,
+    root_bias: np.ndarray | None = None,
+    end_group: int = 0,
 ) -> np.ndarray:
     """sum over r of chunks[r] @ weights[r], `group` rows per matmul: a chain carries its running sum
-    from group to group; a two-level reduction (whose runs are the groups) chains the groups' sums.
-    `root_bias` joins the last row's partial first."""
+    from group to group; a two- or three-level reduction (whose runs are the groups) combines the
+    groups' sums as its second level does (`ends_sum`). `root_bias` joins the last row's partial first."""
     rows, batch = chunks.shape[:2]
     starts = range(0, rows, group)
     # One buffer for every group's partials, reused group after group, and one for the groups' sums.
@@ -169,7 +187,7 @@ def _reduce_columns(
         nodes[i] = chain_sum(block)
     if reduction == "chain":
         return nodes[-1]
-    return chain_sum(nodes)
+    return ends_sum(nodes, reduction, end_group)
 
 
 def folded_norm(
@@ -185,7 +203,9 @@ def folded_norm(
     xp[:, : tiling.k] = x
     by_index = xp.reshape(batch, tiling.rows, tk).transpose(2, 1, 0)  # [tile_k, rows, B]
     per_pe = np.stack([chain_sum(by_index), chain_sum(np.square(by_index))], axis=1)  # [rows, 2, B]
-    mean, rstd = norm_statistics(combine(per_pe, tiling.reduction, tiling.group), tiling.k, eps)
+    mean, rstd = norm_statistics(
+        combine(per_pe, tiling.reduction, tiling.group, tiling.end_group), tiling.k, eps
+    )
     sums += colsum * -mean[:, None]
     sums *= rstd[:, None]
     return sums
