@@ -47,6 +47,7 @@ from wafer_gpt2.engine.messages import (
 from wafer_gpt2.engine.metrics import ServiceMetrics
 from wafer_gpt2.engine.process import _Book
 from wafer_gpt2.engine.request import (
+    ONE_STEP,
     Alternative,
     ErrorEvent,
     FinishEvent,
@@ -56,6 +57,7 @@ from wafer_gpt2.engine.request import (
     IdsFinishEvent,
     PromptToken,
     RequestState,
+    Rosters,
     StreamedIds,
     TokenEvent,
 )
@@ -136,7 +138,11 @@ def test_other_messages_and_errors_are_pickled():
 
 
 def test_a_steps_token_ids_cross_compact_or_pickled_with_an_error():
-    streamed = [StreamedIds(["req-1", "req-2"], [464, 2068], [-0.5, -1.25])]
+    streamed = [
+        StreamedIds(4, ["req-1", "req-2"], [464, 2068], [-0.5, -1.25]),
+        StreamedIds(4, None, [318, 257], [-0.75, -2.0]),
+        StreamedIds(ONE_STEP, ["req-5"], [11], [-3.5]),
+    ]
     ended = IdsFinishEvent(FinishReason.EOS, [50256], [-0.1], (), (), None, 3, streamed=6)
     data = encode(Events([("req-3", ended)], streamed))
     assert data[:2] == b"e" + MARSHALLED
@@ -499,13 +505,22 @@ class _MakesText(Loop):
     def __init__(self) -> None:
         super().__init__()
         self.fronts: dict[str, FrontText] = {}
+        self.rosters: Rosters[str] = Rosters(str)  # the members: their request ids
+        self.named = 0  # tokens that crossed with their request's id (a roster's first step, `ONE_STEP`)
+        self.bare = 0  # tokens that crossed without (a run's later steps)
 
     def hand_over(self, events, streamed=None) -> None:
         message = decode_from_engine(encode(Events([(state.id, event) for state, event in events], streamed)))
         assert isinstance(message, Events)
         for ids in message.streamed or ():
             assert type(ids) is StreamedIds
-            for request_id, token, logprob in zip(ids.request_ids, ids.ids, ids.logprobs, strict=True):
+            if ids.request_ids is None:
+                self.bare += len(ids.ids)
+            else:
+                self.named += len(ids.ids)
+            for request_id, token, logprob in zip(
+                self.rosters.members(ids), ids.ids, ids.logprobs, strict=True
+            ):
                 self.events.append((request_id, self.fronts[request_id].token(token, logprob)))
         for request_id, event in message.events:
             front = self.fronts.get(request_id)
@@ -546,6 +561,8 @@ def test_streamed_requests_whose_sink_makes_text_get_the_events_the_engine_would
         for request_id, event in sink.events:
             by_request[request_id].append(event)
         heard.append([by_request[state.id] for state in states])
+        if isinstance(sink, _MakesText):  # by ids, a run's steps without their requests' ids
+            assert sink.named and sink.bare
     made_here, made_there = heard
     assert made_there == made_here
     assert all(type(events[-1]) is FinishEvent for events in made_here)

@@ -39,6 +39,7 @@ from wafer_gpt2.engine.failures import RequestFailed, RequestTimedOut, RequestVa
 from wafer_gpt2.engine.kv_slots import KVSlotManager
 from wafer_gpt2.engine.metrics import ServiceMetrics
 from wafer_gpt2.engine.request import (
+    ONE_STEP,
     Alternative,
     ErrorEvent,
     Event,
@@ -83,6 +84,9 @@ SinkOutput = tuple[RequestState, SinkEvent]  # the same, for a sink (`EventSink.
 # Keys of the requests' deadline entries (`EngineCore._reap`), unique across engines: a request handed
 # from one engine to another keeps none that the new one could confuse with its own.
 _DEADLINE_KEYS = itertools.count()
+# Numbers of the decode runs' rosters (`StreamedIds`), one per engine and group, unique across engines:
+# a receiver that hears two engines keeps each one's rosters apart.
+_ROSTER_NUMBERS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -261,10 +265,11 @@ class EngineCore:
         # Events for requests with a sink, handed over once per step (one call per sink per step instead
         # of one per token): what `_flush` sends.
         self._pending: dict[EventSink, list[SinkOutput]] = {}
-        # The plain steps' tokens of streamed requests whose sink makes their text, as ids, by sink; and
-        # those of a deferred step, sent with its deferred work.
+        # The tokens of streamed requests whose sink makes their text, as ids, by sink, in the order they
+        # were chosen; and those of a deferred step, sent with its deferred work.
         self._streamed: dict[EventSink, list[StreamedIds]] = {}
-        self._deferred_ids: list[tuple[EventSink, StreamedIds]] = []
+        self._deferred_ids: dict[EventSink, list[StreamedIds]] = {}
+        self._rosters: dict[int, int] = {}  # by group: the number of its runs' rosters (`StreamedIds`)
         # Overlap: with `finish(defer=True)` a chosen token whose request cannot end on its
         # text (no stop sequences) is only recorded; the rest (detokenizing, the event, the metrics, the
         # end) is `complete_deferred`'s, which the worker runs while the backend computes the next step.
@@ -445,9 +450,9 @@ class EngineCore:
         self.scheduler.settle()
         deferred, self._deferred = self._deferred, []
         ending, self._ending = self._ending, []
-        for sink, streamed in self._deferred_ids:
-            self._streamed.setdefault(sink, []).append(streamed)
-        self._deferred_ids = []
+        for sink, streamed in self._deferred_ids.items():
+            self._streamed.setdefault(sink, []).extend(streamed)
+        self._deferred_ids = {}
         self._backend_busy = backend_busy
         try:
             for state, recorded, finish in ending:
@@ -646,8 +651,8 @@ class EngineCore:
                     assert sink is not None  # the sink makes its text
                     sent = streamed.get(sink)
                     if sent is None:
-                        sent = streamed[sink] = StreamedIds([], [], [])
-                    sent.request_ids.append(state.id)
+                        sent = streamed[sink] = StreamedIds(ONE_STEP, [], [], [])
+                    sent.request_ids.append(state.id)  # type: ignore[union-attr]  # a list: ONE_STEP
                     sent.ids.append(token)
                     sent.logprobs.append(logprob)
             elif self._deferring:  # its next item goes now, its text and event after the next submit
@@ -677,17 +682,25 @@ class EngineCore:
         leaving: np.ndarray | None = None,
     ) -> None:
         """A step of `run`, each request with its token of `tokens`: the run records them; the streamed
-        requests whose sink makes their text get the step's ids (`StreamedIds`), the requests that hear
-        of each token take theirs one at a time (`_hear`). Every token's latency is the time
-        since the last step's (none is a first token: each request had one). `leaving`: by row, whether
-        the token is the request's last: those requests leave the run, which goes on with the others
-        (`DecodeRun.leave`); the text-at-end ones get their records and end with the deferred work
-        (`_ending`), so that no run's records are made between a step's return and the next submit."""
+        requests whose sink makes their text get the step's ids (`StreamedIds`, in the order of the
+        run's roster), the requests that hear of each token take theirs one at a time (`_hear`). Every
+        token's latency is the time since the last step's (none is a first token: each request had one).
+        `leaving`: by row, whether the token is the request's last: those requests leave the run, which
+        goes on with the others (`DecodeRun.leave`); the text-at-end ones get their records and end with
+        the deferred work (`_ending`), so that no run's records are made between a step's return and
+        the next submit."""
         latency = run.record(tokens, logprobs, now)
         heard, counted = run.heard, run.quiet
-        for sink, rows, request_ids in run.streamed:  # before `leave` renumbers the rows
-            self._send_ids(sink, _step_ids(tokens, logprobs, rows, request_ids, leaving))
         left = self.scheduler.leave(group, leaving) if leaving is not None else ()
+        if run.streamed:  # (after `leave`) the rows that go on: a leaving one's last token goes with its end
+            on_tokens, on_logprobs = (
+                (tokens, logprobs) if leaving is None else (tokens[~leaving], logprobs[~leaving])
+            )
+            roster = self._rosters.get(group)
+            if roster is None:
+                roster = self._rosters[group] = next(_ROSTER_NUMBERS)
+            for rows in run.streamed:
+                self._send_ids(rows.sink, rows.step(roster, on_tokens, on_logprobs))
         ids: list[int] = tokens.tolist() if heard or left else []
         if heard:
             values = logprobs.tolist()
@@ -1055,33 +1068,11 @@ class EngineCore:
             sink.hand_over([], ids)
 
     def _send_ids(self, sink: EventSink, ids: StreamedIds) -> None:
-        """A step's token events as ids to their sink, with the step's events or its deferred work."""
+        """Token events as ids to their sink, with the step's events or its deferred work, after those
+        chosen before them."""
         if not ids.ids:
             return
-        if self._deferring:
-            self._deferred_ids.append((sink, ids))
-        else:
-            self._streamed.setdefault(sink, []).append(ids)
-
-
-def _step_ids(
-    tokens: np.ndarray,
-    logprobs: np.ndarray,
-    rows: np.ndarray | None,
-    request_ids: list[str],
-    leaving: np.ndarray | None,
-) -> StreamedIds:
-    """A run's step's tokens of the rows `rows` (None: every row), whose requests are `request_ids`, as
-    their token events' ids, less those of the rows `leaving` (their last token goes with their end)."""
-    if rows is not None:
-        tokens, logprobs = tokens[rows], logprobs[rows]
-    if leaving is not None:
-        stay = ~(leaving if rows is None else leaving[rows])
-        tokens, logprobs = tokens[stay], logprobs[stay]
-        request_ids = [
-            request_id for request_id, kept in zip(request_ids, stay.tolist(), strict=True) if kept
-        ]
-    return StreamedIds(request_ids, tokens.tolist(), logprobs.tolist())
+        (self._deferred_ids if self._deferring else self._streamed).setdefault(sink, []).append(ids)
 
 
 def bare_greedy(backend: Backend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

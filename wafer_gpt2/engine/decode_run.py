@@ -9,9 +9,10 @@ its token (id, logprob, its position, when it came) is the same for all of them 
 batch does, so that a step in which no request ends is a few array operations however many requests
 it carries. Only the requests that hear of each token with its text made here (streamed, or read from
 `EngineCore.step`) still take theirs one at a time, for its text and event; the streamed ones whose sink
-makes their text get a step's tokens as one `StreamedIds` per sink (`streamed`), and all but the heard
-ones get their tokens when they leave the run or it ends: as records where their text is made at their
-end, here; as ids and logprobs where their sink makes it (no record is made of them).
+makes their text get a step's tokens as one `StreamedIds` per sink (`streamed`; their request ids go
+once, as the run's roster, until its membership changes), and all but the heard ones get their tokens
+when they leave the run or it ends: as records where their text is made at their end, here; as ids and
+logprobs where their sink makes it (no record is made of them).
 
 A request that takes its last token leaves the run, which goes on with the others, condensed (`leave`,
 as vLLM V1's persistent batch condenses when a request finishes): its tokens go with it, and the
@@ -31,7 +32,13 @@ from itertools import repeat
 import numpy as np
 
 from wafer_gpt2.core.steps import POSITION, TOKEN
-from wafer_gpt2.engine.request import EventSink, GeneratedToken, RequestState, generated_token_of
+from wafer_gpt2.engine.request import (
+    EventSink,
+    GeneratedToken,
+    RequestState,
+    StreamedIds,
+    generated_token_of,
+)
 
 
 class DecodeRun:
@@ -75,8 +82,7 @@ class DecodeRun:
     def _rows_changed(self) -> None:
         # Rows whose requests hear of each token with its text made here: the per-request way each step.
         # The others are recorded here until `settle`; of them, the streamed rows (their sink makes their
-        # text) by sink: what a step sends them (`EngineCore._run_step`): (sink, rows or None for all,
-        # their requests' ids).
+        # text) by sink: what a step sends them (`EngineCore._run_step`).
         heard: list[tuple[int, RequestState]] = []
         by_sink: dict[EventSink, list[int]] = {}
         for row, state in enumerate(self.states):
@@ -87,7 +93,7 @@ class DecodeRun:
         self.heard = heard
         self.quiet = len(self.states) - len(heard)
         self.streamed = [
-            (
+            StreamedRows(
                 sink,
                 None if len(rows) == len(self.states) else np.array(rows),
                 [self.states[row].id for row in rows],
@@ -145,6 +151,7 @@ class DecodeRun:
                 left.append((row, state, Recorded(tokens, logprobs, row)))
         if len(left) == len(flags):  # every request left: nothing goes on
             self.states = []
+            self.streamed = []
             return left
         stay = ~leaving
         self._block = (tokens[:, stay], logprobs[:, stay])
@@ -196,6 +203,26 @@ class DecodeRun:
                 state.tokens.extend(recorded_tokens(ids, values, self.special))
         self.steps = 0
         self._tokens, self._logprobs, self._block = [], [], None
+
+
+class StreamedRows:
+    """A run's rows whose requests' sink makes their text (streamed; `rows` None: every row), and what
+    a step sends that sink of them (`step`): the rows' request ids go with the first step only, as the
+    run's roster (`StreamedIds`), which the rows keep until the run's membership changes."""
+
+    __slots__ = ("_unsent", "rows", "sink")
+
+    def __init__(self, sink: EventSink, rows: np.ndarray | None, request_ids: list[str]) -> None:
+        self.sink, self.rows = sink, rows
+        self._unsent: list[str] | None = request_ids  # the roster, until a step has sent it
+
+    def step(self, roster: int, tokens: np.ndarray, logprobs: np.ndarray) -> StreamedIds:
+        """A step's tokens and logprobs (by row of the run) of these rows, as the roster `roster`."""
+        rows = self.rows
+        if rows is not None:
+            tokens, logprobs = tokens[rows], logprobs[rows]
+        request_ids, self._unsent = self._unsent, None
+        return StreamedIds(roster, request_ids, tokens.tolist(), logprobs.tolist())
 
 
 class Recorded:

@@ -15,8 +15,9 @@ pickled with its class and rebuilt attribute by attribute. So these two travel a
 packed by `marshal` (built-in types only; both ends run the same interpreter), and are rebuilt as the
 same records on arrival; the tokens of a step's token events, and of a finish event, travel as
 columns. A request whose text the HTTP process makes (no stop sequences) ends as its ids and logprobs
-(`IdsFinishEvent`), and a streamed one's tokens of a plain step travel as the step's ids
-(`StreamedIds`, lists marshal packs as they are): the HTTP process makes their records and text.
+(`IdsFinishEvent`), and a streamed one's tokens without alternatives or prompt logprobs travel as ids
+(`StreamedIds`, lists marshal packs as they are; a decode run's steps name their requests once, as
+the run's roster): the HTTP process makes their records and text.
 Every other message, and an events message with an error in it (rare; an error is an exception with a
 class), is pickled (its fields; the kind's byte says which class to rebuild).
 
@@ -204,7 +205,7 @@ def _pack_events_message(message: Events) -> tuple | None:
     streamed = message.streamed
     if streamed is None:
         return events
-    return (*events, [(ids.request_ids, ids.ids, ids.logprobs) for ids in streamed])
+    return (*events, [(ids.roster, ids.request_ids, ids.ids, ids.logprobs) for ids in streamed])
 
 
 def _unpack_events_message(packed: tuple) -> Events:

@@ -103,6 +103,7 @@ from wafer_gpt2.engine.request import (
     IdsFinishEvent,
     RequestState,
     RequestStatus,
+    Rosters,
     SinkEvent,
     StreamedIds,
     Submitted,
@@ -670,6 +671,8 @@ class EngineProcess:
         self._snapshot = self._reported  # what the API reads: the report as this process sees it
         self._shape: ShapeReport | None = None
         self._requests: dict[str, RemoteRequest] = {}
+        # The engine's rosters of streamed requests (`StreamedIds`): their requests found once per roster.
+        self._rosters: Rosters[RemoteRequest] = Rosters(self._requests.get)
         self._tokenizer: TokenizerHooks = gpt2_tokenizer_hooks()  # the engine's: the same text
         self._ids = itertools.count(1)
         self._asked: set[int] = set()  # questions waiting for their answer (`_ask`)
@@ -808,9 +811,13 @@ class EngineProcess:
         requests = self._requests
         made: Event
         for ids in streamed or ():  # each request's token comes before its other events
-            for request_id, token, logprob in zip(ids.request_ids, ids.ids, ids.logprobs, strict=True):
-                remote = requests.get(request_id)
-                if remote is None:
+            try:
+                members = self._rosters.members(ids)
+            except ValueError:  # a bug: these tokens are lost, the message's other events are not
+                log.exception("could not tell whose tokens the engine process sent")
+                continue
+            for remote, token, logprob in zip(members, ids.ids, ids.logprobs, strict=True):
+                if remote is None or remote.finished:
                     continue  # cancelled and forgotten
                 try:
                     made = remote.front.token(token, logprob)  # type: ignore[union-attr]  # None: a bug
@@ -875,6 +882,7 @@ class EngineProcess:
         """(On the event loop.) Every request held ends with `error`."""
         leftover = list(self._requests.values())
         self._requests.clear()
+        self._rosters.clear()
         for remote in leftover:
             remote.finished = True
         self._hand_over([(remote, ErrorEvent(error)) for remote in leftover])

@@ -15,9 +15,10 @@ import itertools
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple, Protocol
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from wafer_gpt2 import logs
 from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
@@ -125,16 +126,58 @@ class IdsFinishEvent:
     streamed: int = 0
 
 
+Member = TypeVar("Member")  # what a receiver keeps of a request (`Rosters`)
+
+# The roster of a `StreamedIds` whose requests go together once only (not a run's: the receiver keeps
+# nothing of it for later steps).
+ONE_STEP = -1
+
+
 @dataclass(slots=True)
 class StreamedIds:
-    """One step's tokens of streamed requests whose receiver makes their text (`RequestState.text_in_front`;
-    chosen the plain way: no alternatives, never a first token): by token, its request's id, its id
-    and logprob. The receiver makes each token's record, text and `TokenEvent` (`FrontText.token`), so
-    that the engine's thread does no per-token work for them beyond choosing and recording."""
+    """A plain step's tokens of streamed requests whose receiver makes their text (`RequestState.
+    text_in_front`; chosen the plain way: no alternatives, never a first token): by token, its id and
+    logprob, in the order of the requests of the roster `roster`. The receiver makes each token's
+    record, text and `TokenEvent` (`FrontText.token`), so that the engine's thread does no per-token
+    work for them beyond choosing and recording.
 
-    request_ids: list[str]
+    A roster is a decode run's streamed requests of one sink (one number per engine and group), sent
+    once: with the run's first step and again when its membership changes (`request_ids`); its other
+    steps carry the tokens alone (`request_ids` None), in the same order. The tokens of a step that is
+    no run's name their requests each time (`ONE_STEP`)."""
+
+    roster: int
+    request_ids: list[str] | None
     ids: list[int]
     logprobs: list[float]
+
+
+class Rosters(Generic[Member]):
+    """The receiver's side of `StreamedIds`' rosters: each roster's members, found by request id
+    (`find`; None: one it no longer holds) once, when the roster arrives, not at every step."""
+
+    __slots__ = ("_find", "_rosters")
+
+    def __init__(self, find: Callable[[str], Member | None]):
+        self._find = find
+        self._rosters: dict[int, list[Member | None]] = {}
+
+    def members(self, streamed: StreamedIds) -> list[Member | None]:
+        """The members of `streamed`'s tokens, by token (ValueError: a roster that never arrived)."""
+        request_ids = streamed.request_ids
+        if request_ids is not None:
+            members = list(map(self._find, request_ids))
+            if streamed.roster != ONE_STEP:
+                self._rosters[streamed.roster] = members
+            return members
+        kept = self._rosters.get(streamed.roster)
+        if kept is None:
+            raise ValueError(f"tokens of roster {streamed.roster}, which never arrived")
+        return kept
+
+    def clear(self) -> None:
+        """Forget every roster (their sender is gone: a new one names its own)."""
+        self._rosters.clear()
 
 
 @dataclass(frozen=True)
