@@ -508,6 +508,7 @@ class _MakesText(Loop):
         self.rosters: Rosters[str] = Rosters(str)  # the members: their request ids
         self.named = 0  # tokens that crossed with their request's id (a roster's first step, `ONE_STEP`)
         self.bare = 0  # tokens that crossed without (a run's later steps)
+        self.as_events: set[str] = set()  # requests whose text is made here that got a `TokenEvent`
 
     def hand_over(self, events, streamed=None) -> None:
         message = decode_from_engine(encode(Events([(state.id, event) for state, event in events], streamed)))
@@ -525,6 +526,7 @@ class _MakesText(Loop):
         for request_id, event in message.events:
             front = self.fronts.get(request_id)
             if front is not None and type(event) is TokenEvent:
+                self.as_events.add(request_id)
                 event = front.token_event(event)
             elif front is not None and type(event) is IdsFinishEvent:
                 event = front.finish(event)
@@ -535,7 +537,8 @@ class _MakesText(Loop):
 @pytest.mark.parametrize("defer", [False, True])
 def test_streamed_requests_whose_sink_makes_text_get_the_events_the_engine_would_have_made(groups, defer):
     """A streamed request without stop sequences whose sink makes text sends its token events without
-    text (a plain step's as the step's ids, `StreamedIds`) and its end as its last id; the events the
+    text (as ids, `StreamedIds`, where they carry no alternatives or prompt logprobs; a decode run's
+    steps without the requests' ids) and its end as its last id; the events the
     receiver makes of them (`FrontText`) are the ones the engine makes for a sink that does not, token
     by token and at the end, whatever ended the request and whatever it asked; a request with stop
     sequences gets its text from the engine either way. With the engine's work deferred (`finish(defer=
@@ -561,8 +564,15 @@ def test_streamed_requests_whose_sink_makes_text_get_the_events_the_engine_would
         for request_id, event in sink.events:
             by_request[request_id].append(event)
         heard.append([by_request[state.id] for state in states])
-        if isinstance(sink, _MakesText):  # by ids, a run's steps without their requests' ids
+        if isinstance(sink, _MakesText):  # by ids, a run's steps without their requests' ids; by
+            # token events only the tokens with alternatives or prompt logprobs (of requests that have
+            # a token event: one that asked for no token has none)
             assert sink.named and sink.bare
+            assert sink.as_events and sink.as_events <= {
+                s.id
+                for s in states
+                if s.text_in_front and (s.request.top_n_tokens or s.request.prompt_logprobs)
+            }
     made_here, made_there = heard
     assert made_there == made_here
     assert all(type(events[-1]) is FinishEvent for events in made_here)

@@ -939,7 +939,10 @@ class EngineCore:
             state.pending_token = token
             if state.stream or state.sink is None:  # a non-streamed request hears only its end (`_emit`)
                 prefill = tuple(state.prefill) if not generated else ()
-                self._emit(state, token_event_of((generated + 1, record, prefill)))
+                if state.text_in_front and not (top or prefill):  # its sink makes the event of the id
+                    self._stream_id(state, token, logprob)
+                else:
+                    self._emit(state, token_event_of((generated + 1, record, prefill)))
 
     def _end(
         self,
@@ -1073,6 +1076,20 @@ class EngineCore:
         if not ids.ids:
             return
         (self._deferred_ids if self._deferring else self._streamed).setdefault(sink, []).append(ids)
+
+    def _stream_id(self, state: RequestState, token: int, logprob: float) -> None:
+        """One token event of a streamed request whose sink makes its text, as its id (`_send_ids`): with
+        the last ids going to the sink where those name their requests (`ONE_STEP`)."""
+        sink = state.sink
+        assert sink is not None  # its sink makes its text
+        outgoing = (self._deferred_ids if self._deferring else self._streamed).setdefault(sink, [])
+        last = outgoing[-1] if outgoing else None
+        if last is None or last.roster != ONE_STEP:
+            last = StreamedIds(ONE_STEP, [], [], [])
+            outgoing.append(last)
+        last.request_ids.append(state.id)  # type: ignore[union-attr]  # a list: ONE_STEP
+        last.ids.append(token)
+        last.logprobs.append(logprob)
 
 
 def bare_greedy(backend: Backend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

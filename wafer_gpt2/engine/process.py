@@ -17,7 +17,8 @@ Requests and step events cross in a compact form (plain tuples packed by marshal
 The text of a request without stop sequences is made here, in the HTTP process
 (`EngineProcess._deliver_events`, `FrontText`), not on the engine's thread (`_PipeSink.makes_text`):
 a non-streamed one ends as its ids and logprobs (`IdsFinishEvent`); a streamed one's token events
-come without text, those of a plain step as the step's ids (`StreamedIds`), and its end as its last id.
+come without text, as ids where they carry no alternatives or prompt logprobs (`StreamedIds`; a decode
+run's steps in the order of its roster, sent once), and its end as its last id.
 The engine process's reader hands each request to the worker without taking the engine's lock
 (`Engine.submit_nowait`); `_Book` keeps the requests by id for cancellations. In the HTTP process the
 server's event loop reads the pipe itself (`FrameReader`), so the loop has no thread to share the GIL

@@ -135,16 +135,16 @@ ONE_STEP = -1
 
 @dataclass(slots=True)
 class StreamedIds:
-    """A plain step's tokens of streamed requests whose receiver makes their text (`RequestState.
-    text_in_front`; chosen the plain way: no alternatives, never a first token): by token, its id and
-    logprob, in the order of the requests of the roster `roster`. The receiver makes each token's
+    """Token events of streamed requests whose receiver makes their text (`RequestState.text_in_front`)
+    that carry no alternatives or prompt logprobs (a request's first token among them): by token, its
+    id and logprob, in the order of the requests of the roster `roster`. The receiver makes each token's
     record, text and `TokenEvent` (`FrontText.token`), so that the engine's thread does no per-token
     work for them beyond choosing and recording.
 
     A roster is a decode run's streamed requests of one sink (one number per engine and group), sent
     once: with the run's first step and again when its membership changes (`request_ids`); its other
-    steps carry the tokens alone (`request_ids` None), in the same order. The tokens of a step that is
-    no run's name their requests each time (`ONE_STEP`)."""
+    steps carry the tokens alone (`request_ids` None), in the same order. Other tokens (a first token,
+    a step that is no run's) name their requests each time (`ONE_STEP`)."""
 
     roster: int
     request_ids: list[str] | None
@@ -218,7 +218,8 @@ class RequestState:
     # A request without stop sequences whose sink makes the text (`EventSink.makes_text`): its tokens
     # never get text here. Text at the end: it ends with an `IdsFinishEvent` (no records either, for
     # those of a run it left last: its end carries them as ids). Streamed: its token events go with empty
-    # text, those of a plain step as the step's ids (`StreamedIds`), and its end as its last id.
+    # text, as ids where they carry no alternatives or prompt logprobs (`StreamedIds`), and its end as
+    # its last id.
     text_in_front: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: str = field(default_factory=new_request_id)
@@ -292,8 +293,8 @@ class EventSink(Protocol):
     Two kinds: an event loop's (`LoopSink`, the server in this process) and the engine process's pipe to
     the HTTP process (`wafer_gpt2.engine.process`). A sink whose `makes_text` is True makes the text of
     its requests without stop sequences itself (`RequestState.text_in_front`; one without the attribute
-    does not): it gets their ends as `IdsFinishEvent`s and the plain steps' tokens of the streamed ones
-    as `StreamedIds`."""
+    does not): it gets their ends as `IdsFinishEvent`s and the streamed ones' tokens, but those with
+    alternatives or prompt logprobs, as `StreamedIds`."""
 
     makes_text: bool
 
