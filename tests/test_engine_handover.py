@@ -152,6 +152,32 @@ def test_a_steps_token_ids_cross_compact_or_pickled_with_an_error():
     assert type(arrived) is Events and arrived.streamed == streamed
 
 
+def test_a_rosters_requests_are_found_once_and_its_steps_name_none():
+    """The receiver finds a run's requests when its roster arrives, not at each step; a step of tokens
+    that name their requests (`ONE_STEP`) is kept for no later one; tokens of a roster that never
+    arrived, or that the receiver forgot, are refused, not given to other requests."""
+    held = {"req-1": "first", "req-2": "second"}
+    looked_up: list[str] = []
+
+    def find(request_id: str) -> str | None:
+        looked_up.append(request_id)
+        return held.get(request_id)
+
+    rosters: Rosters[str] = Rosters(find)
+    members = ["first", None, "second"]  # req-3 is not held (cancelled, forgotten)
+    assert rosters.members(StreamedIds(7, ["req-1", "req-3", "req-2"], [1, 2, 3], [-1.0] * 3)) == members
+    assert rosters.members(StreamedIds(7, None, [4, 5, 6], [-1.0] * 3)) == members
+    assert looked_up == ["req-1", "req-3", "req-2"]
+    assert rosters.members(StreamedIds(ONE_STEP, ["req-2"], [7], [-1.0])) == ["second"]
+    with pytest.raises(ValueError, match="never arrived"):
+        rosters.members(StreamedIds(ONE_STEP, None, [8], [-1.0]))
+    with pytest.raises(ValueError, match="never arrived"):
+        rosters.members(StreamedIds(8, None, [9], [-1.0]))
+    rosters.clear()
+    with pytest.raises(ValueError, match="never arrived"):
+        rosters.members(StreamedIds(7, None, [10, 11, 12], [-1.0] * 3))
+
+
 def test_a_value_marshal_cannot_pack_crosses_pickled():
     request = GenerationRequest((1, 2), 4, stop_sequences=("a",))
     odd = GenerationRequest.__new__(GenerationRequest)
