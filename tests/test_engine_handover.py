@@ -12,11 +12,13 @@ import threading
 import time
 from decimal import Decimal
 
+import numpy as np
 import pytest
 
 from wafer_gpt2.backends.stand_ins import NullBackend
 from wafer_gpt2.core.steps import StepScores
 from wafer_gpt2.engine.core import EngineCore, FrontText, finish_event_of, gpt2_tokenizer_hooks
+from wafer_gpt2.engine.decode_run import StreamedRows
 from wafer_gpt2.engine.failures import Overloaded, RequestFailed, ServiceError, Unavailable
 from wafer_gpt2.engine.kv_slots import KVUsage
 from wafer_gpt2.engine.messages import (
@@ -150,6 +152,25 @@ def test_a_steps_token_ids_cross_compact_or_pickled_with_an_error():
     failed = ErrorEvent(Overloaded("the server is at capacity; retry later"))
     arrived = decode(encode(Events([("req-3", failed)], streamed)))
     assert type(arrived) is Events and arrived.streamed == streamed
+
+
+def test_a_runs_step_crosses_as_its_arrays_bytes_with_the_same_values():
+    """A run's step's ids and logprobs cross as bytes (`StreamedRows.step`) and arrive as the values
+    `tolist` gave: ids of any integer type, logprobs of float32 or float64, widened without change."""
+    tokens = np.array([[464, 7], [2068, 8], [50256, 9]], dtype=np.int32)[:, 0]  # a strided view
+    for logprobs in (np.array([-0.1, -2.5e-9, -37.0625]), np.array([-0.1, -3.3, -1e-30], np.float32)):
+        rows = StreamedRows(None, None, ["req-1", "req-2", "req-3"])  # type: ignore[arg-type]
+        sent = rows.step(4, tokens, logprobs)
+        assert type(sent.ids) is bytes and type(sent.logprobs) is bytes
+        arrived = decode(encode(Events([], [sent]))).streamed  # type: ignore[union-attr]
+        assert arrived is not None
+        ids, values = arrived[0].columns()
+        assert ids == tokens.tolist() and values == logprobs.tolist()
+        assert [type(i) for i in ids] == [int] * 3 and [type(v) for v in values] == [float] * 3
+        assert arrived[0].request_ids == ["req-1", "req-2", "req-3"]
+        assert rows.step(4, tokens, logprobs).request_ids is None  # the roster goes once
+    listed = StreamedIds(ONE_STEP, ["req-5"], [11], [-3.5])
+    assert listed.columns() == ([11], [-3.5])
 
 
 def test_a_rosters_requests_are_found_once_and_its_steps_name_none():
@@ -541,13 +562,12 @@ class _MakesText(Loop):
         assert isinstance(message, Events)
         for ids in message.streamed or ():
             assert type(ids) is StreamedIds
+            tokens, logprobs = ids.columns()
             if ids.request_ids is None:
-                self.bare += len(ids.ids)
+                self.bare += len(tokens)
             else:
-                self.named += len(ids.ids)
-            for request_id, token, logprob in zip(
-                self.rosters.members(ids), ids.ids, ids.logprobs, strict=True
-            ):
+                self.named += len(tokens)
+            for request_id, token, logprob in zip(self.rosters.members(ids), tokens, logprobs, strict=True):
                 self.events.append((request_id, self.fronts[request_id].token(token, logprob)))
         for request_id, event in message.events:
             front = self.fronts.get(request_id)

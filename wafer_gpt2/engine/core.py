@@ -653,8 +653,8 @@ class EngineCore:
                     if sent is None:
                         sent = streamed[sink] = StreamedIds(ONE_STEP, [], [], [])
                     sent.request_ids.append(state.id)  # type: ignore[union-attr]  # a list: ONE_STEP
-                    sent.ids.append(token)
-                    sent.logprobs.append(logprob)
+                    sent.ids.append(token)  # type: ignore[union-attr]  # lists: ONE_STEP
+                    sent.logprobs.append(logprob)  # type: ignore[union-attr]  # lists: ONE_STEP
             elif self._deferring:  # its next item goes now, its text and event after the next submit
                 state.pending_token = token
                 self._deferred.append((state, results, row, token, logprob, now))
@@ -1088,8 +1088,8 @@ class EngineCore:
             last = StreamedIds(ONE_STEP, [], [], [])
             outgoing.append(last)
         last.request_ids.append(state.id)  # type: ignore[union-attr]  # a list: ONE_STEP
-        last.ids.append(token)
-        last.logprobs.append(logprob)
+        last.ids.append(token)  # type: ignore[union-attr]  # lists: ONE_STEP
+        last.logprobs.append(logprob)  # type: ignore[union-attr]  # lists: ONE_STEP
 
 
 def bare_greedy(backend: Backend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

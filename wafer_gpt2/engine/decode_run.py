@@ -222,7 +222,9 @@ class StreamedRows:
         if rows is not None:
             tokens, logprobs = tokens[rows], logprobs[rows]
         request_ids, self._unsent = self._unsent, None
-        return StreamedIds(roster, request_ids, tokens.tolist(), logprobs.tolist())
+        # As bytes of fixed types (`StreamedIds.columns`): widening the ids or logprobs changes no value.
+        ids, values = tokens.astype(np.int64, copy=False), logprobs.astype(np.float64, copy=False)
+        return StreamedIds(roster, request_ids, ids.tobytes(), values.tobytes())
 
 
 class Recorded:

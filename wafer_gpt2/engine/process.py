@@ -817,7 +817,8 @@ class EngineProcess:
             except ValueError:  # a bug: these tokens are lost, the message's other events are not
                 log.exception("could not tell whose tokens the engine process sent")
                 continue
-            for remote, token, logprob in zip(members, ids.ids, ids.logprobs, strict=True):
+            tokens, logprobs = ids.columns()
+            for remote, token, logprob in zip(members, tokens, logprobs, strict=True):
                 if remote is None or remote.finished:
                     continue  # cancelled and forgotten
                 try:

@@ -148,8 +148,19 @@ class StreamedIds:
 
     roster: int
     request_ids: list[str] | None
-    ids: list[int]
-    logprobs: list[float]
+    # A run's step's as its arrays' bytes (native int64 and float64, `columns`): no Python int or float
+    # per token is made, or packed, on the engine's side; other tokens' as the lists they were built in.
+    ids: list[int] | bytes
+    logprobs: list[float] | bytes
+
+    def columns(self) -> tuple[list[int], list[float]]:
+        """The tokens' ids and logprobs, by token (the same values the engine's arrays held)."""
+        ids, logprobs = self.ids, self.logprobs
+        if isinstance(ids, bytes) and isinstance(logprobs, bytes):
+            values = memoryview(logprobs).cast("d").tolist()  # floats, though typed as ints
+            return memoryview(ids).cast("q").tolist(), values  # type: ignore[return-value]
+        assert isinstance(ids, list) and isinstance(logprobs, list)  # both of one kind
+        return ids, logprobs
 
 
 class Rosters(Generic[Member]):
