@@ -539,6 +539,7 @@ STREAMED = [
         (21, 22), 13, stop_sequences=("hth",), ignore_eos=True
     ),  # its text is made in the engine
     GenerationRequest((30, 31, 32), 20, ignore_eos=True),
+    GenerationRequest((40, 41), 7, prompt_logprobs=True),  # a first token's event with no alternatives
 ]
 
 

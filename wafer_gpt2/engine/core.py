@@ -920,13 +920,15 @@ class EngineCore:
             if request.top_n_tokens
             else ()
         )
-        record = generated_token_of((token, text, released, logprob, special, top))
+        record: GeneratedToken | None = None  # none for a text-in-front one unless an event needs it
         if state.text_in_front:  # its end carries the ids (`_ids_finish`), and the alternatives
             state.ids.append(token)
             state.logprobs.append(logprob)
             if request.top_n_tokens:
+                record = generated_token_of((token, text, released, logprob, special, top))
                 state.tokens.append(record)
         else:
+            record = generated_token_of((token, text, released, logprob, special, top))
             state.tokens.append(record)
 
         if eos or stop_token:
@@ -942,6 +944,8 @@ class EngineCore:
                 if state.text_in_front and not (top or prefill):  # its sink makes the event of the id
                     self._stream_id(state, token, logprob)
                 else:
+                    if record is None:  # a text-in-front one's first token with prompt logprobs
+                        record = generated_token_of((token, text, released, logprob, special, top))
                     self._emit(state, token_event_of((generated + 1, record, prefill)))
 
     def _end(
