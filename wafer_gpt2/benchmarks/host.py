@@ -341,23 +341,20 @@ def _run_cell(
     # The server's CPU and the wafer's modeled busy time over the client's window (from its start time).
     time.sleep(warmup_s)
     engine = server.engine
-    cpu0, busy0, over0, steps0, idle0, own0 = (
-        _cpu(server),
-        _busy(server, backend),
-        _overshoot(server, backend),
-        engine.steps,
-        engine.idle_seconds,
-        _backend_counter(server, backend, "stand_in_cpu_s"),
-    )
+
+    def counters() -> tuple[tuple[float, float | None], float, float, int, float, float]:
+        return (
+            _cpu(server),
+            _busy(server, backend),
+            _overshoot(server, backend),
+            engine.steps,
+            engine.idle_seconds,
+            _backend_counter(server, backend, "stand_in_cpu_s"),
+        )
+
+    cpu0, busy0, over0, steps0, idle0, own0 = counters()
     time.sleep(seconds)
-    cpu1, busy1, over1, steps1, idle1, own1 = (
-        _cpu(server),
-        _busy(server, backend),
-        _overshoot(server, backend),
-        engine.steps,
-        engine.idle_seconds,
-        _backend_counter(server, backend, "stand_in_cpu_s"),
-    )
+    cpu1, busy1, over1, steps1, idle1, own1 = counters()
     result: LoadResult = clients.answer(seconds + warmup_s + 60, "finish")
     if result.errors:
         raise BenchFailed(f"{cell.route}: {result.errors} failed responses; the first: {result.first_error}")

@@ -183,10 +183,6 @@ class GemvTiling:
     def runs(self) -> list[range]:
         return reduction_runs(self.rows, self.reduction, self.group)
 
-    def end_runs(self) -> list[range]:
-        """The runs (by index into `runs()`) whose ends chain at the second level."""
-        return reduction_end_runs(len(self.runs()), self.reduction, self.end_group)
-
 
 @dataclass(frozen=True)
 class AttentionTiling:
