@@ -276,7 +276,7 @@ def test_the_heads_tree_by_hand() -> None:
     """One round over the roots' tree of 3 columns (comm/tree.csl): the centre (column 1) folds the
     left half's (column 0, alone: its own vector) after a DSD operation and a hop, then the right half's
     (column 2) the same way, each a pass of the words and an add; a longer half chains to its end first
-    and its end folds the last stream into memory."""
+    and its end passes the last stream on to the centre as it comes."""
     head = HeadTiling(vocab=96, dim=4, gemv=GemvTiling(4, 96, 2, 3, "k_along_x"), top_k=2, workers=1)
     assert head.centre == 1 and head.tree_halves() == ([0], [2])
     join = S + H + R
@@ -284,9 +284,9 @@ def test_the_heads_tree_by_hand() -> None:
     assert cost.head_tree_cycles(head, [0, 0, 0], 5) == max(first + S, join) + 1 + 5
     five = HeadTiling(vocab=160, dim=4, gemv=GemvTiling(4, 160, 2, 5, "k_along_x"), top_k=2, workers=1)
     assert five.centre == 2 and five.tree_halves() == ([0, 1], [4, 3])
-    half = STEP + 5  # a chain of two, the end folding the words into memory
-    first = max(S, half + join) + 1 + 5
-    assert cost.head_tree_cycles(five, [0] * 5, 5) == max(first + S, half + join) + 1 + 5
+    passed = STEP + H + R  # a chain of two, whose end adds the first word and passes it on
+    first = max(S, passed) + 1 + 5
+    assert cost.head_tree_cycles(five, [0] * 5, 5) == max(first + S, passed) + 1 + 5
 
 
 def test_head_cost_adds_up_and_the_planner_takes_the_cheapest() -> None:

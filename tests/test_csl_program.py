@@ -341,12 +341,12 @@ def test_multi_level_reductions_equal_the_simulator():
     plan = build_plan(config, arch="wse3", dtype="fp32", slots=2, context=32, top_k=8, objective="latency")
     tilings = [r.tiling for r in plan.regions if r.tiling is not None]
     kinds = {(type(t).__name__, getattr(t, "reduction", None)) for t in tilings}
-    assert kinds == {
+    assert {
         ("HeadTiling", None),
         ("NormTiling", "two_level"),
         ("AttentionTiling", "two_level"),
         ("GemvTiling", "three_level"),
-    }, kinds
+    } <= kinds, kinds
     head = plan.region("head")
     assert head.tiling.gemv.cols >= 4
     plan.head = head.tiling = replace(head.tiling, tree="two_level", tree_group=2)

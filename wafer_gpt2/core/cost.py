@@ -959,37 +959,39 @@ def _run_ends(ready: np.ndarray, group: int, link: int, step: int, first_step: i
 _FAR_PAST = -(2**40)  # a member that is not there (a short last run's padding)
 
 
-def _half_complete(ready: np.ndarray, kind: str, group: int, words: int) -> int:
+def _half_sends(ready: np.ndarray, kind: str, group: int, words: int) -> int:
     """A half of the head's tree (comm/tree.csl), its members ready at `ready` in line order: when its
-    end holds the half's result. Every operation is synchronous: a run's end folds its run's stream
-    into memory before it passes the ends' stream on (one pass of the words more than a FIFO would),
-    and the half's end folds the last stream into memory."""
+    end's stream to the centre starts. Every operation is synchronous: a run's end folds its run's
+    stream into memory before it passes the ends' stream on (one pass of the words more than a FIFO
+    would), unless the run's is the last stream it takes: then it passes that one straight on (the
+    first of the runs' ends, and the end of a half of one run). The half's end passes the last
+    stream on to the centre; a half of one root sends its own (an operation's start)."""
     n = len(ready)
     if n == 1:
-        return int(ready[0])
+        return int(ready[0]) + DSD_OP_START_CYCLES
     if len(reduction_runs(n, kind, group)) == 1:
-        return int(_run_ends(ready, n, link_cycles(1), FP32_OPS_PER_CYCLE, 0)[0]) + words
+        return int(_run_ends(ready, n, link_cycles(1), FP32_OPS_PER_CYCLE, 0)[0])
     if group == 1:  # runs of one member fold nothing: each is ready as it is
         ends = ready.copy()
     else:
-        ends = _run_ends(ready, group, link_cycles(1), FP32_OPS_PER_CYCLE, 0) + words
-        if n % group == 1:  # so is a last run of one
-            ends[-1] = ready[-1]
-    ends += DSD_OP_START_CYCLES
-    return int(_run_ends(ends, len(ends), link_cycles(group), FP32_OPS_PER_CYCLE, 0)[0]) + words
+        streamed = _run_ends(ready, group, link_cycles(1), FP32_OPS_PER_CYCLE, 0)
+        ends = streamed + words + DSD_OP_START_CYCLES
+        ends[0] = streamed[0]  # the first end passes its run's stream on
+        if n % group == 1:  # a last run of one folds nothing
+            ends[-1] = ready[-1] + DSD_OP_START_CYCLES
+    return int(_run_ends(ends, len(ends), link_cycles(group), FP32_OPS_PER_CYCLE, 0)[0])
 
 
 def head_tree_cycles(tiling: HeadTiling, ready: np.ndarray | list[int], words: int) -> int:
     """One round over the tree of the head's roots (comm/tree.csl): column c's root ready to send at
-    ready[c]; when the centre holds the round's result. Each half's end hands it on (a DSD operation,
-    a hop), the centre folds the left half's into its own, then the right half's."""
+    ready[c]; when the centre holds the round's result. Each half's end streams it on (a hop), the
+    centre folds the left half's into its own, then the right half's."""
     at = np.asarray(ready, dtype=np.int64)
     t = int(at[tiling.centre])
     for half in _tree_halves(at, tiling.centre):
         if not len(half):
             continue
-        done = _half_complete(half, tiling.tree, tiling.tree_group, words)
-        arrives = done + DSD_OP_START_CYCLES + link_cycles(1)
+        arrives = _half_sends(half, tiling.tree, tiling.tree_group, words) + link_cycles(1)
         t = max(t + DSD_OP_START_CYCLES, arrives) + FP32_OPS_PER_CYCLE + words
     return t
 
