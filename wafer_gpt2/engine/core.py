@@ -502,7 +502,7 @@ class EngineCore:
         if state == self._gauged:
             return
         self._gauged = state
-        self.metrics.record_scheduler_state(state[0], state[1], slots.usage())
+        self.metrics.record_scheduler_state(state[0], state[1], state[3], slots.num_slots, state[4])
 
     # ----- inside a step boundary ------------------------------------------------------------------
 

@@ -29,7 +29,12 @@ class KVUsage:
     @property
     def fraction(self) -> float:
         """Share of the KV capacity that is held (vLLM's `kv_cache_usage_perc`, 0..1)."""
-        return self.slots_used / self.slots_total if self.slots_total else 0.0
+        return usage_fraction(self.slots_used, self.slots_total)
+
+
+def usage_fraction(slots_used: int, slots_total: int) -> float:
+    """`KVUsage.fraction` of those figures."""
+    return slots_used / slots_total if slots_total else 0.0
 
 
 class KVSlotManager:

@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from wafer_gpt2.engine.kv_slots import KVUsage
+from wafer_gpt2.engine.kv_slots import usage_fraction
 
 DURATION_BUCKETS = (
     0.001,
@@ -88,8 +88,9 @@ class ServiceMetrics:
         self._step_tokens: deque[
             tuple[int, Sequence[float], Sequence[float], Sequence[tuple[float, int]]]
         ] = deque()
-        self._scheduler_state: tuple[int, int, KVUsage] | None = None  # the latest recorded
-        self._gauged_state: tuple[int, int, KVUsage] | None = None  # the one the gauges show
+        # The latest recorded (`record_scheduler_state`'s arguments), and the one the gauges show.
+        self._scheduler_state: tuple[int, int, int, int, int] | None = None
+        self._gauged_state: tuple[int, int, int, int, int] | None = None
         self._own_families: set[str] = set()  # what this process alone records (`track_engine_process`)
         model = ("model_name",)
         counter, gauge, histogram = self._counter, self._gauge, self._histogram
@@ -226,21 +227,27 @@ class ServiceMetrics:
             )
         return children
 
-    def record_scheduler_state(self, waiting: int, running: int, kv: KVUsage) -> None:
-        """The queue and KV figures of now: the gauges take the latest at the next fold (eight locked
+    def record_scheduler_state(
+        self, waiting: int, running: int, slots_used: int, slots_total: int, tokens_reserved: int
+    ) -> None:
+        """The queue and KV figures of now, `KVUsage`'s as plain numbers (they are recorded whenever
+        they change, up to once per request queued, and a `KVUsage`, built under the slots' lock, costs
+        more than the rest of queueing one): the gauges take the latest at the next fold (eight locked
         sets each time they changed, several times a step, cost more than the step's bookkeeping)."""
-        self._scheduler_state = (waiting, running, kv)
+        self._scheduler_state = (waiting, running, slots_used, slots_total, tokens_reserved)
 
-    def _set_scheduler_gauges(self, waiting: int, running: int, kv: KVUsage) -> None:
+    def _set_scheduler_gauges(
+        self, waiting: int, running: int, slots_used: int, slots_total: int, tokens_reserved: int
+    ) -> None:
         waiting_gauge, running_gauge, kv_gauge = self._labelled()[:3]
         self.tgi_queue_size.set(waiting)
         self.tgi_batch_current_size.set(running)
         waiting_gauge.set(waiting)
         running_gauge.set(running)
-        kv_gauge.set(kv.fraction)
-        self.wafer_kv_slots_used.set(kv.slots_used)
-        self.wafer_kv_slots_total.set(kv.slots_total)
-        self.wafer_kv_tokens_reserved.set(kv.tokens_reserved)
+        kv_gauge.set(usage_fraction(slots_used, slots_total))
+        self.wafer_kv_slots_used.set(slots_used)
+        self.wafer_kv_slots_total.set(slots_total)
+        self.wafer_kv_tokens_reserved.set(tokens_reserved)
 
     def record_step(self, seconds: float, items: int) -> None:
         self._steps.append((seconds, items))
