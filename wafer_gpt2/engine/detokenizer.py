@@ -49,10 +49,12 @@ class IncrementalDetokenizer:
         self._token_bytes = token_bytes
         self._token_text = token_text or _no_text
         self._include_stop = include_stop
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # Made at the first token that is not whole characters: most texts never need it, and a
+        # request whose text is made elsewhere (`RequestState.text_in_front`) adds no token here at all.
+        self._utf8: codecs.IncrementalDecoder | None = None
         self._utf8_holds = False  # the decoder holds the first bytes of an unfinished character
-        self._stops = [stop for stop in stop_sequences if stop]
-        self._longest_stop = max((len(stop) for stop in self._stops), default=0)
+        self._stops: list[str] = list(filter(None, stop_sequences))  # the empty one stops nothing
+        self._longest_stop = max(map(len, self._stops), default=0)
         self._text = ""  # every complete character so far (cut at a matched stop sequence)
         self._released = 0  # how many characters of _text the caller has been given
         self.stop_sequence: str | None = None
@@ -91,10 +93,14 @@ class IncrementalDetokenizer:
         makes of its bytes with those of an unfinished character on either side."""
         piece = None if self._utf8_holds else self._token_text(token)
         if piece is None:
-            utf8 = self._utf8
+            utf8 = self._utf8 or self._new_utf8()
             piece = utf8.decode(self._token_bytes(token))
             self._utf8_holds = bool(utf8.getstate()[0])
         return piece
+
+    def _new_utf8(self) -> codecs.IncrementalDecoder:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return self._utf8
 
     def add_unstopped(self, token: int) -> str:
         """`add` for a detokenizer without stop sequences, where a token's text is also what it releases
@@ -117,7 +123,7 @@ class IncrementalDetokenizer:
             raise RuntimeError("detokenizer already stopped at a stop sequence")
         texts: list[str | None] = list(map(self._token_text, tokens))
         if self._utf8_holds or None in texts:
-            utf8, holds = self._utf8, self._utf8_holds
+            utf8, holds = self._utf8 or self._new_utf8(), self._utf8_holds
             i = 0 if holds else texts.index(None)
             while i < len(texts):
                 if holds or texts[i] is None:

@@ -232,7 +232,8 @@ class RequestState:
     # text, as ids where they carry no alternatives or prompt logprobs (`StreamedIds`), and its end as
     # its last id.
     text_in_front: bool = False
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Its events' queue (`events`), made when first read: an engine process's requests never read it.
+    _events: asyncio.Queue | None = field(default=None, repr=False)
     id: str = field(default_factory=new_request_id)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
@@ -258,6 +259,14 @@ class RequestState:
     arrived_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     last_token_at: float | None = None
+
+    @property
+    def events(self) -> asyncio.Queue:
+        """Where an event loop's sink puts its events (`deliver`), which its handler reads."""
+        events = self._events
+        if events is None:
+            events = self._events = asyncio.Queue()
+        return events
 
     @property
     def prompt(self) -> tuple[int, ...]:
