@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from wafer_gpt2.core.cost import CLOCK_HZ
-from wafer_gpt2.core.steps import POSITION, SLOT, TOKEN, BackendError, StepInputs, StepScores
+from wafer_gpt2.core.steps import POSITION, TOKEN, BackendError, StepInputs, StepScores
 from wafer_gpt2.core.wire import decode_scores, encode_scores, step_message
 from wafer_gpt2.errors import InvalidInput
 from wafer_gpt2.plan.structure import Plan
@@ -289,7 +289,9 @@ class ModeledWaferBackend(NullBackend):
         self._busy_until = 0.0  # the end of the latest modeled span
         # (modeled end, slots, (the inputs, each replica's items or None for the whole step)) of each
         # step submitted and not collected, oldest first
-        self._in_flight: deque[tuple[float, set[int], tuple[StepInputs, list[np.ndarray | None]]]] = deque()
+        self._in_flight: deque[tuple[float, frozenset[int], tuple[StepInputs, list[np.ndarray | None]]]] = (
+            deque()
+        )
         self._records = _records_of(self._table)  # the wafer's side of the wire
         self._k = self._table.topk_ids.shape[1]  # the records' k (below top_k for a tiny vocabulary)
         self._slots_in_flight: set[int] = set()
@@ -299,7 +301,7 @@ class ModeledWaferBackend(NullBackend):
     def submit(self, inputs: StepInputs) -> None:
         if len(self._in_flight) >= self.steps_in_flight:
             raise BackendError(f"{len(self._in_flight)} steps are in flight already: collect one first")
-        slots = set(inputs.fields[SLOT])
+        slots = inputs.slot_set
         if busy := slots & self._slots_in_flight:
             raise BackendError(f"slots {sorted(busy)} have items in a step still in flight")
         self._take(inputs)

@@ -100,9 +100,16 @@ class StepInputs:
     @_made_once
     def decode_only(self) -> bool:
         """Every item wants scores and none asks for a target (a decode step): the common case, for
-        which a backend may skip the masks."""
-        flags = self.fields[FLAGS]
+        which a backend may skip the masks. Of the flags' row alone: a decode step's checks read no
+        other row as a list."""
+        flags = self.columns[FLAGS].tolist()
         return flags.count(WANT_SCORES) == len(flags)
+
+    @_made_once
+    def slot_set(self) -> frozenset[int]:
+        """The slots the items write (as many as the items in a decode step): what the checks and a
+        backend's slots-in-flight read, made of the slots' row alone."""
+        return frozenset(self.columns[SLOT].tolist())
 
     @_made_once
     def slot(self) -> np.ndarray:
@@ -182,10 +189,10 @@ class StepInputs:
                 if min(values) < 0 or max(values) >= limit:
                     index = next(i for i, value in enumerate(values) if not 0 <= value < limit)
                     raise BackendError(f"item {index}: {name} {values[index]} outside 0..{limit - 1}")
+        if len(self.slot_set) == n:
+            return  # one item per slot (a decode step): no order to check
         fields = self.fields
         slots = fields[SLOT]
-        if len(set(slots)) == len(slots):
-            return  # one item per slot (a decode step): no order to check
         last: dict[int, int] = {}  # a slot's items are consecutive positions, in order
         for index, (slot, position) in enumerate(zip(slots, fields[POSITION], strict=True)):
             previous = last.get(slot)

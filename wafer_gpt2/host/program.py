@@ -90,7 +90,7 @@ class WaferGPT2:
         self.plan = plan
         self.steps_in_flight = steps_in_flight
         # (items, records asked for, slots) of each step submitted and not collected, oldest first
-        self._in_flight: deque[tuple[int, list[_Read], set[int]]] = deque()
+        self._in_flight: deque[tuple[int, list[_Read], frozenset[int]]] = deque()
         self._slots_in_flight: set[int] = set()
         self.runtime = runtime
         self.num_slots = plan.slots * plan.replicas
@@ -192,7 +192,7 @@ class WaferGPT2:
         if len(self._in_flight) >= self.steps_in_flight:
             raise BackendError(f"{len(self._in_flight)} steps are in flight already: collect one first")
         inputs.validate(self.num_slots, self.context_length, self.vocab_size)
-        slot_set = set(inputs.fields[SLOT])
+        slot_set = inputs.slot_set
         if busy := slot_set & self._slots_in_flight:
             raise BackendError(f"slots {sorted(busy)} have items in a step still in flight")
         # Each slot's first position, and the next position to write after the step.
@@ -252,7 +252,7 @@ class WaferGPT2:
         """Ask (non-blocking) for the records of one message's scored items, `indices` of the step's
         (None: all of them); None when it has none."""
         if indices is None:
-            count, first_slot = len(inputs), inputs.fields[SLOT][0]
+            count, first_slot = len(inputs), int(inputs.columns[SLOT, 0])
             if inputs.decode_only:
                 scored, asked = np.arange(count), np.zeros(count, dtype=bool)
             else:
