@@ -191,17 +191,19 @@ class StepInputs:
                     raise BackendError(f"item {index}: {name} {values[index]} outside 0..{limit - 1}")
         if len(self.slot_set) == n:
             return  # one item per slot (a decode step): no order to check
-        fields = self.fields
-        slots = fields[SLOT]
-        last: dict[int, int] = {}  # a slot's items are consecutive positions, in order
-        for index, (slot, position) in enumerate(zip(slots, fields[POSITION], strict=True)):
-            previous = last.get(slot)
-            if previous is not None and position != previous + 1:
-                raise BackendError(
-                    f"item {index}: slot {slot} positions in one step must be consecutive "
-                    f"({previous} then {position})"
-                )
-            last[slot] = position
+        # A slot's items are consecutive positions, in order: with the items ordered by slot (stably,
+        # so each slot's keep their order), each must be one position past the one before it of its slot.
+        order = np.argsort(self.columns[SLOT], kind="stable")
+        slots, positions = self.columns[SLOT][order], self.columns[POSITION][order]
+        bad = (slots[1:] == slots[:-1]) & (positions[1:] != positions[:-1] + 1)
+        if np.count_nonzero(bad):
+            after = np.flatnonzero(bad) + 1  # in slot order; the first bad item in step order is reported
+            first = after[np.argmin(order[after])]
+            slot, previous, position = int(slots[first]), int(positions[first - 1]), int(positions[first])
+            raise BackendError(
+                f"item {int(order[first])}: slot {slot} positions in one step must be consecutive "
+                f"({previous} then {position})"
+            )
 
 
 # Per (slots, context, vocabulary, flags, vocabulary) limits: each field's limit repeated along a row

@@ -25,6 +25,7 @@ import numpy as np
 
 from wafer_gpt2.core.steps import (
     POSITION,
+    SLOT,
     WANT_SCORES,
     Backend,
     BackendError,
@@ -120,6 +121,17 @@ def _wanted(scores: StepScores, row: int) -> TokenScores:
     if row < 0:
         raise BackendError("the backend returned no scores for an item that wanted them")
     return scores.row(row)
+
+
+def _items_read(inputs: StepInputs) -> np.ndarray:
+    """The items of a step whose results `EngineCore._apply` reads: those that asked for scores, and
+    the last of each slot's. Another item is a prompt token that only moves its request's position
+    on, which the slot's next item of the step does too (a slot's items are consecutive positions)."""
+    slots = inputs.columns[SLOT]
+    last = np.empty(len(slots), dtype=bool)
+    np.not_equal(slots[1:], slots[:-1], out=last[:-1])
+    last[-1:] = True
+    return np.flatnonzero(last | inputs.want_scores)
 
 
 def shown(request: GenerationRequest, special: bool, ending: bool) -> bool:
@@ -550,9 +562,13 @@ class EngineCore:
         to_sample: list[tuple[RequestState, int]] = []  # (request, its row): at most one per request
         running = RequestStatus.RUNNING
         inputs = batch.inputs
-        for position, row, state in zip(
-            inputs.fields[POSITION], results.row_of_item(), batch.owners, strict=True
-        ):
+        positions, rows, owners = inputs.columns[POSITION].tolist(), results.row_of_item(), batch.owners
+        if results.index.shape[0] < results.count:  # prompt tokens nobody asked scores of
+            read = _items_read(inputs).tolist()
+            positions = [positions[i] for i in read]
+            rows = [rows[i] for i in read]
+            owners = [owners[i] for i in read]
+        for position, row, state in zip(positions, rows, owners, strict=True):
             if state.status is not running:
                 continue  # it finished on an earlier item of this step
             if row >= 0 and position >= len(state.request.prompt_ids):
