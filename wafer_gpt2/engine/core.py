@@ -803,7 +803,9 @@ class EngineCore:
         then chooses alone and fails alone)."""
         vocab_size = self._tokenizer.vocab_size
         m = len(states)
-        if BATCH_SAMPLING not in kinds and BATCH_NONE not in kinds:  # all greedy: the usual step
+        # All greedy, the usual step (counted: a kind equal to the one counted is the same small int,
+        # and `in` would compare each of the others by value, twice over).
+        if kinds.count(BATCH_GREEDY) == len(kinds):
             try:
                 return greedy_choices(results, rows, vocab_size)
             except Exception:
