@@ -251,9 +251,10 @@ def test_custom_small_config_and_regions_of() -> None:
 @pytest.mark.parametrize("model", ["gpt2", "gpt2-xl"])
 def test_planning_is_fast(model: str) -> None:
     forget_kept_plans()  # time the search, not the copy of a plan another test asked for
-    start = time.perf_counter()
+    # this process's CPU time: the search's own work, which other processes on the machine do not slow
+    start = time.process_time()
     build_plan(PRESETS[model], ARCHS["wse3"])
-    assert time.perf_counter() - start < 5.0
+    assert time.process_time() - start < 5.0
 
 
 def test_a_kept_plan_is_copied_for_every_caller() -> None:
