@@ -1106,10 +1106,16 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     counts = head_relay_cycles(tiling, root_c)
     cost.add("round C: the lists merged to the centre (their counts)", counts - b_out)
     # The centre takes the entries as they come (slower than their words), a chunk at a time from
-    # each of its three inputs; bin t's are inserted among its remaining places (about a move each).
+    # each of its three inputs, the right half's first chunk read while it takes the others and then
+    # taken by a task of its own; bin t's are inserted among its remaining places (about a move each).
     # The record leaves ordered by bin: io.out sorts inside the bins (`record_sort_cycles`).
     chunks = 3 + int(kept // HEAD_CHUNK)
-    take = kept * (2 + TOPK_TAKE_CYCLES) + chunks * DSD_OP_START_CYCLES + bin_t * TOPK_INVERSION_CYCLES
+    take = (
+        kept * (2 + TOPK_TAKE_CYCLES)
+        + chunks * DSD_OP_START_CYCLES
+        + TASK_ACTIVATION_CYCLES
+        + bin_t * TOPK_INVERSION_CYCLES
+    )
     cost.add("round C: the entries taken by the centre", int(take))
     record = 2 * (DSD_OP_START_CYCLES + k)  # the ids and the logits into the record
     cost.add("the output record", record + DSD_OP_START_CYCLES)

@@ -125,7 +125,8 @@ def head_symbols(t: HeadTiling, dtype: str) -> dict[str, Symbol]:
         "entries": Symbol("u32", 2 * t.slice + 4),  # a worker's (id, logit) pairs of round C; counts
         "topk_best": Symbol("u32", 2 * t.top_k),  # the centre's k best (lib/topk.csl)
         "topk_bins": Symbol("u16", TOPK_BINS),  # and its bins' next places
-        "chunk": Symbol("u32", 2 * HEAD_CHUNK),  # the centre's entries as they are read
+        # the centre's entries as they are read, and the right half's first, read early
+        "chunk": Symbol("u32", 2 * 2 * HEAD_CHUNK),
         "wire": Symbol("u32", record),  # the centre's output record
         "row": Symbol("f32", g.tile_k),  # the token's wte chunk on its way to the embed region
         "comm": COMM,
