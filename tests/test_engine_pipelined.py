@@ -22,7 +22,7 @@ from wafer_gpt2.backends.stand_ins import (
 from wafer_gpt2.benchmarks.host import twin_factory
 from wafer_gpt2.core.steps import BackendError, StepInputs, StepItem, steps_in_flight
 from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
-from wafer_gpt2.engine.decode_run import DecodeRun
+from wafer_gpt2.engine.decode_run import DecodeRun, next_columns
 from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
 from wafer_gpt2.engine.failures import GenerationFailed, StepTimedOut
 from wafer_gpt2.engine.kv_slots import KVSlotManager
@@ -185,7 +185,7 @@ def test_a_group_that_goes_on_whole_steps_next_from_its_run():
     assert step.plain and step.run is None and step.inputs.fields[:3] == [[0, 1], [2, 2], [50, 50]]
     assert scheduler.unchanged(step)
     eot = tokenizer.EOT_ID
-    run = DecodeRun(states, step.inputs.columns, [61, 62], 1.0, [3, 2], eot, {eot})
+    run = DecodeRun(states, next_columns(step.inputs.columns, [61, 62]), 1.0, [3, 2], eot, {eot})
     scheduler.keep(step.group, run)
     kept = scheduler.build_step()
     assert kept.plain and kept.run is run and kept.owners == states
@@ -219,7 +219,9 @@ def test_a_run_that_ends_while_its_step_is_in_flight_leaves_each_request_in_flig
     # the step is back, and the others are not stepped again meanwhile.
     scheduler, states, step = _two_plain_requests_after_a_step(slots=2, max_queue=0)
     eot = tokenizer.EOT_ID
-    scheduler.keep(step.group, DecodeRun(states, step.inputs.columns, [61, 62], 1.0, [5, 5], eot, {eot}))
+    scheduler.keep(
+        step.group, DecodeRun(states, next_columns(step.inputs.columns, [61, 62]), 1.0, [5, 5], eot, {eot})
+    )
     kept = scheduler.build_step()
     assert not any(state.in_flight for state in states)
     assert all(scheduler.in_flight(state) for state in states)
@@ -235,7 +237,7 @@ def test_a_request_that_takes_its_last_token_leaves_the_run_and_the_others_go_on
     # condensed, instead of ending and handing every request what it kept.
     scheduler, states, step = _two_plain_requests_after_a_step(slots=3, max_queue=1)
     eot = tokenizer.EOT_ID
-    run = DecodeRun(states, step.inputs.columns, [61, 62], 1.0, [4, 2], eot, {eot})
+    run = DecodeRun(states, next_columns(step.inputs.columns, [61, 62]), 1.0, [4, 2], eot, {eot})
     scheduler.keep(step.group, run)
     for tokens, logprobs, now in (([70, 71], [-1.0, -2.0], 1.5), ([72, 73], [-3.0, -4.0], 2.0)):
         scheduler.step_returned(scheduler.build_step())
@@ -312,6 +314,37 @@ def test_requests_that_leave_a_run_end_with_the_deferred_work_and_keep_their_out
     streamed, streamed_went_on = _run_requests_of_different_lengths(stream=True)
     assert quiet == streamed
     assert quiet_went_on >= 2 and streamed_went_on >= 2
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_group_goes_on_as_a_run_from_the_step_that_chose_all_its_first_tokens(defer: bool):
+    # The prefill step chose every request's first token: the next step is already the run's (no step
+    # takes the tokens one request at a time first), its items each request's token to feed.
+    core = EngineCore(
+        NullBackend(50257, slots=4, context=64), gpt2_tokenizer_hooks(), max_queue=4, step_token_budget=16
+    )
+    loop = Loop()
+    states = [
+        core.add(core.new_request(GenerationRequest((100 + n, 101), n, ignore_eos=True), loop, False))
+        for n in (6, 9)
+    ]
+    batch = core.schedule()
+    core.finish(batch, core.execute(batch), defer=defer)
+    run = core.scheduler.run(0)
+    assert run is not None and run.states == states and run.ends_at == [5, 8]
+    core.complete_deferred()
+    first = [state.tokens[0].id for state in states]
+    assert run.columns[1].tolist() == [2, 2] and run.columns[2].tolist() == first
+    assert core.scheduler.build_step().run is run
+    # One that takes its last token at the run's first step: no run yet (it would leave it at once).
+    core = EngineCore(
+        NullBackend(50257, slots=4, context=64), gpt2_tokenizer_hooks(), max_queue=4, step_token_budget=16
+    )
+    for n in (2, 9):
+        core.add(core.new_request(GenerationRequest((7, 8), n, ignore_eos=True), loop, False))
+    batch = core.schedule()
+    core.finish(batch, core.execute(batch), defer=defer)
+    assert core.scheduler.run(0) is None
 
 
 # ----- the engine -----------------------------------------------------------------------------------

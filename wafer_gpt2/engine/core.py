@@ -34,7 +34,7 @@ from wafer_gpt2.core.steps import (
     TokenScores,
     steps_in_flight,
 )
-from wafer_gpt2.engine.decode_run import DecodeRun, Recorded, recorded_tokens
+from wafer_gpt2.engine.decode_run import DecodeRun, Recorded, next_columns, recorded_tokens
 from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
 from wafer_gpt2.engine.failures import RequestFailed, RequestTimedOut, RequestValidationFailed, ServiceError
 from wafer_gpt2.engine.kv_slots import KVSlotManager
@@ -593,6 +593,42 @@ class EngineCore:
                 self._sample(state, results, row, pick)
             except Exception:
                 self._request_failed(state)
+        if states:
+            self._start_run(batch.group, states)
+
+    def _start_run(self, group: int, sampled: list[RequestState]) -> None:
+        """After a step that chose the next token of every request of `group` (`sampled`: those it chose
+        for), each to go on the plain way: the group goes on as a run (`DecodeRun`) from its next step,
+        which would otherwise take each request's token one at a time before forming it (`_apply_plain`)."""
+        scheduler = self.scheduler
+        states = scheduler.ready_to_run(group, len(sampled))
+        if states is None:
+            return
+        running = RequestStatus.RUNNING
+        if any(state.status is not running for state in sampled):
+            return  # one ended: another of the group may have had no token chosen here
+        # A deferred token (`_sample`) is not yet among its request's tokens.
+        chosen = 1 if self._deferring else 0
+        context = scheduler.slots.context_length
+        ends_at = [
+            min(state.request.max_new_tokens - state.generated() - chosen, context - state.computed)
+            for state in states
+        ]
+        if min(ends_at) < 2:
+            # One takes its last token at the run's first step: the run would shrink at once, which
+            # costs more than that step taken a request at a time (`_apply_plain`, which forms no run
+            # where a request ends).
+            return
+        tokenizer = self._tokenizer
+        run = DecodeRun(
+            states,
+            scheduler.decode_columns(states),
+            time.monotonic(),
+            ends_at,
+            tokenizer.eos_token_id,
+            tokenizer.special_names,
+        )
+        scheduler.keep(group, run)
 
     def _apply_plain(self, batch: StepBatch, results: StepScores) -> None:
         """A plain step's results (`StepBatch.plain`: a decode item, and so a scored row, per request,
@@ -683,9 +719,8 @@ class EngineCore:
         for sink, sent in streamed.items():
             self._send_ids(sink, sent)
         if len(chosen_ids) == len(owners) and self.scheduler.unchanged(batch):
-            columns = batch.inputs.columns
-            run = DecodeRun(owners, columns, chosen_ids, now, ends_at, eos, special)
-            self.scheduler.keep(batch.group, run)
+            columns = next_columns(batch.inputs.columns, chosen_ids)
+            self.scheduler.keep(batch.group, DecodeRun(owners, columns, now, ends_at, eos, special))
 
     def _run_step(
         self,

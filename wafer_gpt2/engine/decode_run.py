@@ -45,22 +45,21 @@ class DecodeRun:
     def __init__(
         self,
         states: Sequence[RequestState],
-        returned: np.ndarray,
-        tokens: Sequence[int],
+        columns: np.ndarray,
         last_at: float,
         ends_at: Sequence[int],
         eos_token_id: int,
         special: Container[int],
     ):
-        """`states`: the group's requests, each at its state after the step that started the run
-        (`returned`, its item columns), in which each chose its token of `tokens` at `last_at`;
-        `ends_at`: by row, the run's step (1: the step `columns` makes) at which the row's request takes
-        its last token (by its length, or its KV slot's end)."""
+        """`states`: the group's requests, each with the token it chose last (at `last_at`) still to feed;
+        `columns`: the run's first step's items, a decode item per row (`next_columns`); `ends_at`: by
+        row, the run's step (1: the step `columns` makes) at which the row's request takes its last
+        token (by its length, or its KV slot's end)."""
         self.states = list(states)
         # What a step adds to the last one's columns: a position (the tokens are written over).
-        self._one_position = np.zeros_like(returned)
+        self._one_position = np.zeros_like(columns)
         self._one_position[POSITION] = 1
-        self.columns = _moved_on(returned, tokens, self._one_position)  # the next step's items
+        self.columns = columns  # the next step's items
         self.last_at = last_at
         self.ends_at = list(ends_at)
         self.ending_step = min(ends_at)  # the first step at which a row takes its last token
@@ -244,6 +243,14 @@ def recorded_tokens(ids: list[int], logprobs: list[float], special: Container[in
     """A text-at-end request's token records for its ids and logprobs (no text yet: `_texts_at_end`)."""
     flags = map(special.__contains__, ids)
     return list(map(generated_token_of, zip(ids, repeat(""), repeat(""), logprobs, flags, repeat(()))))
+
+
+def next_columns(returned: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+    """The decode items of the step after the one whose items are `returned`: a position further on,
+    feeding `tokens`."""
+    one_position = np.zeros_like(returned)
+    one_position[POSITION] = 1
+    return _moved_on(returned, tokens, one_position)
 
 
 def _moved_on(

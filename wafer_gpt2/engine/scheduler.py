@@ -16,8 +16,9 @@ work). One step of every request would leave nothing ready to send until it retu
 
 The groups persist across steps (vLLM V1's persistent input batch): each keeps its running requests in
 admission order, and once a step of the decode items of all of them is back (plain requests: greedy
-or sampled without penalties, no stop string) and every one of them goes on, the engine keeps the
-group as a `DecodeRun` (`keep`): its next steps are that step's item columns moved on, and what they
+or sampled without penalties, no stop string) and every one of them goes on, or once a step (a
+prefill's) has chosen the next token of every one of them, the engine keeps the group as a
+`DecodeRun` (`keep`): its next steps are that step's item columns moved on, and what they
 choose is recorded by row, not a walk over its requests. A request that takes its last token leaves
 the run, which goes on with the others (`leave`); admitting into a group, or another way out of it,
 ends the run (`end_run`: the requests get what it kept of them, their token records at `settle`).
@@ -264,6 +265,31 @@ class Scheduler:
         """The group goes on as `run` (its requests, all decoding the plain way, `unchanged` since the
         step `run` starts from): its next steps are the run's."""
         self._runs[group] = run
+
+    def ready_to_run(self, group: int, count: int) -> list[RequestState] | None:
+        """The group's `count` requests when it could go on as a run now (`keep`): it has none, and each
+        of them decodes the plain way, with its next token to feed and no item in flight; else None."""
+        members = self._members[group]
+        if len(members) != count or not count or self._runs[group] is not None:
+            return None
+        for sequence in members:
+            if (
+                sequence.in_flight
+                or not sequence.plain
+                or sequence.pending_token is None
+                or sequence.computed < len(sequence.request.prompt_ids)
+            ):
+                return None
+        return members
+
+    @staticmethod
+    def decode_columns(sequences: list[RequestState]) -> np.ndarray:
+        """The item columns of a step of one decode item per request (its next token to feed)."""
+        n = len(sequences)
+        tokens = [sequence.pending_token or 0 for sequence in sequences]  # (each has one: `ready_to_run`)
+        positions = [sequence.computed for sequence in sequences]
+        slots = [_slot(sequence) for sequence in sequences]
+        return StepInputs.of_fields(slots, positions, tokens, [WANT_SCORES] * n, [0] * n).columns
 
     def run(self, group: int) -> DecodeRun | None:
         """The group's run (None when its next step is built from its requests)."""
