@@ -23,7 +23,7 @@ from wafer_gpt2.benchmarks.host import twin_factory
 from wafer_gpt2.core.steps import BackendError, StepInputs, StepItem, steps_in_flight
 from wafer_gpt2.engine.core import EngineCore, gpt2_tokenizer_hooks
 from wafer_gpt2.engine.decode_run import DecodeRun, next_columns
-from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
+from wafer_gpt2.engine.detokenizer import NO_TEXT, IncrementalDetokenizer
 from wafer_gpt2.engine.failures import GenerationFailed, StepTimedOut
 from wafer_gpt2.engine.kv_slots import KVSlotManager
 from wafer_gpt2.engine.metrics import ServiceMetrics
@@ -345,6 +345,20 @@ def test_a_group_goes_on_as_a_run_from_the_step_that_chose_all_its_first_tokens(
     batch = core.schedule()
     core.finish(batch, core.execute(batch), defer=defer)
     assert core.scheduler.run(0) is None
+
+
+def test_a_request_whose_sink_makes_its_text_has_no_detokenizer_of_its_own():
+    class FrontSink(Loop):
+        makes_text = True
+
+    core = EngineCore(
+        NullBackend(50257, slots=4, context=64), gpt2_tokenizer_hooks(), max_queue=4, step_token_budget=16
+    )
+    state = core.new_request(GenerationRequest((7, 8), 3), FrontSink(), True)
+    assert state.text_in_front and state.detokenizer is NO_TEXT
+    with pytest.raises(RuntimeError):  # the shared one takes no token
+        state.detokenizer.add_unstopped(7)
+    assert core.new_request(GenerationRequest((7, 8), 3), Loop(), True).detokenizer is not NO_TEXT
 
 
 # ----- the engine -----------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from wafer_gpt2.core.steps import (
     steps_in_flight,
 )
 from wafer_gpt2.engine.decode_run import DecodeRun, Recorded, next_columns, recorded_tokens
-from wafer_gpt2.engine.detokenizer import IncrementalDetokenizer
+from wafer_gpt2.engine.detokenizer import NO_TEXT, IncrementalDetokenizer
 from wafer_gpt2.engine.failures import RequestFailed, RequestTimedOut, RequestValidationFailed, ServiceError
 from wafer_gpt2.engine.kv_slots import KVSlotManager
 from wafer_gpt2.engine.metrics import ServiceMetrics
@@ -343,17 +343,22 @@ class EngineCore:
         receiver where it makes text, `EventSink.makes_text`)."""
         text_at_end = sink is not None and not stream and not request.stop_sequences
         sampler = Sampler(request.sampling, vocab_size=self._tokenizer.vocab_size)
+        in_front = text_in_front(
+            request, getattr(sink, "makes_text", False)
+        )  # a sink that does not say makes none
         return RequestState(
             stream=stream,
             text_at_end=text_at_end,
-            # A sink that does not say makes none.
-            text_in_front=text_in_front(request, getattr(sink, "makes_text", False)),
+            text_in_front=in_front,
             plain=sampler.batched != BATCH_NONE
             and not (
                 request.stop_sequences or request.min_tokens or request.top_n_tokens or request.stop_token_ids
             ),
             request=request,
-            detokenizer=IncrementalDetokenizer(
+            # Its text is made here or nowhere (the receiver's detokenizer makes it: `FrontText`).
+            detokenizer=NO_TEXT
+            if in_front
+            else IncrementalDetokenizer(
                 self._tokenizer.token_bytes,
                 request.stop_sequences,
                 request.include_stop_str_in_output,

@@ -172,3 +172,28 @@ class IncrementalDetokenizer:
         chunk = self._text[self._released : upto]
         self._released = upto
         return chunk
+
+
+def _no_bytes(token: int) -> bytes:
+    raise RuntimeError("a request whose text is made elsewhere is given no token to detokenize")
+
+
+class NoText(IncrementalDetokenizer):
+    """The detokenizer of a request whose text is made elsewhere (`RequestState.text_in_front`): it is
+    never given a token, so one instance (`NO_TEXT`) serves them all, and a token given it is an error
+    (it would mix requests' texts), not text."""
+
+    def __init__(self) -> None:
+        super().__init__(_no_bytes)
+
+    def add(self, token: int, check_stops: bool = True) -> TokenText:
+        return _token_text_of((_no_bytes(token), "", None))
+
+    def add_unstopped(self, token: int) -> str:
+        return _no_bytes(token).decode()
+
+    def add_all(self, tokens: Sequence[int]) -> list[str]:
+        return [_no_bytes(token).decode() for token in tokens]
+
+
+NO_TEXT = NoText()
