@@ -343,9 +343,8 @@ class EngineCore:
         receiver where it makes text, `EventSink.makes_text`)."""
         text_at_end = sink is not None and not stream and not request.stop_sequences
         sampler = Sampler(request.sampling, vocab_size=self._tokenizer.vocab_size)
-        in_front = text_in_front(
-            request, getattr(sink, "makes_text", False)
-        )  # a sink that does not say makes none
+        # A sink that does not say makes none.
+        in_front = text_in_front(request, getattr(sink, "makes_text", False))
         return RequestState(
             stream=stream,
             text_at_end=text_at_end,
@@ -515,11 +514,12 @@ class EngineCore:
         eight gauges (a lock each) costs more than the step's bookkeeping for a few tokens."""
         scheduler = self.scheduler
         slots = scheduler.slots
-        state = (len(scheduler.waiting), len(scheduler.running), slots, *slots.counts())
+        held, reserved = slots.counts()
+        state = (len(scheduler.waiting), len(scheduler.running), slots, held, reserved)
         if state == self._gauged:
             return
         self._gauged = state
-        self.metrics.record_scheduler_state(state[0], state[1], state[3], slots.num_slots, state[4])
+        self.metrics.record_scheduler_state(state[0], state[1], held, slots.num_slots, reserved)
 
     # ----- inside a step boundary ------------------------------------------------------------------
 

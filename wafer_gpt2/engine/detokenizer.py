@@ -17,7 +17,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import NamedTuple, cast
+from typing import NamedTuple, NoReturn, cast
 
 
 # One per generated token: a named tuple builds in a fraction of a frozen dataclass's time.
@@ -174,8 +174,10 @@ class IncrementalDetokenizer:
         return chunk
 
 
-def _no_bytes(token: int) -> bytes:
-    raise RuntimeError("a request whose text is made elsewhere is given no token to detokenize")
+def _refuse(token: int) -> NoReturn:
+    raise RuntimeError(
+        f"token {token}: a request whose text is made elsewhere is given no token to detokenize"
+    )
 
 
 class NoText(IncrementalDetokenizer):
@@ -184,16 +186,18 @@ class NoText(IncrementalDetokenizer):
     (it would mix requests' texts), not text."""
 
     def __init__(self) -> None:
-        super().__init__(_no_bytes)
+        super().__init__(_refuse)
 
     def add(self, token: int, check_stops: bool = True) -> TokenText:
-        return _token_text_of((_no_bytes(token), "", None))
+        _refuse(token)
 
     def add_unstopped(self, token: int) -> str:
-        return _no_bytes(token).decode()
+        _refuse(token)
 
     def add_all(self, tokens: Sequence[int]) -> list[str]:
-        return [_no_bytes(token).decode() for token in tokens]
+        for token in tokens:
+            _refuse(token)
+        return []
 
 
 NO_TEXT = NoText()
