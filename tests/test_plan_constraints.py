@@ -17,6 +17,7 @@ from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.model.config import PRESETS, GPT2Config
 from wafer_gpt2.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
+from wafer_gpt2.plan import search as search_module
 from wafer_gpt2.plan.checks import check_input_queues, check_memory, head_embedding, input_queue_roles
 from wafer_gpt2.plan.search import forget_kept_plans
 
@@ -228,6 +229,22 @@ def test_fp32_and_throughput_replicas() -> None:
     assert fixed.replicas == 3
     assert {r.replica for r in fixed.regions} == {0, 1, 2}
     assert len(fixed.io) == 3 and all(i.kind == o.kind == "io" for i, o in fixed.io)
+
+
+def test_throughput_plans_grow_fc_into_the_rows_their_replicas_leave(monkeypatch) -> None:
+    """A small replica's height is its head strip's, or the kernel's over the replicas it stacks,
+    often taller than its bands: FC and proj take those rows (whole tiles), as many replicas fit, and
+    the wafer's modeled tokens/s is higher than the search without them finds."""
+    plan = plan_for("gpt2", "wse2", objective="throughput", replicas="auto")
+    check_plan(plan)
+    assert (4 * plan.config.n_embd) % plan.knobs.fc_cols == 0
+    monkeypatch.setattr(search_module, "_fc_filled", lambda *args: [])
+    forget_kept_plans()
+    unfilled = build_plan(PRESETS["gpt2"], "wse2", objective="throughput", replicas="auto")
+    forget_kept_plans()
+    assert unfilled.knobs.fc_cols < plan.knobs.fc_cols and unfilled.replicas == plan.replicas
+    assert plan.decode_cycles < unfilled.decode_cycles
+    assert plan.modeled()["tokens_per_s_total"] > 1.04 * unfilled.modeled()["tokens_per_s_total"]
 
 
 def test_custom_small_config_and_regions_of() -> None:

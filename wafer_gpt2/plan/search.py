@@ -178,8 +178,17 @@ def price_candidates(
         shapes = [(knobs, geo)]
         if pack:
             shapes += _packed(config, knobs, geo, arch, dtype, dirs)
+            # the shape that fits the most replicas (the last) also with FC into the rows they leave
+            shapes += _fc_filled(config, *shapes[-1], slots, context, arch, dtype, head)
         for k, g in shapes:
-            priced.append(_priced(len(priced), config, k, lt, head, g, arch, dtype))
+            tilings = (
+                lt
+                if k.fc_cols == knobs.fc_cols
+                else _layer_tilings(
+                    config, k.stream_pes, k.fold, k.attn_chain, k.fc_cols, slots, context, arch, dtype
+                )
+            )
+            priced.append(_priced(len(priced), config, k, tilings, head, g, arch, dtype))
     return CandidateSearch(len(knobs_list), priced, area or closest)
 
 
@@ -198,6 +207,41 @@ def _packed(
         if isinstance(shape, Geometry) and _replicas_fit(shape, arch) > most:
             best, most = shape, _replicas_fit(shape, arch)
     return [] if best is None else [(replace(knobs, bands=best.bands), best)]
+
+
+def _fc_filled(
+    config: GPT2Config,
+    knobs: Knobs,
+    geo: Geometry,
+    slots: int,
+    context: int,
+    arch: Arch,
+    dtype: str,
+    head: HeadTiling,
+) -> list[tuple[Knobs, Geometry]]:
+    """The same shape with FC and proj taller, into the rows the kernel leaves each replica of its
+    column of replicas (the head strip, or the kernel's height over the replicas it stacks, is often
+    taller than the bands): FC's and proj's tile FMACs, which a small replica's latency is mostly made
+    of, shrink with every row they take, and the replicas that fit stay as many. The tallest whose
+    tiles are whole (4 n_embd a multiple of it): a ragged tile's outputs seldom divide among fc's
+    epilogue PEs, and few heights keep the search's tilings few. [] where none is taller."""
+    fit = _replicas_fit(geo, arch)
+    tallest = arch.kernel_h // (arch.kernel_h // geo.height)  # as many replicas stacked
+    rows = min(tallest // geo.bands - geo.t_rows - 2, 4 * config.n_embd)
+    n = 4 * config.n_embd
+    fc_cols = next((f for f in range(rows, knobs.fc_cols, -1) if n % f == 0), None)
+    if fc_cols is None:
+        return []
+    filled = replace(knobs, fc_cols=fc_cols)
+    lt = _layer_tilings(
+        config, knobs.stream_pes, knobs.fold, knobs.attn_chain, fc_cols, slots, context, arch, dtype
+    )
+    if memory_over(lt, head, dtype, arch) is not None:
+        return []
+    shape = replica_geometry(config, filled, arch, dtype, Dirs.of(lt, head))
+    if isinstance(shape, Geometry) and _replicas_fit(shape, arch) >= fit:
+        return [(filled, shape)]
+    return []
 
 
 def _priced(
