@@ -552,6 +552,36 @@ def test_a_head_that_embeds_equals_the_simulator(arch):
     two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=5))
 
 
+@pytest.mark.parametrize(
+    ("embeds", "arch"),
+    [(True, "wse2"), (False, "wse2"), pytest.param(True, "wse3", marks=pytest.mark.executor_full)],
+)  # CI time: WSE-3's with -m executor_full
+def test_a_west_strip_wider_than_the_stream_equals_the_simulator(embeds, arch, monkeypatch):
+    """The west strip (the head's K-lines, ln_f, the embedding where the head serves it) wider than
+    the layers' strips (`Knobs.strip_pes`): the stream re-cut by the gather lines into ln_f and, where
+    the embedding lies in the strip, out of it into layer 0; the head's tiles shorter along K."""
+    from dataclasses import replace
+
+    from wafer_gpt2.plan import build_plan
+    from wafer_gpt2.plan import search as search_module
+
+    vocab = 4096 if embeds else 512  # the copy of wte by rows needs more rows than layer 0 leaves
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=vocab, n_positions=32, name="tiny-strip")
+    knobs = search_module._candidate_knobs
+
+    def wider(*args, **kwargs):
+        return [replace(k, strip_pes=4) for k in knobs(*args, **kwargs) if k.stream_pes == 2]
+
+    monkeypatch.setattr(search_module, "_candidate_knobs", wider)
+    search_module.forget_kept_plans()
+    plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="compact")
+    search_module.forget_kept_plans()
+    head, ln_f, embed = plan.region("head"), plan.region("ln_f"), plan.region("embed")
+    assert head.w == ln_f.w == head.tiling.gemv.rows == 4 and plan.layers[0].ln_1.pes == 2
+    assert ("wte" not in embed.symbols) == embeds and (embed.w == head.w) == embeds
+    two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=5))
+
+
 def start_both(plan, params: GPT2Params):
     """The host program on the executor and on the simulator, for one plan and its weights."""
     from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan

@@ -294,14 +294,14 @@ class _Builder:
         io_in, io_out, embed, head, ln_f = (region(n) for n in ("io.in", "io.out", "embed", "head", "ln_f"))
         head_t = head.tiling.gemv
         hf, ef = self.frame(head), self.frame(embed)
-        if ef.a_len != head_t.rows:
+        copy = "wte" in embed.symbols  # the embedding's own copy of wte, else the head's columns serve it
+        embed_tile_k = ceil_div(cfg.n_embd, ef.a_len)
+        if not copy and ef.a_len != head_t.rows:  # the head's K-lines run on into the embedding's lines
             raise ProgramError(
                 f"embed has {ef.a_len} K chunks, the head {head_t.rows} K-lines: they must match"
             )
-        embed_tile_k = ceil_div(cfg.n_embd, ef.a_len)
-        if embed_tile_k != head_t.tile_k:
+        if not copy and embed_tile_k != head_t.tile_k:
             raise ProgramError(f"embed chunks of {embed_tile_k} values, head K-lines of {head_t.tile_k}")
-        copy = "wte" in embed.symbols  # the embedding's own copy of wte, else the head's columns serve it
         head_pes = [hf.pe(r, c) for r in range(head_t.rows) for c in range(head_t.cols)]
         embed_pes = [ef.pe(i, j) for i in range(ef.a_len) for j in range(ef.b_len)]
 

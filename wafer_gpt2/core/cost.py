@@ -294,12 +294,18 @@ def reduction_options(n: int) -> list[tuple[Reduction, int]]:
     return chain + [("two_level", g) for g in range(2, n) if n > 2]
 
 
+@lru_cache(maxsize=1024)  # the planner asks again for every candidate of the same width
 def gemv_reduction_options(n: int) -> list[tuple[Reduction, int, int]]:
     """(kind, group, end_group) of every reduction a GEMV's K-lines of n PEs can take: those of
     `reduction_options`, and the three-level ones `three_level_fits` allows (wafer_gpt2/kernels/pe/gemv.csl
-    gives the third level an input queue of its own; the other users of comm/reduce.csl have none left)."""
+    gives the third level an input queue of its own; the other users of comm/reduce.csl have none left):
+    the run lengths g and e with g * e a divisor of n, in order of g then e."""
     three: list[tuple[Reduction, int, int]] = [
-        ("three_level", g, e) for g in range(2, n) for e in range(2, n) if three_level_fits(n, g, e)
+        ("three_level", g, e)
+        for g in range(2, n)
+        if n % g == 0
+        for e in range(2, n // g)
+        if three_level_fits(n, g, e)
     ]
     return [(kind, g, 0) for kind, g in reduction_options(n)] + three
 

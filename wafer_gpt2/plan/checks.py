@@ -13,7 +13,7 @@ from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, Norm
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.structure import DTYPES, OBJECTIVES, Plan, PlanError, Region, Route
 from wafer_gpt2.plan.symbols import attention_symbols, gemv_symbols, head_symbols, norm_symbols, pe_bytes
-from wafer_gpt2.plan.tilings import LayerTilings
+from wafer_gpt2.plan.tilings import LayerTilings, strip_norm
 
 # Each layer LayerNorm strip and the GEMV its LayerNorm is folded into (`GemvTiling.norm_fold`).
 FOLDED_INTO = {"ln_1": "qkv", "ln_2": "fc"}
@@ -80,7 +80,8 @@ def memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> t
         "fc": (lt.fc, "gemv"),
         "proj": (lt.proj, "gemv"),
         "head": (head, "embed_head"),
-        "ln_f": (lt.ln_f, "layernorm"),  # the layers' strips only pass x on
+        # the layers' strips only pass x on; the final LayerNorm spans the head's strip
+        "ln_f": (strip_norm(head.gemv.k, head.gemv.rows, normalise=True), "layernorm"),
     }
     ratio, name, need, program = max(
         (_tiling_pe_bytes(t, dtype) / arch.data_bytes(program), name, _tiling_pe_bytes(t, dtype), program)

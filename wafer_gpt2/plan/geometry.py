@@ -13,7 +13,9 @@ stream, T = head_groups * fold, Lc = attention columns, F = FC output columns:
 The next layer starts at x = 2R + Lc: its ln_1 sits right above this layer's res_2, its qkv above this
 layer's proj. Every GEMV hands its output to the next one along the axis that one multicasts on, so
 orientations alternate (k_along_x, k_along_y, ...) and nothing is transposed. West of the layers a
-strip of R columns holds the I/O ports, the LM head (wte^T, tied), the final LayerNorm and the top-k.
+strip of S columns (R, or more where a small replica leaves them: `Knobs.strip_pes`) holds the I/O
+ports, the LM head (wte^T, tied), the final LayerNorm and the top-k; the stream enters and leaves it
+by gather lines, which re-cut its chunks.
 The embedding, a copy of wte and wpe by rows, fills layer 0's columns under its ln_1, where a later
 layer has the previous one's res_2 and proj: its columns are ln_1's chunks, so it hands off as lanes.
 Where the copy needs more rows than that (narrow strips, whose PEs hold few rows of the tables), there
@@ -24,7 +26,7 @@ of the strip, which hand off to layer 0 as a gather line.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from wafer_gpt2.core.abi import LAYER_OPS
 from wafer_gpt2.core.arch import Arch
@@ -97,7 +99,7 @@ class Geometry:
     """Where everything of one replica goes, as arithmetic (no Region objects): cheap enough to
     evaluate for every candidate. Coordinates are relative to the replica's top-left corner."""
 
-    r: int  # stream PEs (width of the head strip and of every strip)
+    r: int  # stream PEs (width of every strip of the layers)
     t_rows: int
     lc: int
     f: int
@@ -109,6 +111,7 @@ class Geometry:
     positions_per_pe: int  # wpe rows per embedding PE
     head_cols: int
     dirs: Dirs
+    s: int  # PEs across the west strip (the head's K-lines, ln_f, and the embedding where it lies there)
 
     @property
     def pitch(self) -> int:
@@ -124,7 +127,7 @@ class Geometry:
 
     @property
     def width(self) -> int:
-        return self.r + self.band_w
+        return self.s + self.band_w
 
     @property
     def layer_pes(self) -> int:
@@ -155,7 +158,7 @@ class Geometry:
         at the top). Either way ln_f's output runs up the head, whose
         rounds end on its centre column's root, which sends the output record up to io.out
         (`wafer_gpt2.core.cost.head_cost`)."""
-        e, v, r = self.embed_rows, self.head_cols, self.r
+        e, v, r = self.embed_rows, self.head_cols, self.s
         if self.embed_copy:
             x, y, _, h = self.embed_rect()
             return {
@@ -201,9 +204,21 @@ class Geometry:
             axes = {k: _mirror(v) for k, v in axes.items()}
         else:
             axes = dict(axes)  # the cached table's stays as it is
-        return kind, self.r + lx, band * self.band_h + y, w, h, axes
+        return kind, self.s + lx, band * self.band_h + y, w, h, axes
+
+    @cached_property
+    def _rects(self) -> dict[str, tuple[int, int, int, int]]:
+        """`rect`'s answers so far: the search asks every candidate's routes and stages for the same
+        few regions many times (a frozen dataclass's instance dictionary still takes the cache)."""
+        return {}
 
     def rect(self, name: str) -> tuple[int, int, int, int]:
+        found = self._rects.get(name)
+        if found is None:
+            found = self._rects[name] = self._rect(name)
+        return found
+
+    def _rect(self, name: str) -> tuple[int, int, int, int]:
         if name.startswith("L"):
             layer, op = name[1:].split(".", 1)
             return self.layer_rect(int(layer), op)[1:5]
@@ -310,18 +325,22 @@ def replica_geometry(
     config: GPT2Config, knobs: Knobs, arch: Arch, dtype: str, dirs: Dirs
 ) -> Geometry | tuple[float, str]:
     """The replica's geometry, or (how far over, which limit of the kernel area it exceeds)."""
-    r = knobs.stream_pes
+    r, s = knobs.stream_pes, knobs.strip
     t_rows = config.n_head * knobs.fold
     lc = ceil_div(knobs.attn_chain, knobs.fold)
-    tile_k = ceil_div(config.n_embd, r)
-    # the copy of wte under layer 0's ln_1 where its rows fit there (F + 1), else wpe alone in the strip
-    embed_rows, tokens_per_pe, positions_per_pe = embed_spread(config, tile_k, arch, dtype, copy=True)
+    # the copy of wte under layer 0's ln_1 (in the stream's chunks) where its rows fit there (F + 1),
+    # else wpe alone in the strip (in the strip's)
+    embed_rows, tokens_per_pe, positions_per_pe = embed_spread(
+        config, ceil_div(config.n_embd, r), arch, dtype, copy=True
+    )
     if embed_rows > knobs.fc_cols + 1:
-        embed_rows, tokens_per_pe, positions_per_pe = embed_spread(config, tile_k, arch, dtype, copy=False)
+        embed_rows, tokens_per_pe, positions_per_pe = embed_spread(
+            config, ceil_div(config.n_embd, s), arch, dtype, copy=False
+        )
     pitch = 2 * r + lc
-    per_band = (arch.kernel_w - 2 * r) // pitch
+    per_band = (arch.kernel_w - s - r) // pitch
     if per_band < 1:
-        need = pitch + 2 * r
+        need = pitch + r + s
         return need / arch.kernel_w, (
             f"one layer and the head strip are {need} PEs wide, "
             f"{need - arch.kernel_w} over the kernel width {arch.kernel_w}"
@@ -344,6 +363,7 @@ def replica_geometry(
         positions_per_pe,
         knobs.head_cols,
         dirs,
+        s,
     )
     if g.strip_h > arch.kernel_h:
         return g.strip_h / arch.kernel_h, (
@@ -359,6 +379,7 @@ def replica_geometry(
     return g
 
 
+@lru_cache(maxsize=1024)  # the search asks it for every candidate and band count
 def embed_spread(config: GPT2Config, tile_k: int, arch: Arch, dtype: str, copy: bool) -> tuple[int, int, int]:
     """(rows, wte rows per PE, wpe rows per PE) of the embedding: each PE holds its dim chunk of a block
     of the positions, and with a `copy` of wte of a block of the vocabulary too (+ its fixed buffers),

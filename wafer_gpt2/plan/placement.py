@@ -40,7 +40,6 @@ def place_replica(
     """Regions and routes of one replica with its top-left corner at (ox, oy)."""
     regions: list[Region] = []
     strip = geo.strip_rects()
-    tile_k = ceil_div(config.n_embd, geo.r)
     strip_content = {
         "io.in": ("io", io_symbols(head.top_k, True), None, {}),
         # column 0 at the bottom, next to ln_f: ln_f's output runs up the head (geometry.strip_rects)
@@ -60,7 +59,7 @@ def place_replica(
         )
     # the embedding: its row 0 (which sends) its top row
     x, y, w, h = geo.embed_rect()
-    symbols = embed_symbols(geo.tokens_per_pe, geo.positions_per_pe, tile_k, dtype)
+    symbols = embed_symbols(geo.tokens_per_pe, geo.positions_per_pe, ceil_div(config.n_embd, w), dtype)
     axes = {"k": geo.embed_k_axis, "row": "+y"}
     embed = Region("embed", "embed", None, replica, ox + x, oy + y, w, h, with_cycles(symbols), None, 0, axes)
     regions.insert(1, embed)  # in the order a token meets them: io.in, the embedding, ...
@@ -88,7 +87,7 @@ def place_replica(
             regions.append(
                 Region(f"L{layer}.{op}", kind, layer, replica, ox + x, oy + y, w, h, symbols, tiling, 0, axes)
             )
-    _widen_multicast_readers(regions, geo, tile_k * geo.r)
+    _widen_multicast_readers(regions, geo, config.n_embd)
     routes = []
     for name, src, dst in geo.routes():
         hops, legs = geo.route_legs(src, dst)
@@ -99,14 +98,16 @@ def place_replica(
     return regions, routes
 
 
-def _widen_multicast_readers(regions: list[Region], geo: Geometry, payload: int) -> None:
+def _widen_multicast_readers(regions: list[Region], geo: Geometry, n_embd: int) -> None:
     """Size the input array of every region fed by a gather line and a multicast (not lanes) to the
-    whole payload (`Geometry.multicast_readers`: a layer's ln_1 and the qkv behind it, a residual
-    strip's skip input, ln_f)."""
+    whole payload, every source's chunk of the stream (`Geometry.multicast_readers`: a layer's ln_1 and
+    the qkv behind it, a residual strip's skip input, ln_f)."""
     by_name = {r.name: r for r in regions}
     for _, src, dst in geo.routes():
         if not geo.gathered(src, dst):
             continue
+        sources = geo.rect(src)[2]
+        payload = sources * ceil_div(n_embd, sources)
         for name in geo.multicast_readers(dst):
             region = by_name[name]
             symbol = _MULTICAST_READS[name.rsplit(".", 1)[-1]]

@@ -9,7 +9,7 @@ from functools import lru_cache
 
 from wafer_gpt2.core.arch import Arch, resolve_arch
 from wafer_gpt2.core.cost import CLOCK_HZ, StageCost
-from wafer_gpt2.core.tiling import AttentionTiling, HeadTiling, ceil_div
+from wafer_gpt2.core.tiling import AttentionTiling, HeadTiling, NormTiling, ceil_div
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.checks import (
     assign_colors,
@@ -26,7 +26,7 @@ from wafer_gpt2.plan.placement import place_replica
 from wafer_gpt2.plan.stages import layer_stage_costs, outer_stage_costs, token_critical_path
 from wafer_gpt2.plan.structure import Knobs, LayerPlan, Plan, PlanError, Region, Route
 from wafer_gpt2.plan.symbols import attention_symbols, pe_bytes
-from wafer_gpt2.plan.tilings import LayerTilings, head_tiling, layer_tilings
+from wafer_gpt2.plan.tilings import LayerTilings, head_tiling, layer_tilings, strip_norm
 
 
 def _positions_per_pe_max(config: GPT2Config, arch: Arch, dtype: str, slots: int, context: int) -> int:
@@ -113,6 +113,7 @@ class PricedCandidate:
     knobs: Knobs
     tilings: LayerTilings
     head: HeadTiling
+    ln_f: NormTiling  # the final LayerNorm, across the west strip
     geometry: Geometry
     replicas_fit: int  # how many replicas of this footprint the kernel holds
     layer_stages: list[StageCost]  # one layer's stages
@@ -154,9 +155,34 @@ def price_candidates(
     """Every candidate size of the planner's search, checked against the per-PE memory and the kernel
     area and priced by the cycle model (one replica at the kernel's corner); `build_plan` picks from these.
     `pack` (the throughput objective): each size also with the band count that fits the most replicas
-    in the kernel, where that is more bands than fewest (`Knobs.bands`)."""
+    in the kernel, where that is more bands than fewest (`Knobs.bands`), then FC and the west strip
+    grown into the rows and columns those replicas leave. The last search is kept: a report plans one,
+    two, four and as many replicas as fit from the same one (callers read it, never change it)."""
     arch = resolve_arch(arch)
     context = check_request(config, dtype, slots, context, top_k)
+    request = (config, arch, dtype, slots, context, top_k, compact, pack)
+    try:
+        hash(request)
+    except TypeError:  # a config that cannot be a key: searched every time
+        return _search(*request)
+    return _kept_search(*request)
+
+
+@lru_cache(maxsize=1)  # the last search: a report asks it for each replica count in turn
+def _kept_search(*request) -> CandidateSearch:
+    return _search(*request)
+
+
+def _search(
+    config: GPT2Config,
+    arch: Arch,
+    dtype: str,
+    slots: int,
+    context: int,
+    top_k: int,
+    compact: bool,
+    pack: bool,
+) -> CandidateSearch:
     priced: list[PricedCandidate] = []
     closest: tuple[float, str] | None = None
     area: tuple[float, str] | None = None  # the closest of those that fit the memory
@@ -165,7 +191,7 @@ def price_candidates(
         lt = _layer_tilings(
             config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
         )
-        head = _head_tiling(config, knobs.stream_pes, knobs.head_cols, top_k, arch, dtype)
+        head = _head_tiling(config, knobs.strip, knobs.head_cols, top_k, arch, dtype)
         over = memory_over(lt, head, dtype, arch)
         if over is not None:
             closest = _closer(closest, over)
@@ -178,17 +204,16 @@ def price_candidates(
         shapes = [(knobs, geo)]
         if pack:
             shapes += _packed(config, knobs, geo, arch, dtype, dirs)
-            # the shape that fits the most replicas (the last) also with FC into the rows they leave
+            # the shape that fits the most replicas (the last) also with FC into the rows they leave,
+            # and that one also with the west strip as wide as the columns they leave
             shapes += _fc_filled(config, *shapes[-1], slots, context, arch, dtype, head)
+            shapes += _strip_widened(config, *shapes[-1], slots, context, arch, dtype, top_k)
         for k, g in shapes:
-            tilings = (
-                lt
-                if k.fc_cols == knobs.fc_cols
-                else _layer_tilings(
-                    config, k.stream_pes, k.fold, k.attn_chain, k.fc_cols, slots, context, arch, dtype
-                )
+            tilings = _layer_tilings(
+                config, k.stream_pes, k.fold, k.attn_chain, k.fc_cols, slots, context, arch, dtype
             )
-            priced.append(_priced(len(priced), config, k, tilings, head, g, arch, dtype))
+            strip_head = _head_tiling(config, k.strip, k.head_cols, top_k, arch, dtype)
+            priced.append(_priced(len(priced), config, k, tilings, strip_head, g, arch, dtype))
     return CandidateSearch(len(knobs_list), priced, area or closest)
 
 
@@ -244,6 +269,37 @@ def _fc_filled(
     return []
 
 
+def _strip_widened(
+    config: GPT2Config,
+    knobs: Knobs,
+    geo: Geometry,
+    slots: int,
+    context: int,
+    arch: Arch,
+    dtype: str,
+    top_k: int,
+) -> list[tuple[Knobs, Geometry]]:
+    """The same shape with the west strip wider, into the columns the kernel leaves each replica of
+    its row of replicas: the head's K-lines longer and its tiles shorter, whose FMACs are half of the
+    stage that caps a small replica's tokens/s, and as many replicas fit. The widest of the stream's
+    widths (`STREAM_WIDTHS`) that fits; [] where none is wider."""
+    widest = arch.kernel_w // (arch.kernel_w // geo.width) - geo.band_w  # as many replicas side by side
+    strip = max((w for w in STREAM_WIDTHS if geo.s < w <= min(widest, config.n_embd)), default=None)
+    if strip is None:
+        return []
+    widened = replace(knobs, strip_pes=strip)
+    lt = _layer_tilings(
+        config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
+    )
+    head = _head_tiling(config, strip, knobs.head_cols, top_k, arch, dtype)
+    if memory_over(lt, head, dtype, arch) is not None:
+        return []
+    shape = replica_geometry(config, widened, arch, dtype, Dirs.of(lt, head))
+    if isinstance(shape, Geometry) and _replicas_fit(shape, arch) >= _replicas_fit(geo, arch):
+        return [(widened, shape)]
+    return []
+
+
 def _priced(
     index: int,
     config: GPT2Config,
@@ -255,7 +311,8 @@ def _priced(
     dtype: str,
 ) -> PricedCandidate:
     layer_stages = _cached_layer_stages(lt, arch, dtype)
-    outer = outer_stage_costs(config, geo, lt, head, lt.ln_f, arch, dtype, 0)
+    ln_f = strip_norm(config.n_embd, knobs.strip, normalise=True)
+    outer = outer_stage_costs(config, geo, lt, head, ln_f, arch, dtype, 0)
     # The critical path is layer_stages n_layer times plus the outer stages (see `token_critical_path`).
     outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
     layer_cycles = [s.cycles for s in layer_stages]
@@ -263,7 +320,7 @@ def _priced(
     # the initiation interval: the busiest stage (a blocking stage's whole span, StageCost.busy)
     bottleneck = max(s.busy for s in layer_stages + outer[0] + list(outer[1].values()) + outer[2])
     fit = _replicas_fit(geo, arch)
-    return PricedCandidate(index, knobs, lt, head, geo, fit, layer_stages, outer, latency, bottleneck)
+    return PricedCandidate(index, knobs, lt, head, ln_f, geo, fit, layer_stages, outer, latency, bottleneck)
 
 
 def build_plan(
@@ -296,8 +353,10 @@ def _kept_plan(*request) -> Plan:
 
 
 def forget_kept_plans() -> None:
-    """Drop the plans `build_plan` keeps: the next request searches again (for timing the search)."""
+    """Drop the plans `build_plan` keeps and the searches `price_candidates` keeps: the next request
+    searches again (for timing the search)."""
     _kept_plan.cache_clear()
+    _kept_search.cache_clear()
 
 
 def _search_plan(
@@ -369,8 +428,8 @@ def _layer_tilings(
 
 
 @lru_cache(maxsize=1024)
-def _head_tiling(config, stream_pes, head_cols, top_k, arch, dtype) -> HeadTiling:
-    return head_tiling(config, Knobs(stream_pes, 1, 1, 1, head_cols), top_k, arch, dtype)
+def _head_tiling(config, strip_pes, head_cols, top_k, arch, dtype) -> HeadTiling:
+    return head_tiling(config, Knobs(strip_pes, 1, 1, 1, head_cols), top_k, arch, dtype)
 
 
 @lru_cache(maxsize=4096)
@@ -409,7 +468,7 @@ def _assemble(
     for rep in range(replicas):
         row, col = divmod(rep, per_row)
         placed, placed_routes = place_replica(
-            config, geo, lt, head, lt.ln_f, dtype, rep, col * geo.width, row * geo.height
+            config, geo, lt, head, cand.ln_f, dtype, rep, col * geo.width, row * geo.height
         )
         regions.extend(placed)
         routes.extend(placed_routes)
@@ -431,7 +490,7 @@ def _assemble(
         objective=objective,
         replicas=replicas,
         layers=layers,
-        ln_f=lt.ln_f,
+        ln_f=cand.ln_f,
         head=head,
         regions=regions,
         knobs=cand.knobs,

@@ -26,7 +26,7 @@ from wafer_gpt2.core.cost import (
     stream_cycles,
     streams_out,
 )
-from wafer_gpt2.core.tiling import HeadTiling, NormTiling
+from wafer_gpt2.core.tiling import HeadTiling, NormTiling, ceil_div
 from wafer_gpt2.core.wire import HEADER_WORDS, ITEM_WORDS, record_words
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.geometry import Geometry, route_words
@@ -98,14 +98,16 @@ def outer_stage_costs(
     ox: int,
 ) -> tuple[list[StageCost], dict[str, StageCost], list[StageCost]]:
     """(stages before layer 0, band turns by layer, stages after the last layer) of the critical path."""
-    chunk = lt.ln.chunk
     ends = {n: (a, b) for n, a, b in geo.routes()}
 
     def route(name: str) -> int:
         src, dst = ends[name]
         if geo.gathered(src, dst):
             # the residual adds send from their input's frame; the embedding sends its row apart
-            return gathered_handoff_cycles(geo.r, chunk, geo.gather_hops(src, dst), framed=src != "embed")
+            sources = geo.rect(src)[2]
+            return gathered_handoff_cycles(
+                sources, ceil_div(config.n_embd, sources), geo.gather_hops(src, dst), framed=src != "embed"
+            )
         hops, _ = geo.route_legs(src, dst)
         return stream_cycles(route_words(name, config, geo, head), hops)
 
@@ -124,17 +126,20 @@ def outer_stage_costs(
     # reaches a member a hop before the member after it in the line, so only its way to the first
     # member is on the path.
     rows = geo.embed_rows if geo.embed_copy else geo.embed_rows + geo.head_cols
-    kind, group = embed_reduction(arch, rows, chunk, head=not geo.embed_copy)
+    embed_chunk = ceil_div(config.n_embd, geo.embed_rect()[2])
+    kind, group = embed_reduction(arch, rows, embed_chunk, head=not geo.embed_copy)
     embed = StageCost("embed")
     embed.add(
         "request to the lines' first PE",
         stream_cycles(REQUEST_WORDS, _request_hops(geo)) + TASK_ACTIVATION_CYCLES,
     )
     if geo.embed_copy:
-        embed.add("the first PE's rows added (one @map)", DSD_OP_START_CYCLES + MAP_STEP_CYCLES * chunk)
+        embed.add("the first PE's rows added (one @map)", DSD_OP_START_CYCLES + MAP_STEP_CYCLES * embed_chunk)
     how = "chained" if kind == "chain" else f"{kind} (runs of {group})"
     through = "the embedding's rows" if geo.embed_copy else "the head's columns and the wpe rows"
-    embed.add(f"wte and wpe chunks reduced through {through}, {how}", reduce_cycles(kind, rows, chunk, group))
+    embed.add(
+        f"wte and wpe chunks reduced through {through}, {how}", reduce_cycles(kind, rows, embed_chunk, group)
+    )
     # embed.csl on row 0: the request's header copied into x's frame (while the line's sum is in the
     # fabric, where the line is longer than one PE), a task when the sum is in, the header and the sum
     # sent in one operation

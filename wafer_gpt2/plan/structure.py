@@ -119,6 +119,13 @@ class Knobs:
     # next to the head strip instead of across the wafer
     bands: int = 0  # at least this many bands of layers (0: as few as the kernel's width allows): more,
     # shorter bands make a squarer replica, of which more can fit the kernel
+    strip_pes: int = 0  # PEs across the west strip (the LM head's K-lines, ln_f, an embedding there);
+    # 0: as many as the stream's. A wider strip shortens the head's tile FMACs, which cap a small replica
+
+    @property
+    def strip(self) -> int:
+        """PEs across the west strip."""
+        return self.strip_pes or self.stream_pes
 
 
 @dataclass
@@ -249,6 +256,7 @@ class Plan:
                 "attention_chain": self.knobs.attn_chain,
                 "fc_cols": self.knobs.fc_cols,
                 "head_cols": self.knobs.head_cols,
+                "strip_pes": self.knobs.strip,
             },
             "regions": [
                 {
@@ -322,7 +330,8 @@ class Plan:
             f"(replica footprint {self.footprint[0]}x{self.footprint[1]})",
             f"  sizes: residual stream on {k.stream_pes} PEs, attention {self.layers[0].attn.head_groups} head groups "
             f"x fold {k.fold} x chain {k.attn_chain}, FC {k.fc_cols} output columns, LM head {k.head_cols} vocab "
-            f"columns ({self.candidates_explored} candidates explored)",
+            f"columns{f' x {k.strip} PEs' if k.strip != k.stream_pes else ''} "
+            f"({self.candidates_explored} candidates explored)",
             f"  PEs used: {self.pes_used:,} of {a.kernel_pes:,} ({100 * self.pes_used / a.kernel_pes:.1f}%); "
             f"SRAM planned {self.sram_bytes_used / 2**20:,.1f} MiB; fullest PE {fullest.max_pe_bytes:,} B "
             f"({fullest.name}) of the {a.budget_words(program_of(fullest.kind, fullest.name))}",

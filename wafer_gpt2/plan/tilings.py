@@ -3,7 +3,7 @@ each with the reduction the cycle model finds fastest."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from wafer_gpt2.core.arch import Arch
@@ -30,20 +30,14 @@ class LayerTilings:
     fc: GemvTiling
     proj: GemvTiling
 
-    @property
-    def ln_f(self) -> NormTiling:
-        """The final LayerNorm: the layers' strip, normalising (the LM head has no LayerNorm folded in)."""
-        return replace(self.ln, normalise=True)
-
 
 def layer_tilings(
     config: GPT2Config, knobs: Knobs, slots: int, context: int, arch: Arch, dtype: str
 ) -> LayerTilings:
     c, r, heads = config.n_embd, knobs.stream_pes, config.n_head
     t_rows = heads * knobs.fold
-    kind, group = _scalar_reduction(r)
     # ln_1 and ln_2 pass x on; qkv and fc normalise it (the LayerNorm folded in, wafer_gpt2/core/tiling.py)
-    ln = NormTiling(c, r, reduction=kind, axis="x", group=group, normalise=False)
+    ln = strip_norm(c, r, normalise=False)
     best = best_gemv_reduction
     # a head group's columns (fold of them) hold its [k | q | v] contiguous: attention reads q in place
     qkv = GemvTiling(
@@ -66,11 +60,19 @@ def layer_tilings(
     return LayerTilings(ln, qkv, attn, o, fc, proj)
 
 
+@lru_cache(maxsize=256)
+def strip_norm(dim: int, pes: int, normalise: bool) -> NormTiling:
+    """A LayerNorm over `pes` PEs of a strip, its statistics all-reduced the way the model prices
+    fastest. The final LayerNorm (`normalise`: the LM head has none folded in) spans the west strip."""
+    kind, group = _scalar_reduction(pes)
+    return NormTiling(dim, pes, reduction=kind, axis="x", group=group, normalise=normalise)
+
+
 @lru_cache(maxsize=1024)  # the search asks again for every candidate with the same strip
 def _scalar_reduction(pes: int) -> tuple[Reduction, int]:
     return min(reduction_options(pes), key=lambda kg: allreduce_cycles(kg[0], pes, NORM_STAT_WORDS, kg[1]))
 
 
 def head_tiling(config: GPT2Config, knobs: Knobs, top_k: int, arch: Arch, dtype: str) -> HeadTiling:
-    gemv = GemvTiling(config.n_embd, config.vocab_size, knobs.stream_pes, knobs.head_cols, "k_along_x")
+    gemv = GemvTiling(config.n_embd, config.vocab_size, knobs.strip, knobs.head_cols, "k_along_x")
     return best_head(HeadTiling(config.vocab_size, config.n_embd, gemv, top_k), arch, dtype)
