@@ -251,6 +251,21 @@ def test_throughput_plans_take_the_rows_and_columns_their_replicas_leave(shape, 
     assert plan.modeled()["tokens_per_s_total"] > 1.04 * without.modeled()["tokens_per_s_total"]
 
 
+def test_a_throughput_plan_capped_by_a_stage_takes_the_fastest_token() -> None:
+    """One replica of gpt2 at 16 slots is capped by the head's occupancy, which many sizes share:
+    among them the plan takes the fastest token (then the smallest footprint), not the largest."""
+    plan = plan_for("gpt2", "wse2", objective="throughput", replicas=1)
+    search = price_candidates(PRESETS["gpt2"], "wse2", pack=True)
+
+    def per_replica(c) -> float:
+        return min(plan.slots * cost.CLOCK_HZ / c.decode_cycles, cost.CLOCK_HZ / c.bottleneck_cycles)
+
+    best = max(per_replica(c) for c in search.priced)
+    tied = [c for c in search.priced if per_replica(c) == best]
+    assert len(tied) > 1 and plan.modeled()["tokens_per_s_total"] == pytest.approx(best)
+    assert plan.decode_cycles == min(c.decode_cycles for c in tied)
+
+
 def test_custom_small_config_and_regions_of() -> None:
     config = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=128, name="small")
     plan = build_plan(config, slots=4)

@@ -400,12 +400,16 @@ def _search_plan(
                 )
             continue
         per_replica = min(slots * CLOCK_HZ / cand.decode_cycles, CLOCK_HZ / cand.bottleneck_cycles)
+        score: tuple[float, ...]
         if objective == "compact":
-            score = cand.footprint_pes * (1 + 1e-12 * cand.decode_cycles)
-        else:
-            score = cand.decode_cycles if objective == "latency" else -per_replica * wanted
+            score = (cand.footprint_pes * (1 + 1e-12 * cand.decode_cycles),)
+        elif objective == "latency":
             # Among near-equal candidates prefer the smaller footprint (frees room, keeps the map readable).
-            score *= 1 + 1e-9 * cand.footprint_pes
+            score = (cand.decode_cycles * (1 + 1e-9 * cand.footprint_pes),)
+        else:
+            # Tokens/s capped by one stage's occupancy ties across many sizes: then the faster token,
+            # then the smaller footprint.
+            score = (-per_replica * wanted, cand.decode_cycles, cand.footprint_pes)
         ranked.append((score, cand.index, wanted, cand))
     ranked.sort(key=lambda item: (item[0], item[1]))
     for _, _, wanted, cand in ranked:
