@@ -251,10 +251,10 @@ def _fc_filled(
     tiles are whole (4 n_embd a multiple of it): a ragged tile's outputs seldom divide among fc's
     epilogue PEs, and few heights keep the search's tilings few. [] where none is taller."""
     fit = _replicas_fit(geo, arch)
+    hidden = 4 * config.n_embd  # fc's outputs
     tallest = arch.kernel_h // (arch.kernel_h // geo.height)  # as many replicas stacked
-    rows = min(tallest // geo.bands - geo.t_rows - 2, 4 * config.n_embd)
-    n = 4 * config.n_embd
-    fc_cols = next((f for f in range(rows, knobs.fc_cols, -1) if n % f == 0), None)
+    rows = min(tallest // geo.bands - geo.t_rows - 2, hidden)
+    fc_cols = next((f for f in range(rows, knobs.fc_cols, -1) if hidden % f == 0), None)
     if fc_cols is None:
         return []
     filled = replace(knobs, fc_cols=fc_cols)
