@@ -158,20 +158,20 @@ class Geometry:
         at the top). Either way ln_f's output runs up the head, whose
         rounds end on its centre column's root, which sends the output record up to io.out
         (`wafer_gpt2.core.cost.head_cost`)."""
-        e, v, r = self.embed_rows, self.head_cols, self.s
+        e, v, s = self.embed_rows, self.head_cols, self.s
         if self.embed_copy:
             x, y, _, h = self.embed_rect()
             return {
                 "io.out": (0, 0, 1, 1),
                 "io.in": (x, y + h, 1, 1) if self.embed_rows <= self.f else (1, 0, 1, 1),
-                "head": (0, 1, r, v),
-                "ln_f": (0, 1 + v, r, 1),
+                "head": (0, 1, s, v),
+                "ln_f": (0, 1 + v, s, 1),
             }
         return {
             "io.out": (0, 0, 1, 1),
-            "embed": (0, 1, r, e),
-            "head": (0, 1 + e, r, v),
-            "ln_f": (0, 1 + e + v, r, 1),
+            "embed": (0, 1, s, e),
+            "head": (0, 1 + e, s, v),
+            "ln_f": (0, 1 + e + v, s, 1),
             "io.in": (0, 2 + e + v, 1, 1),
         }
 

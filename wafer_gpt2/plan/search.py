@@ -206,7 +206,7 @@ def _search(
             shapes += _packed(config, knobs, geo, arch, dtype, dirs)
             # the shape that fits the most replicas (the last) also with FC into the rows they leave,
             # and that one also with the west strip as wide as the columns they leave
-            shapes += _fc_filled(config, *shapes[-1], slots, context, arch, dtype, head)
+            shapes += _fc_filled(config, *shapes[-1], slots, context, arch, dtype, top_k)
             shapes += _strip_widened(config, *shapes[-1], slots, context, arch, dtype, top_k)
         for k, g in shapes:
             tilings = _layer_tilings(
@@ -242,31 +242,21 @@ def _fc_filled(
     context: int,
     arch: Arch,
     dtype: str,
-    head: HeadTiling,
+    top_k: int,
 ) -> list[tuple[Knobs, Geometry]]:
     """The same shape with FC and proj taller, into the rows the kernel leaves each replica of its
     column of replicas (the head strip, or the kernel's height over the replicas it stacks, is often
     taller than the bands): FC's and proj's tile FMACs, which a small replica's latency is mostly made
-    of, shrink with every row they take, and the replicas that fit stay as many. The tallest whose
-    tiles are whole (4 n_embd a multiple of it): a ragged tile's outputs seldom divide among fc's
-    epilogue PEs, and few heights keep the search's tilings few. [] where none is taller."""
-    fit = _replicas_fit(geo, arch)
+    of, shrink with every row they take. The tallest whose tiles are whole (4 n_embd a multiple of
+    it): a ragged tile's outputs seldom divide among fc's epilogue PEs, and few heights keep the
+    search's tilings few. [] where none is taller or fits as many replicas."""
     hidden = 4 * config.n_embd  # fc's outputs
     tallest = arch.kernel_h // (arch.kernel_h // geo.height)  # as many replicas stacked
     rows = min(tallest // geo.bands - geo.t_rows - 2, hidden)
     fc_cols = next((f for f in range(rows, knobs.fc_cols, -1) if hidden % f == 0), None)
     if fc_cols is None:
         return []
-    filled = replace(knobs, fc_cols=fc_cols)
-    lt = _layer_tilings(
-        config, knobs.stream_pes, knobs.fold, knobs.attn_chain, fc_cols, slots, context, arch, dtype
-    )
-    if memory_over(lt, head, dtype, arch) is not None:
-        return []
-    shape = replica_geometry(config, filled, arch, dtype, Dirs.of(lt, head))
-    if isinstance(shape, Geometry) and _replicas_fit(shape, arch) >= fit:
-        return [(filled, shape)]
-    return []
+    return _as_many_replicas(config, replace(knobs, fc_cols=fc_cols), geo, slots, context, arch, dtype, top_k)
 
 
 def _strip_widened(
@@ -281,22 +271,36 @@ def _strip_widened(
 ) -> list[tuple[Knobs, Geometry]]:
     """The same shape with the west strip wider, into the columns the kernel leaves each replica of
     its row of replicas: the head's K-lines longer and its tiles shorter, whose FMACs are half of the
-    stage that caps a small replica's tokens/s, and as many replicas fit. The widest of the stream's
-    widths (`STREAM_WIDTHS`) that fits; [] where none is wider."""
+    stage that caps a small replica's tokens/s. The widest of the stream's widths (`STREAM_WIDTHS`)
+    that fits; [] where none is wider or fits as many replicas."""
     widest = arch.kernel_w // (arch.kernel_w // geo.width) - geo.band_w  # as many replicas side by side
     strip = max((w for w in STREAM_WIDTHS if geo.s < w <= min(widest, config.n_embd)), default=None)
     if strip is None:
         return []
-    widened = replace(knobs, strip_pes=strip)
+    return _as_many_replicas(config, replace(knobs, strip_pes=strip), geo, slots, context, arch, dtype, top_k)
+
+
+def _as_many_replicas(
+    config: GPT2Config,
+    knobs: Knobs,
+    geo: Geometry,
+    slots: int,
+    context: int,
+    arch: Arch,
+    dtype: str,
+    top_k: int,
+) -> list[tuple[Knobs, Geometry]]:
+    """[(knobs, their geometry)] where their tilings fit the per-PE memory and as many replicas fit
+    the kernel as of `geo`; [] otherwise."""
     lt = _layer_tilings(
         config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
     )
-    head = _head_tiling(config, strip, knobs.head_cols, top_k, arch, dtype)
+    head = _head_tiling(config, knobs.strip, knobs.head_cols, top_k, arch, dtype)
     if memory_over(lt, head, dtype, arch) is not None:
         return []
-    shape = replica_geometry(config, widened, arch, dtype, Dirs.of(lt, head))
+    shape = replica_geometry(config, knobs, arch, dtype, Dirs.of(lt, head))
     if isinstance(shape, Geometry) and _replicas_fit(shape, arch) >= _replicas_fit(geo, arch):
-        return [(widened, shape)]
+        return [(knobs, shape)]
     return []
 
 
