@@ -206,8 +206,12 @@ def _search(
             shapes += _packed(config, knobs, geo, arch, dtype, dirs)
             # the shape that fits the most replicas (the last) also with FC into the rows they leave,
             # and that one also with the west strip as wide as the columns they leave
-            shapes += _fc_filled(config, *shapes[-1], slots, context, arch, dtype, top_k)
-            shapes += _strip_widened(config, *shapes[-1], slots, context, arch, dtype, top_k)
+            for grow in (_fc_filled, _strip_widened):
+                grown = grow(config, *shapes[-1], arch)
+                if grown is not None:
+                    shapes += _as_many_replicas(
+                        config, grown, shapes[-1][1], slots, context, arch, dtype, top_k
+                    )
         for k, g in shapes:
             tilings = _layer_tilings(
                 config, k.stream_pes, k.fold, k.attn_chain, k.fc_cols, slots, context, arch, dtype
@@ -234,50 +238,28 @@ def _packed(
     return [] if best is None else [(replace(knobs, bands=best.bands), best)]
 
 
-def _fc_filled(
-    config: GPT2Config,
-    knobs: Knobs,
-    geo: Geometry,
-    slots: int,
-    context: int,
-    arch: Arch,
-    dtype: str,
-    top_k: int,
-) -> list[tuple[Knobs, Geometry]]:
-    """The same shape with FC and proj taller, into the rows the kernel leaves each replica of its
+def _fc_filled(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) -> Knobs | None:
+    """The same knobs with FC and proj taller, into the rows the kernel leaves each replica of its
     column of replicas (the head strip, or the kernel's height over the replicas it stacks, is often
     taller than the bands): FC's and proj's tile FMACs, which a small replica's latency is mostly made
     of, shrink with every row they take. The tallest whose tiles are whole (4 n_embd a multiple of
     it): a ragged tile's outputs seldom divide among fc's epilogue PEs, and few heights keep the
-    search's tilings few. [] where none is taller or fits as many replicas."""
+    search's tilings few. None where none is taller."""
     hidden = 4 * config.n_embd  # fc's outputs
     tallest = arch.kernel_h // (arch.kernel_h // geo.height)  # as many replicas stacked
     rows = min(tallest // geo.bands - geo.t_rows - 2, hidden)
     fc_cols = next((f for f in range(rows, knobs.fc_cols, -1) if hidden % f == 0), None)
-    if fc_cols is None:
-        return []
-    return _as_many_replicas(config, replace(knobs, fc_cols=fc_cols), geo, slots, context, arch, dtype, top_k)
+    return None if fc_cols is None else replace(knobs, fc_cols=fc_cols)
 
 
-def _strip_widened(
-    config: GPT2Config,
-    knobs: Knobs,
-    geo: Geometry,
-    slots: int,
-    context: int,
-    arch: Arch,
-    dtype: str,
-    top_k: int,
-) -> list[tuple[Knobs, Geometry]]:
-    """The same shape with the west strip wider, into the columns the kernel leaves each replica of
+def _strip_widened(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) -> Knobs | None:
+    """The same knobs with the west strip wider, into the columns the kernel leaves each replica of
     its row of replicas: the head's K-lines longer and its tiles shorter, whose FMACs are half of the
     stage that caps a small replica's tokens/s. The widest of the stream's widths (`STREAM_WIDTHS`)
-    that fits; [] where none is wider or fits as many replicas."""
+    that fits; None where none is wider."""
     widest = arch.kernel_w // (arch.kernel_w // geo.width) - geo.band_w  # as many replicas side by side
     strip = max((w for w in STREAM_WIDTHS if geo.s < w <= min(widest, config.n_embd)), default=None)
-    if strip is None:
-        return []
-    return _as_many_replicas(config, replace(knobs, strip_pes=strip), geo, slots, context, arch, dtype, top_k)
+    return None if strip is None else replace(knobs, strip_pes=strip)
 
 
 def _as_many_replicas(
