@@ -3,6 +3,8 @@ PE, S per DSD operation started, T per task activation, 20 per exp, fp16 SIMD 4 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from wafer_gpt2.core import calibration, cost
@@ -302,6 +304,30 @@ def test_head_cost_adds_up_and_the_planner_takes_the_cheapest() -> None:
     assert cost.head_cost(best, "wse2", "fp16").cycles <= c.cycles
     assert cost.worker_options(GemvTiling(16, 256, 4, 2, "k_along_x")) == [1, 2]  # fewer than the K-line's 4
     assert cost.worker_options(GemvTiling(16, 256, 1, 2, "k_along_x")) == []
+
+
+def test_a_head_with_its_rounds_apart_takes_an_item_as_often_as_its_slower_role() -> None:
+    """HeadTiling.apart: the workers and the root after the K-line's weighted PEs. The span grows by
+    the header's way and the sum's through them (each a task, the header's send and the pass's start,
+    a hop); the stage's occupancy is the slower of its two roles, which run different items: a
+    weighted PE's window read, FMACs and chain, and the rounds' PEs' everything after the chain."""
+    gemv = GemvTiling(768, 50257, 24, 262, "k_along_x")
+    head = HeadTiling(vocab=50257, dim=768, gemv=gemv, top_k=64, workers=8, apart=True)
+    assert head.line == 24 + 8 + 1 and head.pes == 33 * 262
+    c = cost.head_cost(head, "wse2", "fp16")
+    hop = STEP + cost.TASK_ACTIVATION_CYCLES + 2 * cost.DSD_OP_START_CYCLES + 5
+    assert c.phases["the chain through the rounds' PEs"] == 9 * hop
+    assert c.phases["chain reduction"] == cost.chain_reduce_cycles(23, 192) + cost.DSD_OP_START_CYCLES + 5
+    weighted, rounds = cost.head_role_cycles(head, c)
+    fmac, chain = c.phases["tile FMAC"], c.phases["chain reduction"]
+    assert weighted == 5 + 32 + cost.TASK_ACTIVATION_CYCLES + fmac + chain
+    assert rounds == c.cycles - c.phases["input to the farthest column"] - fmac - chain
+    assert c.occupancy == c.busy == max(weighted, rounds) < c.cycles
+    # the same K-line with its last PEs as the workers and root: one item at a time
+    together = HeadTiling(vocab=50257, dim=768, gemv=replace(gemv, rows=33), top_k=64, workers=8)
+    assert cost.head_cost(together, "wse2", "fp16").busy > c.busy
+    # best_head keeps the plan's workers apart (they are PEs the plan gave the rounds)
+    assert cost.best_head(head, "wse2", "fp16").workers == 8
 
 
 def test_the_records_sort_is_priced_on_io_out_not_in_the_head() -> None:

@@ -251,6 +251,25 @@ def test_throughput_plans_take_the_rows_and_columns_their_replicas_leave(shape, 
     assert plan.modeled()["tokens_per_s_total"] > 1.04 * without.modeled()["tokens_per_s_total"]
 
 
+def test_a_throughput_plan_capped_by_the_head_runs_its_rounds_apart(monkeypatch) -> None:
+    """At 32 slots the throughput plan is capped by the head, whose rounds take two thirds of its span:
+    with its workers and root on PEs of their own at the strip's east end (HeadTiling.apart), its
+    K-lines take the next item during the rounds, ln_f spans the weighted PEs alone, and the wafer's
+    modeled tokens/s is far above the search's without them."""
+    plan = plan_for("gpt2", "wse2", slots=32, objective="throughput", replicas="auto")
+    check_plan(plan)
+    head, stages = plan.head, {s.name: s for s in plan.stage_costs}
+    assert head.apart and head.workers == plan.knobs.head_workers
+    assert plan.region("head").w == head.line == plan.knobs.strip > head.gemv.rows == plan.region("ln_f").w
+    assert plan.occupancy_cycles == stages["head"].busy < stages["head"].cycles
+    monkeypatch.setattr(search_module, "_head_apart", lambda *args, **kwargs: None)
+    forget_kept_plans()
+    without = build_plan(PRESETS["gpt2"], "wse2", slots=32, objective="throughput", replicas="auto")
+    forget_kept_plans()
+    assert not without.head.apart
+    assert plan.modeled()["tokens_per_s_total"] > 1.3 * without.modeled()["tokens_per_s_total"]
+
+
 def test_a_throughput_plan_capped_by_a_stage_takes_the_fastest_token() -> None:
     """One replica of gpt2 at 16 slots is capped by the head's occupancy, which many sizes share:
     among them the plan takes the fastest token (then the smallest footprint), not the largest."""

@@ -6,7 +6,8 @@
 
 Every PE program is compiled on the executor in a few reference plans that together give it every
 role the generator gives (both dtypes; chains and two-level reductions, a shared epilogue relayed or multicast,
-the head's workers and its tree in two levels: the configurations of tests/test_csl_program.py), and the table keeps, per program,
+the head's workers, its tree in two levels and its rounds apart: the configurations of
+tests/test_csl_program.py), and the table keeps, per program,
 the largest `csl_executor.codesize.program_code_bytes` over its param sets. A few minutes on 2 cores.
 """
 
@@ -69,6 +70,13 @@ def reference_plans(arch: str) -> list[Any]:
         head_tiling = head.tiling
         two.head = head.tiling = replace(head_tiling, tree="two_level", tree_group=3)
         plans.append(two)
+        # the head's workers and root apart, after its K-lines' weighted PEs (a throughput plan's)
+        apart = build_plan(
+            compact, arch=arch, dtype=dtype, slots=4, context=64, top_k=16, objective="throughput", replicas=1
+        )
+        if not apart.head.apart:
+            raise SystemExit("the reference throughput plan no longer runs the head's rounds apart")
+        plans.append(apart)
     return plans
 
 

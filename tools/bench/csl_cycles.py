@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan  # noqa: E402
-from wafer_gpt2.core.cost import attention_cost  # noqa: E402
+from wafer_gpt2.core.cost import attention_cost, head_role_cycles  # noqa: E402
 from wafer_gpt2.core.runtime import from_wire  # noqa: E402
 from wafer_gpt2.core.steps import StepInputs, StepItem  # noqa: E402
 from wafer_gpt2.host.program import CYCLES_SYMBOL, WaferGPT2  # noqa: E402
@@ -65,6 +65,18 @@ def region_spans(model: WaferGPT2, replica: int = 0) -> dict[str, int]:
         runtime.memcpy_d2h(words, symbol, region.x, region.y, region.w, region.h, 4, streaming=False)
         spans[region.name] = int(from_wire(words, np.uint32).reshape(-1, 4)[:, 0].max())
     return spans
+
+
+def head_role_spans(model: WaferGPT2, replica: int = 0) -> tuple[int, int]:
+    """(a weighted PE, the rounds' PEs) of a head with its rounds apart: the largest last-item span of
+    the K-lines' weighted PEs and of the PEs after them (HeadTiling.apart)."""
+    region = model.plan.region("head", replica)
+    words = np.zeros(region.w * region.h * 4, dtype=np.uint32)
+    symbol = model.runtime.get_id(CYCLES_SYMBOL)
+    model.runtime.memcpy_d2h(words, symbol, region.x, region.y, region.w, region.h, 4, streaming=False)
+    spans = from_wire(words, np.uint32).reshape(region.h, region.w, 4)[:, :, 0]  # [y][x]; K along +x
+    rows = model.plan.head.gemv.rows
+    return int(spans[:, :rows].max()), int(spans[:, rows:].max())
 
 
 def region_starts(model: WaferGPT2, runtime: CslExecutorRuntime, replica: int = 0) -> dict[str, int]:
@@ -151,6 +163,12 @@ def main() -> int:
     p.add_argument("--objective", default="compact")
     p.add_argument("--position", type=int, default=32, help="the decode item's position (its context)")
     p.add_argument(
+        "--slots",
+        type=int,
+        default=2,
+        help="KV slots of the plan (4 and more: a throughput plan's head has its rounds apart)",
+    )
+    p.add_argument(
         "--idle",
         action="store_true",
         help="score the prompt's last item first, so that the decode item runs on an idle wafer (a "
@@ -159,7 +177,15 @@ def main() -> int:
     p.add_argument("--json", help="write the table here")
     args = p.parse_args()
     config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=args.vocab, n_positions=64, name="tiny")
-    plan = build_plan(config, arch=args.arch, dtype=args.dtype, slots=2, context=64, objective=args.objective)
+    plan = build_plan(
+        config,
+        arch=args.arch,
+        dtype=args.dtype,
+        slots=args.slots,
+        context=64,
+        objective=args.objective,
+        replicas=1,
+    )
     params = GPT2Params.random(config, seed=3)
     runtime = CslExecutorRuntime(compile_plan(plan))
     model = WaferGPT2(plan, runtime, params)
@@ -174,6 +200,7 @@ def main() -> int:
         runtime.machine.command_times.clear()  # the decode step's commands only
         model.step(StepInputs.of_items([StepItem(0, args.position, 1, want_scores=True)]))
         spans = region_spans(model)
+        roles = head_role_spans(model) if plan.head.apart else None
         starts = region_starts(model, runtime)
         edge_in, edge_out = edges(runtime)
         token = edge_out - edge_in
@@ -194,6 +221,15 @@ def main() -> int:
             {"region": name, "executor": span, "cost_model": model_cycles[name], "ratio": round(ratio, 2)}
         )
         print(f"{name:<14}{span:>10,}{model_cycles[name]:>12,}{ratio:>8.2f}")
+    if roles is not None:
+        head = next(stage for stage in plan.stage_costs if stage.name == "head")
+        for role, span, cost in zip(
+            ("head: weighted", "head: rounds"), roles, head_role_cycles(plan.head, head), strict=True
+        ):
+            rows.append(
+                {"region": role, "executor": span, "cost_model": cost, "ratio": round(span / cost, 2)}
+            )
+            print(f"{role:<14}{span:>10,}{cost:>12,}{span / cost:>8.2f}")
     path = sum(modeled(plan, args.position, whole=True).values())
     rows.append({"region": "token", "executor": token, "cost_model": path, "ratio": round(token / path, 2)})
     print(f"{'token (edge to edge)':<14}{token:>10,}{path:>12,}{token / path:>8.2f}")

@@ -387,7 +387,11 @@ def _slots_table(data: ReportData) -> str:
         "The whole wafer against KV slots per replica (objective throughput, as many replicas as fit, "
         "full context, every slot busy): more slots per replica hold more KV cache, so fewer replicas "
         "fit, and a replica's tokens/s is capped by its slowest stage (a replica takes one item per "
-        "slowest-stage time).\n\n"
+        "slowest-stage time). These rates are the wafer's, for a host that sends each slot's next item "
+        "as its record leaves. The SDK host path does not yet: io.out holds one record and memcpy runs "
+        "one command at a time, so `wafer_gpt2/host/program.py` reads each scored item's record before "
+        "it sends the next (`RECORDS_IN_FLIGHT`), which on a CS-2 would deliver one token per token "
+        "latency for the whole wafer.\n\n"
         + _table(
             [
                 "slots per replica",

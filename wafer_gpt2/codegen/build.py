@@ -357,18 +357,24 @@ class _Builder:
         join the centre; one broadcast from the centre to every worker. Returns the centre."""
         t = head.tiling
         g = t.gemv
-        if g.reduction != "chain" or not 1 <= t.workers < g.rows or g.tile_n % t.workers:
+        most = t.workers if t.apart else g.rows - 1
+        if g.reduction != "chain" or not 1 <= t.workers <= most or g.tile_n % t.workers:
             raise ProgramError(
-                f"{head.name}: threshold selection needs a chain reduction along its K-lines and 1 .. rows - 1 "
+                f"{head.name}: threshold selection needs a chain reduction along its K-lines and 1 .. {most} "
                 f"workers dividing tile_n (rows {g.rows}, tile_n {g.tile_n}, workers {t.workers}, {g.reduction})"
             )
         tag = f"{head.name}@{replica}"
+        line = t.line  # apart: the rounds' PEs (no weights, no lane) after the weighted ones
         for c in range(g.cols):
-            members = [f.pe(r, c) for r in range(g.rows)]
+            members = [f.pe(r, c) for r in range(line)]
             self.reduction(f"{tag}.red{c}", members, "red", "chain", 0)
-            workers = [f.pe(r, c) for r in range(g.rows - 1 - t.workers, g.rows)]  # the root last
+            workers = [f.pe(r, c) for r in range(line - 1 - t.workers, line)]  # the root last
             self.scatter_line(f"{tag}.slices{c}", workers, "worker_slot")
-        roots = [f.pe(g.rows - 1, c) for c in range(g.cols)]
+            if t.apart:
+                self.params[f.pe(g.rows - 1, c)]["header_out"] = True
+                for r in range(g.rows, line):
+                    self.params[f.pe(r, c)].update(weighted=False, embeds=False)
+        roots = [f.pe(line - 1, c) for c in range(g.cols)]
         centre = roots[t.centre]
         left, right = t.tree_halves()
         for pos in roots:
@@ -389,7 +395,7 @@ class _Builder:
             join_role=JOIN_ROOT, join_left=ends[0], join_right=ends[1],
             has_left=ends[0] is not None, has_right=ends[1] is not None,
         )  # fmt: skip
-        workers = [f.pe(r, c) for c in range(g.cols) for r in range(g.rows - 1 - t.workers, g.rows - 1)]
+        workers = [f.pe(r, c) for c in range(g.cols) for r in range(line - 1 - t.workers, line - 1)]
         bcast = self.flow(f"{tag}.answers", centre, workers)
         for pos in workers + [centre]:
             self.params[pos]["bcast_color"] = bcast
@@ -664,6 +670,8 @@ OPTIONAL_OUTPUTS = {
         "has": {"left": False, "right": False},
         "bcast": {"color": None},
         "out": {"color": None},
+        # ln_f's lane, which the rounds' PEs apart do not take
+        "in": {"color": None, "payload": 0, "rows_per_stream": 1},
     },
 }
 # Params a connection sets that a PE program names differently, or does not take.
@@ -699,7 +707,8 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
         elif kind == "embed_head":
             own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,
                        topk_bins=TOPK_BINS, chunk=HEAD_CHUNK, use_fp16=fp16, workers=t.workers,
-                       worker_slot=t.workers, use_col_max=t.gemv.cols >= plan.top_k)  # fmt: skip
+                       worker_slot=t.workers, use_col_max=t.gemv.cols >= plan.top_k, weighted=True,
+                       header_out=False)  # fmt: skip
         elif kind == "embed":
             ppp, tile_k = embed_geometry(region, "wpe", cfg.n_embd)
             tpp = embed_geometry(region, "wte", cfg.n_embd)[0] if "wte" in region.symbols else 0

@@ -334,9 +334,9 @@ class StageCost:
     `first_word`: cycles from the stage's start to its output's first word leaving (None: not priced
     apart; a consumer that works on the stream can start then). `occupancy`: the stage's initiation
     interval, the cycles its busiest PE is taken per item, for a program that takes its next item
-    while the previous one's reductions are still in the fabric; None for a program that blocks (every
-    one today: a PE takes its next item only when its last operation for this one is over), whose
-    occupancy is its whole span (`busy`)."""
+    while the previous one is still in the stage (the LM head with its rounds apart); None for a
+    program that blocks (a PE takes its next item only when its last operation for this one is
+    over), whose occupancy is its whole span (`busy`)."""
 
     name: str
     phases: dict[str, int] = field(default_factory=dict)
@@ -1052,12 +1052,21 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     # 1. the K-lines
     window = max(g.tile_k, gemv_compute_cycles(g, arch, dtype))
     chain = chain_reduce_cycles(g.rows - 1, g.tile_n)
+    through = 0
+    if tiling.apart:
+        # the last weighted PE sends the item's header ahead of its sum; every PE of the rounds takes
+        # the header in a task, sends it on and passes the sum through (the vector streams behind)
+        chain += DSD_OP_START_CYCLES + ITEM_HEADER_WORDS
+        hop = _RELAY + TASK_ACTIVATION_CYCLES + 2 * DSD_OP_START_CYCLES + ITEM_HEADER_WORDS
+        through = (e + 1) * hop + (g.tile_n if g.rows == 1 else 0)
     # The columns' times are arrays (one element per column): the rounds' per-column arithmetic is the
     # planner's inner loop, priced for every candidate head.
-    logits_at = np.arange(cols, dtype=np.int64) * HOP_CYCLES + (link_cycles(1) + window + chain)
+    logits_at = np.arange(cols, dtype=np.int64) * HOP_CYCLES + (link_cycles(1) + window + chain + through)
     cost.add("input to the farthest column", (cols - 1) * HOP_CYCLES + link_cycles(1))
     cost.add("tile FMAC", window)
     cost.add("chain reduction", chain)
+    if tiling.apart:
+        cost.add("the chain through the rounds' PEs", through)
     # 2. the slices (the root's scatter, its first DSD operation; a task on the worker)
     slices = [t + TASK_ACTIVATION_CYCLES for t in _scattered(e + 1, part, DSD_OP_START_CYCLES)]
     # 3. round A: a worker's scan, then its part of the K chain's links (a synchronous operation)
@@ -1125,7 +1134,20 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     cost.add("round C: the entries taken by the centre", int(take))
     record = 2 * (DSD_OP_START_CYCLES + k)  # the ids and the logits into the record
     cost.add("the output record", record + DSD_OP_START_CYCLES)
+    if tiling.apart:  # two items in the stage: it takes one as often as the slower role allows
+        cost.occupancy = max(head_role_cycles(tiling, cost))
     return cost
+
+
+def head_role_cycles(tiling: HeadTiling, cost: StageCost) -> tuple[int, int]:
+    """(a weighted PE, the rounds' PEs): the cycles each role of a head with its rounds apart is
+    taken per item, from its `head_cost`. A weighted PE from its window's read to its sum's send
+    (which waits until the rounds' first PE takes the sum); the rounds' PEs from the sum's way
+    through them to the record, all columns at once (the next item's sums wait at every column, so
+    the columns' skew of the input is gone)."""
+    window, chain = cost.phases["tile FMAC"], cost.phases["chain reduction"]
+    weighted = ITEM_HEADER_WORDS + tiling.gemv.tile_k + TASK_ACTIVATION_CYCLES + window + chain
+    return weighted, cost.cycles - cost.phases["input to the farthest column"] - window - chain
 
 
 def record_sort_cycles(tiling: HeadTiling) -> int:
@@ -1144,18 +1166,19 @@ def record_sort_cycles(tiling: HeadTiling) -> int:
 @lru_cache(maxsize=4096)
 def best_head(tiling: HeadTiling, arch: Arch | str, dtype: str) -> HeadTiling:
     """The head tiling the model finds fastest: its K-lines reduced in a chain (the rounds ride its
-    links), the workers (a divisor of tile_n, fewer than the K-line's PEs) and each half of the roots'
-    tree (a chain, or two levels) the model prices fastest; the workers with a chained tree first,
-    then the tree with those workers."""
+    links), the workers (a divisor of tile_n, fewer than the K-line's PEs; apart, the tiling's own)
+    and each half of the roots' tree (a chain, or two levels) the model prices fastest; the workers
+    with a chained tree first, then the tree with those workers."""
     g = GemvTiling(**{**vars(tiling.gemv), "reduction": "chain", "group": 0})
     base = HeadTiling(**{**vars(tiling), "gemv": g, "tree": "chain", "tree_group": 0})
-    options = worker_options(g)
-    if not options:
-        raise ValueError(f"a head K-line of {g.rows} PE(s) leaves no PE to hold its logits")
-    workers = min(
-        options, key=lambda w: head_cost(HeadTiling(**{**vars(base), "workers": w}), arch, dtype).cycles
-    )
-    base = HeadTiling(**{**vars(base), "workers": workers})
+    if not tiling.apart:  # apart, the workers are the plan's (the PEs it gives the rounds)
+        options = worker_options(g)
+        if not options:
+            raise ValueError(f"a head K-line of {g.rows} PE(s) leaves no PE to hold its logits")
+        workers = min(
+            options, key=lambda w: head_cost(HeadTiling(**{**vars(base), "workers": w}), arch, dtype).cycles
+        )
+        base = HeadTiling(**{**vars(base), "workers": workers})
     half = max(len(h) for h in base.tree_halves())
     trees = [base] + [
         HeadTiling(**{**vars(base), "tree": "two_level", "tree_group": group})

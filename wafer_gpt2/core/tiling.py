@@ -258,7 +258,11 @@ class HeadTiling:
     histogram, B a histogram of the logits in it and the sum of exps, C the entries of the bins that
     hold the k best. The rounds ride the K-line's chain links to its root, then a tree over the roots:
     the columns on either side of the centre (`tree_halves`) reduce towards it (each half a chain or in
-    two levels: `tree`, `tree_group`), and the halves' ends join the centre."""
+    two levels: `tree`, `tree_group`), and the halves' ends join the centre.
+
+    `apart`: the workers and the root are PEs of their own after each K-line's `gemv.rows` PEs, which
+    hold no weights: the K-line's chain runs on through them, and its weighted PEs take the next item
+    while they run the rounds (two items in the stage at once)."""
 
     vocab: int
     dim: int
@@ -267,6 +271,7 @@ class HeadTiling:
     workers: int = 1  # PEs before every K-line's root holding its logits (workers divides tile_n)
     tree: Reduction = "chain"  # each half of the tree over the roots
     tree_group: int = 0  # two_level only: roots per first-level run
+    apart: bool = False  # the workers and the root after the K-line, without weights
 
     @property
     def slice(self) -> int:
@@ -274,8 +279,14 @@ class HeadTiling:
         return self.gemv.tile_n // self.workers
 
     @property
+    def line(self) -> int:
+        """PEs along each K-line: its weighted rows, and where the rounds run `apart` its workers and
+        root after them."""
+        return self.gemv.rows + (self.workers + 1 if self.apart else 0)
+
+    @property
     def pes(self) -> int:
-        return self.gemv.pes
+        return self.line * self.gemv.cols
 
     @property
     def centre(self) -> int:

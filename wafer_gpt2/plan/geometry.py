@@ -15,7 +15,9 @@ layer's proj. Every GEMV hands its output to the next one along the axis that on
 orientations alternate (k_along_x, k_along_y, ...) and nothing is transposed. West of the layers a
 strip of S columns (R, or more where a small replica leaves them: `Knobs.strip_pes`) holds the I/O
 ports, the LM head (wte^T, tied), the final LayerNorm and the top-k; the stream enters and leaves it
-by gather lines, which re-cut its chunks.
+by gather lines, which re-cut its chunks. Where the head's rounds run apart (`Knobs.head_workers`),
+the strip's east PEs of every K-line are its workers and root, without weights, and ln_f (and an
+embedding in the strip) spans the K-lines' weighted PEs, the strip's west end.
 The embedding, a copy of wte and wpe by rows, fills layer 0's columns under its ln_1, where a later
 layer has the previous one's res_2 and proj: its columns are ln_1's chunks, so it hands off as lanes.
 Where the copy needs more rows than that (narrow strips, whose PEs hold few rows of the tables), there
@@ -112,6 +114,13 @@ class Geometry:
     head_cols: int
     dirs: Dirs
     s: int  # PEs across the west strip (the head's K-lines, ln_f, and the embedding where it lies there)
+    k_rows: int = 0  # PEs of each head K-line that hold weights, which ln_f and an embedding in the
+    # strip span (its west end); 0: the whole strip (the head's rounds run on its last weighted PEs)
+
+    @property
+    def k_pes(self) -> int:
+        """PEs across ln_f, and the embedding where it lies in the strip."""
+        return self.k_rows or self.s
 
     @property
     def pitch(self) -> int:
@@ -158,20 +167,20 @@ class Geometry:
         at the top). Either way ln_f's output runs up the head, whose
         rounds end on its centre column's root, which sends the output record up to io.out
         (`wafer_gpt2.core.cost.head_cost`)."""
-        e, v, s = self.embed_rows, self.head_cols, self.s
+        e, v, s, k = self.embed_rows, self.head_cols, self.s, self.k_pes
         if self.embed_copy:
             x, y, _, h = self.embed_rect()
             return {
                 "io.out": (0, 0, 1, 1),
                 "io.in": (x, y + h, 1, 1) if self.embed_rows <= self.f else (1, 0, 1, 1),
                 "head": (0, 1, s, v),
-                "ln_f": (0, 1 + v, s, 1),
+                "ln_f": (0, 1 + v, k, 1),
             }
         return {
             "io.out": (0, 0, 1, 1),
-            "embed": (0, 1, s, e),
+            "embed": (0, 1, k, e),
             "head": (0, 1 + e, s, v),
-            "ln_f": (0, 1 + e + v, s, 1),
+            "ln_f": (0, 1 + e + v, k, 1),
             "io.in": (0, 2 + e + v, 1, 1),
         }
 
@@ -335,7 +344,7 @@ def replica_geometry(
     )
     if embed_rows > knobs.fc_cols + 1:
         embed_rows, tokens_per_pe, positions_per_pe = embed_spread(
-            config, ceil_div(config.n_embd, s), arch, dtype, copy=False
+            config, ceil_div(config.n_embd, knobs.head_rows), arch, dtype, copy=False
         )
     pitch = 2 * r + lc
     per_band = (arch.kernel_w - s - r) // pitch
@@ -364,6 +373,7 @@ def replica_geometry(
         knobs.head_cols,
         dirs,
         s,
+        knobs.head_rows if knobs.head_workers else 0,
     )
     if g.strip_h > arch.kernel_h:
         return g.strip_h / arch.kernel_h, (

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from wafer_gpt2.core.arch import Arch, resolve_arch
-from wafer_gpt2.core.cost import CLOCK_HZ, StageCost
+from wafer_gpt2.core.cost import CLOCK_HZ, StageCost, head_cost
 from wafer_gpt2.core.tiling import AttentionTiling, HeadTiling, NormTiling, ceil_div
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.checks import (
@@ -191,7 +191,7 @@ def _search(
         lt = _layer_tilings(
             config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
         )
-        head = _head_tiling(config, knobs.strip, knobs.head_cols, top_k, arch, dtype)
+        head = _head_tiling(config, knobs.strip, knobs.head_cols, top_k, arch, dtype, knobs.head_workers)
         over = memory_over(lt, head, dtype, arch)
         if over is not None:
             closest = _closer(closest, over)
@@ -205,8 +205,10 @@ def _search(
         if pack:
             shapes += _packed(config, knobs, geo, arch, dtype, dirs)
             # the shape that fits the most replicas (the last) also with FC into the rows they leave,
-            # and that one also with the west strip as wide as the columns they leave
-            for grow in (_fc_filled, _strip_widened):
+            # that one also with the west strip as wide as the columns they leave, and that one also
+            # with the head's rounds on PEs of their own
+            head_apart = partial(_head_apart, dtype=dtype, top_k=top_k)
+            for grow in (_fc_filled, _strip_widened, head_apart):
                 grown = grow(config, *shapes[-1], arch)
                 if grown is not None:
                     shapes += _as_many_replicas(
@@ -216,7 +218,7 @@ def _search(
             tilings = _layer_tilings(
                 config, k.stream_pes, k.fold, k.attn_chain, k.fc_cols, slots, context, arch, dtype
             )
-            strip_head = _head_tiling(config, k.strip, k.head_cols, top_k, arch, dtype)
+            strip_head = _head_tiling(config, k.strip, k.head_cols, top_k, arch, dtype, k.head_workers)
             priced.append(_priced(len(priced), config, k, tilings, strip_head, g, arch, dtype))
     return CandidateSearch(len(knobs_list), priced, area or closest)
 
@@ -262,6 +264,34 @@ def _strip_widened(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) 
     return None if strip is None else replace(knobs, strip_pes=strip)
 
 
+def _head_apart(
+    config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch, dtype: str, top_k: int
+) -> Knobs | None:
+    """The same knobs with the head's workers and root on PEs of their own after its K-lines, in the
+    same strip (HeadTiling.apart): the K-lines take the next item while the rounds run, so the stage
+    that caps a small replica takes an item about as often as its rounds allow. None where no count
+    of workers makes the head faster per item."""
+    workers = _apart_workers(config, knobs.strip, knobs.head_cols, top_k, arch, dtype)
+    return replace(knobs, head_workers=workers) if workers else None
+
+
+@lru_cache(maxsize=256)  # many candidates share a strip and a head
+def _apart_workers(config, strip_pes, head_cols, top_k, arch, dtype) -> int:
+    """The workers apart the model finds fastest per item (then per token) for this strip and head,
+    0 where none is faster per item than the head with its rounds on its weighted PEs."""
+    head = _head_tiling(config, strip_pes, head_cols, top_k, arch, dtype)
+    tile_n = head.gemv.tile_n
+    options = [w for w in range(1, min(tile_n, strip_pes - 2, 64) + 1) if tile_n % w == 0]
+    priced = []
+    for w in options:  # priced with the head's tree as it is (the plan's head then takes its own)
+        gemv = replace(head.gemv, rows=strip_pes - w - 1)
+        cost = head_cost(replace(head, gemv=gemv, workers=w, apart=True), arch, dtype)
+        priced.append((cost.busy, cost.cycles, w))
+    if not priced or min(priced)[0] >= head_cost(head, arch, dtype).busy:
+        return 0
+    return min(priced)[2]
+
+
 def _as_many_replicas(
     config: GPT2Config,
     knobs: Knobs,
@@ -277,7 +307,7 @@ def _as_many_replicas(
     lt = _layer_tilings(
         config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
     )
-    head = _head_tiling(config, knobs.strip, knobs.head_cols, top_k, arch, dtype)
+    head = _head_tiling(config, knobs.strip, knobs.head_cols, top_k, arch, dtype, knobs.head_workers)
     if memory_over(lt, head, dtype, arch) is not None:
         return []
     shape = replica_geometry(config, knobs, arch, dtype, Dirs.of(lt, head))
@@ -297,7 +327,7 @@ def _priced(
     dtype: str,
 ) -> PricedCandidate:
     layer_stages = _cached_layer_stages(lt, arch, dtype)
-    ln_f = strip_norm(config.n_embd, knobs.strip, normalise=True)
+    ln_f = strip_norm(config.n_embd, knobs.head_rows, normalise=True)
     outer = outer_stage_costs(config, geo, lt, head, ln_f, arch, dtype, 0)
     # The critical path is layer_stages n_layer times plus the outer stages (see `token_critical_path`).
     outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
@@ -418,8 +448,9 @@ def _layer_tilings(
 
 
 @lru_cache(maxsize=1024)
-def _head_tiling(config, strip_pes, head_cols, top_k, arch, dtype) -> HeadTiling:
-    return head_tiling(config, Knobs(strip_pes, 1, 1, 1, head_cols), top_k, arch, dtype)
+def _head_tiling(config, strip_pes, head_cols, top_k, arch, dtype, head_workers=0) -> HeadTiling:
+    knobs = Knobs(strip_pes, 1, 1, 1, head_cols, head_workers=head_workers)
+    return head_tiling(config, knobs, top_k, arch, dtype)
 
 
 @lru_cache(maxsize=4096)

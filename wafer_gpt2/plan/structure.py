@@ -121,11 +121,20 @@ class Knobs:
     # shorter bands make a squarer replica, of which more can fit the kernel
     strip_pes: int = 0  # PEs across the west strip (the LM head's K-lines, ln_f, an embedding there);
     # 0: as many as the stream's. A wider strip shortens the head's tile FMACs, which cap a small replica
+    head_workers: int = 0  # the head's workers on PEs of their own, without weights, at the east end of
+    # each K-line before its root (HeadTiling.apart): the K-line takes the next item during the rounds;
+    # 0: its last weighted PEs are its workers and root
 
     @property
     def strip(self) -> int:
         """PEs across the west strip."""
         return self.strip_pes or self.stream_pes
+
+    @property
+    def head_rows(self) -> int:
+        """PEs of each head K-line that hold weights (ln_f and an embedding in the strip span them):
+        the strip less the rounds' PEs where they are apart."""
+        return self.strip - (self.head_workers + 1 if self.head_workers else 0)
 
 
 @dataclass
@@ -257,6 +266,7 @@ class Plan:
                 "fc_cols": self.knobs.fc_cols,
                 "head_cols": self.knobs.head_cols,
                 "strip_pes": self.knobs.strip,
+                "head_workers_apart": self.knobs.head_workers,
             },
             "regions": [
                 {
@@ -330,7 +340,8 @@ class Plan:
             f"(replica footprint {self.footprint[0]}x{self.footprint[1]})",
             f"  sizes: residual stream on {k.stream_pes} PEs, attention {self.layers[0].attn.head_groups} head groups "
             f"x fold {k.fold} x chain {k.attn_chain}, FC {k.fc_cols} output columns, LM head {k.head_cols} vocab "
-            f"columns{f' x {k.strip} PEs' if k.strip != k.stream_pes else ''} "
+            f"columns{f' x {k.strip} PEs' if k.strip != k.stream_pes else ''}"
+            f"{f' (its rounds on {k.head_workers + 1} PEs apart)' if k.head_workers else ''} "
             f"({self.candidates_explored} candidates explored)",
             f"  PEs used: {self.pes_used:,} of {a.kernel_pes:,} ({100 * self.pes_used / a.kernel_pes:.1f}%); "
             f"SRAM planned {self.sram_bytes_used / 2**20:,.1f} MiB; fullest PE {fullest.max_pe_bytes:,} B "

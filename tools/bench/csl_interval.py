@@ -1,0 +1,93 @@
+"""A plan's initiation interval on the CSL executor, beside the cost model's (docs/kernels.md, "The
+head's interval"): how often one replica takes an item when items come back to back.
+
+Both figures are modeled: the executor's from its per-event costs running the real CSL, the cost
+model's from `Plan.occupancy_cycles` (the busiest stage's occupancy). The executor's is the difference
+between a step of 2n scored items and one of n, each sent in one message, over n: the pipeline's fill
+and drain cancel. The host program reads each scored item's record before it sends the next
+(`RECORDS_IN_FLIGHT`: io.out holds one record), which would time the token's latency instead, so the
+measurement raises that bound for its own runtime; the tiny model's pipeline holds the items of both
+steps without a record read (a message stalls only past about 15 on these plans).
+
+    python tools/bench/csl_interval.py [--arch wse2] [--vocab 512] [--objective throughput] [--slots 4] [--items 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan  # noqa: E402
+from wafer_gpt2.core.steps import StepInputs, StepItem  # noqa: E402
+from wafer_gpt2.host.program import WaferGPT2  # noqa: E402
+from wafer_gpt2.model.config import GPT2Config  # noqa: E402
+from wafer_gpt2.model.params import GPT2Params  # noqa: E402
+from wafer_gpt2.plan import build_plan  # noqa: E402
+
+
+def step_cycles(plan, params: GPT2Params, items: int) -> int:
+    """The executor's cycles from a step's first H2D start to its last D2H end, for `items` scored
+    prompt items of one slot sent in one message."""
+    runtime = CslExecutorRuntime(compile_plan(plan))
+    runtime.records_in_flight = items  # the measurement's own bound (module docstring)
+    model = WaferGPT2(plan, runtime, params)
+    try:
+        vocab = plan.config.vocab_size
+        runtime.machine.command_times.clear()
+        model.step(
+            StepInputs.of_items([StepItem(0, i, (7 * i + 1) % vocab, want_scores=True) for i in range(items)])
+        )
+        times = runtime.machine.command_times
+        return max(end for kind, _, end in times if kind == "StreamD2H") - min(
+            start for kind, start, _ in times if kind == "StreamH2D"
+        )
+    finally:
+        model.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="wse2", choices=["wse2", "wse3"])
+    p.add_argument("--dtype", default="fp32", choices=["fp16", "fp32"])
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--objective", default="throughput")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=4,
+        help="KV slots (at 4 and more the tiny throughput plan's head runs its rounds apart)",
+    )
+    p.add_argument("--items", type=int, default=4, help="n: steps of n and 2n scored items")
+    args = p.parse_args()
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=args.vocab, n_positions=64, name="tiny")
+    plan = build_plan(
+        config,
+        arch=args.arch,
+        dtype=args.dtype,
+        slots=args.slots,
+        context=64,
+        objective=args.objective,
+        replicas=1,
+    )
+    params = GPT2Params.random(config, seed=3)
+    one, two = (step_cycles(plan, params, n) for n in (args.items, 2 * args.items))
+    interval = (two - one) / args.items
+    slowest = max(plan.stage_costs, key=lambda stage: stage.busy)
+    apart = f", its rounds apart ({plan.head.workers} workers)" if plan.head.apart else ""
+    print(
+        f"{config.name}: {args.arch} {args.dtype} {args.objective}, {args.slots} slots, vocab {args.vocab}; "
+        f"the head {plan.head.line} x {plan.head.gemv.cols} PEs{apart} (modeled cycles, both)"
+    )
+    print(f"steps of {args.items} and {2 * args.items} scored items: {one:,} and {two:,} cycles")
+    print(
+        f"interval: executor {interval:,.0f}, cost model {plan.occupancy_cycles:,} ({slowest.name}), "
+        f"executor / model {interval / plan.occupancy_cycles:.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
