@@ -209,16 +209,16 @@ def test_fp16_stays_within_the_simulators_bound(tiny_params):
 def test_a_message_with_more_records_than_the_wafer_buffers_needs_the_host_bound(tiny_params):
     """The defect the host had: every H2D of a step before any D2H. memcpy runs one command at a
     time, so when a message's records fill what the pipeline and io.out hold, the H2D never ends and
-    the D2H behind it never starts. The runtime says how many records may be in flight; the host
-    splits messages to match."""
+    the D2H behind it never starts. The runtime says its memcpy is serial; the host splits messages
+    at the records io.out holds (`Plan.records_held`, a replica's slots)."""
     items = [StepItem(0, p, 3 * p + 1, want_scores=True) for p in range(RECORDS)]
     csl = build_backend("csl", tiny_params, BackendOptions(arch="wse2", dtype="fp32", **OPTIONS))
     try:
-        assert csl.runtime.records_in_flight == 1
+        assert csl.runtime.serial_memcpy and csl.plan.records_held == OPTIONS["slots"]
         bounded = csl.step(StepInputs.of_items(items))
         assert bounded.count == RECORDS and bounded.index.tolist() == list(range(RECORDS))
         csl.reset()
-        csl.runtime.records_in_flight = None  # what the host did before
+        csl.runtime.serial_memcpy = False  # what the host did before: the whole step in one message
         with pytest.raises(CslDeadlock, match="memcpy_d2h"):
             csl.step(StepInputs.of_items(items))
     finally:
@@ -226,6 +226,29 @@ def test_a_message_with_more_records_than_the_wafer_buffers_needs_the_host_bound
             csl.close()
         except CslDeadlock:
             pass  # the deadlocked program cannot drain its commands
+
+
+def test_a_decode_step_goes_in_one_message_per_replica(tiny_params):
+    """io.out holds a replica's slots' records (its ring, `Plan.records_held`): the host sends every
+    replica its whole decode step in one message, all of them before it reads any record, then reads
+    each replica's records in one command; the scores equal the simulator's."""
+    options = BackendOptions(arch="wse2", dtype="fp32", **{**OPTIONS, "slots": 4}, replicas=2)
+    csl, sim = build_backend("csl", tiny_params, options), build_backend("sim", tiny_params, options)
+    try:
+        assert csl.plan.records_held == 2
+        prompts = [StepItem(s, p, 5 * s + p + 1, want_scores=p == 2) for s in range(4) for p in range(3)]
+        decode = [StepItem(s, 3, 7 * s + 2, want_scores=True, target=s) for s in range(4)]
+        for items in (prompts, decode):
+            csl.runtime.machine.command_times.clear()
+            ours = csl.step(StepInputs.of_items(items))
+            kinds = [kind for kind, _, _ in csl.runtime.machine.command_times]
+            assert kinds == ["StreamH2D", "StreamH2D", "StreamD2H", "StreamD2H"]
+            assert (
+                worst_difference(ours, sim.step(StepInputs.of_items(items)), same_ids=True) < FP32_TOLERANCE
+            )
+    finally:
+        csl.close()
+        sim.close()
 
 
 class _ApplianceClientOnTheExecutor:

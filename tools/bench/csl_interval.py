@@ -4,10 +4,10 @@ head's interval"): how often one replica takes an item when items come back to b
 Both figures are modeled: the executor's from its per-event costs running the real CSL, the cost
 model's from `Plan.occupancy_cycles` (the busiest stage's occupancy). The executor's is the difference
 between a step of 2n scored items and one of n, each sent in one message, over n: the pipeline's fill
-and drain cancel. The host program reads each scored item's record before it sends the next
-(`RECORDS_IN_FLIGHT`: io.out holds one record), which would time the token's latency instead, so the
-measurement raises that bound for its own runtime; the tiny model's pipeline holds the items of both
-steps without a record read (a message stalls only past about 15 on these plans).
+and drain cancel. The host program splits a message at the records io.out holds (`Plan.records_held`,
+a replica's slots) and reads them before it sends on, which would time the token's latency once per
+part, so the measurement sends each step whole (its runtime's `serial_memcpy` off): the tiny model's
+pipeline holds the records of both steps (a message stalls only past about 15 on these plans).
 
     python tools/bench/csl_interval.py [--arch wse2] [--vocab 512] [--objective throughput] [--slots 4] [--items 4]
 """
@@ -32,7 +32,7 @@ def step_cycles(plan, params: GPT2Params, items: int) -> int:
     """The executor's cycles from a step's first H2D start to its last D2H end, for `items` scored
     prompt items of one slot sent in one message."""
     runtime = CslExecutorRuntime(compile_plan(plan))
-    runtime.records_in_flight = items  # the measurement's own bound (module docstring)
+    runtime.serial_memcpy = False  # each step in one message (module docstring)
     model = WaferGPT2(plan, runtime, params)
     try:
         vocab = plan.config.vocab_size

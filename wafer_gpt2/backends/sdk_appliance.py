@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from wafer_gpt2.core.runtime import MemcpyDataType, MemcpyOrder
-from wafer_gpt2.core.wire import RECORDS_IN_FLIGHT
 from wafer_gpt2.errors import WaferGPT2Error
 
 if TYPE_CHECKING:
@@ -184,9 +183,9 @@ class ApplianceRuntime:
     """Our runtime contract on the appliance client (same argument conventions as the SDK)."""
 
     backend = "sdk-appliance"  # what `WaferGPT2.describe` reports
-    # The scored items a message may carry (wafer_gpt2.host.program): one, read before the host sends on, as on
-    # every target that runs the wafer program (memcpy serializes the H2D and the D2H behind it).
-    records_in_flight = RECORDS_IN_FLIGHT
+    # memcpy runs one command at a time, as on every target that runs the wafer program: the host sends a
+    # replica at most the records its io.out holds before it reads them (wafer_gpt2.host.program).
+    serial_memcpy = True
     running = False  # set by run() and stop()
 
     def __init__(self, artifact_path: str | Path, simulator: bool = False, **client_options: Any) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from wafer_gpt2.core.runtime import MemcpyDataType, MemcpyOrder, WaferRuntimeError
-from wafer_gpt2.core.wire import RECORDS_IN_FLIGHT
 from wafer_gpt2.errors import WaferGPT2Error
 
 SDK_MODULE = "cerebras.sdk.runtime.sdkruntimepybind"
@@ -44,8 +43,9 @@ class SdkContainerRuntime:
 
     backend = "sdk-container"  # what `WaferGPT2.describe` reports
 
-    # The scored items a message may carry (wafer_gpt2.host.program): one, read before the host sends on.
-    records_in_flight = RECORDS_IN_FLIGHT
+    # memcpy runs one command at a time: the host sends a replica at most the records its io.out holds
+    # before it reads them (wafer_gpt2.host.program, `Plan.records_held`).
+    serial_memcpy = True
     running = False  # set by run() and stop()
 
     def __init__(self, compiled_dir: str | Path, cmaddr: str | None = None, sdk: Any = None) -> None:

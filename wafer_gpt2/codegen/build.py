@@ -84,7 +84,7 @@ PE_FILES = {
 }
 TASKS = {
     "pe/io_in.csl": 4,
-    "pe/io_out.csl": 2,
+    "pe/io_out.csl": 3,
     "pe/embed.csl": 6,
     "pe/head.csl": 10,
     "pe/layernorm.csl": 10,
@@ -698,7 +698,7 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
         if region.name == "io.in":
             own.update(from_host=H2D)
         elif region.name == "io.out":
-            own.update(to_host=D2H, record_words=record_words(plan.top_k))
+            own.update(to_host=D2H, record_words=record_words(plan.top_k), depth=plan.records_held)
         elif kind == "gemv":
             own.update(tile_k=t.tile_k, tile_n=t.tile_n, use_fp16=fp16, gelu_out=region.name.endswith(".fc"),
                        epi_pes=t.epilogue_pes, epi_slot=t.epilogue_pes, epi_multicast=t.epilogue_multicast,

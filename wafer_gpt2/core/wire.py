@@ -37,12 +37,6 @@ from wafer_gpt2.errors import WaferGPT2Error
 H2D_COLOR = 14
 D2H_COLOR = 15
 
-# Scored items whose records the host may leave unread while it sends on: io.out
-# (wafer_gpt2/kernels/pe/io_out.csl) holds one record and memcpy runs one command at a time, so a host driving the
-# wafer program reads each record before it sends the next scored item (wafer_gpt2.host.program.WaferGPT2.step),
-# or the H2D that carries it never ends and the D2H behind it never starts.
-RECORDS_IN_FLIGHT = 1
-
 ITEM_WORDS = FIELDS  # an item's words are the rows of `StepInputs.columns`, in order
 HEADER_WORDS = 1
 

@@ -219,22 +219,26 @@ class WaferGPT2:
             replica = inputs.slot // self.plan.slots
             per_replica = [np.flatnonzero(replica == r) for r in np.unique(replica).tolist()]
         reads: list[_Read | None] = []
-        bound = getattr(self.runtime, "records_in_flight", None)
-        if bound is None:
+        if not getattr(self.runtime, "serial_memcpy", False):
             # Stream every replica's message in, then ask for every replica's records.
             for indices in per_replica:
                 self._send(inputs if indices is None else inputs.take(indices))
             reads = [self._ask(indices, inputs) for indices in per_replica]
         else:
-            # memcpy runs one command at a time: a message whose records do not fit what the wafer
-            # program buffers before io.out would stall the H2D before the first D2H starts. Each
-            # message carries at most `bound` scored items, and its records are asked for before the
-            # next is sent.
+            # memcpy runs one command at a time: a message whose records do not fit what io.out holds
+            # would stall the H2D before the first D2H starts. Each message carries at most
+            # `records_held` scored items; every replica's first message goes in before any record is
+            # read (each io.out holds its own replica's), then their records, then the next messages.
+            bound = self.plan.records_held
+            parts = []
             for indices in per_replica:
                 whole = np.arange(len(inputs)) if indices is None else indices
-                for part in _parts(whole, inputs.want_scores[whole], bound):
+                parts.append(_parts(whole, inputs.want_scores[whole], bound))
+            for k in range(max((len(p) for p in parts), default=0)):
+                batch = [p[k] for p in parts if k < len(p)]
+                for part in batch:
                     self._send(inputs.take(part))
-                    reads.append(self._ask(part, inputs))
+                reads.extend(self._ask(part, inputs) for part in batch)
         self._lengths[slots] = ends
         self._in_flight.append((len(inputs), [read for read in reads if read is not None], slot_set))
         self._slots_in_flight |= slot_set

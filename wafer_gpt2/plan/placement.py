@@ -50,7 +50,7 @@ def place_replica(
             {"k": geo.dirs.head_k, "n": exit_dirs("chain", "north")},
         ),
         "ln_f": ("layernorm", norm_symbols(ln_f), ln_f, {"i": geo.dirs.head_k}),
-        "io.out": ("io", io_symbols(head.top_k, False), None, {}),
+        "io.out": ("io", io_symbols(head.top_k, False, lt.attn.slots), None, {}),
     }
     for name, (kind, symbols, tiling, axes) in strip_content.items():
         x, y, w, h = strip[name]

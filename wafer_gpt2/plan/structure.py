@@ -10,6 +10,7 @@ from wafer_gpt2.core.arch import Arch
 from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.core.cost import CLOCK_HZ, SDK_CLOCK_HZ, StageCost, stream_cycles
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
+from wafer_gpt2.core.wire import record_words
 from wafer_gpt2.errors import WaferGPT2Error
 from wafer_gpt2.model.config import GPT2Config
 
@@ -174,6 +175,12 @@ class Plan:
             if r.name == name and r.replica == replica:
                 return r
         raise KeyError(f"no region {name!r} in replica {replica}")
+
+    @property
+    def records_held(self) -> int:
+        """Records each replica's io.out holds (its ring, wafer_gpt2/kernels/pe/io_out.csl): the scored
+        items a host whose memcpy runs one command at a time may send a replica before it reads them."""
+        return self.region("io.out").symbols["record"].elems // record_words(self.top_k)
 
     def io_ports(self, replica: int = 0) -> tuple[Region, Region]:
         """(input port, output port) of one pipeline replica: where memcpy streams go in and out."""

@@ -151,9 +151,19 @@ def embed_symbols(tokens_per_pe: int, positions_per_pe: int, tile_k: int, dtype:
     }
 
 
-def io_symbols(top_k: int, inbound: bool) -> dict[str, Symbol]:
-    """wafer_gpt2/kernels/pe/io_in.csl (the count, an item, a request) and io_out.csl (the record it
-    sorts before it passes it on)."""
+# io.out's ring of records holds a replica's slots' (a decode step's), as many as fit this many bytes.
+RECORD_RING_BYTES = 32 * 1024
+
+
+def records_held(top_k: int, slots: int) -> int:
+    """Records io.out's ring holds: a replica's slots, as many of them as fit `RECORD_RING_BYTES`
+    (at least one)."""
+    return max(1, min(slots, RECORD_RING_BYTES // (4 * record_words(top_k))))
+
+
+def io_symbols(top_k: int, inbound: bool, slots: int = 1) -> dict[str, Symbol]:
+    """wafer_gpt2/kernels/pe/io_in.csl (the count, an item, a request) and io_out.csl (its ring of
+    `records_held` records, each sorted before it passes it on)."""
     if inbound:
         return {"items": Symbol("u32", 1 + ITEM_WORDS + ITEM_WORDS + 1)}  # count, item, request
-    return {"record": Symbol("u32", record_words(top_k)), "comm": COMM}
+    return {"record": Symbol("u32", records_held(top_k, slots) * record_words(top_k)), "comm": COMM}
