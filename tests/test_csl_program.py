@@ -251,6 +251,47 @@ def test_a_decode_step_goes_in_one_message_per_replica(tiny_params):
         sim.close()
 
 
+def test_a_later_steps_messages_go_in_before_the_records_of_the_one_before(tiny_params):
+    """Steps in flight on serial memcpy: a D2H holds back every command after it until its records
+    have come, so the host asks for a step's records only at `collect` (or when the next message would
+    not fit what io.out still has room for): the second step's message goes in before the first
+    one's records are read, and both steps' scores equal the simulator's."""
+    options = BackendOptions(arch="wse2", dtype="fp32", **{**OPTIONS, "slots": 4}, steps_in_flight=2)
+    csl, sim = build_backend("csl", tiny_params, options), build_backend("sim", tiny_params, options)
+    try:
+        first = [StepItem(s, p, 3 * s + p + 1, want_scores=p == 1) for s in (0, 1) for p in range(2)]
+        second = [StepItem(s, p, 5 * s + p + 2, want_scores=p == 1) for s in (2, 3) for p in range(2)]
+        csl.runtime.machine.command_times.clear()
+        csl.submit(StepInputs.of_items(first))
+        csl.submit(StepInputs.of_items(second))
+        ours = [csl.collect(), csl.collect()]
+        kinds = [kind for kind, _, _ in csl.runtime.machine.command_times]
+        assert kinds == ["StreamH2D", "StreamH2D", "StreamD2H", "StreamD2H"]
+        for mine, items in zip(ours, (first, second), strict=True):
+            assert (
+                worst_difference(mine, sim.step(StepInputs.of_items(items)), same_ids=True) < FP32_TOLERANCE
+            )
+        # a fourth step whose records do not fit io.out (4) beside the third's unread ones: the third's
+        # are asked for before its message goes in
+        third = [StepItem(s, 2, s + 1, want_scores=True) for s in (0, 1)]
+        fourth = [StepItem(2, p, p + 3, want_scores=True) for p in (2, 3, 4)] + [
+            StepItem(3, 2, 9, want_scores=True)
+        ]
+        csl.runtime.machine.command_times.clear()
+        csl.submit(StepInputs.of_items(third))
+        csl.submit(StepInputs.of_items(fourth))
+        ours = [csl.collect(), csl.collect()]
+        kinds = [kind for kind, _, _ in csl.runtime.machine.command_times]
+        assert kinds == ["StreamH2D", "StreamD2H", "StreamH2D", "StreamD2H"]
+        for mine, items in zip(ours, (third, fourth), strict=True):
+            assert (
+                worst_difference(mine, sim.step(StepInputs.of_items(items)), same_ids=True) < FP32_TOLERANCE
+            )
+    finally:
+        csl.close()
+        sim.close()
+
+
 class _ApplianceClientOnTheExecutor:
     """The appliance client's SdkRuntime (cerebras.sdk.client) as `wafer_gpt2.backends.sdk_appliance` uses it, run
     on the executor's SdkRuntime: the host's memcpy traffic meets memcpy's serialization as on a wafer."""

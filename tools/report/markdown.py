@@ -388,11 +388,12 @@ def _slots_table(data: ReportData) -> str:
         "full context, every slot busy): more slots per replica hold more KV cache, so fewer replicas "
         "fit, and a replica's tokens/s is capped by its slowest stage (a replica takes one item per "
         "slowest-stage time). These rates are the wafer's, for a host that sends each slot's next item "
-        "as its record leaves. The SDK host path sends every replica its step in one message and reads "
-        "the step's records before it sends the next (io.out holds a replica's slots' records, "
-        "`Plan.records_held`, and memcpy runs one command at a time), so its steps do not overlap: a "
-        "step takes a token's latency and then the slowest stage's time for each further item, about "
-        "half these rates where a plan's latency caps it.\n\n"
+        "as its record leaves. The SDK host path sends every replica its step in one message (io.out "
+        "holds a replica's slots' records, `Plan.records_held`; memcpy runs one command at a time) and "
+        "asks for a step's records when it collects them, so a step in flight on other slots goes in "
+        "before them; with one step at a time a step takes a token's latency and then the slowest "
+        "stage's time for each further item, about half these rates where a plan's latency caps "
+        "it.\n\n"
         + _table(
             [
                 "slots per replica",

@@ -8,8 +8,11 @@
 
 Each step sends one message per pipeline replica onto its input stream and reads back one record per
 item that asked for scores (`wafer_gpt2.core.wire`). Both are non-blocking memcpy commands issued
-together (`submit`); `collect` waits for the oldest step's records. With `steps_in_flight` above 1 the
-engine sends the next step while the wafer computes one, on slots the earlier ones do not touch. Slots are numbered across replicas: replica r owns slots
+by `submit`; `collect` waits for the oldest step's records. With `steps_in_flight` above 1 the
+engine sends the next step while the wafer computes one, on slots the earlier ones do not touch.
+Where memcpy runs one command at a time (the SDK's runtimes: `serial_memcpy`), a D2H holds back every
+command after it until its records have come, so the host asks for records as late as each replica's
+io.out allows (`Plan.records_held`): the next step's messages go in before this one's records are read. Slots are numbered across replicas: replica r owns slots
 r * plan.slots .. (r + 1) * plan.slots - 1. The host never looks inside the runtime: everything it
 knows about the wafer comes from the plan and from what memcpy returns.
 """
@@ -58,18 +61,19 @@ PLAN_SUMMARY_KEYS = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Read:
-    """The records of one message's scored items, asked for when it was sent: how many items it has,
-    which of them are scored (message numbering) and their numbers in the step, which asked for a
-    target, the buffer the runtime fills and the runtime's task."""
+    """The records of one message's scored items: how many items it has, which of them are scored
+    (message numbering) and their numbers in the step, which asked for a target, the buffer the
+    runtime fills, where they come from, and the runtime's task once they are asked for."""
 
     count: int  # the message's items
     scored: np.ndarray  # int64, in the message's numbering
     index: np.ndarray | None  # the scored items' numbers in the step (None: the message is the step)
     asked: np.ndarray  # bool
     words: np.ndarray
-    task: Any
+    replica: int
+    task: Any = None  # None until the D2H is issued (`WaferGPT2._ask`)
 
 
 class WaferGPT2:
@@ -92,6 +96,10 @@ class WaferGPT2:
         # (items, records asked for, slots) of each step submitted and not collected, oldest first
         self._in_flight: deque[tuple[int, list[_Read], frozenset[int]]] = deque()
         self._slots_in_flight: set[int] = set()
+        # Where memcpy runs one command at a time: the reads sent and not yet asked for, oldest first,
+        # and per replica the records they leave in its io.out.
+        self._unasked: deque[_Read] = deque()
+        self._unread = [0] * plan.replicas
         self.runtime = runtime
         self.num_slots = plan.slots * plan.replicas
         self.context_length = plan.context
@@ -187,8 +195,10 @@ class WaferGPT2:
         return self.collect()
 
     def submit(self, inputs: StepInputs) -> None:
-        """Send a step's messages and ask for its records at once (non-blocking memcpy both ways), so the
-        host prepares the next step while the wafer computes this one; `collect` waits for them."""
+        """Send a step's messages and ask for its records (non-blocking memcpy both ways), so the host
+        prepares the next step while the wafer computes this one; `collect` waits for them. Where
+        memcpy runs one command at a time, the records are asked for as late as what io.out holds
+        allows (at the latest by `collect`), so that a later step's messages go in before them."""
         if len(self._in_flight) >= self.steps_in_flight:
             raise BackendError(f"{len(self._in_flight)} steps are in flight already: collect one first")
         inputs.validate(self.num_slots, self.context_length, self.vocab_size)
@@ -223,22 +233,29 @@ class WaferGPT2:
             # Stream every replica's message in, then ask for every replica's records.
             for indices in per_replica:
                 self._send(inputs if indices is None else inputs.take(indices))
-            reads = [self._ask(indices, inputs) for indices in per_replica]
+            reads = [self._ask(self._read(indices, inputs)) for indices in per_replica]
         else:
-            # memcpy runs one command at a time: a message whose records do not fit what io.out holds
-            # would stall the H2D before the first D2H starts. Each message carries at most
-            # `records_held` scored items; every replica's first message goes in before any record is
-            # read (each io.out holds its own replica's), then their records, then the next messages.
+            # memcpy runs one command at a time: a D2H starts only when the H2D before it has ended, so
+            # a message whose records do not fit what its replica's io.out still has room for would
+            # stall its H2D and everything behind it. Each message carries at most `records_held`
+            # scored items; the records are asked for only when the next message would not fit
+            # (every one asked for then, oldest first), or at `collect`. So every replica's message
+            # goes in before any record is read, and a later step's before this one's records.
             bound = self.plan.records_held
             parts = []
             for indices in per_replica:
                 whole = np.arange(len(inputs)) if indices is None else indices
                 parts.append(_parts(whole, inputs.want_scores[whole], bound))
             for k in range(max((len(p) for p in parts), default=0)):
-                batch = [p[k] for p in parts if k < len(p)]
-                for part in batch:
+                for part in (p[k] for p in parts if k < len(p)):
+                    read = self._read(part, inputs)
+                    if read is not None and self._unread[read.replica] + read.scored.size > bound:
+                        self._ask_unasked(len(self._unasked))
                     self._send(inputs.take(part))
-                reads.extend(self._ask(part, inputs) for part in batch)
+                    if read is not None:
+                        self._unasked.append(read)
+                        self._unread[read.replica] += read.scored.size
+                    reads.append(read)
         self._lengths[slots] = ends
         self._in_flight.append((len(inputs), [read for read in reads if read is not None], slot_set))
         self._slots_in_flight |= slot_set
@@ -249,12 +266,13 @@ class WaferGPT2:
             raise BackendError("no step is in flight")
         count, reads, slots = self._in_flight.popleft()
         self._slots_in_flight -= slots
+        self._ask_unasked(sum(read.task is None for read in reads))  # this step's: the oldest unasked
         parts = [self._decode(read) for read in reads]
         return StepScores.concat(parts, count) if parts else StepScores.empty(count, self.top_k)
 
-    def _ask(self, indices: np.ndarray | None, inputs: StepInputs) -> _Read | None:
-        """Ask (non-blocking) for the records of one message's scored items, `indices` of the step's
-        (None: all of them); None when it has none."""
+    def _read(self, indices: np.ndarray | None, inputs: StepInputs) -> _Read | None:
+        """The records of one message's scored items, `indices` of the step's (None: all of them), not
+        yet asked for; None when it has none."""
         if indices is None:
             count, first_slot = len(inputs), int(inputs.columns[SLOT, 0])
             if inputs.decode_only:
@@ -268,13 +286,26 @@ class WaferGPT2:
             asked = inputs.has_target[indices[scored]]
         if not scored.size:
             return None
-        _, port_out = self.plan.io_ports(first_slot // self.plan.slots)
         words = np.zeros(scored.size * record_words(self.top_k), dtype=np.uint32)
-        task = self.runtime.memcpy_d2h(
-            words, D2H_COLOR, port_out.x, port_out.y, 1, 1, words.size, streaming=True, nonblock=True
-        )
         index = None if indices is None else indices[scored]  # the rows' items in the step
-        return _Read(count, scored, index, asked, words, task)
+        return _Read(count, scored, index, asked, words, first_slot // self.plan.slots)
+
+    def _ask(self, read: _Read | None) -> _Read | None:
+        """Ask (non-blocking) for a message's records: the D2H from its replica's output port."""
+        if read is not None:
+            _, port_out = self.plan.io_ports(read.replica)
+            words = read.words
+            read.task = self.runtime.memcpy_d2h(
+                words, D2H_COLOR, port_out.x, port_out.y, 1, 1, words.size, streaming=True, nonblock=True
+            )
+        return read
+
+    def _ask_unasked(self, n: int) -> None:
+        """Ask for the `n` oldest reads not yet asked for, in the order their messages went in."""
+        for _ in range(n):
+            read = self._unasked.popleft()
+            self._ask(read)
+            self._unread[read.replica] -= read.scored.size
 
     def _decode(self, read: _Read) -> StepScores:
         """Wait for one message's records and decode them, numbered as the step's items."""
@@ -305,6 +336,8 @@ class WaferGPT2:
     def reset(self) -> None:
         self._in_flight.clear()  # their records are not read: a reset follows a failed step
         self._slots_in_flight.clear()
+        self._unasked.clear()
+        self._unread = [0] * self.plan.replicas
         for slot in range(self.num_slots):
             if self._lengths[slot]:
                 self.free_slot(slot)
