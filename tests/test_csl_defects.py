@@ -127,9 +127,26 @@ def test_a_region_that_would_need_memcpys_task_ids_is_refused(arch):
     flows = [make_flow(f"f{c}", (1, 0), [(0, 0)]) for c in range(13)]
     for color, flow in enumerate(flows):
         flow.color = color
-    with pytest.raises(ProgramError, match=r"region ln_f \(pe/layernorm\.csl\): 10 local task IDs needed, \d left "
+    with pytest.raises(ProgramError, match=r"region ln_f \(pe/layernorm\.csl\), PE \(0, 0\): 10 local task IDs needed, \d left "
                        r"on WSE-\d: memcpy keeps task IDs 21, 22, 23, 27, 28, 29, 30, 31"):  # fmt: skip
         _assign_tasks({(0, 0): tile}, flows, arch)
+
+
+@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+def test_a_region_whose_pes_see_few_colors_each_gets_task_ids_per_pe(arch):
+    """A region's links may use many colors while each PE sees few of them (the full vocabulary's LM
+    head: 13 colors over its 99 columns): where the region's colors together leave too few task IDs,
+    each PE gets IDs that only the colors reaching it are kept clear of."""
+    tiles = {(0, 0): Tile("pe/layernorm.csl", "ln_f"), (1, 0): Tile("pe/layernorm.csl", "ln_f")}
+    flows = [make_flow(f"f{c}", (2, 0), [(c % 2, 0)]) for c in range(13)]
+    for color, flow in enumerate(flows):
+        flow.color = color
+    _assign_tasks(tiles, flows, arch)
+    for (x, _), tile in tiles.items():
+        own = {c for c in range(13) if c % 2 == x}
+        assert len(tile.params["tasks"]) == 10 and not set(tile.params["tasks"]) & own
+        assert not set(tile.params["tasks"]) & set(ARCHS[arch].memcpy_task_ids)
+    assert tiles[(0, 0)].params["tasks"] != tiles[(1, 0)].params["tasks"]
 
 
 # A mem1d DSD whose tensor access does not move with its induction variable: every element is one word.

@@ -756,35 +756,46 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
 
 
 def _assign_tasks(tiles: dict[Pos, Tile], flows: list[Flow], arch: str) -> None:
-    """Per region, local task IDs that no color reaching any of its PEs equals (nor memcpy's)."""
+    """Local task IDs that no color reaching a PE's CE equals (nor memcpy's): one list per region where
+    the colors reaching any of its PEs leave enough (the writer groups the PEs sharing it), else a list
+    per PE from the colors reaching that PE (a large region whose links use many colors, each PE few)."""
     # The colors that reach a PE's CE are those of the flows it is a destination of: only there does
     # a route have a RAMP tx.
-    reaching: dict[str, set[int | None]] = {}
+    at_pe: dict[Pos, set[int | None]] = {}
     for flow in flows:
         for pos in flow.destinations:
-            tile = tiles.get(pos)
-            if tile is not None:
-                reaching.setdefault(tile.region, set()).add(flow.color)
-    # Regions in the order of their first PE; one list per region: the writer groups the PEs sharing it.
-    region_tasks: dict[str, list[int] | None] = {}
-    for tile in tiles.values():
-        region = tile.region
-        if region not in region_tasks:
-            need = TASKS[tile.file]
-            if not need:
-                region_tasks[region] = None
-                continue
-            colors = reaching.get(region, set()) | set(MEMCPY_COLORS)
-            pool = [t for t in TASK_POOL[arch] if t not in colors]
-            if len(pool) < need:
+            at_pe.setdefault(pos, set()).add(flow.color)
+    by_region: dict[str, list[Pos]] = {}  # in the order of their first PE
+    for pos, tile in tiles.items():
+        by_region.setdefault(tile.region, []).append(pos)
+    for region, members in by_region.items():
+        file = tiles[members[0]].file
+        need = TASKS[file]
+        if not need:
+            continue
+        reaching: set[int | None] = set().union(*(at_pe.get(pos, set()) for pos in members))
+        tasks = _task_ids(reaching, need, arch)
+        if tasks is not None:
+            for pos in members:
+                tiles[pos].params["tasks"] = tasks
+            continue
+        for pos in members:
+            own = _task_ids(at_pe.get(pos, set()), need, arch)
+            if own is None:
+                colors = at_pe.get(pos, set()) | set(MEMCPY_COLORS)
+                left = sum(t not in colors for t in TASK_POOL[arch])
                 reserved = ", ".join(str(t) for t in ARCHS[arch].memcpy_task_ids)
                 named = ", ".join(str(c) for c in sorted(c for c in colors if c is not None))
                 raise ProgramError(
-                    f"region {region} ({tile.file}): {need} local task IDs needed, {len(pool)} left on "
+                    f"region {region} ({file}), PE {pos}: {need} local task IDs needed, {left} left on "
                     f"{arch.upper().replace('WSE', 'WSE-')}: memcpy keeps task IDs {reserved}, and the "
-                    f"IDs of the colors that reach its PEs ({named}) are kept clear of (one ID space on WSE-2)"
+                    f"IDs of the colors that reach the PE ({named}) are kept clear of (one ID space on WSE-2)"
                 )
-            region_tasks[region] = pool[:need]
-        tasks = region_tasks[region]
-        if tasks is not None:
-            tile.params["tasks"] = tasks
+            tiles[pos].params["tasks"] = own
+
+
+def _task_ids(colors: set[int | None], need: int, arch: str) -> list[int] | None:
+    """The first `need` task IDs of the architecture's pool that none of `colors` (nor memcpy's) equals,
+    None where fewer are left."""
+    pool = [t for t in TASK_POOL[arch] if t not in colors and t not in MEMCPY_COLORS]
+    return pool[:need] if len(pool) >= need else None
