@@ -321,7 +321,12 @@ def test_a_head_with_its_rounds_apart_takes_an_item_as_often_as_its_slower_role(
     weighted, rounds = cost.head_role_cycles(head, c)
     fmac, chain = c.phases["tile FMAC"], c.phases["chain reduction"]
     assert weighted == 5 + 32 + cost.TASK_ACTIVATION_CYCLES + fmac + chain
-    assert rounds == c.cycles - c.phases["input to the farthest column"] - fmac - chain
+    # the sum's 192 words stream through the rounds' PEs on every item (in the span they overlap the
+    # weighted chain's hops)
+    assert (
+        rounds
+        == c.cycles - c.phases["input to the farthest column"] - fmac - chain + 192 + cost.DSD_OP_START_CYCLES
+    )
     assert c.occupancy == c.busy == max(weighted, rounds) < c.cycles
     # the same K-line with its last PEs as the workers and root: one item at a time
     together = HeadTiling(vocab=50257, dim=768, gemv=replace(gemv, rows=33), top_k=64, workers=8)

@@ -109,7 +109,8 @@ D2H = Raw("@get_color(MEMCPYD2H_DATA_1_ID)")
 @dataclass
 class Tile:
     """One PE's program: its file and params. A param that is a Flow means that flow's color; the
-    `tasks` param is filled in per region once the colors are known."""
+    `tasks` param is filled in once the colors are known (per region, or per PE where the region's
+    colors together leave too few: `_assign_tasks`)."""
 
     file: str
     region: str

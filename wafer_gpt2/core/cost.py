@@ -1144,10 +1144,13 @@ def head_role_cycles(tiling: HeadTiling, cost: StageCost) -> tuple[int, int]:
     taken per item, from its `head_cost`. A weighted PE from its window's read to its sum's send
     (which waits until the rounds' first PE takes the sum); the rounds' PEs from the sum's way
     through them to the record, all columns at once (the next item's sums wait at every column, so
-    the columns' skew of the input is gone)."""
+    the columns' skew of the input is gone), the sum's words streaming through them included (the
+    span has them in the weighted chain's phase, where they overlap its hops)."""
+    g = tiling.gemv
     window, chain = cost.phases["tile FMAC"], cost.phases["chain reduction"]
-    weighted = ITEM_HEADER_WORDS + tiling.gemv.tile_k + TASK_ACTIVATION_CYCLES + window + chain
-    return weighted, cost.cycles - cost.phases["input to the farthest column"] - window - chain
+    weighted = ITEM_HEADER_WORDS + g.tile_k + TASK_ACTIVATION_CYCLES + window + chain
+    stream = (ceil_div(g.tile_n, FP32_OPS_PER_CYCLE) + DSD_OP_START_CYCLES) if g.rows > 1 else 0
+    return weighted, cost.cycles - cost.phases["input to the farthest column"] - window - chain + stream
 
 
 def record_sort_cycles(tiling: HeadTiling) -> int:

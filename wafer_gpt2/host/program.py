@@ -334,10 +334,11 @@ class WaferGPT2:
         self._lengths[slot] = 0
 
     def reset(self) -> None:
-        self._in_flight.clear()  # their records are not read: a reset follows a failed step
+        # The steps in flight are dropped (a reset follows a failed step), but their records are still
+        # asked for: left in io.out, they would be read as the next step's.
+        self._ask_unasked(len(self._unasked))
+        self._in_flight.clear()
         self._slots_in_flight.clear()
-        self._unasked.clear()
-        self._unread = [0] * self.plan.replicas
         for slot in range(self.num_slots):
             if self._lengths[slot]:
                 self.free_slot(slot)

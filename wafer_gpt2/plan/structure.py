@@ -379,6 +379,7 @@ def _tiling_json(tiling: object | None) -> dict | None:
             "workers": tiling.workers,
             "tree": tiling.tree,
             "tree_group": tiling.tree_group,
+            "apart": tiling.apart,
             "gemv": _tiling_json(tiling.gemv),
         }
     data = {"type": type(tiling).__name__}
