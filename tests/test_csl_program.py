@@ -251,6 +251,18 @@ def test_a_decode_step_goes_in_one_message_per_replica(tiny_params):
         sim.close()
 
 
+def two_steps_in_flight(csl, sim, first: list[StepItem], second: list[StepItem]) -> list[str]:
+    """Submit two steps, then collect both; each step's scores equal the simulator's. Returns the
+    kinds of the memcpy commands the executor ran for them, in order."""
+    csl.runtime.machine.command_times.clear()
+    csl.submit(StepInputs.of_items(first))
+    csl.submit(StepInputs.of_items(second))
+    ours = [csl.collect(), csl.collect()]
+    for mine, items in zip(ours, (first, second), strict=True):
+        assert worst_difference(mine, sim.step(StepInputs.of_items(items)), same_ids=True) < FP32_TOLERANCE
+    return [kind for kind, _, _ in csl.runtime.machine.command_times]
+
+
 def test_a_later_steps_messages_go_in_before_the_records_of_the_one_before(tiny_params):
     """Steps in flight on serial memcpy: a D2H holds back every command after it until its records
     have come, so the host asks for a step's records only at `collect` (or when the next message would
@@ -261,32 +273,16 @@ def test_a_later_steps_messages_go_in_before_the_records_of_the_one_before(tiny_
     try:
         first = [StepItem(s, p, 3 * s + p + 1, want_scores=p == 1) for s in (0, 1) for p in range(2)]
         second = [StepItem(s, p, 5 * s + p + 2, want_scores=p == 1) for s in (2, 3) for p in range(2)]
-        csl.runtime.machine.command_times.clear()
-        csl.submit(StepInputs.of_items(first))
-        csl.submit(StepInputs.of_items(second))
-        ours = [csl.collect(), csl.collect()]
-        kinds = [kind for kind, _, _ in csl.runtime.machine.command_times]
+        kinds = two_steps_in_flight(csl, sim, first, second)
         assert kinds == ["StreamH2D", "StreamH2D", "StreamD2H", "StreamD2H"]
-        for mine, items in zip(ours, (first, second), strict=True):
-            assert (
-                worst_difference(mine, sim.step(StepInputs.of_items(items)), same_ids=True) < FP32_TOLERANCE
-            )
         # a fourth step whose records do not fit io.out (4) beside the third's unread ones: the third's
         # are asked for before its message goes in
         third = [StepItem(s, 2, s + 1, want_scores=True) for s in (0, 1)]
         fourth = [StepItem(2, p, p + 3, want_scores=True) for p in (2, 3, 4)] + [
             StepItem(3, 2, 9, want_scores=True)
         ]
-        csl.runtime.machine.command_times.clear()
-        csl.submit(StepInputs.of_items(third))
-        csl.submit(StepInputs.of_items(fourth))
-        ours = [csl.collect(), csl.collect()]
-        kinds = [kind for kind, _, _ in csl.runtime.machine.command_times]
+        kinds = two_steps_in_flight(csl, sim, third, fourth)
         assert kinds == ["StreamH2D", "StreamD2H", "StreamH2D", "StreamD2H"]
-        for mine, items in zip(ours, (third, fourth), strict=True):
-            assert (
-                worst_difference(mine, sim.step(StepInputs.of_items(items)), same_ids=True) < FP32_TOLERANCE
-            )
     finally:
         csl.close()
         sim.close()

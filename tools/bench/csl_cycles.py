@@ -36,7 +36,7 @@ from wafer_gpt2.core.steps import StepInputs, StepItem  # noqa: E402
 from wafer_gpt2.host.program import CYCLES_SYMBOL, WaferGPT2  # noqa: E402
 from wafer_gpt2.model.config import GPT2Config  # noqa: E402
 from wafer_gpt2.model.params import GPT2Params  # noqa: E402
-from wafer_gpt2.plan import build_plan  # noqa: E402
+from wafer_gpt2.plan import Plan, build_plan  # noqa: E402
 
 INPUT_PHASES = (
     "input",
@@ -155,6 +155,22 @@ def edges(runtime: CslExecutorRuntime) -> tuple[int, int]:
     return min(starts), max(ends)
 
 
+def tiny_plan(args: argparse.Namespace) -> tuple[Plan, GPT2Params]:
+    """The tiny GPT-2 of docs/kernels.md's tables (2 layers, n_embd 64, 2 heads, 64 positions) on one
+    replica, planned as `args` say (arch, dtype, vocab, slots, objective), and its random weights."""
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=args.vocab, n_positions=64, name="tiny")
+    plan = build_plan(
+        config,
+        arch=args.arch,
+        dtype=args.dtype,
+        slots=args.slots,
+        context=64,
+        objective=args.objective,
+        replicas=1,
+    )
+    return plan, GPT2Params.random(config, seed=3)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="wse2", choices=["wse2", "wse3"])
@@ -176,17 +192,7 @@ def main() -> int:
     )
     p.add_argument("--json", help="write the table here")
     args = p.parse_args()
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=args.vocab, n_positions=64, name="tiny")
-    plan = build_plan(
-        config,
-        arch=args.arch,
-        dtype=args.dtype,
-        slots=args.slots,
-        context=64,
-        objective=args.objective,
-        replicas=1,
-    )
-    params = GPT2Params.random(config, seed=3)
+    plan, params = tiny_plan(args)
     runtime = CslExecutorRuntime(compile_plan(plan))
     model = WaferGPT2(plan, runtime, params)
     try:

@@ -20,12 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tools.bench.csl_cycles import tiny_plan  # noqa: E402
 from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan  # noqa: E402
 from wafer_gpt2.core.steps import StepInputs, StepItem  # noqa: E402
 from wafer_gpt2.host.program import WaferGPT2  # noqa: E402
-from wafer_gpt2.model.config import GPT2Config  # noqa: E402
 from wafer_gpt2.model.params import GPT2Params  # noqa: E402
-from wafer_gpt2.plan import build_plan  # noqa: E402
 
 
 def step_cycles(plan, params: GPT2Params, items: int) -> int:
@@ -62,17 +61,8 @@ def main() -> int:
     )
     p.add_argument("--items", type=int, default=4, help="n: steps of n and 2n scored items")
     args = p.parse_args()
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=args.vocab, n_positions=64, name="tiny")
-    plan = build_plan(
-        config,
-        arch=args.arch,
-        dtype=args.dtype,
-        slots=args.slots,
-        context=64,
-        objective=args.objective,
-        replicas=1,
-    )
-    params = GPT2Params.random(config, seed=3)
+    plan, params = tiny_plan(args)
+    config = plan.config
     one, two = (step_cycles(plan, params, n) for n in (args.items, 2 * args.items))
     interval = (two - one) / args.items
     slowest = max(plan.stage_costs, key=lambda stage: stage.busy)
