@@ -12,9 +12,10 @@ by `submit`; `collect` waits for the oldest step's records. With `steps_in_fligh
 engine sends the next step while the wafer computes one, on slots the earlier ones do not touch.
 Where memcpy runs one command at a time (the SDK's runtimes: `serial_memcpy`), a D2H holds back every
 command after it until its records have come, so the host asks for records as late as each replica's
-io.out allows (`Plan.records_held`): the next step's messages go in before this one's records are read. Slots are numbered across replicas: replica r owns slots
-r * plan.slots .. (r + 1) * plan.slots - 1. The host never looks inside the runtime: everything it
-knows about the wafer comes from the plan and from what memcpy returns.
+io.out allows (`Plan.records_held`): the next step's messages go in before this one's records are read.
+Slots are numbered across replicas: replica r owns slots r * plan.slots .. (r + 1) * plan.slots - 1.
+The host never looks inside the runtime: everything it knows about the wafer comes from the plan and
+from what memcpy returns.
 """
 
 from __future__ import annotations
