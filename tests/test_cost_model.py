@@ -333,6 +333,15 @@ def test_a_head_with_its_rounds_apart_takes_an_item_as_often_as_its_slower_role(
     assert cost.head_cost(together, "wse2", "fp16").busy > c.busy
     # best_head keeps the plan's workers apart (they are PEs the plan gave the rounds)
     assert cost.best_head(head, "wse2", "fp16").workers == 8
+    # in two sets taking the items in turn: each set's PEs once every other item, the second set's
+    # items across the first set's routers (a hop each, priced on the span)
+    two = replace(head, sets=2)
+    assert two.line == 24 + 2 * 9 and two.set_start(1) == 33
+    c2 = cost.head_cost(two, "wse2", "fp16")
+    assert c2.cycles == c.cycles + 9 * cost.HOP_CYCLES
+    weighted2, rounds2 = cost.head_role_cycles(two, c2)
+    assert weighted2 == weighted and rounds2 == cost.ceil_div(rounds + 9 * cost.HOP_CYCLES, 2)
+    assert c2.busy == max(weighted2, rounds2) < c.busy
 
 
 def test_the_records_sort_is_priced_on_io_out_not_in_the_head() -> None:

@@ -713,14 +713,22 @@ def test_lanes_that_turn_share_no_router(west: bool, north: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    ("embeds", "arch"),
-    [(True, "wse2"), (False, "wse2"), pytest.param(True, "wse3", marks=pytest.mark.executor_full)],
+    ("embeds", "arch", "sets"),
+    [
+        (True, "wse2", 1),
+        (False, "wse2", 1),
+        (True, "wse2", 2),
+        pytest.param(True, "wse3", 1, marks=pytest.mark.executor_full),
+        pytest.param(False, "wse3", 2, marks=pytest.mark.executor_full),
+    ],
 )  # CI time: WSE-3's with -m executor_full
-def test_the_heads_rounds_apart_equal_the_simulator(embeds, arch, monkeypatch):
+def test_the_heads_rounds_apart_equal_the_simulator(embeds, arch, sets, monkeypatch):
     """The head's workers and root on PEs of their own after each K-line (`Knobs.head_workers`,
     HeadTiling.apart): the header ahead of the sum on the K chain, the sum passed through them, the
     weighted PEs on to the next item during the rounds (two of the prompt's items are scored); ln_f
-    and an embedding in the strip span the weighted PEs alone."""
+    and an embedding in the strip span the weighted PEs alone. In two sets (`Knobs.head_sets`) the
+    three scored items go to the first set, the second and the first again (the turn holds across
+    steps), and io.out reads their records in that turn."""
     from dataclasses import replace
 
     from wafer_gpt2.plan import build_plan
@@ -731,14 +739,19 @@ def test_the_heads_rounds_apart_equal_the_simulator(embeds, arch, monkeypatch):
     knobs = search_module._candidate_knobs
 
     def apart(*args, **kwargs):
-        return [replace(k, strip_pes=5, head_workers=2) for k in knobs(*args, **kwargs) if k.stream_pes == 2]
+        return [
+            replace(k, strip_pes=2 + 3 * sets, head_workers=2, head_sets=sets)
+            for k in knobs(*args, **kwargs)
+            if k.stream_pes == 2
+        ]
 
     monkeypatch.setattr(search_module, "_candidate_knobs", apart)
     search_module.forget_kept_plans()
     plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="compact")
     search_module.forget_kept_plans()
     head, ln_f, embed = plan.region("head"), plan.region("ln_f"), plan.region("embed")
-    assert head.tiling.apart and head.tiling.workers == 2 and head.w == head.tiling.line == 5
+    assert head.tiling.apart and head.tiling.workers == 2 and head.tiling.sets == sets
+    assert head.w == head.tiling.line == 2 + 3 * sets
     assert ln_f.w == head.tiling.gemv.rows == 2
     assert ("wte" not in embed.symbols) == embeds and (embed.x == head.x and embed.w == 2) == embeds
     two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=5))

@@ -252,22 +252,29 @@ def test_throughput_plans_take_the_rows_and_columns_their_replicas_leave(shape, 
 
 
 def test_a_throughput_plan_capped_by_the_head_runs_its_rounds_apart(monkeypatch) -> None:
-    """At 32 slots the throughput plan is capped by the head, whose rounds take two thirds of its span:
-    with its workers and root on PEs of their own at the strip's east end (HeadTiling.apart), its
-    K-lines take the next item during the rounds, ln_f spans the weighted PEs alone, and the wafer's
-    modeled tokens/s is far above the search's without them."""
+    """At 32 slots the head's rounds take two thirds of its span and would cap the throughput plan:
+    with its workers and root on PEs of their own at the strip's east end (HeadTiling.apart), in two
+    sets that take the items in turn, its K-lines take the next item during the rounds, ln_f spans the
+    weighted PEs alone, the head no longer caps the replica, and the wafer's modeled tokens/s is far
+    above the search's with one set, and further above the one without them."""
     plan = plan_for("gpt2", "wse2", slots=32, objective="throughput", replicas="auto")
     check_plan(plan)
     head, stages = plan.head, {s.name: s for s in plan.stage_costs}
-    assert head.apart and head.workers == plan.knobs.head_workers
+    assert head.apart and head.workers == plan.knobs.head_workers and head.sets == plan.knobs.head_sets == 2
     assert plan.region("head").w == head.line == plan.knobs.strip > head.gemv.rows == plan.region("ln_f").w
-    assert plan.occupancy_cycles == stages["head"].busy < stages["head"].cycles
+    assert stages["head"].busy < plan.occupancy_cycles and stages["head"].busy < stages["head"].cycles / 2
+    monkeypatch.setattr(search_module, "HEAD_SETS", (1,))
+    forget_kept_plans()
+    one_set = build_plan(PRESETS["gpt2"], "wse2", slots=32, objective="throughput", replicas="auto")
+    assert one_set.head.apart and one_set.head.sets == 1
+    assert one_set.occupancy_cycles == {s.name: s for s in one_set.stage_costs}["head"].busy
     monkeypatch.setattr(search_module, "_head_apart", lambda *args, **kwargs: None)
     forget_kept_plans()
     without = build_plan(PRESETS["gpt2"], "wse2", slots=32, objective="throughput", replicas="auto")
     forget_kept_plans()
     assert not without.head.apart
-    assert plan.modeled()["tokens_per_s_total"] > 1.3 * without.modeled()["tokens_per_s_total"]
+    tokens = [p.modeled()["tokens_per_s_total"] for p in (plan, one_set, without)]
+    assert tokens[0] > 1.1 * tokens[1] and tokens[1] > 1.3 * tokens[2]
 
 
 def test_a_throughput_plan_capped_by_a_stage_takes_the_fastest_token() -> None:

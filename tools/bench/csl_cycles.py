@@ -69,14 +69,15 @@ def region_spans(model: WaferGPT2, replica: int = 0) -> dict[str, int]:
 
 def head_role_spans(model: WaferGPT2, replica: int = 0) -> tuple[int, int]:
     """(a weighted PE, the rounds' PEs) of a head with its rounds apart: the largest last-item span of
-    the K-lines' weighted PEs and of the PEs after them (HeadTiling.apart)."""
+    the K-lines' weighted PEs and of the PEs after them (HeadTiling.apart), the latter over the sets
+    of the rounds (each takes every sets-th item: `wafer_gpt2.core.cost.head_role_cycles`'s terms)."""
     region = model.plan.region("head", replica)
     words = np.zeros(region.w * region.h * 4, dtype=np.uint32)
     symbol = model.runtime.get_id(CYCLES_SYMBOL)
     model.runtime.memcpy_d2h(words, symbol, region.x, region.y, region.w, region.h, 4, streaming=False)
     spans = from_wire(words, np.uint32).reshape(region.h, region.w, 4)[:, :, 0]  # [y][x]; K along +x
-    rows = model.plan.head.gemv.rows
-    return int(spans[:, :rows].max()), int(spans[:, rows:].max())
+    rows, sets = model.plan.head.gemv.rows, model.plan.head.sets
+    return int(spans[:, :rows].max()), -(-int(spans[:, rows:].max()) // sets)
 
 
 def region_starts(model: WaferGPT2, runtime: CslExecutorRuntime, replica: int = 0) -> dict[str, int]:

@@ -66,7 +66,8 @@ def main() -> int:
     one, two = (step_cycles(plan, params, n) for n in (args.items, 2 * args.items))
     interval = (two - one) / args.items
     slowest = max(plan.stage_costs, key=lambda stage: stage.busy)
-    apart = f", its rounds apart ({plan.head.workers} workers)" if plan.head.apart else ""
+    sets = f" in each of {plan.head.sets} sets" if plan.head.sets > 1 else ""
+    apart = f", its rounds apart ({plan.head.workers} workers{sets})" if plan.head.apart else ""
     print(
         f"{config.name}: {args.arch} {args.dtype} {args.objective}, {args.slots} slots, vocab {args.vocab}; "
         f"the head {plan.head.line} x {plan.head.gemv.cols} PEs{apart} (modeled cycles, both)"

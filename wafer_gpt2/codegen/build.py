@@ -345,17 +345,23 @@ class _Builder:
         ln_lines = self.layernorm(ln_f, stream, stream_chunk, f"r{replica}.final", "next")
         k_lines = [[hf.pe(r, c) for c in range(head_t.cols)] for r in range(head_t.rows)]
         self.connect(f"r{replica}.ln_f.y", ln_lines, ln_f.tiling.chunk, k_lines, head_t.tile_k, "y", "in")
-        centre = self.head_rounds(head, hf, replica)
-        to_io = self.flow(f"r{replica}.scores", centre, [(io_out.x, io_out.y)])
-        self.params[centre]["out_color"] = to_io
-        self.params.setdefault((io_out.x, io_out.y), {})["in_color"] = to_io
+        # the records from each set's centre, read in the sets' turn
+        centres = self.head_rounds(head, hf, replica)
+        io_params = self.params.setdefault((io_out.x, io_out.y), {})
+        for s, (centre, key) in enumerate(zip(centres, ("in_color", "in_second"), strict=False)):
+            to_io = self.flow(f"r{replica}.scores{'' if s == 0 else s}", centre, [(io_out.x, io_out.y)])
+            self.params[centre]["out_color"] = to_io
+            io_params[key] = to_io
+        io_params["alternates"] = len(centres) > 1
 
-    def head_rounds(self, head: Any, f: Frame, replica: int) -> Pos:
+    def head_rounds(self, head: Any, f: Frame, replica: int) -> list[Pos]:
         """The LM head's threshold selection (pe/head.csl, comm/tree.csl): every K-line reduced in a
         chain to its root, which sends its logits to the `workers` PEs before it (comm/scatter.csl:
         a line from the root back to the farthest); the two halves of the roots' column on either
         side of the centre each a reduction line towards it (`HeadTiling.tree_halves`), whose ends
-        join the centre; one broadcast from the centre to every worker. Returns the centre."""
+        join the centre; one broadcast from the centre to every worker. Apart in `sets`, each set
+        has its workers, roots, tree and centre; the K chain's last weighted PE reaches a later set
+        over a link of its own. Returns the centres, one per set."""
         t = head.tiling
         g = t.gemv
         most = t.workers if t.apart else g.rows - 1
@@ -364,18 +370,44 @@ class _Builder:
                 f"{head.name}: threshold selection needs a chain reduction along its K-lines and 1 .. {most} "
                 f"workers dividing tile_n (rows {g.rows}, tile_n {g.tile_n}, workers {t.workers}, {g.reduction})"
             )
+        if t.sets > 2 or (t.sets > 1 and not t.apart):
+            raise ProgramError(
+                f"{head.name}: pe/head.csl runs the rounds in one set, or apart in two ({t.sets})"
+            )
         tag = f"{head.name}@{replica}"
-        line = t.line  # apart: the rounds' PEs (no weights, no lane) after the weighted ones
+        if not t.apart:
+            for c in range(g.cols):
+                members = [f.pe(r, c) for r in range(g.rows)]
+                self.reduction(f"{tag}.red{c}", members, "red", "chain", 0)
+            return [self.head_set(t, f, tag, g.rows - 1 - t.workers)]
+        # apart: the rounds' PEs (no weights, no lane) after the weighted ones, each set after the last
         for c in range(g.cols):
-            members = [f.pe(r, c) for r in range(line)]
-            self.reduction(f"{tag}.red{c}", members, "red", "chain", 0)
-            workers = [f.pe(r, c) for r in range(line - 1 - t.workers, line)]  # the root last
-            self.scatter_line(f"{tag}.slices{c}", workers, "worker_slot")
-            if t.apart:
-                self.params[f.pe(g.rows - 1, c)]["header_out"] = True
-                for r in range(g.rows, line):
-                    self.params[f.pe(r, c)].update(weighted=False, embeds=False)
-        roots = [f.pe(line - 1, c) for c in range(g.cols)]
+            last = f.pe(g.rows - 1, c)
+            first_set = [f.pe(r, c) for r in range(t.set_start(0), t.set_start(1))]
+            self.reduction(
+                f"{tag}.red{c}", [f.pe(r, c) for r in range(g.rows)] + first_set, "red", "chain", 0
+            )
+            self.params[last]["header_out"] = True
+            for s in range(1, t.sets):
+                # the last weighted PE's link to this set, over the routers of the sets before it; the
+                # set's PEs chain as the first set's do (their roles as in a line that begins there)
+                members = [f.pe(r, c) for r in range(t.set_start(s), t.set_start(s + 1))]
+                kept = {k: self.params[last][k] for k in ("red_role", "red_rx", "red_tx")}
+                self.reduction(f"{tag}.red{c}.set{s}", [last, *members], "red", "chain", 0)
+                self.params[last].update(kept, alternates=True, second_tx=self.params[last]["red_tx"])
+            for r in range(g.rows, t.line):
+                self.params[f.pe(r, c)].update(weighted=False, embeds=False)
+        return [self.head_set(t, f, f"{tag}.set{s}" if s else tag, t.set_start(s)) for s in range(t.sets)]
+
+    def head_set(self, t: Any, f: Frame, tag: str, start: int) -> Pos:
+        """One set of the head's workers and roots, its workers along each K-line from index `start`
+        and its root after them: the scatters, the tree of the roots, the broadcast. Returns its
+        centre."""
+        cols = t.gemv.cols
+        root = start + t.workers
+        for c in range(cols):
+            self.scatter_line(f"{tag}.slices{c}", [f.pe(r, c) for r in range(start, root + 1)], "worker_slot")
+        roots = [f.pe(root, c) for c in range(cols)]
         centre = roots[t.centre]
         left, right = t.tree_halves()
         for pos in roots:
@@ -396,7 +428,7 @@ class _Builder:
             join_role=JOIN_ROOT, join_left=ends[0], join_right=ends[1],
             has_left=ends[0] is not None, has_right=ends[1] is not None,
         )  # fmt: skip
-        workers = [f.pe(r, c) for c in range(g.cols) for r in range(line - 1 - t.workers, line - 1)]
+        workers = [f.pe(r, c) for c in range(cols) for r in range(start, root)]
         bcast = self.flow(f"{tag}.answers", centre, workers)
         for pos in workers + [centre]:
             self.params[pos]["bcast_color"] = bcast
@@ -699,7 +731,8 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
         if region.name == "io.in":
             own.update(from_host=H2D)
         elif region.name == "io.out":
-            own.update(to_host=D2H, record_words=record_words(plan.top_k), depth=plan.records_held)
+            own.update(to_host=D2H, record_words=record_words(plan.top_k), depth=plan.records_held,
+                       alternates=False, in_second=None)  # fmt: skip
         elif kind == "gemv":
             own.update(tile_k=t.tile_k, tile_n=t.tile_n, use_fp16=fp16, gelu_out=region.name.endswith(".fc"),
                        epi_pes=t.epilogue_pes, epi_slot=t.epilogue_pes, epi_multicast=t.epilogue_multicast,
@@ -709,7 +742,7 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
             own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,
                        topk_bins=TOPK_BINS, chunk=HEAD_CHUNK, use_fp16=fp16, workers=t.workers,
                        worker_slot=t.workers, use_col_max=t.gemv.cols >= plan.top_k, weighted=True,
-                       header_out=False)  # fmt: skip
+                       header_out=False, alternates=False, second_tx=None)  # fmt: skip
         elif kind == "embed":
             ppp, tile_k = embed_geometry(region, "wpe", cfg.n_embd)
             tpp = embed_geometry(region, "wte", cfg.n_embd)[0] if "wte" in region.symbols else 0

@@ -1059,6 +1059,8 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
         chain += DSD_OP_START_CYCLES + ITEM_HEADER_WORDS
         hop = _RELAY + TASK_ACTIVATION_CYCLES + 2 * DSD_OP_START_CYCLES + ITEM_HEADER_WORDS
         through = (e + 1) * hop + (g.tile_n if g.rows == 1 else 0)
+        # the last set's items cross the routers of the sets before it (no task there): priced for it
+        through += (tiling.sets - 1) * tiling.rounds_pes * HOP_CYCLES
     # The columns' times are arrays (one element per column): the rounds' per-column arithmetic is the
     # planner's inner loop, priced for every candidate head.
     logits_at = np.arange(cols, dtype=np.int64) * HOP_CYCLES + (link_cycles(1) + window + chain + through)
@@ -1134,7 +1136,7 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     cost.add("round C: the entries taken by the centre", int(take))
     record = 2 * (DSD_OP_START_CYCLES + k)  # the ids and the logits into the record
     cost.add("the output record", record + DSD_OP_START_CYCLES)
-    if tiling.apart:  # two items in the stage: it takes one as often as the slower role allows
+    if tiling.apart:  # items overlap in the stage: it takes one as often as the slower role allows
         cost.occupancy = max(head_role_cycles(tiling, cost))
     return cost
 
@@ -1145,12 +1147,14 @@ def head_role_cycles(tiling: HeadTiling, cost: StageCost) -> tuple[int, int]:
     (which waits until the rounds' first PE takes the sum); the rounds' PEs from the sum's way
     through them to the record, all columns at once (the next item's sums wait at every column, so
     the columns' skew of the input is gone), the sum's words streaming through them included (the
-    span has them in the weighted chain's phase, where they overlap its hops)."""
+    span has them in the weighted chain's phase, where they overlap its hops). With `sets` of the
+    rounds taking the items in turn, each set's PEs are taken once every `sets` items."""
     g = tiling.gemv
     window, chain = cost.phases["tile FMAC"], cost.phases["chain reduction"]
     weighted = ITEM_HEADER_WORDS + g.tile_k + TASK_ACTIVATION_CYCLES + window + chain
     stream = (ceil_div(g.tile_n, FP32_OPS_PER_CYCLE) + DSD_OP_START_CYCLES) if g.rows > 1 else 0
-    return weighted, cost.cycles - cost.phases["input to the farthest column"] - window - chain + stream
+    rounds = cost.cycles - cost.phases["input to the farthest column"] - window - chain + stream
+    return weighted, ceil_div(rounds, tiling.sets)
 
 
 def record_sort_cycles(tiling: HeadTiling) -> int:

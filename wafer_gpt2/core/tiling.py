@@ -262,7 +262,10 @@ class HeadTiling:
 
     `apart`: the workers and the root are PEs of their own after each K-line's `gemv.rows` PEs, which
     hold no weights: the K-line's chain runs on through them, and its weighted PEs take the next item
-    while they run the rounds (two items in the stage at once)."""
+    while they run the rounds (two items in the stage at once). `sets` of them (apart only): that many
+    sets of workers and root, one after the other along the K-line, each with its own tree and centre,
+    take the items in turn (item i to set i % sets): the last weighted PE sends each item's header and
+    sum to its set, over the routers of the sets before it."""
 
     vocab: int
     dim: int
@@ -272,6 +275,7 @@ class HeadTiling:
     tree: Reduction = "chain"  # each half of the tree over the roots
     tree_group: int = 0  # two_level only: roots per first-level run
     apart: bool = False  # the workers and the root after the K-line, without weights
+    sets: int = 1  # apart: sets of workers and root after the K-line, taking the items in turn
 
     @property
     def slice(self) -> int:
@@ -280,9 +284,18 @@ class HeadTiling:
 
     @property
     def line(self) -> int:
-        """PEs along each K-line: its weighted rows, and where the rounds run `apart` its workers and
-        root after them."""
-        return self.gemv.rows + (self.workers + 1 if self.apart else 0)
+        """PEs along each K-line: its weighted rows, and where the rounds run `apart` each set's
+        workers and root after them."""
+        return self.gemv.rows + (self.sets * self.rounds_pes if self.apart else 0)
+
+    @property
+    def rounds_pes(self) -> int:
+        """PEs of one set of the rounds apart along a K-line: its workers and its root."""
+        return self.workers + 1
+
+    def set_start(self, s: int) -> int:
+        """Index along the K-line of set s's first PE (its farthest worker), the rounds apart."""
+        return self.gemv.rows + s * self.rounds_pes
 
     @property
     def pes(self) -> int:

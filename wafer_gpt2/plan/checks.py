@@ -216,9 +216,11 @@ def assign_colors(regions: list[Region], routes: list[Route]) -> None:
         t = reg.tiling
         if isinstance(t, HeadTiling):
             # request, lane; the K chain; the slices; the tree's halves and the joins; the answers; the
-            # output record
+            # output record; a later set of the rounds apart: its link over the sets before it and its
+            # record's route
             half = max(len(h) for h in t.tree_halves())
             own = 2 + reduction_colors("chain", t.line) + 2 + reduction_colors(t.tree, half) + 2 + 1 + 1
+            own += 2 * (t.sets - 1)
         elif isinstance(t, GemvTiling):
             own = 2 + reduction_colors(t.reduction, t.rows)  # in/multicast + reduction + out
         elif isinstance(t, AttentionTiling):

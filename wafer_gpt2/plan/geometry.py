@@ -16,8 +16,9 @@ orientations alternate (k_along_x, k_along_y, ...) and nothing is transposed. We
 strip of S columns (R, or more where a small replica leaves them: `Knobs.strip_pes`) holds the I/O
 ports, the LM head (wte^T, tied), the final LayerNorm and the top-k; the stream enters and leaves it
 by gather lines, which re-cut its chunks. Where the head's rounds run apart (`Knobs.head_workers`),
-the strip's east PEs of every K-line are its workers and root, without weights, and ln_f (and an
-embedding in the strip) spans the K-lines' weighted PEs, the strip's west end.
+the strip's east PEs of every K-line are its workers and root (in `Knobs.head_sets` sets, one after
+the other), without weights, and ln_f (and an embedding in the strip) spans the K-lines' weighted PEs,
+the strip's west end.
 The embedding, a copy of wte and wpe by rows, fills layer 0's columns under its ln_1, where a later
 layer has the previous one's res_2 and proj: its columns are ln_1's chunks, so it hands off as lanes.
 Where the copy needs more rows than that (narrow strips, whose PEs hold few rows of the tables), there
@@ -312,7 +313,9 @@ class Geometry:
     def route_legs(self, src: str, dst: str) -> tuple[int, tuple[tuple[int, int, int, int], ...]]:
         """(hops, legs) of a bundle of lanes from src to dst: along x at src's rows, then along y at
         dst's columns. "head.root" is the PE where the head's selection ends: the root of its centre
-        column (`HeadTiling.centre`; column 0 is the bottom row, next to ln_f)."""
+        column (`HeadTiling.centre`; column 0 is the bottom row, next to ln_f), the last set's where
+        the rounds run apart in sets (the strip's last PE; the sets before it are as many hops nearer
+        or farther)."""
         if src == "head.root":
             hx, hy, hw, hh = self.rect("head")
             sx, sy, sw, sh = hx + hw - 1, hy + hh - 1 - allreduce_root(self.head_cols), 1, 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from functools import lru_cache, partial
+from functools import lru_cache
 
 from wafer_gpt2.core.arch import Arch, resolve_arch
 from wafer_gpt2.core.cost import CLOCK_HZ, StageCost, head_cost
@@ -191,7 +191,9 @@ def _search(
         lt = _layer_tilings(
             config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
         )
-        head = _head_tiling(config, knobs.strip, knobs.head_cols, top_k, arch, dtype, knobs.head_workers)
+        head = _head_tiling(
+            config, knobs.strip, knobs.head_cols, top_k, arch, dtype, knobs.head_workers, knobs.head_sets
+        )
         over = memory_over(lt, head, dtype, arch)
         if over is not None:
             closest = _closer(closest, over)
@@ -206,19 +208,26 @@ def _search(
             shapes += _packed(config, knobs, geo, arch, dtype, dirs)
             # the shape that fits the most replicas (the last) also with FC into the rows they leave,
             # that one also with the west strip as wide as the columns they leave, and that one also
-            # with the head's rounds on PEs of their own
-            head_apart = partial(_head_apart, dtype=dtype, top_k=top_k)
-            for grow in (_fc_filled, _strip_widened, head_apart):
+            # with the head's rounds on PEs of their own, in one set and in two (two take items more
+            # often, one leaves more weighted PEs for a faster token: each is priced)
+            for grow in (_fc_filled, _strip_widened):
                 grown = grow(config, *shapes[-1], arch)
                 if grown is not None:
                     shapes += _as_many_replicas(
                         config, grown, shapes[-1][1], slots, context, arch, dtype, top_k
                     )
+            base = shapes[-1]
+            for sets in HEAD_SETS:
+                grown = _head_apart(config, *base, arch, dtype, top_k, (sets,))
+                if grown is not None:
+                    shapes += _as_many_replicas(config, grown, base[1], slots, context, arch, dtype, top_k)
         for k, g in shapes:
             tilings = _layer_tilings(
                 config, k.stream_pes, k.fold, k.attn_chain, k.fc_cols, slots, context, arch, dtype
             )
-            strip_head = _head_tiling(config, k.strip, k.head_cols, top_k, arch, dtype, k.head_workers)
+            strip_head = _head_tiling(
+                config, k.strip, k.head_cols, top_k, arch, dtype, k.head_workers, k.head_sets
+            )
             priced.append(_priced(len(priced), config, k, tilings, strip_head, g, arch, dtype))
     return CandidateSearch(len(knobs_list), priced, area or closest)
 
@@ -265,31 +274,49 @@ def _strip_widened(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) 
 
 
 def _head_apart(
-    config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch, dtype: str, top_k: int
+    config: GPT2Config,
+    knobs: Knobs,
+    geo: Geometry,
+    arch: Arch,
+    dtype: str,
+    top_k: int,
+    offered: tuple[int, ...],
 ) -> Knobs | None:
     """The same knobs with the head's workers and root on PEs of their own after its K-lines, in the
-    same strip (HeadTiling.apart): the K-lines take the next item while the rounds run, so the stage
-    that caps a small replica takes an item about as often as its rounds allow. None where no count
-    of workers makes the head faster per item."""
-    workers = _apart_workers(config, knobs.strip, knobs.head_cols, top_k, arch, dtype)
-    return replace(knobs, head_workers=workers) if workers else None
+    same strip (HeadTiling.apart), in one set or in sets taking the items in turn (as many as one of
+    `offered`): the K-lines take the next item while the rounds run, so the stage that caps a small
+    replica takes an item about as often as its rounds allow. None where no count of workers makes
+    the head faster per item."""
+    workers, sets = _apart_workers(config, knobs.strip, knobs.head_cols, top_k, arch, dtype, offered)
+    return replace(knobs, head_workers=workers, head_sets=sets) if workers else None
+
+
+# Sets of the rounds apart the search offers: a second set halves the rounds' share of the interval;
+# a third has not paid in the model (the weighted PEs' FMACs or the token's latency cap first).
+HEAD_SETS = (1, 2)
 
 
 @lru_cache(maxsize=256)  # many candidates share a strip and a head
-def _apart_workers(config, strip_pes, head_cols, top_k, arch, dtype) -> int:
-    """The workers apart the model finds fastest per item (then per token) for this strip and head,
-    0 where none is faster per item than the head with its rounds on its weighted PEs."""
+def _apart_workers(config, strip_pes, head_cols, top_k, arch, dtype, offered) -> tuple[int, int]:
+    """(workers, sets) of the rounds apart the model finds fastest per item (then per token) for this
+    strip and head, the sets among those `offered`; (0, 1) where none is faster per item than the head
+    with its rounds on its weighted PEs."""
     head = _head_tiling(config, strip_pes, head_cols, top_k, arch, dtype)
     tile_n = head.gemv.tile_n
-    options = [w for w in range(1, min(tile_n, strip_pes - 2, 64) + 1) if tile_n % w == 0]
     priced = []
-    for w in options:  # priced with the head's tree as it is (the plan's head then takes its own)
-        gemv = replace(head.gemv, rows=strip_pes - w - 1)
-        cost = head_cost(replace(head, gemv=gemv, workers=w, apart=True), arch, dtype)
-        priced.append((cost.busy, cost.cycles, w))
+    for sets in offered:
+        for w in range(1, min(tile_n, strip_pes - 2, 64) + 1):
+            rows = strip_pes - sets * (w + 1)
+            if tile_n % w or rows < 1:
+                continue
+            # priced with the head's tree as it is (the plan's head then takes its own)
+            gemv = replace(head.gemv, rows=rows)
+            cost = head_cost(replace(head, gemv=gemv, workers=w, apart=True, sets=sets), arch, dtype)
+            priced.append((cost.busy, cost.cycles, sets, w))
     if not priced or min(priced)[0] >= head_cost(head, arch, dtype).busy:
-        return 0
-    return min(priced)[2]
+        return 0, 1
+    _, _, sets, w = min(priced)
+    return w, sets
 
 
 def _as_many_replicas(
@@ -307,7 +334,9 @@ def _as_many_replicas(
     lt = _layer_tilings(
         config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
     )
-    head = _head_tiling(config, knobs.strip, knobs.head_cols, top_k, arch, dtype, knobs.head_workers)
+    head = _head_tiling(
+        config, knobs.strip, knobs.head_cols, top_k, arch, dtype, knobs.head_workers, knobs.head_sets
+    )
     if memory_over(lt, head, dtype, arch) is not None:
         return []
     shape = replica_geometry(config, knobs, arch, dtype, Dirs.of(lt, head))
@@ -448,8 +477,8 @@ def _layer_tilings(
 
 
 @lru_cache(maxsize=1024)
-def _head_tiling(config, strip_pes, head_cols, top_k, arch, dtype, head_workers=0) -> HeadTiling:
-    knobs = Knobs(strip_pes, 1, 1, 1, head_cols, head_workers=head_workers)
+def _head_tiling(config, strip_pes, head_cols, top_k, arch, dtype, head_workers=0, head_sets=1) -> HeadTiling:
+    knobs = Knobs(strip_pes, 1, 1, 1, head_cols, head_workers=head_workers, head_sets=head_sets)
     return head_tiling(config, knobs, top_k, arch, dtype)
 
 

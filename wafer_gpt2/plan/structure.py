@@ -125,6 +125,7 @@ class Knobs:
     head_workers: int = 0  # the head's workers on PEs of their own, without weights, at the east end of
     # each K-line before its root (HeadTiling.apart): the K-line takes the next item during the rounds;
     # 0: its last weighted PEs are its workers and root
+    head_sets: int = 1  # sets of such workers and root, one after the other, taking the items in turn
 
     @property
     def strip(self) -> int:
@@ -135,7 +136,7 @@ class Knobs:
     def head_rows(self) -> int:
         """PEs of each head K-line that hold weights (ln_f and an embedding in the strip span them):
         the strip less the rounds' PEs where they are apart."""
-        return self.strip - (self.head_workers + 1 if self.head_workers else 0)
+        return self.strip - (self.head_sets * (self.head_workers + 1) if self.head_workers else 0)
 
 
 @dataclass
@@ -274,6 +275,7 @@ class Plan:
                 "head_cols": self.knobs.head_cols,
                 "strip_pes": self.knobs.strip,
                 "head_workers_apart": self.knobs.head_workers,
+                "head_sets_apart": self.knobs.head_sets,
             },
             "regions": [
                 {
@@ -348,7 +350,7 @@ class Plan:
             f"  sizes: residual stream on {k.stream_pes} PEs, attention {self.layers[0].attn.head_groups} head groups "
             f"x fold {k.fold} x chain {k.attn_chain}, FC {k.fc_cols} output columns, LM head {k.head_cols} vocab "
             f"columns{f' x {k.strip} PEs' if k.strip != k.stream_pes else ''}"
-            f"{f' (its rounds on {k.head_workers + 1} PEs apart)' if k.head_workers else ''} "
+            f"{_rounds_apart(k)} "
             f"({self.candidates_explored} candidates explored)",
             f"  PEs used: {self.pes_used:,} of {a.kernel_pes:,} ({100 * self.pes_used / a.kernel_pes:.1f}%); "
             f"SRAM planned {self.sram_bytes_used / 2**20:,.1f} MiB; fullest PE {fullest.max_pe_bytes:,} B "
@@ -367,6 +369,14 @@ class Plan:
         return "\n".join(lines)
 
 
+def _rounds_apart(k: Knobs) -> str:
+    """The plan's summary of the head's rounds apart ('' where they run on its weighted PEs)."""
+    if not k.head_workers:
+        return ""
+    sets = f" in each of {k.head_sets} sets taking items in turn" if k.head_sets > 1 else ""
+    return f" (its rounds on {k.head_workers + 1} PEs apart{sets})"
+
+
 def _tiling_json(tiling: object | None) -> dict | None:
     if tiling is None:
         return None
@@ -380,6 +390,7 @@ def _tiling_json(tiling: object | None) -> dict | None:
             "tree": tiling.tree,
             "tree_group": tiling.tree_group,
             "apart": tiling.apart,
+            "sets": tiling.sets,
             "gemv": _tiling_json(tiling.gemv),
         }
     data = {"type": type(tiling).__name__}

@@ -76,7 +76,15 @@ def _scalar_reduction(pes: int) -> tuple[Reduction, int]:
 def head_tiling(config: GPT2Config, knobs: Knobs, top_k: int, arch: Arch, dtype: str) -> HeadTiling:
     gemv = GemvTiling(config.n_embd, config.vocab_size, knobs.head_rows, knobs.head_cols, "k_along_x")
     if knobs.head_workers:
-        head = HeadTiling(config.vocab_size, config.n_embd, gemv, top_k, knobs.head_workers, apart=True)
+        head = HeadTiling(
+            config.vocab_size,
+            config.n_embd,
+            gemv,
+            top_k,
+            knobs.head_workers,
+            apart=True,
+            sets=knobs.head_sets,
+        )
     else:
         head = HeadTiling(config.vocab_size, config.n_embd, gemv, top_k)
     return best_head(head, arch, dtype)
