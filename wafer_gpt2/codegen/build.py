@@ -370,10 +370,8 @@ class _Builder:
                 f"{head.name}: threshold selection needs a chain reduction along its K-lines and 1 .. {most} "
                 f"workers dividing tile_n (rows {g.rows}, tile_n {g.tile_n}, workers {t.workers}, {g.reduction})"
             )
-        if t.sets > 2 or (t.sets > 1 and not t.apart):
-            raise ProgramError(
-                f"{head.name}: pe/head.csl runs the rounds in one set, or apart in two ({t.sets})"
-            )
+        if t.sets > 2:
+            raise ProgramError(f"{head.name}: pe/head.csl runs the rounds apart in one set or two ({t.sets})")
         tag = f"{head.name}@{replica}"
         if not t.apart:
             for c in range(g.cols):

@@ -277,6 +277,10 @@ class HeadTiling:
     apart: bool = False  # the workers and the root after the K-line, without weights
     sets: int = 1  # apart: sets of workers and root after the K-line, taking the items in turn
 
+    def __post_init__(self) -> None:
+        if self.sets < 1 or (self.sets > 1 and not self.apart):
+            raise ValueError(f"a head's rounds run in sets only apart, at least one (sets {self.sets})")
+
     @property
     def slice(self) -> int:
         """Logits each worker holds."""

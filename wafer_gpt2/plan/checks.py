@@ -96,6 +96,15 @@ def memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> t
     return None
 
 
+def strip_over(head: HeadTiling, dtype: str, arch: Arch) -> bool:
+    """Whether the west strip's own regions overflow a PE: the head (its weighted PEs' tile) or ln_f,
+    which spans the head's weighted PEs (`memory_over`'s head and ln_f entries)."""
+    ln_f = strip_norm(head.gemv.k, head.gemv.rows, normalise=True)
+    return _tiling_pe_bytes(head, dtype) > arch.data_bytes("embed_head") or _tiling_pe_bytes(
+        ln_f, dtype
+    ) > arch.data_bytes("layernorm")
+
+
 @lru_cache(maxsize=8192)  # the search meets the same tilings in thousands of candidates
 def _tiling_pe_bytes(tiling: GemvTiling | AttentionTiling | HeadTiling | NormTiling, dtype: str) -> int:
     """Bytes one PE of a region with this tiling declares (`pe_bytes` of its symbols)."""
@@ -172,6 +181,9 @@ def input_queue_roles(region: Region, head_embeds: str | None = None) -> dict[st
         roles["embed member"] = (2, 3, 4, 5)
     elif region.kind == "residual":
         roles["residual member"] = (2, 3, 4, 5)
+    elif region.name == "io.out":
+        # the records from the head's centre, and from the second set's where its rounds run in two
+        roles["port"] = (2, 4)
     else:
         roles["port"] = (2,)
     return roles

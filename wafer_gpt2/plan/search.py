@@ -20,6 +20,7 @@ from wafer_gpt2.plan.checks import (
     check_request,
     check_total_capacity,
     memory_over,
+    strip_over,
 )
 from wafer_gpt2.plan.geometry import Dirs, Geometry, replica_geometry
 from wafer_gpt2.plan.placement import place_replica
@@ -299,8 +300,9 @@ HEAD_SETS = (1, 2)
 @lru_cache(maxsize=256)  # many candidates share a strip and a head
 def _apart_workers(config, strip_pes, head_cols, top_k, arch, dtype, offered) -> tuple[int, int]:
     """(workers, sets) of the rounds apart the model finds fastest per item (then per token) for this
-    strip and head, the sets among those `offered`; (0, 1) where none is faster per item than the head
-    with its rounds on its weighted PEs."""
+    strip and head, the sets among those `offered`, of those whose weighted PEs (and ln_f across them)
+    still fit a PE; (0, 1) where none is faster per item than the head with its rounds on its weighted
+    PEs."""
     head = _head_tiling(config, strip_pes, head_cols, top_k, arch, dtype)
     tile_n = head.gemv.tile_n
     priced = []
@@ -310,8 +312,10 @@ def _apart_workers(config, strip_pes, head_cols, top_k, arch, dtype, offered) ->
             if tile_n % w or rows < 1:
                 continue
             # priced with the head's tree as it is (the plan's head then takes its own)
-            gemv = replace(head.gemv, rows=rows)
-            cost = head_cost(replace(head, gemv=gemv, workers=w, apart=True, sets=sets), arch, dtype)
+            apart = replace(head, gemv=replace(head.gemv, rows=rows), workers=w, apart=True, sets=sets)
+            if strip_over(apart, dtype, arch):
+                continue
+            cost = head_cost(apart, arch, dtype)
             priced.append((cost.busy, cost.cycles, sets, w))
     if not priced or min(priced)[0] >= head_cost(head, arch, dtype).busy:
         return 0, 1
