@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from csl_executor import timing  # noqa: E402
 from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan  # noqa: E402
 from wafer_gpt2.core.cost import attention_cost, head_role_cycles  # noqa: E402
 from wafer_gpt2.core.runtime import from_wire  # noqa: E402
@@ -156,9 +157,23 @@ def edges(runtime: CslExecutorRuntime) -> tuple[int, int]:
     return min(starts), max(ends)
 
 
+def add_pacing_argument(p: argparse.ArgumentParser) -> None:
+    """--stream-pacing: the executor's rule for a stream into an input queue (csl_executor.timing
+    STREAM_PACING, which the hardware data leave open)."""
+    p.add_argument(
+        "--stream-pacing",
+        choices=["queue-depth", "link-rate"],
+        default=timing.STREAM_PACING,
+        help="how fast the executor streams into an input queue: its depth over the router-to-CE "
+        "latency (the executor's default) or a wavelet a cycle (the cost model's)",
+    )
+
+
 def tiny_plan(args: argparse.Namespace) -> tuple[Plan, GPT2Params]:
     """The tiny GPT-2 of docs/kernels.md's tables (2 layers, n_embd 64, 2 heads, 64 positions) on one
-    replica, planned as `args` say (arch, dtype, vocab, slots, objective), and its random weights."""
+    replica, planned as `args` say (arch, dtype, vocab, slots, objective), and its random weights; the
+    executor's stream pacing set as `args.stream_pacing` says."""
+    timing.STREAM_PACING = args.stream_pacing
     config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=args.vocab, n_positions=64, name="tiny")
     plan = build_plan(
         config,
@@ -192,6 +207,7 @@ def main() -> int:
         "chained region's PEs then start it together, not as each finishes the prompt's items)",
     )
     p.add_argument("--json", help="write the table here")
+    add_pacing_argument(p)
     args = p.parse_args()
     plan, params = tiny_plan(args)
     runtime = CslExecutorRuntime(compile_plan(plan))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.bench.csl_cycles import tiny_plan  # noqa: E402
+from tools.bench.csl_cycles import add_pacing_argument, tiny_plan  # noqa: E402
 from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan  # noqa: E402
 from wafer_gpt2.core.steps import StepInputs, StepItem  # noqa: E402
 from wafer_gpt2.host.program import WaferGPT2  # noqa: E402
@@ -60,6 +60,7 @@ def main() -> int:
         help="KV slots (at 4 and more the tiny throughput plan's head runs its rounds apart)",
     )
     p.add_argument("--items", type=int, default=4, help="n: steps of n and 2n scored items")
+    add_pacing_argument(p)
     args = p.parse_args()
     plan, params = tiny_plan(args)
     config = plan.config
