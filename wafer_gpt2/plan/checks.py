@@ -100,9 +100,8 @@ def strip_over(head: HeadTiling, dtype: str, arch: Arch) -> bool:
     """Whether the west strip's own regions overflow a PE: the head (its weighted PEs' tile) or ln_f,
     which spans the head's weighted PEs (`memory_over`'s head and ln_f entries)."""
     ln_f = strip_norm(head.gemv.k, head.gemv.rows, normalise=True)
-    return _tiling_pe_bytes(head, dtype) > arch.data_bytes("embed_head") or _tiling_pe_bytes(
-        ln_f, dtype
-    ) > arch.data_bytes("layernorm")
+    head_over = _tiling_pe_bytes(head, dtype) > arch.data_bytes("embed_head")
+    return head_over or _tiling_pe_bytes(ln_f, dtype) > arch.data_bytes("layernorm")
 
 
 @lru_cache(maxsize=8192)  # the search meets the same tilings in thousands of candidates

@@ -219,7 +219,7 @@ def _search(
                     )
             base = shapes[-1]
             for sets in HEAD_SETS:
-                grown = _head_apart(config, *base, arch, dtype, top_k, (sets,))
+                grown = _head_apart(config, *base, arch, dtype, top_k, sets)
                 if grown is not None:
                     shapes += _as_many_replicas(config, grown, base[1], slots, context, arch, dtype, top_k)
         for k, g in shapes:
@@ -281,14 +281,13 @@ def _head_apart(
     arch: Arch,
     dtype: str,
     top_k: int,
-    offered: tuple[int, ...],
+    sets: int,
 ) -> Knobs | None:
     """The same knobs with the head's workers and root on PEs of their own after its K-lines, in the
-    same strip (HeadTiling.apart), in one set or in sets taking the items in turn (as many as one of
-    `offered`): the K-lines take the next item while the rounds run, so the stage that caps a small
+    same strip (HeadTiling.apart), in `sets` sets taking the items in turn: the K-lines take the next item while the rounds run, so the stage that caps a small
     replica takes an item about as often as its rounds allow. None where no count of workers makes
     the head faster per item."""
-    workers, sets = _apart_workers(config, knobs.strip, knobs.head_cols, top_k, arch, dtype, offered)
+    workers = _apart_workers(config, knobs.strip, knobs.head_cols, top_k, arch, dtype, sets)
     return replace(knobs, head_workers=workers, head_sets=sets) if workers else None
 
 
@@ -298,29 +297,26 @@ HEAD_SETS = (1, 2)
 
 
 @lru_cache(maxsize=256)  # many candidates share a strip and a head
-def _apart_workers(config, strip_pes, head_cols, top_k, arch, dtype, offered) -> tuple[int, int]:
-    """(workers, sets) of the rounds apart the model finds fastest per item (then per token) for this
-    strip and head, the sets among those `offered`, of those whose weighted PEs (and ln_f across them)
-    still fit a PE; (0, 1) where none is faster per item than the head with its rounds on its weighted
-    PEs."""
+def _apart_workers(config, strip_pes, head_cols, top_k, arch, dtype, sets) -> int:
+    """The workers of each of `sets` sets of the rounds apart that the model finds fastest per item
+    (then per token) for this strip and head, of those whose weighted PEs (and ln_f across them) still
+    fit a PE; 0 where none is faster per item than the head with its rounds on its weighted PEs."""
     head = _head_tiling(config, strip_pes, head_cols, top_k, arch, dtype)
     tile_n = head.gemv.tile_n
     priced = []
-    for sets in offered:
-        for w in range(1, min(tile_n, strip_pes - 2, 64) + 1):
-            rows = strip_pes - sets * (w + 1)
-            if tile_n % w or rows < 1:
-                continue
-            # priced with the head's tree as it is (the plan's head then takes its own)
-            apart = replace(head, gemv=replace(head.gemv, rows=rows), workers=w, apart=True, sets=sets)
-            if strip_over(apart, dtype, arch):
-                continue
-            cost = head_cost(apart, arch, dtype)
-            priced.append((cost.busy, cost.cycles, sets, w))
+    for w in range(1, min(tile_n, strip_pes - 2, 64) + 1):
+        rows = strip_pes - sets * (w + 1)
+        if tile_n % w or rows < 1:
+            continue
+        # priced with the head's tree as it is (the plan's head then takes its own)
+        apart = replace(head, gemv=replace(head.gemv, rows=rows), workers=w, apart=True, sets=sets)
+        if strip_over(apart, dtype, arch):
+            continue
+        cost = head_cost(apart, arch, dtype)
+        priced.append((cost.busy, cost.cycles, w))
     if not priced or min(priced)[0] >= head_cost(head, arch, dtype).busy:
-        return 0, 1
-    _, _, sets, w = min(priced)
-    return w, sets
+        return 0
+    return min(priced)[2]
 
 
 def _as_many_replicas(
