@@ -755,3 +755,43 @@ def test_the_heads_rounds_apart_equal_the_simulator(embeds, arch, sets, monkeypa
     assert ln_f.w == head.tiling.gemv.rows == 2
     assert ("wte" not in embed.symbols) == embeds and (embed.x == head.x and embed.w == 2) == embeds
     two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=5))
+
+
+@pytest.mark.parametrize(
+    ("arch", "bands"),
+    [("wse2", 3), ("wse2", 2), pytest.param("wse3", 3, marks=pytest.mark.executor_full)],
+)
+def test_interlocked_bands_equal_the_simulator(arch, bands, monkeypatch):
+    """Bands of one layer, interlocked (`Knobs.interlock`): the second band upside down, a stream's
+    width east, its FC and proj in the rows under the first band's attention; the stream turns into it
+    from the first band's east end and out of it from its top, past its attention, into the third
+    band, or (two bands) from there to ln_f in the strip."""
+    from dataclasses import replace
+
+    from wafer_gpt2.plan import build_plan
+    from wafer_gpt2.plan import search as search_module
+
+    config = GPT2Config(
+        n_layer=bands, n_head=2, n_embd=32, vocab_size=512, n_positions=32, name="tiny-interlock"
+    )
+    knobs = search_module._candidate_knobs
+
+    def interlocked(*args, **kwargs):
+        return [  # attention as wide as FC and proj together, which stand under it
+            replace(k, attn_chain=4 * k.fold, bands=bands, interlock=True)
+            for k in knobs(*args, **kwargs)
+            if k.stream_pes == 2 and k.fold <= 2
+        ]
+
+    monkeypatch.setattr(search_module, "_candidate_knobs", interlocked)
+    search_module.forget_kept_plans()
+    plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="compact")
+    search_module.forget_kept_plans()
+    assert plan.knobs.interlock
+    attention, fc, proj = plan.region("L0.attn"), plan.region("L1.fc"), plan.region("L1.proj")
+    west, east = min(fc.x, proj.x), max(fc.x + fc.w, proj.x + proj.w)
+    assert fc.y >= attention.y + attention.h and attention.x <= west < east <= attention.x + attention.w
+    assert plan.region("L1.attn").y >= fc.y + fc.h
+    if bands > 2:
+        assert plan.region("L2.qkv").y > plan.region("L1.attn").y
+    two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=7))

@@ -239,20 +239,47 @@ def test_throughput_plans_take_the_rows_and_columns_their_replicas_leave(shape, 
     strip's, or the kernel's over the replicas it stacks, and its width the kernel's over the replicas
     side by side. FC and proj grow into the rows (whole tiles), the west strip into the columns; as
     many replicas fit, and the wafer's modeled tokens/s is higher than the search without either finds
-    (the head's rounds apart, which this plan does not take, left out of both: in two sets they would
-    stand in for part of the wider strip)."""
-    plan = plan_for("gpt2", "wse2", objective="throughput", replicas="auto")
+    (the head's rounds apart left out of both: in two sets they would stand in for part of the wider
+    strip; and interlocked bands, which leave the strip no columns)."""
+    monkeypatch.setattr(search_module, "_interlocked", lambda *args: [])
+    monkeypatch.setattr(search_module, "HEAD_SETS", ())
+    forget_kept_plans()
+    plan = build_plan(PRESETS["gpt2"], "wse2", objective="throughput", replicas="auto")
     check_plan(plan)
     assert (4 * plan.config.n_embd) % plan.knobs.fc_cols == 0
     assert plan.knobs.strip > plan.knobs.stream_pes == plan.layers[0].ln_1.pes
     assert plan.region("head").w == plan.region("ln_f").w == plan.head.gemv.rows == plan.knobs.strip
     assert not plan.head.apart
     monkeypatch.setattr(search_module, shape, lambda *args: None)
-    monkeypatch.setattr(search_module, "HEAD_SETS", ())
     forget_kept_plans()
     without = build_plan(PRESETS["gpt2"], "wse2", objective="throughput", replicas="auto")
     forget_kept_plans()
     assert plan.modeled()["tokens_per_s_total"] > 1.04 * without.modeled()["tokens_per_s_total"]
+
+
+def test_throughput_plans_interlock_their_bands(monkeypatch) -> None:
+    """Under each attention region the band's last rows are empty. Interlocked (`Knobs.interlock`),
+    every odd band is upside down and a stream's width east, its FC and proj in those rows of the even
+    band before it: no region overlaps another, a pair of bands is FC's height shorter, so the replica
+    is smaller and the wafer's modeled tokens/s is well above the search's without them."""
+    plan = plan_for("gpt2", "wse2", objective="throughput", replicas="auto")
+    check_plan(plan)  # every region inside the kernel, none overlapping
+    assert plan.knobs.interlock and plan.knobs.bands >= 2
+    per_band = -(-plan.config.n_layer // plan.knobs.bands)
+    for layer in range(per_band, min(2 * per_band, plan.config.n_layer)):  # the first odd band
+        fc, proj = plan.region(f"L{layer}.fc"), plan.region(f"L{layer}.proj")
+        above = [r for r in plan.regions if r.kind == "attention" and r.layer < per_band and r.replica == 0]
+        assert any(
+            a.x <= min(fc.x, proj.x) and max(fc.x + fc.w, proj.x + proj.w) <= a.x + a.w and fc.y >= a.y + a.h
+            for a in above
+        )
+        assert plan.region(f"L{layer}.attn").y >= fc.y + fc.h  # upside down: attention below
+    monkeypatch.setattr(search_module, "_interlocked", lambda *args: [])
+    forget_kept_plans()
+    without = build_plan(PRESETS["gpt2"], "wse2", objective="throughput", replicas="auto")
+    forget_kept_plans()
+    assert not without.knobs.interlock
+    assert plan.modeled()["tokens_per_s_total"] > 1.08 * without.modeled()["tokens_per_s_total"]
 
 
 def test_a_throughput_plan_capped_by_the_head_runs_its_rounds_apart(monkeypatch) -> None:
@@ -260,8 +287,11 @@ def test_a_throughput_plan_capped_by_the_head_runs_its_rounds_apart(monkeypatch)
     with its workers and root on PEs of their own at the strip's east end (HeadTiling.apart), in two
     sets that take the items in turn, its K-lines take the next item during the rounds, ln_f spans the
     weighted PEs alone, the head no longer caps the replica, and the wafer's modeled tokens/s is far
-    above the search's with one set, and further above the one without them."""
-    plan = plan_for("gpt2", "wse2", slots=32, objective="throughput", replicas="auto")
+    above the search's with one set, and further above the one without them (interlocked bands, which
+    leave the strip fewer weighted PEs, left out of all three)."""
+    monkeypatch.setattr(search_module, "_interlocked", lambda *args: [])
+    forget_kept_plans()
+    plan = build_plan(PRESETS["gpt2"], "wse2", slots=32, objective="throughput", replicas="auto")
     check_plan(plan)
     head, stages = plan.head, {s.name: s for s in plan.stage_costs}
     assert head.apart and head.workers == plan.knobs.head_workers and head.sets == plan.knobs.head_sets == 2

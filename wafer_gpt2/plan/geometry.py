@@ -19,6 +19,10 @@ by gather lines, which re-cut its chunks. Where the head's rounds run apart (`Kn
 the strip's east PEs of every K-line are its workers and root (in `Knobs.head_sets` sets, one after
 the other), without weights, and ln_f (and an embedding in the strip) spans the K-lines' weighted PEs,
 the strip's west end.
+Interlocked bands (`Knobs.interlock`, where 2R <= Lc): every odd band is also upside down (FC, proj
+and the strips above its qkv, attention and attn_proj) and a stream's width further east, so that its
+FC and proj, R + R wide, stand in the rows under the even band's attention, which are empty otherwise:
+a pair of bands takes 2T + F + 2 rows instead of 2(T + F + 2), and the replica R more columns.
 The embedding, a copy of wte and wpe by rows, fills layer 0's columns under its ln_1, where a later
 layer has the previous one's res_2 and proj: its columns are ln_1's chunks, so it hands off as lanes.
 Where the copy needs more rows than that (narrow strips, whose PEs hold few rows of the tables), there
@@ -43,6 +47,10 @@ from wafer_gpt2.plan.tilings import LayerTilings
 
 def _mirror(axis: str) -> str:
     return {"+x": "-x", "-x": "+x"}.get(axis, axis)
+
+
+def _upside_down(axis: str) -> str:
+    return {"+y": "-y", "-y": "+y"}.get(axis, axis)
 
 
 def exit_dirs(reduction: str, toward: str) -> str:
@@ -117,6 +125,7 @@ class Geometry:
     s: int  # PEs across the west strip (the head's K-lines, ln_f, and the embedding where it lies there)
     k_rows: int = 0  # PEs of each head K-line that hold weights, which ln_f and an embedding in the
     # strip span (its west end); 0: the whole strip (the head's rounds run on its last weighted PEs)
+    interlocked: bool = False  # odd bands upside down in the even bands' rows under attention (above)
 
     @property
     def k_pes(self) -> int:
@@ -136,8 +145,19 @@ class Geometry:
         return self.per_band * self.pitch + self.r
 
     @property
+    def pair_h(self) -> int:
+        """Rows of an even band and the odd band after it: interlocked, the odd one's FC and proj
+        share the even one's rows under its attention."""
+        return 2 * self.t_rows + self.f + 2 if self.interlocked else 2 * self.band_h
+
+    @property
+    def bands_h(self) -> int:
+        """Rows of all the bands."""
+        return (self.bands // 2) * self.pair_h + (self.bands % 2) * self.band_h
+
+    @property
     def width(self) -> int:
-        return self.s + self.band_w
+        return self.s + self.band_w + (self.r if self.interlocked else 0)
 
     @property
     def layer_pes(self) -> int:
@@ -155,7 +175,7 @@ class Geometry:
 
     @property
     def height(self) -> int:
-        return max(self.strip_h, self.bands * self.band_h)
+        return max(self.strip_h, self.bands_h)
 
     def strip_rects(self) -> dict[str, tuple[int, int, int, int]]:
         """The strip west of the layers, top down, and io.in. With a copy of wte beside layer 0
@@ -209,12 +229,18 @@ class Geometry:
             out = _mirror(self.dirs.stream_1)
         kind, x, y, w, h, axes = _layer_rects(self.r, self.t_rows, self.lc, self.f, self.dirs, out)[name]
         lx = j * self.pitch + x
+        top = (band // 2) * self.pair_h
         if mirrored:  # indices that grew east grow west
             lx = self.band_w - lx - w
             axes = {k: _mirror(v) for k, v in axes.items()}
+            top += self.band_h
+            if self.interlocked:  # and those that grew south grow north, FC and proj under attention
+                lx += self.r
+                top, y = top - self.f - 2, self.band_h - y - h
+                axes = {k: _upside_down(v) for k, v in axes.items()}
         else:
             axes = dict(axes)  # the cached table's stays as it is
-        return kind, self.s + lx, band * self.band_h + y, w, h, axes
+        return kind, self.s + lx, top + y, w, h, axes
 
     @cached_property
     def _rects(self) -> dict[str, tuple[int, int, int, int]]:
@@ -350,7 +376,10 @@ def replica_geometry(
             config, ceil_div(config.n_embd, knobs.head_rows), arch, dtype, copy=False
         )
     pitch = 2 * r + lc
-    per_band = (arch.kernel_w - s - r) // pitch
+    if knobs.interlock and 2 * r > lc:
+        return 2 * r / lc, f"interlocked bands need attention {2 * r} PEs wide or wider, not {lc}"
+    shift = r if knobs.interlock else 0  # the odd bands a stream's width east
+    per_band = (arch.kernel_w - s - r - shift) // pitch
     if per_band < 1:
         need = pitch + r + s
         return need / arch.kernel_w, (
@@ -362,6 +391,8 @@ def replica_geometry(
         bands += 1
     per_band = ceil_div(config.n_layer, bands)  # spread the layers evenly over the bands
     bands = ceil_div(config.n_layer, per_band)
+    if knobs.interlock and bands < 2:
+        return 1.0, "interlocked bands need two bands of layers or more"
     g = Geometry(
         r,
         t_rows,
@@ -377,16 +408,18 @@ def replica_geometry(
         dirs,
         s,
         knobs.head_rows if knobs.head_workers else 0,
+        knobs.interlock,
     )
     if g.strip_h > arch.kernel_h:
         return g.strip_h / arch.kernel_h, (
             f"the head strip is {g.strip_h} rows, {g.strip_h - arch.kernel_h} "
             f"over the kernel height {arch.kernel_h}"
         )
-    if g.bands * g.band_h > arch.kernel_h:
-        need = g.bands * g.band_h
+    if g.bands_h > arch.kernel_h:
+        need = g.bands_h
+        shape = "interlocked in pairs" if g.interlocked else f"x {g.band_h} rows"
         return need / arch.kernel_h, (
-            f"{g.bands} bands of layers x {g.band_h} rows = {need} rows, "
+            f"{g.bands} bands of layers {shape} = {need} rows, "
             f"{need - arch.kernel_h} over the kernel height {arch.kernel_h}"
         )
     return g

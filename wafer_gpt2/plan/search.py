@@ -206,7 +206,9 @@ def _search(
             continue
         shapes = [(knobs, geo)]
         if pack:
-            shapes += _packed(config, knobs, geo, arch, dtype, dirs)
+            # interlocked bands where they fit as many replicas (they fit more where bands are many)
+            shapes += _interlocked(config, knobs, geo, arch, dtype, dirs)
+            shapes += _packed(config, *shapes[-1], arch, dtype, dirs)
             # the shape that fits the most replicas (the last) also with FC into the rows they leave,
             # that one also with the west strip as wide as the columns they leave, and that one also
             # with the head's rounds on PEs of their own, in one set and in two (two take items more
@@ -250,6 +252,18 @@ def _packed(
     return [] if best is None else [(replace(knobs, bands=best.bands), best)]
 
 
+def _interlocked(
+    config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch, dtype: str, dirs: Dirs
+) -> list[tuple[Knobs, Geometry]]:
+    """The same size with its bands interlocked (`Knobs.interlock`), where its attention is wide
+    enough and that fits as many replicas in the kernel; [] otherwise."""
+    knobs = replace(knobs, interlock=True)
+    shape = replica_geometry(config, knobs, arch, dtype, dirs)
+    if isinstance(shape, Geometry) and _replicas_fit(shape, arch) >= _replicas_fit(geo, arch):
+        return [(knobs, shape)]
+    return []
+
+
 def _fc_filled(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) -> Knobs | None:
     """The same knobs with FC and proj taller, into the rows the kernel leaves each replica of its
     column of replicas (the head strip, or the kernel's height over the replicas it stacks, is often
@@ -259,7 +273,9 @@ def _fc_filled(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) -> K
     search's tilings few. None where none is taller."""
     hidden = 4 * config.n_embd  # fc's outputs
     tallest = arch.kernel_h // (arch.kernel_h // geo.height)  # as many replicas stacked
-    rows = min(tallest // geo.bands - geo.t_rows - 2, hidden)
+    # FC's rows are in every band's height, or in every pair's and an odd band's where they interlock
+    stacked = geo.bands // 2 + geo.bands % 2 if geo.interlocked else geo.bands
+    rows = min((tallest - (geo.bands_h - stacked * geo.f)) // stacked, hidden)
     fc_cols = next((f for f in range(rows, knobs.fc_cols, -1) if hidden % f == 0), None)
     return None if fc_cols is None else replace(knobs, fc_cols=fc_cols)
 

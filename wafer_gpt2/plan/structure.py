@@ -126,6 +126,8 @@ class Knobs:
     # each K-line before its root (HeadTiling.apart): the K-line takes the next item during the rounds;
     # 0: its last weighted PEs are its workers and root
     head_sets: int = 1  # sets of such workers and root, one after the other, taking the items in turn
+    interlock: bool = False  # odd bands upside down, a stream's width east, their FC and proj in the rows
+    # under the even bands' attention (Geometry.interlocked): a pair of bands is FC's height shorter
 
     @property
     def strip(self) -> int:
@@ -276,6 +278,7 @@ class Plan:
                 "strip_pes": self.knobs.strip,
                 "head_workers_apart": self.knobs.head_workers,
                 "head_sets_apart": self.knobs.head_sets,
+                "interlocked_bands": self.knobs.interlock,
             },
             "regions": [
                 {
@@ -346,7 +349,8 @@ class Plan:
             f"({a.kernel_w}x{a.kernel_h} kernel of a {a.fabric_w}x{a.fabric_h} fabric), {self.dtype}, "
             f"objective {self.objective}",
             f"  KV capacity: {self.slots} slots x {self.context} tokens per replica; replicas: {self.replicas} "
-            f"(replica footprint {self.footprint[0]}x{self.footprint[1]})",
+            f"(replica footprint {self.footprint[0]}x{self.footprint[1]}"
+            f"{', its bands interlocked' if k.interlock else ''})",
             f"  sizes: residual stream on {k.stream_pes} PEs, attention {self.layers[0].attn.head_groups} head groups "
             f"x fold {k.fold} x chain {k.attn_chain}, FC {k.fc_cols} output columns, LM head {k.head_cols} vocab "
             f"columns{f' x {k.strip} PEs' if k.strip != k.stream_pes else ''}"
