@@ -239,8 +239,9 @@ def test_throughput_plans_take_the_rows_and_columns_their_replicas_leave(shape, 
     strip's, or the kernel's over the replicas it stacks, and its width the kernel's over the replicas
     side by side. FC and proj grow into the rows (whole tiles), the west strip into the columns; as
     many replicas fit, and the wafer's modeled tokens/s is higher than the search without either finds
-    (the head's rounds apart left out of both: in two sets they would stand in for part of the wider
-    strip; and interlocked bands, which leave the strip no columns)."""
+    (the head's rounds apart and interlocked bands left out of both: in two sets the rounds would stand
+    in for part of the wider strip, and interlocked bands take FC's rows and part of the strip's
+    columns for replicas of their own)."""
     monkeypatch.setattr(search_module, "_interlocked", lambda *args: [])
     monkeypatch.setattr(search_module, "HEAD_SETS", ())
     forget_kept_plans()

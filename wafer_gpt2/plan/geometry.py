@@ -381,7 +381,7 @@ def replica_geometry(
     shift = r if knobs.interlock else 0  # the odd bands a stream's width east
     per_band = (arch.kernel_w - s - r - shift) // pitch
     if per_band < 1:
-        need = pitch + r + s
+        need = pitch + r + s + shift
         return need / arch.kernel_w, (
             f"one layer and the head strip are {need} PEs wide, "
             f"{need - arch.kernel_w} over the kernel width {arch.kernel_w}"

@@ -285,7 +285,8 @@ def _strip_widened(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) 
     its row of replicas: the head's K-lines longer and its tiles shorter, whose FMACs are half of the
     stage that caps a small replica's tokens/s. The widest of the stream's widths (`STREAM_WIDTHS`)
     that fits; None where none is wider."""
-    widest = arch.kernel_w // (arch.kernel_w // geo.width) - geo.band_w  # as many replicas side by side
+    # as many replicas side by side, their layers (and an interlock's shift) as wide as before
+    widest = arch.kernel_w // (arch.kernel_w // geo.width) - (geo.width - geo.s)
     strip = max((w for w in STREAM_WIDTHS if geo.s < w <= min(widest, config.n_embd)), default=None)
     return None if strip is None else replace(knobs, strip_pes=strip)
 
