@@ -132,19 +132,19 @@ class Geometry:
         """PEs across ln_f, and the embedding where it lies in the strip."""
         return self.k_rows or self.s
 
-    @property
+    @cached_property  # on the search's hot path (every region of every candidate)
     def pitch(self) -> int:
         return 2 * self.r + self.lc
 
-    @property
+    @cached_property
     def band_h(self) -> int:
         return self.t_rows + 2 + self.f
 
-    @property
+    @cached_property
     def band_w(self) -> int:
         return self.per_band * self.pitch + self.r
 
-    @property
+    @cached_property
     def pair_h(self) -> int:
         """Rows of an even band and the odd band after it: interlocked, the odd one's FC and proj
         share the even one's rows under its attention."""
@@ -188,6 +188,11 @@ class Geometry:
         at the top). Either way ln_f's output runs up the head, whose
         rounds end on its centre column's root, which sends the output record up to io.out
         (`wafer_gpt2.core.cost.head_cost`)."""
+        return self._strip_rects
+
+    @cached_property
+    def _strip_rects(self) -> dict[str, tuple[int, int, int, int]]:
+        """`strip_rects`, made once per geometry (the search asks it for every stage)."""
         e, v, s, k = self.embed_rows, self.head_cols, self.s, self.k_pes
         if self.embed_copy:
             x, y, _, h = self.embed_rect()
@@ -210,7 +215,7 @@ class Geometry:
         never mirrored); else the top of the strip. Its row 0, which sends, is its top row."""
         if not self.embed_copy:
             return self.strip_rects()["embed"]
-        _, x, y, w, _, _ = self.layer_rect(0, "ln_1")
+        x, y, w, _ = self._layer_box(0, "ln_1")
         return x, y + 1, w, self.embed_rows
 
     @property
@@ -220,27 +225,38 @@ class Geometry:
         return self.layer_rect(0, "ln_1")[5]["i"] if self.embed_copy else self.dirs.head_k
 
     def layer_rect(self, layer: int, name: str) -> tuple[str, int, int, int, int, dict[str, str]]:
-        band, j = divmod(layer, self.per_band)
+        band = layer // self.per_band
         mirrored = band % 2 == 1  # odd bands flow west: mirrored inside the band
         out = self.dirs.stream_1
         if layer == self.n_layer - 1:  # ln_f and the head take the stream in the strip's order
             out = _mirror(self.dirs.head_k) if mirrored else self.dirs.head_k
         elif (layer + 1) % self.per_band == 0:  # the next band is mirrored: hand it the mirrored order
             out = _mirror(self.dirs.stream_1)
-        kind, x, y, w, h, axes = _layer_rects(self.r, self.t_rows, self.lc, self.f, self.dirs, out)[name]
-        lx = j * self.pitch + x
-        top = (band // 2) * self.pair_h
+        kind, *_, axes = _layer_rects(self.r, self.t_rows, self.lc, self.f, self.dirs, out)[name]
         if mirrored:  # indices that grew east grow west
-            lx = self.band_w - lx - w
             axes = {k: _mirror(v) for k, v in axes.items()}
-            top += self.band_h
-            if self.interlocked:  # and those that grew south grow north, FC and proj under attention
-                lx += self.r
-                top, y = top - self.f - 2, self.band_h - y - h
+            if self.interlocked:  # and those that grew south grow north
                 axes = {k: _upside_down(v) for k, v in axes.items()}
         else:
             axes = dict(axes)  # the cached table's stays as it is
-        return kind, self.s + lx, top + y, w, h, axes
+        return (kind, *self._layer_box(layer, name), axes)
+
+    def _layer_box(self, layer: int, name: str) -> tuple[int, int, int, int]:
+        """(x, y, w, h) of a layer's region: `layer_rect` without its axes, which the search's routes
+        and stages ask for far more often (a region's box does not depend on its axes)."""
+        band, j = divmod(layer, self.per_band)
+        _, x, y, w, h, _ = _layer_rects(self.r, self.t_rows, self.lc, self.f, self.dirs, self.dirs.stream_1)[
+            name
+        ]
+        lx = j * self.pitch + x
+        top = (band // 2) * self.pair_h
+        if band % 2 == 1:  # mirrored: indices that grew east grow west
+            lx = self.band_w - lx - w
+            top += self.band_h
+            if self.interlocked:  # upside down and R further east: FC and proj under attention
+                lx += self.r
+                top, y = top - self.f - 2, self.band_h - y - h
+        return self.s + lx, top + y, w, h
 
     @cached_property
     def _rects(self) -> dict[str, tuple[int, int, int, int]]:
@@ -257,7 +273,7 @@ class Geometry:
     def _rect(self, name: str) -> tuple[int, int, int, int]:
         if name.startswith("L"):
             layer, op = name[1:].split(".", 1)
-            return self.layer_rect(int(layer), op)[1:5]
+            return self._layer_box(int(layer), op)
         if name == "embed":
             return self.embed_rect()
         return self.strip_rects()[name]
@@ -279,6 +295,17 @@ class Geometry:
         bundle of lanes (wafer_gpt2/codegen/build.py `connect`): straight lanes leave a strip along x
         at its row, so they share routers unless the strip lies in dst's own columns, and lanes that
         turn (`staircase`) need rows between the two strips."""
+        found = self._gathered.get((src, dst))
+        if found is None:
+            found = self._gathered[src, dst] = self._is_gathered(src, dst)
+        return found
+
+    @cached_property
+    def _gathered(self) -> dict[tuple[str, str], bool]:
+        """`gathered`'s answers so far (the search's stages ask each hand-off several times)."""
+        return {}
+
+    def _is_gathered(self, src: str, dst: str) -> bool:
         if src == "head.root":
             return False
         sx, _, sw, sh = self.rect(src)

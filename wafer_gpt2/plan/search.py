@@ -206,8 +206,10 @@ def _search(
             continue
         shapes = [(knobs, geo)]
         if pack:
-            # interlocked bands where they fit as many replicas (they fit more where bands are many)
-            shapes += _interlocked(config, knobs, geo, arch, dtype, dirs)
+            # interlocked bands instead where they fit as many replicas (more where bands are many; the
+            # plain shape is not priced beside them, which would cost the search a tenth more for no
+            # plan the search has found better)
+            shapes = _interlocked(config, knobs, geo, arch, dtype, dirs) or shapes
             shapes += _packed(config, *shapes[-1], arch, dtype, dirs)
             # the shape that fits the most replicas (the last) also with FC into the rows they leave,
             # that one also with the west strip as wide as the columns they leave, and that one also
