@@ -466,6 +466,59 @@ def test_two_level_attention_merge_equals_the_simulator():
         sim.close()
 
 
+@pytest.mark.parametrize(
+    ("arch", "fold"), [("wse2", 4), pytest.param("wse3", 2, marks=pytest.mark.executor_full)]
+)  # CI time: WSE-3's with -m executor_full
+def test_the_attention_merge_on_a_comb_equals_the_simulator(arch, fold, monkeypatch):
+    """Attention's rows laid out as a comb (`AttentionTiling.with_comb`): each row's halves run in from
+    its edges and end side by side in its middle, and both merge rounds (the max, then the rescaled
+    sums) take the halves as runs whose ends chain down the rows' middle; the PEs find their chain
+    index from their place. 22 positions fill only some of the PEs, so the others take part with
+    (-inf, 0, 0)."""
+    from dataclasses import replace
+
+    from wafer_gpt2.plan import build_plan
+    from wafer_gpt2.plan import search as search_module
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=512, n_positions=32, name="tiny-comb")
+    knobs = search_module._candidate_knobs
+
+    def rows_of_four(*args, **kwargs):
+        return [
+            replace(k, attn_chain=4 * fold)
+            for k in knobs(*args, **kwargs)
+            if k.stream_pes == 2 and k.fold == fold
+        ]
+
+    monkeypatch.setattr(search_module, "_candidate_knobs", rows_of_four)
+    search_module.forget_kept_plans()
+    plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="compact")
+    search_module.forget_kept_plans()
+    region = plan.region("L0.attn")
+    # the model lays so short a chain out as a snake; the comb is what longer chains take
+    region.tiling = t = region.tiling.with_comb()
+    assert (t.reduction, t.fold, t.chain, t.group) == ("two_level", fold, 4 * fold, 2), t
+    assert -(-23 // t.positions_per_pe) < t.chain
+    for row in range(fold):  # the row's halves end side by side
+        assert t.snake(row * 4 + 1) == (1, row) and t.snake(row * 4 + 3) == (2, row)
+
+    def chain_index_where_the_layout_says(csl, sim) -> None:
+        # every PE takes the chain index (its positions, its part in the merge) the layout
+        # (`AttentionTiling.snake`, the simulator's) gives its place: the scores alone would not
+        # tell, the merge's sums being the same in any order within the tolerance
+        from wafer_gpt2.core.memory_layout import pe_coords
+
+        ys, xs = pe_coords(region)  # [group, chain index]
+        for (g, p), y in np.ndenumerate(ys):
+            pe = csl.runtime.machine.pes[(region.x + int(xs[g, p]), region.y + int(y))]
+            var = next(v for v in pe.program.symbols if v.name == "chain_index")
+            assert int(pe.mH[var.addr]) == p, (g, p)
+
+    two_steps_equal_the_simulator(
+        plan, GPT2Params.random(config, seed=11), prompt=22, then=chain_index_where_the_layout_says
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "vocab", "gelu_pes", "multicast", "workers"),
@@ -653,9 +706,10 @@ def start_both(plan, params: GPT2Params):
     )
 
 
-def two_steps_equal_the_simulator(plan, params: GPT2Params) -> None:
-    """Eight prompt items (two scored, one with a target), then a decode item, whose scores on the
-    executor equal the simulator's: the second step finds every PE waiting for its next item again."""
+def two_steps_equal_the_simulator(plan, params: GPT2Params, prompt: int = 8, then=None) -> None:
+    """`prompt` prompt items (two scored, the last with a target), then a decode item, whose scores on
+    the executor equal the simulator's: the second step finds every PE waiting for its next item
+    again. `then(csl, sim)`, if given, checks more before both close."""
     from wafer_gpt2.backends.csl import CslExecutorRuntime, compile_plan
     from wafer_gpt2.host.program import start_model
     from wafer_gpt2.sim import SimRuntime
@@ -664,21 +718,24 @@ def two_steps_equal_the_simulator(plan, params: GPT2Params) -> None:
     csl = start_model(plan, CslExecutorRuntime(compile_plan(plan)), params)
     sim = start_model(plan, SimRuntime(plan), params)
     try:
-        items = [StepItem(0, p, (5 * p + 2) % vocab, want_scores=p in (3, 7), target=1 if p == 7 else None)
-                 for p in range(8)]  # fmt: skip
+        last = prompt - 1
+        items = [StepItem(0, p, (5 * p + 2) % vocab, want_scores=p in (3, last), target=1 if p == last else None)
+                 for p in range(prompt)]  # fmt: skip
         assert (
             worst_difference(
                 csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=True
             )
             <= FP32_TOLERANCE
         )
-        items = [StepItem(0, 8, 11, want_scores=True)]
+        items = [StepItem(0, prompt, 11, want_scores=True)]
         assert (
             worst_difference(
                 csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=True
             )
             <= FP32_TOLERANCE
         )
+        if then is not None:
+            then(csl, sim)
     finally:
         csl.close()
         sim.close()

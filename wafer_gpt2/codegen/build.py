@@ -758,7 +758,7 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
         elif kind == "attention":
             own.update(replica=region.replica, hpp=t.heads_per_pe, head_dim=t.head_dim, ppp=t.positions_per_pe,
                        slots=t.slots, row_len=ceil_div(t.chain, t.fold), fold=t.fold,
-                       use_fp16=fp16)  # fmt: skip
+                       comb=t.comb, use_fp16=fp16)  # fmt: skip
         # What every PE of the region starts from (its own params, then its optional outputs' defaults),
         # worked out once: per PE only its connections' params are merged in.
         renames = RENAMES.get(file, {})

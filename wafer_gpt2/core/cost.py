@@ -890,7 +890,8 @@ def _merge_first(ready: list[int], tiling: AttentionTiling) -> int:
 def _run_end_links(tiling: AttentionTiling) -> tuple[int, ...]:
     """Hops between consecutive runs' ends of an attention chain, which wafer_gpt2/codegen/build.py
     links by direct routes: the snake runs along rows of ceil(chain / fold) PEs, every other row
-    backwards, so ends a row apart can sit one hop apart."""
+    backwards, so ends a row apart can sit one hop apart; on the comb the runs are the rows' halves,
+    whose ends sit side by side in the rows' middle."""
     spots = [tiling.snake(run[-1]) for run in tiling.runs()]
     return tuple(abs(a[0] - b[0]) + abs(a[1] - b[1]) for a, b in pairwise(spots))
 
@@ -898,11 +899,14 @@ def _run_end_links(tiling: AttentionTiling) -> tuple[int, ...]:
 @lru_cache(maxsize=4096)
 def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> AttentionTiling:
     """The attention tiling the model finds fastest: chain or two_level (attention.csl's merge rounds
-    run on comm/reduce.csl), each with its best run length."""
+    run on comm/reduce.csl), each with its best run length on the snake, or two levels on the comb
+    where it fits (`AttentionTiling.with_comb`)."""
     options = [
-        AttentionTiling(**{**vars(tiling), "reduction": kind, "group": group})
+        AttentionTiling(**{**vars(tiling), "reduction": kind, "group": group, "comb": False})
         for kind, group in reduction_options(tiling.chain)
     ]
+    if AttentionTiling.comb_fits(tiling.chain, tiling.fold):
+        options.append(tiling.with_comb())
     return min(options, key=lambda t: attention_cost(t, arch, dtype).cycles)
 
 

@@ -13,7 +13,8 @@ edge, "+y"/"-y" likewise for south/north):
 - attention: PE (g, p) holds K and V of head group g at chain index p, laid out
   [slot][position in PE][head in PE][head_dim]. Head group g owns `fold` rows along "head_group";
   its chain runs along "position" over those rows in a snake: row j = p // Lc of the group holds
-  p = j*Lc .. j*Lc + Lc - 1, forwards on even rows, backwards on odd ones (Lc = chain / fold).
+  p = j*Lc .. j*Lc + Lc - 1, forwards on even rows, backwards on odd ones (Lc = chain / fold); laid
+  out as a comb, each row's halves run in from its two edges (`AttentionTiling.snake`).
 
 `pe_coords` gives, for every tiling index, the (y, x) of its PE inside the region; `scatter` and
 `gather` move between tiling-indexed arrays and memory images. The `pack_*` functions turn checkpoint

@@ -23,7 +23,9 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
   Per-PE partial (max, sum, weighted V) are merged in two rounds over p, both in the order of
   `reduction` and `group`: the max, then (sum, weighted V) rescaled to it. On the fabric a head group's chain is folded
   into `fold` rows of `chain // fold` PEs (row-major, snake order), so the region is
-  (chain // fold) x (head_groups * fold) PEs.
+  (chain // fold) x (head_groups * fold) PEs. Laid out as a comb, each row's two halves run in from its
+  edges and end side by side in its middle: a two-level merge whose runs are the halves then chains
+  their ends down the rows' middle, a hop or two apart (`AttentionTiling.snake`).
 - LayerNorm over C values: `pes` PEs each hold `chunk` values. One pass: every PE's sums of x and
   x^2 are combined over the PEs (`reduction`, `group`) into mean and variance, then every PE
   normalises its chunk. `axis` is the fabric axis the strip lies along. A strip that does not
@@ -46,7 +48,7 @@ colors per level, so every input queue serves one color (wafer_gpt2/kernels/comm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 Orientation = Literal["k_along_y", "k_along_x"]
@@ -195,6 +197,7 @@ class AttentionTiling:
     fold: int = 1  # fabric rows per head group (the chain folded in a snake)
     reduction: Reduction = "chain"  # how the per-PE (max, sum, acc) partials are merged along p
     group: int = 0  # two_level only
+    comb: bool = False  # the rows laid out as a comb (`snake`), each row's halves a run of the merge
 
     @property
     def heads_per_pe(self) -> int:
@@ -217,10 +220,28 @@ class AttentionTiling:
 
     def snake(self, p: Any) -> tuple[Any, Any]:
         """(along, row) of chain index p (an int or an integer array) in its head group's rows: the
-        chain runs along rows of ceil(chain / fold) PEs, every other row backwards."""
+        chain runs along rows of ceil(chain / fold) PEs, every other row backwards. The comb
+        (`with_comb`) lays each row out as two halves instead, the first eastward from the row's west
+        edge, the second westward from its east edge, so that the halves' runs end side by side in
+        the row's middle, the ends of consecutive rows a hop or two apart."""
         row_len = ceil_div(self.chain, self.fold)
         row, step = p // row_len, p % row_len
+        if self.comb:
+            half = row_len // 2
+            return step + (step >= half) * (row_len - 1 + half - 2 * step), row
         return step + (row % 2) * (row_len - 1 - 2 * step), row
+
+    @staticmethod
+    def comb_fits(chain: int, fold: int) -> bool:
+        """Whether a chain of `chain` PEs folded into `fold` rows can be laid out as a comb: two rows or
+        more, whole and of an even length of four or more (halves of two PEs or more)."""
+        row_len = chain // fold if fold else 0
+        return fold >= 2 and chain == fold * row_len and row_len >= 4 and row_len % 2 == 0
+
+    def with_comb(self) -> AttentionTiling:
+        """The merge on a comb (`comb_fits`): two levels, each row's halves a run, the halves' ends
+        chained in order down the rows' middle."""
+        return replace(self, reduction="two_level", group=self.chain // self.fold // 2, comb=True)
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,7 @@ def attention_symbols(t: AttentionTiling, dtype: str) -> dict[str, Symbol]:
         "scores": Symbol("f32", t.heads_per_pe * t.positions_per_pe),  # every head's scores, then weights
         "rec": Symbol("f32", t.heads_per_pe + hd),  # [sum per head | exp-weighted V]
         "stats": Symbol("f32", 4 * t.heads_per_pe),  # own max, the max round's, M, the factors
+        **reduction_symbols(t.reduction),  # the merge's FIFOs
         "comm": COMM,
     }
 
