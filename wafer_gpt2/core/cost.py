@@ -872,9 +872,8 @@ def merge_rounds(
 @lru_cache(maxsize=4096)
 def _hops_to_end(tiling: AttentionTiling) -> tuple[int, ...]:
     """Hops from each PE of a head group's snake to its last, which ends the merge."""
-    spots = [tiling.snake(p) for p in range(tiling.chain)]
-    end = spots[-1]
-    return tuple(abs(a - end[0]) + abs(b - end[1]) for a, b in spots)
+    along, row = tiling.snake(np.arange(tiling.chain))  # every PE at once: the search prices thousands
+    return tuple((np.abs(along - along[-1]) + np.abs(row - row[-1])).tolist())
 
 
 def _merge_first(ready: list[int], tiling: AttentionTiling) -> int:
