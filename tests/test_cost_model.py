@@ -274,6 +274,23 @@ def test_attention_cost_by_hand() -> None:
     assert first_token.phases["the owner's k, v store (not hidden)"] == late > 0
 
 
+@pytest.mark.parametrize(("chain", "fold"), [(5, 1), (12, 2), (24, 4), (40, 4), (104, 8)])
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_best_attention_is_the_fastest_that_attention_cost_prices(chain: int, fold: int, dtype: str) -> None:
+    """`best_attention` ranks the merges by their rounds alone (the other phases are the same for
+    every option): the option it picks is one that `attention_cost` prices fastest."""
+    t = AttentionTiling(12, 64, 16, 1024, 12, chain, fold)
+    options = [
+        AttentionTiling(**{**vars(t), "reduction": k, "group": g}) for k, g in cost.reduction_options(chain)
+    ]
+    if AttentionTiling.comb_fits(chain, fold):
+        options.append(t.with_comb())
+    fastest = min(cost.attention_cost(o, "wse2", dtype).cycles for o in options)
+    best = cost.best_attention(t, "wse2", dtype)
+    assert best in options
+    assert cost.attention_cost(best, "wse2", dtype).cycles == fastest
+
+
 def test_the_heads_tree_by_hand() -> None:
     """One round over the roots' tree of 3 columns (comm/tree.csl): the centre (column 1) folds the
     left half's (column 0, alone: its own vector) after a DSD operation and a hop, then the right half's
@@ -554,3 +571,34 @@ def test_hand_offs_that_are_gather_lines_are_priced_as_one(objective: str) -> No
     # the last res_2 leads that line: it adds and sends from its frame instead of streaming through
     framed = cost.residual_cost(chunk, streamed_in=True, lane_in=True).cycles
     assert final.phases[UNSTREAMED_RES_2_PHASE] == framed - cost.residual_cost(chunk, "r", True, True).cycles
+
+
+@pytest.mark.parametrize(("interlock", "band_counts"), [(False, (2, 3, 4)), (True, (2, 3, 4, 6))])
+def test_band_turns_a_pair_apart_are_priced_alike(interlock: bool, band_counts: tuple[int, ...]) -> None:
+    """The outer stages price one band turn of each parity and give it to the turns a pair of bands
+    further down: priced alone, every turn costs the same (plain and interlocked bands)."""
+    from wafer_gpt2.core.arch import resolve_arch
+    from wafer_gpt2.plan.geometry import Dirs, Geometry, replica_geometry
+    from wafer_gpt2.plan.stages import _unstreamed_res_2, from_res_2_stage, outer_stage_costs
+    from wafer_gpt2.plan.structure import Knobs
+    from wafer_gpt2.plan.tilings import head_tiling, layer_tilings, strip_norm
+
+    config, arch = PRESETS["gpt2"], resolve_arch("wse2")
+    knobs = Knobs(stream_pes=12, fold=8, attn_chain=208, fc_cols=96, head_cols=242, interlock=interlock)
+    lt = layer_tilings(config, knobs, 16, 1024, arch, "fp16")
+    head = head_tiling(config, knobs, 64, arch, "fp16")
+    ln_f = strip_norm(config.n_embd, knobs.head_rows, normalise=True)
+    unstreamed = _unstreamed_res_2(lt.ln.chunk, cost.streams_out(lt.proj))
+    turns_seen = 0
+    for bands in band_counts:
+        geo = replica_geometry(config, replace(knobs, bands=bands), arch, "fp16", Dirs.of(lt, head))
+        assert isinstance(geo, Geometry) and geo.interlocked == interlock
+        _, turns, _ = outer_stage_costs(config, geo, lt, head, ln_f, arch, "fp16", 0)
+        for name, src, dst in geo.outer_routes():
+            if name.startswith("turn."):
+                alone = from_res_2_stage(
+                    cost.StageCost("alone"), config, geo, head, unstreamed, name, src, dst
+                )
+                assert turns[name].phases == alone.phases, (bands, name)
+                turns_seen += 1
+    assert turns_seen == sum(band_counts) - len(band_counts)

@@ -317,6 +317,9 @@ def collect(settings: ReportSettings | None = None, progress=None) -> ReportData
     config = resolve_config(settings.model)
     say(f"planning {config.name} ({settings.arch}, {settings.dtype}, {settings.slots} slots)")
     plan = cached_plan(config, settings.arch, settings.dtype, settings.slots, top_k=settings.top_k)
+    # before another size is planned: the search of this plan is the one `price_candidates` keeps
+    say(f"pricing every candidate size of {config.name}")
+    candidates = explore_candidates(config, settings.arch, settings.dtype, settings.slots, settings.top_k)
     sizes: dict[str, Plan] = {}
     size_notes: list[str] = []
     replica_notes: list[str] = []
@@ -328,8 +331,6 @@ def collect(settings: ReportSettings | None = None, progress=None) -> ReportData
             )
         except planner.PlanError as exc:
             size_notes.append(f"{name}: no plan ({exc})")
-    say(f"pricing every candidate size of {config.name}")
-    candidates = explore_candidates(config, settings.arch, settings.dtype, settings.slots, settings.top_k)
     say("planning replicas")
     curves = replica_curves(config, settings, replica_notes)
     say("planning slots per replica")

@@ -764,21 +764,18 @@ def attention_cost(
     width, _ = tiling.grid_wh
     hpp, dim = tiling.heads_per_pe, tiling.head_dim
     local = min(tiling.positions_per_pe, positions)
+    weights, owner, k_cycles, v_cycles = _merge_inputs(tiling, arch, dtype, positions)
     cost = StageCost(name)
     # Every PE reads the header, k and q before its task starts (v is read meanwhile).
     stream = ITEM_HEADER_WORDS + 2 * hpp * dim
     cost.add("k, q multicast", stream_cycles(stream, (width - 1) + (tiling.fold - 1)))
-    k_cycles, v_cycles = _store_cycles(tiling, dtype)
     # The scores' @map runs over all positions_per_pe (its K^T register steps a whole row per step);
     # the later steps see only the visible ones.
     cost.add("scores q.k", hpp * map_fmac_cycles(dim, tiling.positions_per_pe, macs) + TASK_ACTIVATION_CYCLES)
     # per head, the visible scores times 1 / sqrt(head_dim) (@fmuls) and their max (@fmaxs)
     cost.add("scale + max", hpp * 2 * (DSD_OP_START_CYCLES + local * FP32_OPS_PER_CYCLE))
-    weights = local * hpp * EXP_CYCLES + hpp * map_fmac_cycles(local, dim, macs)
     rounds = merge_rounds(tiling, weights)
-    owner = (positions - 1) // tiling.positions_per_pe
-    # the owner stores v and makes its weights in a task of their own, when v is in
-    stored = merge_rounds(tiling, weights, owner, k_cycles, v_cycles + TASK_ACTIVATION_CYCLES)
+    stored = merge_rounds(tiling, weights, owner, k_cycles, v_cycles)
     cost.add("exp + weighted V", weights)
     cost.add("max merge round + M multicast (beyond the weights)", rounds.m_known - weights)
     cost.add("rescale", rounds.rescale)
@@ -794,6 +791,19 @@ def attention_cost(
     cost.first_word = cost.cycles
     cost.add("to the O rows", stream_cycles(hpp * dim, width - 1 + tiling.fold - 1))
     return cost
+
+
+def _merge_inputs(
+    tiling: AttentionTiling, arch: Arch, dtype: str, positions: int
+) -> tuple[int, int, int, int]:
+    """(each PE's exps and weighted V, the owner of the new position, its k store, its v store and
+    the task that makes its weights when v is in) in cycles: what `merge_rounds` takes."""
+    hpp, local = tiling.heads_per_pe, min(tiling.positions_per_pe, positions)
+    macs = arch.macs_per_cycle(dtype)
+    weights = local * hpp * EXP_CYCLES + hpp * map_fmac_cycles(local, tiling.head_dim, macs)
+    k_cycles, v_cycles = _store_cycles(tiling, dtype)
+    owner = (positions - 1) // tiling.positions_per_pe
+    return weights, owner, k_cycles, v_cycles + TASK_ACTIVATION_CYCLES
 
 
 def _store_cycles(tiling: AttentionTiling, dtype: str) -> tuple[int, int]:
@@ -899,14 +909,18 @@ def _run_end_links(tiling: AttentionTiling) -> tuple[int, ...]:
 def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> AttentionTiling:
     """The attention tiling the model finds fastest: chain or two_level (attention.csl's merge rounds
     run on comm/reduce.csl), each with its best run length on the snake, or two levels on the comb
-    where it fits (`AttentionTiling.with_comb`)."""
+    where it fits (`AttentionTiling.with_comb`). The options differ in their merge alone
+    (`attention_cost`'s other phases depend on the chain's length and fold): the fastest is the one
+    whose rounds, with the new position's stores, end first."""
+    arch = resolve_arch(arch)
     options = [
         AttentionTiling(**{**vars(tiling), "reduction": kind, "group": group, "comb": False})
         for kind, group in reduction_options(tiling.chain)
     ]
     if AttentionTiling.comb_fits(tiling.chain, tiling.fold):
         options.append(tiling.with_comb())
-    return min(options, key=lambda t: attention_cost(t, arch, dtype).cycles)
+    merge = _merge_inputs(tiling, arch, dtype, tiling.context)
+    return min(options, key=lambda t: merge_rounds(t, *merge).summed)
 
 
 # --- Head: final LayerNorm is priced by norm_cost; here the LM head GEMV and its threshold selection ---

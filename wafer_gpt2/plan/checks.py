@@ -71,6 +71,7 @@ def check_total_capacity(config: GPT2Config, arch: Arch, dtype: str, slots: int,
         )
 
 
+@lru_cache(maxsize=8192)  # the search checks the same layer and head tilings for many candidates
 def memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> tuple[float, str] | None:
     """(ratio, message) when some region's per-PE data exceeds what its program leaves for data."""
     checks = {

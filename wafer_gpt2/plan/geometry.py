@@ -290,6 +290,20 @@ class Geometry:
         out.append(("scores", "head.root", "io.out"))
         return out
 
+    def outer_routes(self) -> list[tuple[str, str, str]]:
+        """`routes` on a token's path outside the layers: into layer 0, the band turns, to ln_f and
+        out (a layer's residual buses run beside its stages)."""
+        turns = [
+            (f"turn.{layer}", f"L{layer}.res_2", f"L{layer + 1}.ln_1")
+            for layer in range(self.per_band - 1, self.n_layer - 1, self.per_band)
+        ]
+        return [
+            ("embed.out", "embed", "L0.ln_1"),
+            *turns,
+            ("final", f"L{self.n_layer - 1}.res_2", "ln_f"),
+            ("scores", "head.root", "io.out"),
+        ]
+
     def gathered(self, src: str, dst: str) -> bool:
         """Whether the hand-off from the strip `src` to `dst` is a gather line and one multicast, not a
         bundle of lanes (wafer_gpt2/codegen/build.py `connect`): straight lanes leave a strip along x

@@ -118,7 +118,8 @@ class PricedCandidate:
     geometry: Geometry
     replicas_fit: int  # how many replicas of this footprint the kernel holds
     layer_stages: list[StageCost]  # one layer's stages
-    outer: tuple[list[StageCost], dict[str, StageCost], list[StageCost]]  # see `outer_stage_costs`
+    # see `outer_stage_costs` (shared with other candidates: read, never changed)
+    outer: tuple[tuple[StageCost, ...], dict[str, StageCost], tuple[StageCost, ...]]
     decode_cycles: int  # modeled critical path of one token at full context
     bottleneck_cycles: int  # modeled initiation interval: the largest stage occupancy (StageCost.busy)
 
@@ -378,11 +379,11 @@ def _priced(
     ln_f = strip_norm(config.n_embd, knobs.head_rows, normalise=True)
     outer = outer_stage_costs(config, geo, lt, head, ln_f, arch, dtype, 0)
     # The critical path is layer_stages n_layer times plus the outer stages (see `token_critical_path`).
-    outer_cycles = [s.cycles for s in outer[0] + list(outer[1].values()) + outer[2]]
-    layer_cycles = [s.cycles for s in layer_stages]
-    latency = config.n_layer * sum(layer_cycles) + sum(outer_cycles)
+    outer_stages = (*outer[0], *outer[1].values(), *outer[2])
+    layer_cycles, layer_busy = _layer_figures(lt, arch, dtype)
+    latency = config.n_layer * layer_cycles + sum(s.cycles for s in outer_stages)
     # the initiation interval: the busiest stage (a blocking stage's whole span, StageCost.busy)
-    bottleneck = max(s.busy for s in layer_stages + outer[0] + list(outer[1].values()) + outer[2])
+    bottleneck = max(layer_busy, max(s.busy for s in outer_stages))
     fit = _replicas_fit(geo, arch)
     return PricedCandidate(index, knobs, lt, head, ln_f, geo, fit, layer_stages, outer, latency, bottleneck)
 
@@ -504,6 +505,13 @@ def _head_tiling(config, strip_pes, head_cols, top_k, arch, dtype, head_workers=
 @lru_cache(maxsize=4096)
 def _cached_layer_stages(lt: LayerTilings, arch: Arch, dtype: str) -> list[StageCost]:
     return layer_stage_costs(lt, arch, dtype)
+
+
+@lru_cache(maxsize=4096)
+def _layer_figures(lt: LayerTilings, arch: Arch, dtype: str) -> tuple[int, int]:
+    """(cycles, busiest stage's occupancy) of one layer's stages."""
+    stages = _cached_layer_stages(lt, arch, dtype)
+    return sum(s.cycles for s in stages), max(s.busy for s in stages)
 
 
 def _closer(closest, miss):

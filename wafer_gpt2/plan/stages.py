@@ -62,12 +62,12 @@ def layer_stage_costs(lt: LayerTilings, arch: Arch, dtype: str) -> list[StageCos
     return [c.renamed(f"layer.{c.name}").add("hand-off", HANDOFF_CYCLES) for c in costs]
 
 
-def _unstreamed_res_2(lt: LayerTilings) -> int:
+@lru_cache(maxsize=256)  # a handful of chunk sizes and proj tilings per search
+def _unstreamed_res_2(chunk: int, streamed_in: bool) -> int:
     """What a res_2 that hands off by a gather line (residual.csl sends from its frame) takes beyond
     the streamed res_2 of `layer_stage_costs`."""
-    streamed_in = streams_out(lt.proj)
-    framed = residual_cost(lt.ln.chunk, streamed_in=streamed_in, lane_in=True).cycles
-    return framed - residual_cost(lt.ln.chunk, streamed_in=streamed_in, streams_through=True).cycles
+    framed = residual_cost(chunk, streamed_in=streamed_in, lane_in=True).cycles
+    return framed - residual_cost(chunk, streamed_in=streamed_in, streams_through=True).cycles
 
 
 def _edge_hops(ox: int) -> int:
@@ -96,20 +96,31 @@ def outer_stage_costs(
     arch: Arch,
     dtype: str,
     ox: int,
-) -> tuple[list[StageCost], dict[str, StageCost], list[StageCost]]:
-    """(stages before layer 0, band turns by layer, stages after the last layer) of the critical path."""
-    ends = {n: (a, b) for n, a, b in geo.routes()}
+) -> tuple[tuple[StageCost, ...], dict[str, StageCost], tuple[StageCost, ...]]:
+    """(stages before layer 0, band turns by layer, stages after the last layer) of the critical path.
+    Shared by every candidate of the search with the same geometry, head and final LayerNorm: read
+    them, never change them (`token_critical_path` copies them)."""
+    unstreamed = _unstreamed_res_2(lt.ln.chunk, streams_out(lt.proj))
+    return _outer_stages(config, geo, unstreamed, head, ln_f, arch, dtype, ox)
+
+
+# The search prices thousands of candidates whose geometry, head and final LayerNorm are the same
+# (knobs that change none of them): their outer stages are priced once.
+@lru_cache(maxsize=8192)
+def _outer_stages(
+    config: GPT2Config,
+    geo: Geometry,
+    unstreamed_res_2: int,
+    head: HeadTiling,
+    ln_f: NormTiling,
+    arch: Arch,
+    dtype: str,
+    ox: int,
+) -> tuple[tuple[StageCost, ...], dict[str, StageCost], tuple[StageCost, ...]]:
+    ends = {n: (a, b) for n, a, b in geo.outer_routes()}
 
     def route(name: str) -> int:
-        src, dst = ends[name]
-        if geo.gathered(src, dst):
-            # the residual adds send from their input's frame; the embedding sends its row apart
-            sources = geo.rect(src)[2]
-            return gathered_handoff_cycles(
-                sources, ceil_div(config.n_embd, sources), geo.gather_hops(src, dst), framed=src != "embed"
-            )
-        hops, _ = geo.route_legs(src, dst)
-        return stream_cycles(route_words(name, config, geo, head), hops)
+        return route_cycles(config, geo, head, name, *ends[name])
 
     before = [
         StageCost("io.in").add(
@@ -150,17 +161,17 @@ def outer_stage_costs(
     before.append(embed)
 
     def from_res_2(stage: StageCost, name: str) -> StageCost:
-        # A res_2 that leads a gather line does not stream through (residual.csl sends from its
-        # frame): its add and send, which the layer's res_2 stage leaves out, go here.
-        if geo.gathered(*ends[name]):
-            stage.add(UNSTREAMED_RES_2_PHASE, _unstreamed_res_2(lt))
-        return stage.add("route", route(name))
+        return from_res_2_stage(stage, config, geo, head, unstreamed_res_2, name, *ends[name])
 
-    turns = {
-        name: from_res_2(StageCost(f"band turn after L{name.split('.')[1]}"), name)
-        for name in ends
-        if name.startswith("turn.")
-    }
+    # Turns a band pair apart are the same turn moved down the pair's height (even bands run east,
+    # odd ones west, each leaves its last layer for the next band's first): one of each is priced.
+    turns: dict[str, StageCost] = {}
+    priced: list[StageCost] = []  # the first turn of each parity
+    for i, name in enumerate(n for n in ends if n.startswith("turn.")):
+        label = f"band turn after L{name.split('.')[1]}"
+        if i < 2:
+            priced.append(from_res_2(StageCost(label), name))
+        turns[name] = priced[i % 2] if i < 2 else priced[i % 2].renamed(label)
     ln_f_stage, head_stage = _tail_stages(ln_f, head, arch, dtype)
     after = [
         from_res_2(StageCost("to ln_f"), "final"),
@@ -174,7 +185,38 @@ def outer_stage_costs(
             stream_cycles(record_words(head.top_k), _edge_hops(ox + geo.strip_rects()["io.out"][0])),
         ),
     ]
-    return before, turns, after
+    return tuple(before), turns, tuple(after)
+
+
+def route_cycles(config: GPT2Config, geo: Geometry, head: HeadTiling, name: str, src: str, dst: str) -> int:
+    """Cycles of the hand-off `name` from region `src` to `dst`: a gather line and one multicast, or
+    a bundle of lanes."""
+    if geo.gathered(src, dst):
+        # the residual adds send from their input's frame; the embedding sends its row apart
+        sources = geo.rect(src)[2]
+        return gathered_handoff_cycles(
+            sources, ceil_div(config.n_embd, sources), geo.gather_hops(src, dst), framed=src != "embed"
+        )
+    hops, _ = geo.route_legs(src, dst)
+    return stream_cycles(route_words(name, config, geo, head), hops)
+
+
+def from_res_2_stage(
+    stage: StageCost,
+    config: GPT2Config,
+    geo: Geometry,
+    head: HeadTiling,
+    unstreamed_res_2: int,
+    name: str,
+    src: str,
+    dst: str,
+) -> StageCost:
+    """`stage` with the hand-off `name` from a res_2: a res_2 that leads a gather line does not
+    stream through (residual.csl sends from its frame), so its add and send, which the layer's res_2
+    stage leaves out, go here."""
+    if geo.gathered(src, dst):
+        stage.add(UNSTREAMED_RES_2_PHASE, unstreamed_res_2)
+    return stage.add("route", route_cycles(config, geo, head, name, src, dst))
 
 
 @lru_cache(maxsize=1024)  # the same for every candidate with this strip and head: priced once
@@ -185,12 +227,13 @@ def _tail_stages(ln_f: NormTiling, head: HeadTiling, arch: Arch, dtype: str) -> 
 
 
 def token_critical_path(n_layer: int, layer_stages: list[StageCost], outer) -> list[StageCost]:
-    """Every stage one decode token passes, in order, named like the regions (L3.qkv, head, ...)."""
+    """Every stage one decode token passes, in order, named like the regions (L3.qkv, head, ...): copies,
+    the plan's own (the search's stages are shared)."""
     before, turns, after = outer
-    stages = list(before)
+    stages = [s.renamed(s.name) for s in before]
     for layer in range(n_layer):
         for s in layer_stages:
             stages.append(s.renamed(f"L{layer}.{s.name.split('.', 1)[1]}"))
         if f"turn.{layer}" in turns:
-            stages.append(turns[f"turn.{layer}"])
-    return stages + list(after)
+            stages.append(turns[f"turn.{layer}"].renamed(turns[f"turn.{layer}"].name))
+    return stages + [s.renamed(s.name) for s in after]
