@@ -280,15 +280,15 @@ class Geometry:
 
     def routes(self) -> list[tuple[str, str, str]]:
         """(route name, src, dst) of the hand-offs that are not between touching regions."""
-        out = [("embed.out", "embed", "L0.ln_1")]
+        first, *turns, final, scores = self.outer_routes()
+        turn_after = {int(route[0].split(".")[1]): route for route in turns}  # "turn.{layer}"
+        out = [first]
         for layer in range(self.n_layer):
             out.append((f"L{layer}.resid_1", f"L{layer}.ln_1", f"L{layer}.res_1"))
             out.append((f"L{layer}.resid_2", f"L{layer}.res_1", f"L{layer}.res_2"))
-            if layer + 1 < self.n_layer and (layer + 1) % self.per_band == 0:
-                out.append((f"turn.{layer}", f"L{layer}.res_2", f"L{layer + 1}.ln_1"))
-        out.append(("final", f"L{self.n_layer - 1}.res_2", "ln_f"))
-        out.append(("scores", "head.root", "io.out"))
-        return out
+            if layer in turn_after:
+                out.append(turn_after[layer])
+        return [*out, final, scores]
 
     def outer_routes(self) -> list[tuple[str, str, str]]:
         """`routes` on a token's path outside the layers: into layer 0, the band turns, to ln_f and
