@@ -291,6 +291,61 @@ def test_best_attention_is_the_fastest_that_attention_cost_prices(chain: int, fo
     assert cost.attention_cost(best, "wse2", dtype).cycles == fastest
 
 
+@pytest.mark.parametrize(("chain", "fold"), [(1, 1), (5, 1), (12, 2), (24, 4), (40, 4), (104, 8)])
+def test_no_merge_is_faster_than_its_floor(chain: int, fold: int) -> None:
+    """`merge_rounds_floor` (which lets `best_attention` leave options unpriced) is under the rounds of
+    every option, the owner's stores and the PEs' work anywhere."""
+    t = AttentionTiling(12, 64, 16, 1024, 12, chain, fold)
+    options = [
+        AttentionTiling(**{**vars(t), "reduction": k, "group": g}) for k, g in cost.reduction_options(chain)
+    ]
+    if AttentionTiling.comb_fits(chain, fold):
+        options.append(t.with_comb())
+    for option in options:
+        for weights, owner, k_store, v_store in [(0, None, 0, 0), (500, 0, 40, 90), (3000, chain - 1, 0, 7)]:
+            floor = cost.merge_rounds_floor(option, weights)
+            assert floor <= cost.merge_rounds(option, weights, owner, k_store, v_store).summed
+    # not a floor of nothing: a chain's pays its every link, twice, and a PE's work
+    link = cost.link_cycles(1) + cost.FP32_OPS_PER_CYCLE
+    assert cost.merge_rounds_floor(options[0], 0) >= 2 * (chain - 1) * link
+    assert cost.merge_rounds_floor(options[0], 5000) >= 5000 + (chain - 1) * link
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "norm_fold", "per_output"),
+    [
+        (24, 3072, False, cost.GELU_CYCLES),  # fc: GELU shared or not
+        (48, 3072, True, cost.GELU_CYCLES),  # fc with ln_2 folded in
+        (32, 2304, True, 0),  # qkv with ln_1 folded in
+        (36, 768, False, 0),  # proj: its sums stream out
+        (60, 768, False, 0),
+        (7, 192, True, cost.GELU_CYCLES),
+    ],
+)
+def test_best_gemv_reduction_is_the_fastest_pair(rows, n, norm_fold, per_output) -> None:
+    """`best_gemv_reduction` picks the reduction, then the epilogue: the pair is the first of every
+    (reduction, epilogue) pair that `gemv_cost` prices fastest."""
+    base = GemvTiling(768, n, rows, 12, norm_fold=norm_fold)
+    pairs = [
+        GemvTiling(
+            **{
+                **vars(base),
+                "reduction": k,
+                "group": g,
+                "end_group": e,
+                "epilogue_pes": p,
+                "epilogue_multicast": m,
+            }
+        )
+        for k, g, e in cost.gemv_reduction_options(rows)
+        for p, m in cost.epilogue_ways(base, per_output)
+    ]
+    for dtype in ("fp16", "fp32"):
+        price = [cost.gemv_cost(t, "wse2", dtype, per_output).cycles for t in pairs]
+        best = cost.best_gemv_reduction(base, ARCHS["wse2"], dtype, per_output)
+        assert best == pairs[price.index(min(price))]
+
+
 def test_the_heads_tree_by_hand() -> None:
     """One round over the roots' tree of 3 columns (comm/tree.csl): the centre (column 1) folds the
     left half's (column 0, alone: its own vector) after a DSD operation and a hop, then the right half's

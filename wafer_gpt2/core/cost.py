@@ -634,21 +634,29 @@ def best_gemv_reduction(
     """The tiling with the reduction (`gemv_reduction_options`: chain, two or three levels with their
     best run lengths) and the epilogue sharing (`epilogue_options`) the model finds fastest. Only what
     wafer_gpt2/kernels/comm implements is offered: a faster plan the CSL cannot run is worth nothing."""
-    options = [
-        GemvTiling(
+
+    def variant(reduction: tuple[Reduction, int, int], way: tuple[int, bool]) -> GemvTiling:
+        (kind, group, end_group), (pes, multicast) = reduction, way
+        return GemvTiling(
             **{
                 **vars(tiling),
                 "reduction": kind,
                 "group": group,
                 "end_group": end_group,
                 "epilogue_pes": pes,
-                "epilogue_multicast": mc,
+                "epilogue_multicast": multicast,
             }
         )
-        for kind, group, end_group in gemv_reduction_options(tiling.rows)
-        for pes, mc in epilogue_ways(tiling, epilogue_cycles_per_output)
-    ]
-    return min(options, key=lambda t: gemv_cost(t, arch, dtype, epilogue_cycles_per_output).cycles)
+
+    def cycles(option: GemvTiling) -> int:
+        return gemv_cost(option, arch, dtype, epilogue_cycles_per_output).cycles
+
+    # `gemv_cost` is the reduction's phase plus the epilogue's, neither depending on the other: the
+    # fastest reduction under any one epilogue, then the fastest epilogue after it, is the fastest pair
+    # (and of pairs that tie, the first in the order the options are listed)
+    ways = epilogue_ways(tiling, epilogue_cycles_per_output)
+    reduction = min(gemv_reduction_options(tiling.rows), key=lambda r: cycles(variant(r, ways[0])))
+    return min((variant(reduction, way) for way in ways), key=cycles)
 
 
 # --- LayerNorm -------------------------------------------------------------------------------------
@@ -869,14 +877,37 @@ def merge_rounds(
         for h, d in zip(far[:-1], done, strict=False)
     ]
     known.append(sent)  # the PE that ends the round holds M at once
-    rescale = (
-        hpp * (EXP_CYCLES + FP32_OPS_PER_CYCLE + DSD_OP_START_CYCLES + tiling.head_dim) + DSD_OP_START_CYCLES
-    )
-    if hpp == 1:  # the round's own operation multiplies by the factor as the record leaves (an FMAC)
-        rescale = EXP_CYCLES + DSD_OP_START_CYCLES
+    rescale = _rescale_cycles(tiling)
     ready = [k + rescale for k in known]
     summed = _merge_first(ready, tiling) + record + TASK_ACTIVATION_CYCLES
     return MergeRounds(max(known), rescale, summed)
+
+
+def _rescale_cycles(tiling: AttentionTiling) -> int:
+    """The sum round's start on a PE once it holds M: its factor, its l and acc scaled, the round's
+    operation started."""
+    hpp = tiling.heads_per_pe
+    if hpp == 1:  # the round's own operation multiplies by the factor as the record leaves (an FMAC)
+        return EXP_CYCLES + DSD_OP_START_CYCLES
+    return (
+        hpp * (EXP_CYCLES + FP32_OPS_PER_CYCLE + DSD_OP_START_CYCLES + tiling.head_dim) + DSD_OP_START_CYCLES
+    )
+
+
+def merge_rounds_floor(tiling: AttentionTiling, weights: int) -> int:
+    """Cycles `merge_rounds(tiling, weights, ...).summed` is never under, wherever the new position's
+    stores are: each round passes the first run's members and then every run's end, a link and an
+    add each (a link at least a hop); M goes out when the max round is over and the PE that ends it
+    has its weights; the sum round starts on a PE once it holds M."""
+    if tiling.chain == 1:  # no rounds: the PE's work
+        return weights
+    runs = tiling.runs()
+    passes = (len(runs[0]) - 1 + len(runs) - 1) * (link_cycles(1) + FP32_OPS_PER_CYCLE)
+    hpp = tiling.heads_per_pe
+    max_round = 2 * DSD_OP_START_CYCLES + passes + hpp
+    sent = max(max_round, weights) + TASK_ACTIVATION_CYCLES + 2 * DSD_OP_START_CYCLES
+    record = hpp * (tiling.head_dim + 1)
+    return sent + _rescale_cycles(tiling) + passes + record + TASK_ACTIVATION_CYCLES
 
 
 @lru_cache(maxsize=4096)
@@ -920,7 +951,17 @@ def best_attention(tiling: AttentionTiling, arch: Arch | str, dtype: str) -> Att
     if AttentionTiling.comb_fits(tiling.chain, tiling.fold):
         options.append(tiling.with_comb())
     merge = _merge_inputs(tiling, arch, dtype, tiling.context)
-    return min(options, key=lambda t: merge_rounds(t, *merge).summed)
+    # Priced from the lowest floor up, until the floors pass the fastest priced: the options far from
+    # the best run length (most of them on a long chain) are never priced. Ties go to the first listed.
+    floors = [merge_rounds_floor(t, merge[0]) for t in options]
+    best, fastest = 0, None
+    for i in sorted(range(len(options)), key=floors.__getitem__):
+        if fastest is not None and floors[i] > fastest:
+            break
+        summed = merge_rounds(options[i], *merge).summed
+        if fastest is None or (summed, i) < (fastest, best):
+            best, fastest = i, summed
+    return options[best]
 
 
 # --- Head: final LayerNorm is priced by norm_cost; here the LM head GEMV and its threshold selection ---

@@ -400,6 +400,28 @@ class Geometry:
         return hops, ((x0, sy, x1 - x0, sh), (dx, y0, dw, y1 - y0))
 
 
+def layer_bands(config: GPT2Config, knobs: Knobs, arch: Arch) -> int | tuple[float, str]:
+    """How many bands the replica's layers take: the fewest whose layers fit the kernel's width
+    beside the head strip, or `knobs.bands` where more (one more to make them even with
+    `knobs.even_bands`), the layers then spread evenly (so several requests give one count); or
+    (how far over, why) where one layer does not fit."""
+    r, s = knobs.stream_pes, knobs.strip
+    pitch = 2 * r + ceil_div(knobs.attn_chain, knobs.fold)
+    shift = r if knobs.interlock else 0  # the odd bands a stream's width east
+    per_band = (arch.kernel_w - s - r - shift) // pitch
+    if per_band < 1:
+        need = pitch + r + s + shift
+        return need / arch.kernel_w, (
+            f"one layer and the head strip are {need} PEs wide, "
+            f"{need - arch.kernel_w} over the kernel width {arch.kernel_w}"
+        )
+    bands = max(ceil_div(config.n_layer, per_band), knobs.bands)
+    if knobs.even_bands and bands % 2 and bands < config.n_layer:
+        bands += 1
+    per_band = ceil_div(config.n_layer, bands)  # spread the layers evenly over the bands
+    return ceil_div(config.n_layer, per_band)
+
+
 def replica_geometry(
     config: GPT2Config, knobs: Knobs, arch: Arch, dtype: str, dirs: Dirs
 ) -> Geometry | tuple[float, str]:
@@ -416,22 +438,12 @@ def replica_geometry(
         embed_rows, tokens_per_pe, positions_per_pe = embed_spread(
             config, ceil_div(config.n_embd, knobs.head_rows), arch, dtype, copy=False
         )
-    pitch = 2 * r + lc
     if knobs.interlock and 2 * r > lc:
         return 2 * r / lc, f"interlocked bands need attention {2 * r} PEs wide or wider, not {lc}"
-    shift = r if knobs.interlock else 0  # the odd bands a stream's width east
-    per_band = (arch.kernel_w - s - r - shift) // pitch
-    if per_band < 1:
-        need = pitch + r + s + shift
-        return need / arch.kernel_w, (
-            f"one layer and the head strip are {need} PEs wide, "
-            f"{need - arch.kernel_w} over the kernel width {arch.kernel_w}"
-        )
-    bands = max(ceil_div(config.n_layer, per_band), knobs.bands)
-    if knobs.even_bands and bands % 2 and bands < config.n_layer:
-        bands += 1
-    per_band = ceil_div(config.n_layer, bands)  # spread the layers evenly over the bands
-    bands = ceil_div(config.n_layer, per_band)
+    bands = layer_bands(config, knobs, arch)
+    if not isinstance(bands, int):
+        return bands
+    per_band = ceil_div(config.n_layer, bands)
     if knobs.interlock and bands < 2:
         return 1.0, "interlocked bands need two bands of layers or more"
     g = Geometry(

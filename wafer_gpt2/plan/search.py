@@ -4,8 +4,10 @@ places and passes every check (`build_plan`); the most KV slots a plan fits (`la
 from __future__ import annotations
 
 import copy
+import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from wafer_gpt2.core.arch import Arch, resolve_arch
 from wafer_gpt2.core.cost import CLOCK_HZ, StageCost, head_cost
@@ -22,9 +24,9 @@ from wafer_gpt2.plan.checks import (
     memory_over,
     strip_over,
 )
-from wafer_gpt2.plan.geometry import Dirs, Geometry, replica_geometry
+from wafer_gpt2.plan.geometry import Dirs, Geometry, layer_bands, replica_geometry
 from wafer_gpt2.plan.placement import place_replica
-from wafer_gpt2.plan.stages import layer_stage_costs, outer_stage_costs, token_critical_path
+from wafer_gpt2.plan.stages import layer_stage_costs, outer_stage_costs, tail_stages, token_critical_path
 from wafer_gpt2.plan.structure import Knobs, LayerPlan, Plan, PlanError, Region, Route
 from wafer_gpt2.plan.symbols import attention_symbols, pe_bytes
 from wafer_gpt2.plan.tilings import LayerTilings, head_tiling, layer_tilings, strip_norm
@@ -108,9 +110,17 @@ def _candidate_knobs(
 @dataclass(frozen=True)
 class PricedCandidate:
     """One candidate that meets the per-PE memory and kernel-area limits, priced by the cycle model
-    (placement and the color check come later: `build_plan` does them for the best ones only)."""
+    (placement and the color check come later: `build_plan` does them for the best ones only).
+
+    Its layers, final LayerNorm and head are priced at once; the stages outside them (the routes of
+    the embedding, the band turns, the way to ln_f and out) when first read. `decode_floor` and
+    `bottleneck_floor` are what those routes can only add to, so the planner ranks by the floors and
+    prices the routes of the few candidates that could come first (`_ranked`)."""
 
     index: int  # order of exploration: breaks ties between equal scores
+    config: GPT2Config
+    arch: Arch
+    dtype: str
     knobs: Knobs
     tilings: LayerTilings
     head: HeadTiling
@@ -118,10 +128,8 @@ class PricedCandidate:
     geometry: Geometry
     replicas_fit: int  # how many replicas of this footprint the kernel holds
     layer_stages: list[StageCost]  # one layer's stages
-    # see `outer_stage_costs` (shared with other candidates: read, never changed)
-    outer: tuple[tuple[StageCost, ...], dict[str, StageCost], tuple[StageCost, ...]]
-    decode_cycles: int  # modeled critical path of one token at full context
-    bottleneck_cycles: int  # modeled initiation interval: the largest stage occupancy (StageCost.busy)
+    decode_floor: int  # the layers, ln_f and the head: `decode_cycles` without the outer routes
+    bottleneck_floor: int  # the busiest of those stages
 
     @property
     def footprint_pes(self) -> int:
@@ -130,6 +138,33 @@ class PricedCandidate:
     @property
     def layer_pes(self) -> int:
         return self.geometry.layer_pes
+
+    @cached_property
+    def outer(self) -> tuple[tuple[StageCost, ...], dict[str, StageCost], tuple[StageCost, ...]]:
+        """See `outer_stage_costs` (shared with other candidates: read, never changed)."""
+        return outer_stage_costs(
+            self.config, self.geometry, self.tilings, self.head, self.ln_f, self.arch, self.dtype, 0
+        )
+
+    @cached_property
+    def _figures(self) -> tuple[int, int]:
+        before, turns, after = self.outer
+        outer_stages = (*before, *turns.values(), *after)
+        layer_cycles, layer_busy = _layer_figures(self.tilings, self.arch, self.dtype)
+        # the critical path is the layer's stages n_layer times plus the outer stages (`token_critical_path`)
+        latency = self.config.n_layer * layer_cycles + sum(s.cycles for s in outer_stages)
+        # the initiation interval: the busiest stage (a blocking stage's whole span, StageCost.busy)
+        return latency, max(layer_busy, max(s.busy for s in outer_stages))
+
+    @property
+    def decode_cycles(self) -> int:
+        """Modeled critical path of one token at full context."""
+        return self._figures[0]
+
+    @property
+    def bottleneck_cycles(self) -> int:
+        """Modeled initiation interval: the largest stage occupancy (StageCost.busy)."""
+        return self._figures[1]
 
     def critical_path(self) -> list[StageCost]:
         return token_critical_path(self.geometry.n_layer, self.layer_stages, self.outer)
@@ -248,8 +283,14 @@ def _packed(
     """The same size with the band count above its own that fits the most replicas in the kernel (the
     fewest such bands), where one fits more than its own: [] otherwise."""
     best, most = None, _replicas_fit(geo, arch)
+    tried = {geo.bands}
     for bands in range(geo.bands + 1, config.n_layer + 1):
-        shape = replica_geometry(config, replace(knobs, bands=bands), arch, dtype, dirs)
+        wanted = replace(knobs, bands=bands)
+        count = layer_bands(config, wanted, arch)
+        if not isinstance(count, int) or count in tried:  # the geometry of a count before
+            continue
+        tried.add(count)
+        shape = replica_geometry(config, wanted, arch, dtype, dirs)
         if isinstance(shape, Geometry) and _replicas_fit(shape, arch) > most:
             best, most = shape, _replicas_fit(shape, arch)
     return [] if best is None else [(replace(knobs, bands=best.bands), best)]
@@ -375,17 +416,24 @@ def _priced(
     arch: Arch,
     dtype: str,
 ) -> PricedCandidate:
-    layer_stages = _cached_layer_stages(lt, arch, dtype)
     ln_f = strip_norm(config.n_embd, knobs.head_rows, normalise=True)
-    outer = outer_stage_costs(config, geo, lt, head, ln_f, arch, dtype, 0)
-    # The critical path is layer_stages n_layer times plus the outer stages (see `token_critical_path`).
-    outer_stages = (*outer[0], *outer[1].values(), *outer[2])
     layer_cycles, layer_busy = _layer_figures(lt, arch, dtype)
-    latency = config.n_layer * layer_cycles + sum(s.cycles for s in outer_stages)
-    # the initiation interval: the busiest stage (a blocking stage's whole span, StageCost.busy)
-    bottleneck = max(layer_busy, max(s.busy for s in outer_stages))
-    fit = _replicas_fit(geo, arch)
-    return PricedCandidate(index, knobs, lt, head, ln_f, geo, fit, layer_stages, outer, latency, bottleneck)
+    ln_f_stage, head_stage = tail_stages(ln_f, head, arch, dtype)
+    return PricedCandidate(
+        index,
+        config,
+        arch,
+        dtype,
+        knobs,
+        lt,
+        head,
+        ln_f,
+        geo,
+        _replicas_fit(geo, arch),
+        _cached_layer_stages(lt, arch, dtype),
+        config.n_layer * layer_cycles + ln_f_stage.cycles + head_stage.cycles,
+        max(layer_busy, ln_f_stage.busy, head_stage.busy),
+    )
 
 
 def build_plan(
@@ -451,7 +499,7 @@ def _search_plan(
     )
     closest = search.nearest_miss
     most_replicas: tuple[int, str] | None = None  # the most replicas any candidate fits, when short
-    ranked = []
+    taking = []
     for cand in search.priced:
         fit = cand.replicas_fit
         wanted = fit if isinstance(replicas, str) else replicas  # a str is "auto" (checked above)
@@ -464,20 +512,8 @@ def _search_plan(
                     f"{g.width}x{g.height} PEs do, {wanted - fit} short",
                 )
             continue
-        per_replica = min(slots * CLOCK_HZ / cand.decode_cycles, CLOCK_HZ / cand.bottleneck_cycles)
-        score: tuple[float, ...]
-        if objective == "compact":
-            score = (cand.footprint_pes * (1 + 1e-12 * cand.decode_cycles),)
-        elif objective == "latency":
-            # Among near-equal candidates prefer the smaller footprint (frees room, keeps the map readable).
-            score = (cand.decode_cycles * (1 + 1e-9 * cand.footprint_pes),)
-        else:
-            # Tokens/s capped by one stage's occupancy ties across many sizes: then the faster token,
-            # then the smaller footprint.
-            score = (-per_replica * wanted, cand.decode_cycles, cand.footprint_pes)
-        ranked.append((score, cand.index, wanted, cand))
-    ranked.sort(key=lambda item: (item[0], item[1]))
-    for _, _, wanted, cand in ranked:
+        taking.append((wanted, cand))
+    for wanted, cand in _ranked(taking, objective, slots):
         plan = _assemble(config, arch, dtype, slots, context, objective, wanted, top_k, cand)
         if isinstance(plan, str):
             closest = _closer(closest, (1.0, plan))
@@ -487,6 +523,48 @@ def _search_plan(
     if most_replicas is not None:  # one replica fits: the replica count is the limit
         closest = (0.0, most_replicas[1])
     raise PlanError(_infeasible_message(config, arch, slots, context, closest))
+
+
+def _score(objective: str, slots: int, wanted: int, footprint: int, decode: int, bottleneck: int) -> tuple:
+    """A candidate's rank (lower first) from its figures; never lower for larger `decode` or
+    `bottleneck`, so a candidate's floors score no higher than its price."""
+    if objective == "compact":
+        return (footprint * (1 + 1e-12 * decode),)
+    if objective == "latency":
+        # Among near-equal candidates prefer the smaller footprint (frees room, keeps the map readable).
+        return (decode * (1 + 1e-9 * footprint),)
+    # Tokens/s capped by one stage's occupancy ties across many sizes: then the faster token, then the
+    # smaller footprint.
+    per_replica = min(slots * CLOCK_HZ / decode, CLOCK_HZ / bottleneck)
+    return (-per_replica * wanted, decode, footprint)
+
+
+def _ranked(
+    taking: list[tuple[int, PricedCandidate]], objective: str, slots: int
+) -> Iterator[tuple[int, PricedCandidate]]:
+    """(replicas, candidate) in the order of their scores, ties by exploration order. Each enters
+    scored on its floors and is priced in full when it reaches the front: a candidate whose floors
+    score worse than the next one's price could not come before it, so most are never priced."""
+    heap = [
+        (
+            _score(objective, slots, w, c.footprint_pes, c.decode_floor, c.bottleneck_floor),
+            c.index,
+            False,
+            w,
+            c,
+        )
+        for w, c in taking
+    ]
+    heapq.heapify(heap)
+    while heap:
+        _, index, priced, wanted, cand = heapq.heappop(heap)
+        if priced:
+            yield wanted, cand
+            continue
+        score = _score(
+            objective, slots, wanted, cand.footprint_pes, cand.decode_cycles, cand.bottleneck_cycles
+        )
+        heapq.heappush(heap, (score, index, True, wanted, cand))
 
 
 @lru_cache(maxsize=4096)  # keyed by the knobs a layer's tilings depend on: many candidates share them

@@ -172,7 +172,7 @@ def _outer_stages(
         if i < 2:
             priced.append(from_res_2(StageCost(label), name))
         turns[name] = priced[i % 2] if i < 2 else priced[i % 2].renamed(label)
-    ln_f_stage, head_stage = _tail_stages(ln_f, head, arch, dtype)
+    ln_f_stage, head_stage = tail_stages(ln_f, head, arch, dtype)
     after = [
         from_res_2(StageCost("to ln_f"), "final"),
         ln_f_stage.renamed("ln_f"),
@@ -220,8 +220,9 @@ def from_res_2_stage(
 
 
 @lru_cache(maxsize=1024)  # the same for every candidate with this strip and head: priced once
-def _tail_stages(ln_f: NormTiling, head: HeadTiling, arch: Arch, dtype: str) -> tuple[StageCost, StageCost]:
-    """The final LayerNorm (with its hand-off) and the LM head (callers copy them: `renamed`)."""
+def tail_stages(ln_f: NormTiling, head: HeadTiling, arch: Arch, dtype: str) -> tuple[StageCost, StageCost]:
+    """The final LayerNorm (with its hand-off) and the LM head: shared, read only (callers copy them:
+    `renamed`)."""
     ln = norm_cost(ln_f, "ln_f").add("hand-off", HANDOFF_CYCLES)
     return ln, head_cost(head, arch, dtype, name="head")
 
