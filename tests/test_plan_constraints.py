@@ -455,3 +455,49 @@ def test_every_pe_program_has_a_code_figure() -> None:
 
     for arch in ARCHS.values():
         assert set(dict(arch.code_bytes)) == set(PE_FILES)
+
+
+class _Candidate:
+    """What `_ranked` reads of a candidate, its full price counted when read."""
+
+    def __init__(self, index: int, rng: np.random.Generator, priced: list[int]):
+        self.index, self.priced = index, priced
+        self.footprint_pes = int(rng.integers(1_000, 1_200))
+        self.decode_floor = int(rng.integers(40_000, 60_000))
+        self.bottleneck_floor = int(rng.integers(2_000, 3_000))
+        # the outer routes add a few thousand cycles (a few the same, for ties)
+        self._decode = self.decode_floor + int(rng.choice([0, 2_000, 2_000, 5_000]))
+        self._bottleneck = self.bottleneck_floor + int(rng.choice([0, 0, 400]))
+
+    @property
+    def decode_cycles(self) -> int:
+        self.priced.append(self.index)
+        return self._decode
+
+    @property
+    def bottleneck_cycles(self) -> int:
+        return self._bottleneck
+
+
+@pytest.mark.parametrize("objective", ["latency", "throughput", "compact"])
+def test_candidates_ranked_on_floors_come_in_the_order_of_their_prices(objective: str) -> None:
+    """`_ranked` prices a candidate's outer routes only when its floors reach the front, yet yields
+    the order of the full prices (ties in exploration order), and prices few to find the first."""
+    rng = np.random.default_rng(7)
+    priced: list[int] = []
+    cands = [_Candidate(i, rng, priced) for i in range(2_000)]
+    taking = [(1 + i % 3, c) for i, c in enumerate(cands)]
+    score = search_module._score
+    expected = sorted(
+        taking,
+        key=lambda wc: (
+            score(objective, 16, wc[0], wc[1].footprint_pes, wc[1]._decode, wc[1]._bottleneck),
+            wc[1].index,
+        ),
+    )
+    ranked = search_module._ranked(taking, objective, 16)
+    first = next(ranked)
+    assert first == expected[0]
+    if objective != "compact":  # the footprint alone nearly decides it: its floor is its price
+        assert len(priced) < len(cands) // 10
+    assert [first, *ranked] == expected

@@ -71,23 +71,9 @@ def check_total_capacity(config: GPT2Config, arch: Arch, dtype: str, slots: int,
         )
 
 
-@lru_cache(maxsize=8192)  # the search checks the same layer and head tilings for many candidates
 def memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> tuple[float, str] | None:
     """(ratio, message) when some region's per-PE data exceeds what its program leaves for data."""
-    checks = {
-        "qkv": (lt.qkv, "gemv"),
-        "attn": (lt.attn, "attention"),
-        "attn_proj": (lt.attn_proj, "gemv"),
-        "fc": (lt.fc, "gemv"),
-        "proj": (lt.proj, "gemv"),
-        "head": (head, "embed_head"),
-        # the layers' strips only pass x on; the final LayerNorm spans the head's strip
-        "ln_f": (strip_norm(head.gemv.k, head.gemv.rows, normalise=True), "layernorm"),
-    }
-    ratio, name, need, program = max(
-        (_tiling_pe_bytes(t, dtype) / arch.data_bytes(program), name, _tiling_pe_bytes(t, dtype), program)
-        for name, (t, program) in checks.items()
-    )
+    ratio, name, need, program = max(_layer_memory(lt, dtype, arch), _strip_memory(head, dtype, arch))
     if ratio > 1:
         return (
             ratio,
@@ -97,12 +83,43 @@ def memory_over(lt: LayerTilings, head: HeadTiling, dtype: str, arch: Arch) -> t
     return None
 
 
+_Fill = tuple[float, str, int, str]  # (share of the program's data memory, region, bytes, program)
+
+
+def _fullest(checks: dict[str, tuple[object, str]], dtype: str, arch: Arch) -> _Fill:
+    return max(
+        (_tiling_pe_bytes(t, dtype) / arch.data_bytes(program), name, _tiling_pe_bytes(t, dtype), program)
+        for name, (t, program) in checks.items()
+    )
+
+
+# The search pairs each layer tiling with many heads and each head with many layer tilings: the
+# fullest PE of each side is kept apart (thousands of pairs, a few hundred of each).
+@lru_cache(maxsize=8192)
+def _layer_memory(lt: LayerTilings, dtype: str, arch: Arch) -> _Fill:
+    """The fullest PE of a layer's regions."""
+    checks = {
+        "qkv": (lt.qkv, "gemv"),
+        "attn": (lt.attn, "attention"),
+        "attn_proj": (lt.attn_proj, "gemv"),
+        "fc": (lt.fc, "gemv"),
+        "proj": (lt.proj, "gemv"),
+    }
+    return _fullest(checks, dtype, arch)
+
+
+@lru_cache(maxsize=4096)
+def _strip_memory(head: HeadTiling, dtype: str, arch: Arch) -> _Fill:
+    """The fullest PE of the west strip's regions: the head, and the final LayerNorm across the
+    head's strip (the layers' strips only pass x on)."""
+    ln_f = strip_norm(head.gemv.k, head.gemv.rows, normalise=True)
+    return _fullest({"head": (head, "embed_head"), "ln_f": (ln_f, "layernorm")}, dtype, arch)
+
+
 def strip_over(head: HeadTiling, dtype: str, arch: Arch) -> bool:
     """Whether the west strip's own regions overflow a PE: the head (its weighted PEs' tile) or ln_f,
-    which spans the head's weighted PEs (`memory_over`'s head and ln_f entries)."""
-    ln_f = strip_norm(head.gemv.k, head.gemv.rows, normalise=True)
-    head_over = _tiling_pe_bytes(head, dtype) > arch.data_bytes("embed_head")
-    return head_over or _tiling_pe_bytes(ln_f, dtype) > arch.data_bytes("layernorm")
+    which spans the head's weighted PEs."""
+    return _strip_memory(head, dtype, arch)[0] > 1
 
 
 @lru_cache(maxsize=8192)  # the search meets the same tilings in thousands of candidates
