@@ -1143,21 +1143,26 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     cost.add("the centre's M, L, scale, broadcast", answer)
     a_out = centre_a + answer
 
-    distance = np.abs(np.arange(cols, dtype=np.int64) - m)
+    # Every worker of every column at once (rows: worker j, columns: the head's columns): the hops
+    # from the centre to worker j of a column, the answer's way back along the roots and the K-line.
+    worker = np.arange(e, dtype=np.int64)
+    hops = np.abs(np.arange(cols, dtype=np.int64) - m)[None, :] + (e - worker)[:, None]
 
-    def heard(t: int, j: int, words: int) -> np.ndarray:  # each column's worker j's task with the answer
-        return t + link_cycles(0) + (distance + (e - j)) * HOP_CYCLES + words + TASK_ACTIVATION_CYCLES
+    def heard(t: int, words: int) -> np.ndarray:  # every worker's task with the answer
+        return t + link_cycles(0) + hops * HOP_CYCLES + words + TASK_ACTIVATION_CYCLES
 
-    def chained(ready: list[np.ndarray], step: int) -> np.ndarray:  # `chain_times` down each column's row
-        first = ready[0]
-        for r in ready[1:]:
-            first = np.maximum(r, first + link_cycles(1)) + step
-        return first
+    def chained(ready: np.ndarray, step: int) -> np.ndarray:
+        """`chain_times` down each column's workers: the closed form of its recurrence, the latest of
+        each worker's time plus the links and adds after it (as `_run_ends`)."""
+        after = (e - 1 - worker) * (link_cycles(1) + step) + np.where(worker > 0, step, 0)
+        return (ready + after[:, None]).max(axis=0)
 
     # 4. round B: the rescale (one exp), the counts zeroed, the histogram, the row's operation
     hist = EXP_CYCLES + 2 * TOPK_BINS + part * (TOPK_BIN_CYCLES + 2) + DSD_OP_START_CYCLES
     words_b = TOPK_BINS + 2
-    ready_b = [np.maximum(heard(a_out, j, 3), logits_at + exps[j]) + hist for j in range(e)]
+    ready_b = (
+        np.maximum(heard(a_out, 3), logits_at[None, :] + np.asarray(exps, dtype=np.int64)[:, None]) + hist
+    )
     row = chained(ready_b, FP32_OPS_PER_CYCLE) + link_cycles(1) + words_b
     root_b = np.maximum(row, root_a_at + DSD_OP_START_CYCLES) + DSD_OP_START_CYCLES
     centre_b = head_tree_cycles(tiling, root_b, words_b)
@@ -1175,8 +1180,9 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     kept, bin_t = threshold_bins(tiling.vocab, cols, g.tile_n, k)
     select = part * TOPK_BIN_CYCLES + int(kept / (cols * e) * TOPK_ENTRY_CYCLES)
     step = DSD_OP_START_CYCLES + 1
-    ready_c = [heard(b_out, j, 1) + select + DSD_OP_START_CYCLES for j in range(e)]
-    root_c = chained([ready_c[0] + step, *ready_c[1:]], step) + link_cycles(1)
+    ready_c = heard(b_out, 1) + (select + DSD_OP_START_CYCLES)
+    ready_c[0] += step  # the first worker starts the row with a send of its own count
+    root_c = chained(ready_c, step) + link_cycles(1)
     root_c[m] = max(int(root_c[m]), centre_set)
     counts = head_relay_cycles(tiling, root_c)
     cost.add("round C: the lists merged to the centre (their counts)", counts - b_out)

@@ -400,11 +400,13 @@ class Geometry:
         return hops, ((x0, sy, x1 - x0, sh), (dx, y0, dw, y1 - y0))
 
 
-def layer_bands(config: GPT2Config, knobs: Knobs, arch: Arch) -> int | tuple[float, str]:
+def layer_bands(
+    config: GPT2Config, knobs: Knobs, arch: Arch, asked: int | None = None
+) -> int | tuple[float, str]:
     """How many bands the replica's layers take: the fewest whose layers fit the kernel's width
-    beside the head strip, or `knobs.bands` where more (one more to make them even with
-    `knobs.even_bands`), the layers then spread evenly (so several requests give one count); or
-    (how far over, why) where one layer does not fit."""
+    beside the head strip, or the bands asked for (`knobs.bands` unless `asked`) where more (one more
+    to make them even with `knobs.even_bands`), the layers then spread evenly (so several requests
+    give one count); or (how far over, why) where one layer does not fit."""
     r, s = knobs.stream_pes, knobs.strip
     pitch = 2 * r + ceil_div(knobs.attn_chain, knobs.fold)
     shift = r if knobs.interlock else 0  # the odd bands a stream's width east
@@ -415,7 +417,7 @@ def layer_bands(config: GPT2Config, knobs: Knobs, arch: Arch) -> int | tuple[flo
             f"one layer and the head strip are {need} PEs wide, "
             f"{need - arch.kernel_w} over the kernel width {arch.kernel_w}"
         )
-    bands = max(ceil_div(config.n_layer, per_band), knobs.bands)
+    bands = max(ceil_div(config.n_layer, per_band), knobs.bands if asked is None else asked)
     if knobs.even_bands and bands % 2 and bands < config.n_layer:
         bands += 1
     per_band = ceil_div(config.n_layer, bands)  # spread the layers evenly over the bands

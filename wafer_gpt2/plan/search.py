@@ -285,12 +285,11 @@ def _packed(
     best, most = None, _replicas_fit(geo, arch)
     tried = {geo.bands}
     for bands in range(geo.bands + 1, config.n_layer + 1):
-        wanted = replace(knobs, bands=bands)
-        count = layer_bands(config, wanted, arch)
+        count = layer_bands(config, knobs, arch, bands)
         if not isinstance(count, int) or count in tried:  # the geometry of a count before
             continue
         tried.add(count)
-        shape = replica_geometry(config, wanted, arch, dtype, dirs)
+        shape = replica_geometry(config, replace(knobs, bands=bands), arch, dtype, dirs)
         if isinstance(shape, Geometry) and _replicas_fit(shape, arch) > most:
             best, most = shape, _replicas_fit(shape, arch)
     return [] if best is None else [(replace(knobs, bands=best.bands), best)]
