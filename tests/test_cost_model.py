@@ -657,3 +657,26 @@ def test_band_turns_a_pair_apart_are_priced_alike(interlock: bool, band_counts: 
                 assert turns[name].phases == alone.phases, (bands, name)
                 turns_seen += 1
     assert turns_seen == sum(band_counts) - len(band_counts)
+
+
+def test_a_folded_layernorms_statistics_wait_only_past_the_reduction() -> None:
+    """A GEMV with its LayerNorm folded in takes the statistics from the strip before it
+    (`folded_stats_cycles`: the strip's sums, its all-reduce, the column to the farthest K-line end),
+    and waits for them only where they come after its own reduction: a tall, light GEMV (one output a
+    PE, 64 K-lines of 4 PEs) waits exactly the difference; GPT-2's qkv and fc in the plans the search
+    returns wait for nothing, and price no sums of their own."""
+    light = GemvTiling(16, 64, 4, 64, norm_fold=True)
+    plain = cost.gemv_cost(replace(light, norm_fold=False), "wse2", "fp32")
+    reduced = sum(plain.phases[p] for p in FIRST_PHASES)
+    reduced += next(c for p, c in plain.phases.items() if p.endswith("reduction"))
+    late = cost.folded_stats_cycles(light) - reduced
+    assert late > 0
+    assert cost.gemv_cost(light, "wse2", "fp32").phases[STATS_WAIT] == late
+    for slots, objective in ((16, "latency"), (32, "throughput")):
+        plan = build_plan(PRESETS["gpt2"], "wse2", slots=slots, objective=objective)
+        for stage in plan.layer_stage_costs:
+            assert STATS_WAIT not in stage.phases and "LayerNorm sums (x, x^2)" not in stage.phases
+
+
+FIRST_PHASES = ("input multicast", "task: the input in", "tile FMAC")
+STATS_WAIT = "the LayerNorm's statistics from the strip (beyond the reduction)"

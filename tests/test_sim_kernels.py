@@ -9,7 +9,7 @@ import pytest
 
 from wafer_gpt2.core import memory_layout
 from wafer_gpt2.core.steps import StepInputs
-from wafer_gpt2.core.tiling import QKV_ORDER, AttentionTiling, GemvTiling, HeadTiling
+from wafer_gpt2.core.tiling import QKV_ORDER, AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.plan import Symbol, build_plan
 from wafer_gpt2.sim import SimRuntime, kernels
 from wafer_gpt2.sim.memory import PlanMemoryError
@@ -123,7 +123,7 @@ def test_a_run_of_split_columns_holds_each_segment_contiguous():
 @pytest.mark.parametrize("stored", [np.float32, np.float16])
 def test_a_folded_layernorm_is_the_layernorm_then_the_gemv(stored):
     """LayerNorm(x) @ W + b from the raw x: the gain and beta folded into the weights the PEs hold
-    (`memory_layout.fold_layernorm`), the statistics reduced with the partial sums
+    (`memory_layout.fold_layernorm`), the statistics made by the strip before the GEMV
     (`kernels.folded_norm`), against the unfolded float64 LayerNorm (fp16: the weights rounded)."""
     rng = np.random.default_rng(1)
     k, n, eps = 40, 48, 1e-5
@@ -135,13 +135,16 @@ def test_a_folded_layernorm_is_the_layernorm_then_the_gemv(stored):
     normed = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + eps)
     unfolded = normed @ (gain[:, None].astype(np.float64) * weight).astype(stored).astype(np.float64)
     want = unfolded + beta.astype(np.float64) @ weight + bias
-    for tiling in (
-        GemvTiling(k, n, 3, 5, norm_fold=True),
-        GemvTiling(k, n, 6, 4, "k_along_x", "two_level", group=4, norm_fold=True),
+    for tiling, strip in (
+        (GemvTiling(k, n, 3, 5, norm_fold=True), NormTiling(k, 3, normalise=False)),
+        (
+            GemvTiling(k, n, 6, 4, "k_along_x", "two_level", group=4, norm_fold=True),
+            NormTiling(k, 6, "two_level", group=2, normalise=False),
+        ),
     ):
         cache = kernels.gemv_weight_cache(memory_layout.gemv_weight_tiles(folded, tiling), tiling)
         sums = kernels.gemv_region(x, cache, tiling, fp16=False)
-        got = kernels.folded_norm(sums, x, colsum, tiling, eps) + shifted
+        got = kernels.folded_norm(sums, x, colsum, strip, eps) + shifted
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
 
 

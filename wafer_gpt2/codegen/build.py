@@ -13,10 +13,11 @@ One replica, in the order a token meets it (wafer_gpt2/sim/wafer_program.py walk
     --> the centre --answers--> every worker;  the centre --> io.out
 
 qkv and fc have their LayerNorms folded in (wafer_gpt2/core/tiling.py GemvTiling.norm_fold): the stream
-enters their K-lines through the routers of the ln_1 and ln_2 strips. ln_1's PEs take their chunks
-from the same multicast, only to forward x to res_1; ln_2's PEs idle. Only ln_f normalises (a plan
-whose layers normalise in their strips is refused, `check_layer_norms_folded`: the simulator and the
-host fold them too).
+enters their K-lines through the routers of the ln_1 and ln_2 strips, whose PEs take their chunks from
+it to make the LayerNorm's statistics (all-reduced over the strip, then sent along the GEMV's roots'
+column by the strip's PE in it); ln_1's also forward x to res_1. Only ln_f normalises (a plan whose
+layers normalise in their strips is refused, `check_layer_norms_folded`: the simulator and the host
+fold them too).
 
 Every hand-off between two regions is `connect`ed: as lanes (source PE i feeds destination line i,
 when the slices match and the lanes' routes do not cross), else as a gather line over the sources
@@ -439,8 +440,14 @@ class _Builder:
         f = self.frame(region)
         pes = [f.pe(i) for i in range(t.pes)]
         self.connect(name, sources, chunk, [[pos] for pos in pes], t.chunk, source_out, "in")
-        # comm/allreduce.csl: both halves reduce towards the root (the halves share no router, so
-        # the colors of one are free for the other), root + 1 joins its half's sums into the root's
+        self.allreduce(region, pes)
+        return pes
+
+    def allreduce(self, region: Any, pes: list[Pos]) -> None:
+        """comm/allreduce.csl over a LayerNorm strip's PEs: both halves reduce towards the root (the
+        halves share no router, so the colors of one are free for the other), root + 1 joins its
+        half's sums into the root's, and the root broadcasts the result."""
+        t = region.tiling
         tag = f"{region.name}@{region.replica}"
         left, right = ([pes[i] for i in half] for half in t.halves())
         root = self.reduction(f"{tag}.red", left, "red", t.reduction, t.group)
@@ -456,16 +463,16 @@ class _Builder:
             self.params[pos].update(
                 red_join_role=role, red_join=join if role != JOIN_NONE else None, red_bcast=bcast
             )
-        return pes
 
-    def layernorm_off(self, pes: list[Pos]) -> None:
-        """A LayerNorm strip that only passes x on (pe/layernorm.csl `normalise` off): its all-reduce
-        is a line of one PE, never started."""
-        for pos in pes:
-            self.params.setdefault(pos, {}).update(
-                red_role=ALONE, red_rx=None, red_tx=None, red_end_role=NONE, red_end_rx=None,
-                red_end_tx=None, red_join_role=JOIN_NONE, red_join=None, red_bcast=None,
-            )  # fmt: skip
+    def folded_stats(self, region: Any, pes: list[Pos], roots: list[Pos]) -> None:
+        """A layer's LayerNorm strip makes the statistics of the LayerNorm folded into the GEMV after
+        it (pe/layernorm.csl `folded_stats`): its all-reduce, and one multicast from its last PE, which
+        feeds the K-lines' last index, along the GEMV's roots (pe/gemv.csl `stats_in`)."""
+        self.allreduce(region, pes)
+        flow = self.flow(f"{region.name}@{region.replica}.stats", pes[-1], roots)
+        self.params[pes[-1]].update(sends_stats=True, stats_color=flow)
+        for pos in roots:
+            self.params[pos]["stats_color"] = flow
 
     def gemv_lines(self, region: Any) -> tuple[Frame, list[list[Pos]], list[Pos]]:
         t = region.tiling
@@ -494,11 +501,11 @@ class _Builder:
         source = "out" if layer == 0 else "next"  # the producer's output that feeds the layer (embed: "out")
         _, qkv_lines, qkv_roots = self.gemv_lines(qkv)
         # qkv has the LayerNorm folded in: the stream goes straight into its K-lines, through ln_1's
-        # routers, and ln_1's PEs take their chunks from it to forward x to res_1
+        # routers, and ln_1's PEs take their chunks from it for the statistics and to forward x to res_1
         ln1_pes = self.strip(ln_1)
-        self.layernorm_off(ln1_pes)
         lines = [[pos, *line] for pos, line in zip(ln1_pes, qkv_lines, strict=True)]
         self.connect(f"{tag}.into_qkv", stream, chunk, lines, qkv.tiling.tile_k, source, "in")
+        self.folded_stats(ln_1, ln1_pes, qkv_roots)
         res1_pes = self.strip(res_1)
         self.connect(f"{tag}.ln_1.x", ln1_pes, ln_1.tiling.chunk, [[p] for p in res1_pes], self.chunk(res_1),
                      "resid", "resid")  # fmt: skip
@@ -512,8 +519,12 @@ class _Builder:
         self.connect(f"{tag}.res_1.x", res1_pes, self.chunk(res_1), [[p] for p in res2_pes], self.chunk(res_2),
                      "fwd", "resid")  # fmt: skip
         fc_frame, fc_lines, fc_roots = self.gemv_lines(fc)
-        # fc has the LayerNorm folded in: res_1 feeds it through ln_2's routers (its PEs idle)
-        self.connect(f"{tag}.into_fc", res1_pes, self.chunk(res_1), fc_lines, fc.tiling.tile_k, "next", "in")
+        # fc has the LayerNorm folded in: res_1 feeds it through ln_2's routers, whose PEs take their
+        # chunks for the statistics
+        ln2_pes = self.strip(ln_2)
+        lines = [[pos, *line] for pos, line in zip(ln2_pes, fc_lines, strict=True)]
+        self.connect(f"{tag}.into_fc", res1_pes, self.chunk(res_1), lines, fc.tiling.tile_k, "next", "in")
+        self.folded_stats(ln_2, ln2_pes, fc_roots)
         _, proj_lines, proj_roots = self.gemv_lines(proj)
         self.connect(f"{tag}.fc.out", fc_roots, fc.tiling.tile_n, proj_lines, proj.tiling.tile_k, "out", "in")
         self.share_epilogue(fc, fc_frame)
@@ -734,8 +745,8 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
         elif kind == "gemv":
             own.update(tile_k=t.tile_k, tile_n=t.tile_n, use_fp16=fp16, gelu_out=region.name.endswith(".fc"),
                        epi_pes=t.epilogue_pes, epi_slot=t.epilogue_pes, epi_multicast=t.epilogue_multicast,
-                       norm_dim=t.k if t.norm_fold else 0,
-                       norm_eps=float(cfg.layer_norm_epsilon))  # fmt: skip
+                       norm_dim=t.k if t.norm_fold else 0, norm_eps=float(cfg.layer_norm_epsilon),
+                       stats_color=None)  # fmt: skip
         elif kind == "embed_head":
             own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,
                        topk_bins=TOPK_BINS, chunk=HEAD_CHUNK, use_fp16=fp16, workers=t.workers,
@@ -752,6 +763,9 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
                 eps=float(cfg.layer_norm_epsilon),
                 scored_only=region.layer is None,
                 normalise=t.normalise,
+                folded_stats=not t.normalise,
+                sends_stats=False,
+                stats_color=None,
             )
         elif kind == "residual":
             own.update(chunk=b.chunk(region))

@@ -369,13 +369,42 @@ class StageCost:
 # --- GEMV ------------------------------------------------------------------------------------------
 
 # LayerNorm's statistics travel as one vector: (sum of x, sum of x^2), all-reduced together by a
-# LayerNorm strip, or reduced with the partial sums of a GEMV that has the LayerNorm folded in.
+# LayerNorm strip (and, where the LayerNorm is folded into the GEMV after it, sent on to that GEMV's
+# roots).
 NORM_STAT_WORDS = 2
 
 
 # The scalar work of one value of LayerNorm's sums: an add into the sum of x, a multiply and an add
-# into the sum of x^2 (wafer_gpt2/kernels/lib/norm_stats.csl and wafer_gpt2/kernels/lib/fmac.csl, in a @map's step).
+# into the sum of x^2 (wafer_gpt2/kernels/lib/norm_stats.csl, in a @map's step).
 NORM_SUM_OPS = 3
+
+
+@lru_cache(maxsize=1024)  # the search asks again for every candidate with the same strip
+def stats_reduction(pes: int) -> tuple[Reduction, int]:
+    """How a LayerNorm strip of `pes` PEs all-reduces its statistics: the (kind, group) the model
+    prices fastest (`allreduce_cycles`). The strips' tilings take it, and the GEMVs whose LayerNorm
+    a strip of theirs computes price its statistics' arrival with it."""
+    return min(reduction_options(pes), key=lambda kg: allreduce_cycles(kg[0], pes, NORM_STAT_WORDS, kg[1]))
+
+
+def folded_stats_cycles(tiling: GemvTiling) -> int:
+    """When the statistics of a GEMV's folded LayerNorm are in its farthest root's memory, from the
+    moment its input reaches its nearest PEs, as `gemv_cost` counts (wafer_gpt2/kernels/pe/layernorm.csl
+    `folded_stats`): the strip's PE i takes chunk i from the stream that passes its router into the
+    K-lines a hop earlier, sums it, the strip all-reduces the two sums (`stats_reduction`), and the PE
+    in the roots' column (index rows - 1) sends them along that column to every root (pe/gemv.csl
+    `stats_in`), `cols` hops to the farthest. The GEMV's own PEs sum nothing."""
+    kind, group = stats_reduction(tiling.rows)
+    at_strip = (
+        ROUTER_TO_PE_CYCLES
+        + TASK_ACTIVATION_CYCLES
+        + norm_sums_cycles(tiling.tile_k)
+        + allreduce_cycles(kind, tiling.rows, NORM_STAT_WORDS, group)
+        + TASK_ACTIVATION_CYCLES
+        + DSD_OP_START_CYCLES
+        + NORM_STAT_WORDS
+    )
+    return at_strip - HOP_CYCLES + tiling.cols * HOP_CYCLES + ROUTER_TO_PE_CYCLES
 
 
 def norm_sums_cycles(values: int) -> int:
@@ -417,9 +446,10 @@ def gemv_cost(
        finishes tile_k * ceil(tile_n / SIMD) cycles later (the farthest PE starts cols - 1 hops late).
     2. reduction of the fp32 partials (tile_n words) over the `rows` PEs: chain or two_level.
     3. bias (+ epilogue, e.g. GELU) on the last PE of each output column, one output after another.
-    With the LayerNorm folded in (`norm_fold`), every PE also sums its chunk's x and x^2 (as
-    `norm_cost` prices it), the reduction carries the two sums as two more words, and the last PE
-    turns them into mean and rstd and applies them with the bias (two FMACs per output).
+    With the LayerNorm folded in (`norm_fold`), the strip before the GEMV makes its statistics while
+    the K-lines multiply (`folded_stats_cycles`: the GEMV waits only where they come after its
+    reduction), and the last PE turns them into mean and rstd and applies them with the bias (two
+    FMACs per output).
     The PE program's steps on the last PE's path (wafer_gpt2/kernels/pe/gemv.csl): a task when the
     input is in (`got_input`), another when the sums are (`reduced`), an operation's start per
     vector operation of the epilogue, and the output's send, the header and the outputs in one
@@ -438,15 +468,14 @@ def gemv_cost(
     cost.add("input multicast", (tiling.cols - 1) * HOP_CYCLES + ROUTER_TO_PE_CYCLES)
     cost.add("task: the input in", TASK_ACTIVATION_CYCLES)
     cost.add("tile FMAC", max(tiling.tile_k, gemv_compute_cycles(tiling, arch, dtype)))
-    stats = NORM_STAT_WORDS if tiling.norm_fold else 0
-    if tiling.norm_fold:
-        # in the steps of the FMACs' @map (wafer_gpt2/kernels/lib/fmac.csl `sums`): their scalar work alone
-        cost.add("LayerNorm sums (x, x^2)", NORM_SUM_OPS * tiling.tile_k)
     label = f"{tiling.reduction} reduction" + reduction_shape(tiling)
-    reduced = reduce_cycles(
-        tiling.reduction, tiling.rows, tiling.tile_n + stats, tiling.group, tiling.end_group
-    )
+    reduced = reduce_cycles(tiling.reduction, tiling.rows, tiling.tile_n, tiling.group, tiling.end_group)
     cost.add(label, reduced)
+    if tiling.norm_fold:
+        # the root's `reduced` task waits for the strip's statistics too (gemv.csl `stats_in`)
+        late = folded_stats_cycles(tiling) - cost.cycles
+        if late > 0:
+            cost.add("the LayerNorm's statistics from the strip (beyond the reduction)", late)
     if streams_out(tiling, epilogue_cycles_per_output):
         # the last PE's bias pass, the header's send and the lane's operation start after its FMACs;
         # its own vector joins the stream when those are done (beyond the reduction where the line

@@ -29,11 +29,11 @@ Conventions (a region is a rectangle of w x h PEs, x grows east, y grows south):
 - LayerNorm over C values: `pes` PEs each hold `chunk` values. One pass: every PE's sums of x and
   x^2 are combined over the PEs (`reduction`, `group`) into mean and variance, then every PE
   normalises its chunk. `axis` is the fabric axis the strip lies along. A strip that does not
-  `normalise` only passes x on: the GEMV it feeds has the LayerNorm folded in (`GemvTiling.norm_fold`).
+  `normalise` makes the statistics alone, for the GEMV it feeds, which has the LayerNorm folded in
+  (`GemvTiling.norm_fold`).
 - A GEMV with `norm_fold` computes LayerNorm(x) @ W + b from the raw x: its weights are diag(g) @ W
-  (the LayerNorm's gain folded in), each PE adds its chunk's sums of x and x^2 to its partial sums as
-  two more words of the reduction, and the PE that ends a column's reduction finishes
-  y = (s - mean * colsum(diag(g) @ W)) * rstd + (b + beta @ W).
+  (the LayerNorm's gain folded in), the strip before it sends the statistics to the PEs that end its
+  columns' reductions, and each of those finishes y = (s - mean * colsum(diag(g) @ W)) * rstd + (b + beta @ W).
 - Head: the LM head is a GEMV with K = C, N = vocab on `wte` transposed; the top-k and the
   log-sum-exp by threshold selection over every column's logits, held by `workers` PEs per column and
   reduced over a tree of the columns' roots (`tree`, `tree_group`): `HeadTiling`.

@@ -184,6 +184,8 @@ def input_queue_roles(region: Region, head_embeds: str | None = None) -> dict[st
         levels = {"chain": (), "two_level": (5,), "three_level": (5, 7)}[t.reduction]
         base = (2, 3, 4) + levels
         roles["K-line member"] = base
+        if t.norm_fold:  # its LayerNorm's statistics from the strip before the region
+            roles["K-line's last PE"] = base + (6,)
         if t.epilogue_pes > 1:
             roles["PE sharing the epilogue"] = base + (6,)
     elif isinstance(t, AttentionTiling):
@@ -251,7 +253,8 @@ def assign_colors(regions: list[Region], routes: list[Route]) -> None:
             own = 2 + reduction_colors("chain", t.line) + 2 + reduction_colors(t.tree, half) + 2 + 1 + 1
             own += 2 * (t.sets - 1)
         elif isinstance(t, GemvTiling):
-            own = 2 + reduction_colors(t.reduction, t.rows)  # in/multicast + reduction + out
+            # in/multicast + reduction + out, and the folded LayerNorm's statistics from its strip
+            own = 2 + reduction_colors(t.reduction, t.rows) + (1 if t.norm_fold else 0)
         elif isinstance(t, AttentionTiling):
             # in, gather rows, merge, M's multicast, out
             own = 1 + t.fold + reduction_colors(t.reduction, t.chain) + (t.chain > 1) + 1

@@ -76,9 +76,16 @@ def gemv_symbols(t: GemvTiling, dtype: str, multicast: int = 0) -> dict[str, Sym
 
 
 def norm_symbols(t: NormTiling) -> dict[str, Symbol]:
-    """wafer_gpt2/kernels/pe/layernorm.csl's arrays (a strip that only passes x on keeps x alone)."""
-    if not t.normalise:  # ln_1 forwards x to the residual add by a gather line
-        return {"x": Symbol("f32", t.chunk), "comm": COMM, "relay": GATHER_RELAY}
+    """wafer_gpt2/kernels/pe/layernorm.csl's arrays (a layer's strip, whose LayerNorm is folded into the
+    GEMV after it, keeps x and the statistics it makes for that GEMV)."""
+    if not t.normalise:  # ln_1 also forwards x to the residual add by a gather line
+        return {
+            "x": Symbol("f32", t.chunk),
+            "sums": Symbol("f32", 2),
+            "comm": COMM,
+            "relay": GATHER_RELAY,
+            **reduction_symbols(t.reduction),
+        }
     return {
         "gain": Symbol("f32", t.chunk),
         "bias": Symbol("f32", t.chunk),

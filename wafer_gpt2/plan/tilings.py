@@ -7,16 +7,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from wafer_gpt2.core.arch import Arch
-from wafer_gpt2.core.cost import (
-    GELU_CYCLES,
-    NORM_STAT_WORDS,
-    allreduce_cycles,
-    best_attention,
-    best_gemv_reduction,
-    best_head,
-    reduction_options,
-)
-from wafer_gpt2.core.tiling import QKV_ORDER, AttentionTiling, GemvTiling, HeadTiling, NormTiling, Reduction
+from wafer_gpt2.core.cost import GELU_CYCLES, best_attention, best_gemv_reduction, best_head, stats_reduction
+from wafer_gpt2.core.tiling import QKV_ORDER, AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.structure import Knobs
 
@@ -36,7 +28,7 @@ def layer_tilings(
 ) -> LayerTilings:
     c, r, heads = config.n_embd, knobs.stream_pes, config.n_head
     t_rows = heads * knobs.fold
-    # ln_1 and ln_2 pass x on; qkv and fc normalise it (the LayerNorm folded in, wafer_gpt2/core/tiling.py)
+    # ln_1 and ln_2 make the statistics; qkv and fc normalise (the LayerNorm folded in, wafer_gpt2/core/tiling.py)
     ln = strip_norm(c, r, normalise=False)
     best = best_gemv_reduction
     # a head group's columns (fold of them) hold its [k | q | v] contiguous: attention reads q in place
@@ -63,14 +55,10 @@ def layer_tilings(
 @lru_cache(maxsize=256)
 def strip_norm(dim: int, pes: int, normalise: bool) -> NormTiling:
     """A LayerNorm over `pes` PEs of a strip, its statistics all-reduced the way the model prices
-    fastest. The final LayerNorm (`normalise`: the LM head has none folded in) spans the west strip."""
-    kind, group = _scalar_reduction(pes)
+    fastest. The final LayerNorm (`normalise`: the LM head has none folded in) spans the west strip;
+    a layer's two only make the statistics of the LayerNorm folded into the GEMV after them."""
+    kind, group = stats_reduction(pes)
     return NormTiling(dim, pes, reduction=kind, axis="x", group=group, normalise=normalise)
-
-
-@lru_cache(maxsize=1024)  # the search asks again for every candidate with the same strip
-def _scalar_reduction(pes: int) -> tuple[Reduction, int]:
-    return min(reduction_options(pes), key=lambda kg: allreduce_cycles(kg[0], pes, NORM_STAT_WORDS, kg[1]))
 
 
 def head_tiling(config: GPT2Config, knobs: Knobs, top_k: int, arch: Arch, dtype: str) -> HeadTiling:

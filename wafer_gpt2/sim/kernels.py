@@ -191,21 +191,15 @@ def _reduce_columns(
 
 
 def folded_norm(
-    sums: np.ndarray, x: np.ndarray, colsum: np.ndarray, tiling: GemvTiling, eps: float
+    sums: np.ndarray, x: np.ndarray, colsum: np.ndarray, strip: NormTiling, eps: float
 ) -> np.ndarray:
     """The LayerNorm folded into a GEMV (wafer_gpt2/kernels/pe/gemv.csl norm_dim): `sums` = x @ diag(gain) @ W
-    [B, N] from the raw x [B, K]. Each PE sums its window's x and x^2 in index order (fp32, before any
-    fp16 rounding), the two sums travel with the partial sums (the tiling's reduction order), and the
-    PE that ends the reduction makes (sums - mean * colsum) * rstd (`norm_statistics`). Overwrites and
+    [B, N] from the raw x [B, K]. The strip before the GEMV makes the statistics as it makes a
+    LayerNorm's (pe/layernorm.csl `folded_stats`, `layernorm_region`'s sums: each PE's chunk in index
+    order, fp32 before any fp16 rounding, all-reduced in `allreduce_sum`'s order), and the PE that ends
+    the GEMV's reduction makes (sums - mean * colsum) * rstd (`norm_statistics`). Overwrites and
     returns `sums`."""
-    batch, tk = x.shape[0], tiling.tile_k
-    xp = np.zeros((batch, tiling.rows * tk), dtype=F32)
-    xp[:, : tiling.k] = x
-    by_index = xp.reshape(batch, tiling.rows, tk).transpose(2, 1, 0)  # [tile_k, rows, B]
-    per_pe = np.stack([chain_sum(by_index), chain_sum(np.square(by_index))], axis=1)  # [rows, 2, B]
-    mean, rstd = norm_statistics(
-        combine(per_pe, tiling.reduction, tiling.group, tiling.end_group), tiling.k, eps
-    )
+    mean, rstd = norm_statistics(strip_sums(x, strip), strip.dim, eps)
     sums += colsum * -mean[:, None]
     sums *= rstd[:, None]
     return sums
@@ -232,14 +226,19 @@ def layernorm_region(
 
     E[x^2] - mean^2 in fp32 loses about log2(1 + mean^2 / variance) bits of the variance to
     cancellation: a few ulps for GPT-2's residual stream, whose mean is small beside its spread."""
+    mean, rstd = norm_statistics(strip_sums(x, tiling), tiling.dim, eps)
+    return ((x - mean[:, None]) * rstd[:, None]) * gain + bias
+
+
+def strip_sums(x: np.ndarray, tiling: NormTiling) -> np.ndarray:
+    """[sum of x, sum of x^2] [2, B] over a LayerNorm strip as pe/layernorm.csl makes them: each PE
+    sums its chunk in index order (fp32), and the strip all-reduces the two (`allreduce_sum`)."""
     batch = x.shape[0]
     xp = np.zeros((batch, tiling.pes * tiling.chunk), dtype=F32)
     xp[:, : tiling.dim] = x  # padding stays 0, so it adds nothing to either sum
     by_index = xp.reshape(batch, tiling.pes, tiling.chunk).transpose(2, 0, 1)  # [chunk, B, pes]
     sums = np.stack([chain_sum(by_index), chain_sum(np.square(by_index))])  # [2, B, pes]
-    total = allreduce_sum(np.moveaxis(sums, 2, 0), tiling.reduction, tiling.group)
-    mean, rstd = norm_statistics(total, tiling.dim, eps)
-    return ((x - mean[:, None]) * rstd[:, None]) * gain + bias
+    return allreduce_sum(np.moveaxis(sums, 2, 0), tiling.reduction, tiling.group)
 
 
 def norm_statistics(total: np.ndarray, dim: int, eps: float) -> tuple[np.ndarray, np.ndarray]:

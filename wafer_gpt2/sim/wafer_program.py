@@ -281,8 +281,8 @@ class WaferProgram:
             x = kernels.embed(tokens, self.gemv_weights(pipe.head)[0], self.plan.head)
         x = x + self.embedding_rows(pipe.embed, "wpe", positions)
         for layer in pipe.layers:
-            # ln_1 passes x on to qkv, which has the LayerNorm folded in (wafer_gpt2/core/tiling.py); so do ln_2, fc
-            qkv = self._gemv(layer["qkv"], x)
+            # qkv has ln_1 folded in, its statistics made by ln_1's strip (wafer_gpt2/core/tiling.py); so has fc ln_2
+            qkv = self._gemv(layer["qkv"], x, layer["ln_1"])
             attn = layer["attn"]
             self._write_kv(attn, "k_cache", qkv[:, c : 2 * c], slots, positions)
             self._write_kv(attn, "v_cache", qkv[:, 2 * c :], slots, positions)
@@ -296,19 +296,22 @@ class WaferProgram:
                 fp16,
             )
             x = kernels.residual_add(self._gemv(layer["attn_proj"], a), x)  # res_1
-            f = kernels.gelu_tanh(self._gemv(layer["fc"], x))
+            f = kernels.gelu_tanh(self._gemv(layer["fc"], x, layer["ln_2"]))
             x = kernels.residual_add(self._gemv(layer["proj"], f), x)  # res_2
         return x
 
-    def _gemv(self, region: RegionMemory, x: np.ndarray) -> np.ndarray:
+    def _gemv(self, region: RegionMemory, x: np.ndarray, strip: RegionMemory | None = None) -> np.ndarray:
+        """The GEMV `region` on x; with the LayerNorm folded in, `strip` is the LayerNorm strip that
+        makes its statistics."""
         weight, bias = self.gemv_weights(region)
         tiling = region.region.tiling
         if tiling.bias_at_root:
             return kernels.gemv_region(x, weight, tiling, self.fp16, bias)
         sums = kernels.gemv_region(x, weight, tiling, self.fp16)
         if tiling.norm_fold:
+            assert strip is not None, f"{region.region.name}: the LayerNorm folded in needs its strip"
             sums = kernels.folded_norm(
-                sums, x, self.norm_colsum(region), tiling, self.config.layer_norm_epsilon
+                sums, x, self.norm_colsum(region), strip.region.tiling, self.config.layer_norm_epsilon
             )
         return sums + bias  # bias on the finished sum, fp32
 

@@ -50,14 +50,14 @@ runner = SdkRuntime(args.name, cmaddr=args.cmaddr)
 runner.load()
 runner.run()
 
-# PE (r, c) at (1 + c, r) holds W[r*tile_k.., c*tile_n..] row-major; the host array is (h, w, elems).
+# PE (r, c) at (2 + c, r) holds W[r*tile_k.., c*tile_n..] row-major; the host array is (h, w, elems).
 tiles = weights.reshape(rows, tile_k, cols, tile_n).transpose(0, 2, 1, 3).reshape(rows, cols, -1)
 wire = to_wire16 if fp16 else (lambda v: np.asarray(v, np.float32).view(np.uint32))
 dtype = MemcpyDataType.MEMCPY_16BIT if fp16 else MemcpyDataType.MEMCPY_32BIT
 runner.memcpy_h2d(
     runner.get_id("w"),
     wire(tiles).ravel(),
-    1,
+    2,
     0,
     cols,
     rows,
@@ -70,7 +70,7 @@ runner.memcpy_h2d(
 runner.memcpy_h2d(
     runner.get_id("norm_b" if norm else "b"),
     (bias.view(np.uint32) if norm else wire(bias.reshape(1, cols, tile_n))).ravel(),
-    1,
+    2,
     rows - 1,
     cols,
     1,
@@ -86,7 +86,7 @@ if norm:  # the column sums of the weights as held, on the roots (the last row)
     runner.memcpy_h2d(
         runner.get_id("norm_g"),
         colsum.view(np.uint32),
-        1,
+        2,
         rows - 1,
         cols,
         1,
@@ -120,7 +120,7 @@ for i in range(args.items):
     runner.memcpy_d2h(
         out[i],
         d2h_color,
-        cols + 1,
+        cols + 2,
         rows - 1,
         1,
         1,
