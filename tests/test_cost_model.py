@@ -9,7 +9,7 @@ import pytest
 
 from wafer_gpt2.core import calibration, cost
 from wafer_gpt2.core.arch import ARCHS
-from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
+from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling, gather_lines
 from wafer_gpt2.model.config import PRESETS
 from wafer_gpt2.plan import build_plan
 from wafer_gpt2.plan.stages import RECORD_SORT_PHASE, UNSTREAMED_RES_2_PHASE
@@ -604,8 +604,9 @@ def test_hand_offs_that_are_gather_lines_are_priced_as_one(objective: str) -> No
     gathered = {name for name, src, dst in geo.routes() if geo.gathered(src, dst)}
     assert gathered == {"L0.resid_1", "L0.resid_2", "L1.resid_1", "L1.resid_2"} | final_line
     program = build_program(plan)
-    built = {flow.name.split(".", 1)[1].rsplit(".gather", 1)[0] for flow in program.flows
-             if ".gather" in flow.name and ".qkv.g" not in flow.name}  # fmt: skip
+    built = {flow.name.split(".", 1)[1].rsplit(".gather", 1)[0].rsplit(".multicast", 1)[0].split(".line")[0]
+             for flow in program.flows
+             if (".gather" in flow.name or ".multicast" in flow.name) and ".qkv.g" not in flow.name}  # fmt: skip
     # the generator's names: the skips ln_1 -> res_1 -> res_2, ln_f (the embedding's are lanes)
     assert built == {"L0.ln_1.x", "L0.res_1.x", "L1.ln_1.x", "L1.res_1.x"} | final_line
     chunk = 64 // geo.r
@@ -620,8 +621,9 @@ def test_hand_offs_that_are_gather_lines_are_priced_as_one(objective: str) -> No
         assert {len(lane.routes) for lane in lanes} == {hops}
         assert final.phases == {"route": cost.stream_cycles(chunk, hops)}
         return
+    lines = geo.handoff_lines("final", "L1.res_2", "ln_f", 64)  # side by side where the strips split
     assert final.phases["route"] == cost.gathered_handoff_cycles(
-        geo.r, chunk, geo.gather_hops("L1.res_2", "ln_f")
+        geo.r // lines, chunk, geo.gather_hops("L1.res_2", "ln_f", lines)
     )
     # the last res_2 leads that line: it adds and sends from its frame instead of streaming through
     framed = cost.residual_cost(chunk, streamed_in=True, lane_in=True).cycles
@@ -680,3 +682,16 @@ def test_a_folded_layernorms_statistics_wait_only_past_the_reduction() -> None:
 
 FIRST_PHASES = ("input multicast", "task: the input in", "tile FMAC")
 STATS_WAIT = "the LayerNorm's statistics from the strip (beyond the reduction)"
+
+
+def test_a_gathered_handoff_takes_the_most_lines_both_strips_split_into() -> None:
+    """`gather_lines`: equal runs of whole source slices and whole reader windows holding the same
+    words, at most `most` (GPT-2's three gathered hand-offs of a 32-slot replica take 4: its 32-PE
+    strip of 24-word slices into a 12-PE stream of 64, that stream across a band turn, and into ln_f)."""
+    assert gather_lines(32, 24, 12, 64) == gather_lines(12, 64, 12, 64) == gather_lines(12, 64, 32, 24) == 4
+    assert gather_lines(6, 10, 4, 15) == 2  # 3 slices of 10 words, 2 windows of 15
+    assert gather_lines(5, 8, 5, 8) == 1  # 5 lines would be one a PE: more than the most
+    assert gather_lines(12, 64, 12, 64, most=3) == 3 and gather_lines(7, 64, 12, 64) == 1
+    plan = build_plan(PRESETS["gpt2"], "wse2", slots=32, objective="throughput", replicas="auto")
+    split = {rt.name: rt.lines for rt in plan.routes if rt.lines > 1}
+    assert split == {"embed.out": 4, "turn.5": 4, "final": 4}

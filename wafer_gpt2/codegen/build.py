@@ -40,8 +40,10 @@ from wafer_gpt2.codegen.routes import Flow, Pos, assign_colors, make_flow, make_
 from wafer_gpt2.core.arch import ARCHS
 from wafer_gpt2.core.cost import HEAD_CHUNK, TOPK_BINS, embed_reduction
 from wafer_gpt2.core.tiling import (
+    GATHER_LINES,
     QKV_ORDER,
     ceil_div,
+    gather_lines,
     reduction_end_runs,
     reduction_runs,
     three_level_fits,
@@ -225,10 +227,13 @@ class _Builder:
         line_chunk: int,
         out: str,
         into: str,
+        most_gathers: int = 1,
     ) -> None:
         """Hand off a vector held in `chunk`-sized slices by `sources` (in order) to `lines`, line d
         wanting [d*line_chunk, +line_chunk). Source params: {out}_role/_rx/_tx/_line; destination
-        params: {into}_color/_payload/_per_stream (and the per-row window is computed on the PE)."""
+        params: {into}_color/_payload/_per_stream (and the per-row window is computed on the PE).
+        Where it is gathered, it takes up to `most_gathers` gather lines side by side
+        (`gather_lines`: the hand-offs on a token's way outside the layers, as the plan prices them)."""
         if len(sources) == len(lines) and chunk == line_chunk:
             pairs = enumerate(zip(sources, lines, strict=True))
             lanes = [make_flow(f"{name}.lane{i}", src, line) for i, (src, line) in pairs]
@@ -245,23 +250,26 @@ class _Builder:
                     for pos in line:
                         self._into(pos, into, lane, chunk, 1)
                 return
-        # A gather line led from its output end (comm/gather.csl): sources[0] sends the header and its
-        # slice and starts the multicast, every other source sends its slice at once and then relays
-        # what comes from behind it, so the stream [header | sources' slices, in order] runs at the
-        # fabric's pace instead of a task and an operation's start per source in series.
-        everyone = [pos for line in lines for pos in line]
-        links = [
-            self.flow(f"{name}.gather{i}", sources[i + 1], [sources[i]]) for i in range(len(sources) - 1)
-        ]
-        multicast = self.flow(f"{name}.multicast", sources[0], everyone)
-        last = len(sources) - 1
-        for i, src in enumerate(sources):
-            role = ALONE if last == 0 else LEAD if i == 0 else TAIL if i == last else TRAIL
-            tx = links[i - 1] if i > 0 else multicast
-            self._out(src, out, role, links[i] if i < last else None, tx, len(sources), near_led=True)
-        for line in lines:
-            for pos in line:
-                self._into(pos, into, multicast, len(sources) * chunk, len(lines))
+        # Gather lines led from their output end (comm/gather.csl): a line's first source sends the
+        # header and its slice and starts the multicast, every other source sends its slice at once and
+        # then relays what comes from behind it, so the stream [header | the line's slices, in order]
+        # runs at the fabric's pace instead of a task and an operation's start per source in series.
+        # Split into n lines, line g takes the g-th run of sources and feeds the g-th run of lines.
+        n = gather_lines(len(sources), chunk, len(lines), line_chunk, most_gathers)
+        per, readers = len(sources) // n, len(lines) // n
+        for g in range(n):
+            group = sources[g * per : (g + 1) * per]
+            tag = name if n == 1 else f"{name}.line{g}"
+            everyone = [pos for line in lines[g * readers : (g + 1) * readers] for pos in line]
+            links = [self.flow(f"{tag}.gather{i}", group[i + 1], [group[i]]) for i in range(per - 1)]
+            multicast = self.flow(f"{tag}.multicast", group[0], everyone)
+            last = per - 1
+            for i, src in enumerate(group):
+                role = ALONE if last == 0 else LEAD if i == 0 else TAIL if i == last else TRAIL
+                tx = links[i - 1] if i > 0 else multicast
+                self._out(src, out, role, links[i] if i < last else None, tx, per, near_led=True)
+            for pos in everyone:
+                self._into(pos, into, multicast, per * chunk, readers)
 
     def _out(
         self, pos: Pos, prefix: str, role: int, rx: Flow | None, tx: Flow, line: int, near_led: bool = False
@@ -439,7 +447,7 @@ class _Builder:
         t = region.tiling
         f = self.frame(region)
         pes = [f.pe(i) for i in range(t.pes)]
-        self.connect(name, sources, chunk, [[pos] for pos in pes], t.chunk, source_out, "in")
+        self.connect(name, sources, chunk, [[pos] for pos in pes], t.chunk, source_out, "in", GATHER_LINES)
         self.allreduce(region, pes)
         return pes
 
@@ -504,7 +512,7 @@ class _Builder:
         # routers, and ln_1's PEs take their chunks from it for the statistics and to forward x to res_1
         ln1_pes = self.strip(ln_1)
         lines = [[pos, *line] for pos, line in zip(ln1_pes, qkv_lines, strict=True)]
-        self.connect(f"{tag}.into_qkv", stream, chunk, lines, qkv.tiling.tile_k, source, "in")
+        self.connect(f"{tag}.into_qkv", stream, chunk, lines, qkv.tiling.tile_k, source, "in", GATHER_LINES)
         self.folded_stats(ln_1, ln1_pes, qkv_roots)
         res1_pes = self.strip(res_1)
         self.connect(f"{tag}.ln_1.x", ln1_pes, ln_1.tiling.chunk, [[p] for p in res1_pes], self.chunk(res_1),

@@ -92,6 +92,23 @@ def three_level_fits(n: int, group: int, end_group: int) -> bool:
     return group >= 2 and end_group >= 2 and n % (group * end_group) == 0 and n // (group * end_group) >= 2
 
 
+# Most gather lines a hand-off on a token's way outside the layers (into a layer's first LayerNorm
+# strip, into ln_f) is split into: each line a multicast of its own, so each color more on its way.
+GATHER_LINES = 4
+
+
+def gather_lines(sources: int, chunk: int, readers: int, reader_chunk: int, most: int = GATHER_LINES) -> int:
+    """How many gather lines a vector held in `chunk`-word slices by `sources` PEs (in order) reaches
+    `readers` destinations wanting `reader_chunk`-word windows through (comm/gather.csl, one multicast
+    each; wafer_gpt2/codegen/build.py `connect`): the most, up to `most`, that split both sides into
+    equal runs of whole slices and whole windows holding the same words, so that each line's stream
+    serves its own readers, a line's place and a reader's window repeating every run."""
+    for n in range(min(most, sources, readers), 1, -1):
+        if sources % n == 0 and readers % n == 0 and (sources // n) * chunk == (readers // n) * reader_chunk:
+            return n
+    return 1
+
+
 def allreduce_root(n: int) -> int:
     """The index of a line of n PEs that ends an all-reduce (comm/allreduce.csl): the PEs 0 .. root
     reduce towards it and the PEs n-1 down to root + 1 towards root + 1 at the same time, which hands

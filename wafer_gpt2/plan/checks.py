@@ -111,7 +111,7 @@ def _layer_memory(lt: LayerTilings, dtype: str, arch: Arch) -> _Fill:
 @lru_cache(maxsize=4096)
 def _strip_memory(head: HeadTiling, dtype: str, arch: Arch) -> _Fill:
     """The fullest PE of the west strip's regions: the head, and the final LayerNorm across the
-    head's strip (the layers' strips only pass x on)."""
+    head's strip (a layer's strips hold a chunk and its statistics: never the fullest)."""
     ln_f = strip_norm(head.gemv.k, head.gemv.rows, normalise=True)
     return _fullest({"head": (head, "embed_head"), "ln_f": (ln_f, "layernorm")}, dtype, arch)
 
@@ -274,7 +274,7 @@ def assign_colors(regions: list[Region], routes: list[Route]) -> None:
         for reg in regions:
             if reg.replica == rt.replica and reg.name not in (rt.src, rt.dst):
                 if any(reg.touches(*leg) for leg in rt.legs):
-                    reg.colors += 1
+                    reg.colors += rt.lines
 
 
 def check_geometry(regions: list[Region], arch: Arch) -> None:

@@ -37,7 +37,7 @@ from functools import cached_property, lru_cache
 
 from wafer_gpt2.core.abi import LAYER_OPS
 from wafer_gpt2.core.arch import Arch
-from wafer_gpt2.core.tiling import HeadTiling, allreduce_root, ceil_div
+from wafer_gpt2.core.tiling import HeadTiling, allreduce_root, ceil_div, gather_lines
 from wafer_gpt2.core.wire import record_words
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan.structure import SYMBOL_BYTES, Knobs
@@ -353,19 +353,36 @@ class Geometry:
         else `dst` alone."""
         return (dst, dst.replace(".ln_1", ".qkv")) if dst.endswith(".ln_1") else (dst,)
 
-    def gather_hops(self, src: str, dst: str) -> int:
-        """Routers from the PE that leads the gather line of the strip `src` (its index 0) to the
-        farthest PE the multicast into `dst` reaches (`multicast_readers`)."""
+    def handoff_lines(self, name: str, src: str, dst: str, n_embd: int) -> int:
+        """The gather lines of the hand-off `name` (`gather_lines`): a hand-off on the token's way
+        outside the layers that is gathered (into a layer's first strip, into ln_f) is split into as
+        many as its two strips' slices allow; the residual buses beside the layers stay one line."""
+        if name.endswith(("resid_1", "resid_2", "scores")) or not self.gathered(src, dst):
+            return 1
+        sources, readers = self.rect(src)[2], self.rect(dst)[2]
+        return gather_lines(sources, ceil_div(n_embd, sources), readers, ceil_div(n_embd, readers))
+
+    def gather_hops(self, src: str, dst: str, lines: int = 1) -> int:
+        """Routers from the PE that leads a gather line of the strip `src` to the farthest PE its
+        multicast into `dst` reaches (`multicast_readers`), the most of its `lines` lines: line g is
+        led by src's index g * (its PEs / lines) and read by dst's indices g * (its PEs / lines) on
+        (the strips' indices along their axes; a reader behind dst, qkv's K-lines, in dst's columns)."""
         sx, sy, sw, _ = self.rect(src)
-        axis = self._strip_axis(src)
-        lead = sx + sw - 1 if axis == "-x" else sx
+        dx, _, dw, _ = self.rect(dst)
+        per_src, per_dst = sw // lines, dw // lines
         far = 0
-        for name in self.multicast_readers(dst):
-            x, y, w, h = self.rect(name)
-            far = max(
-                far, max(abs(lead - x), abs(lead - (x + w - 1))) + max(abs(sy - y), abs(sy - (y + h - 1)))
-            )
+        for g in range(lines):
+            lead = self._index_x(src, g * per_src)
+            ends = (self._index_x(dst, g * per_dst), self._index_x(dst, (g + 1) * per_dst - 1))
+            for name in self.multicast_readers(dst):
+                _, y, _, h = self.rect(name)
+                far = max(far, max(abs(lead - e) for e in ends) + max(abs(sy - y), abs(sy - (y + h - 1))))
         return far + 1
+
+    def _index_x(self, name: str, i: int) -> int:
+        """The column of index i of the strip `name`."""
+        x, _, w, _ = self.rect(name)
+        return x + w - 1 - i if self._strip_axis(name) == "-x" else x + i
 
     def _strip_axis(self, name: str) -> str:
         """The way a strip's index grows: a layer strip's own axis, the embedding's `embed_k_axis`, the

@@ -71,11 +71,11 @@ def place_replica(
             gemv_symbols(lt.attn_proj, dtype, lt.attn.heads_per_pe * lt.attn.head_dim),
             lt.attn_proj,
         ),
+        # ln_1's and ln_2's LayerNorms are folded into qkv and fc (check_layer_norms_folded): the stream
+        # crosses the strips' routers into the GEMVs, and their PEs make the statistics from it
         "ln_1": (norm_symbols(lt.ln), lt.ln),
         "res_1": (residual_symbols(lt.ln.chunk), None),
-        # ln_2's LayerNorm is folded into fc (check_layer_norms_folded): the stream crosses the strip's
-        # routers into fc and its PEs run pe/idle.csl (wafer_gpt2/codegen/build.py), holding nothing.
-        "ln_2": ({}, lt.ln),
+        "ln_2": (norm_symbols(lt.ln), lt.ln),
         "fc": (gemv_symbols(lt.fc, dtype), lt.fc),
         "proj": (gemv_symbols(lt.proj, dtype), lt.proj),
         "res_2": (residual_symbols(lt.ln.chunk), None),
@@ -92,22 +92,22 @@ def place_replica(
     for name, src, dst in geo.routes():
         hops, legs = geo.route_legs(src, dst)
         legs = tuple((x + ox, y + oy, w, h) for x, y, w, h in legs)
-        routes.append(
-            Route(name, src.split(".root")[0], dst, route_words(name, config, geo, head), hops, legs, replica)
-        )
+        words, lines = route_words(name, config, geo, head), geo.handoff_lines(name, src, dst, config.n_embd)
+        routes.append(Route(name, src.split(".root")[0], dst, words, hops, legs, replica, lines))
     return regions, routes
 
 
 def _widen_multicast_readers(regions: list[Region], geo: Geometry, n_embd: int) -> None:
-    """Size the input array of every region fed by a gather line and a multicast (not lanes) to the
-    whole payload, every source's chunk of the stream (`Geometry.multicast_readers`: a layer's ln_1 and
-    the qkv behind it, a residual strip's skip input, ln_f)."""
+    """Size the input array of every region fed by gather lines and their multicasts (not lanes) to
+    a line's payload, its sources' chunks of the stream (`Geometry.multicast_readers`: a layer's ln_1
+    and the qkv behind it, a residual strip's skip input, ln_f; `Geometry.handoff_lines`)."""
     by_name = {r.name: r for r in regions}
-    for _, src, dst in geo.routes():
+    for name, src, dst in geo.routes():
         if not geo.gathered(src, dst):
             continue
         sources = geo.rect(src)[2]
-        payload = sources * ceil_div(n_embd, sources)
+        # each gather line's stream carries its own sources' chunks
+        payload = sources // geo.handoff_lines(name, src, dst, n_embd) * ceil_div(n_embd, sources)
         for name in geo.multicast_readers(dst):
             region = by_name[name]
             symbol = _MULTICAST_READS[name.rsplit(".", 1)[-1]]

@@ -189,13 +189,17 @@ def _outer_stages(
 
 
 def route_cycles(config: GPT2Config, geo: Geometry, head: HeadTiling, name: str, src: str, dst: str) -> int:
-    """Cycles of the hand-off `name` from region `src` to `dst`: a gather line and one multicast, or
-    a bundle of lanes."""
+    """Cycles of the hand-off `name` from region `src` to `dst`: gather lines (`Geometry.handoff_lines`)
+    and their multicasts, side by side, or a bundle of lanes."""
     if geo.gathered(src, dst):
         # the residual adds send from their input's frame; the embedding sends its row apart
         sources = geo.rect(src)[2]
+        lines = geo.handoff_lines(name, src, dst, config.n_embd)
         return gathered_handoff_cycles(
-            sources, ceil_div(config.n_embd, sources), geo.gather_hops(src, dst), framed=src != "embed"
+            sources // lines,
+            ceil_div(config.n_embd, sources),
+            geo.gather_hops(src, dst, lines),
+            framed=src != "embed",
         )
     hops, _ = geo.route_legs(src, dst)
     return stream_cycles(route_words(name, config, geo, head), hops)

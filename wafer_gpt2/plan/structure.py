@@ -101,6 +101,7 @@ class Route:
     hops: int
     legs: tuple[tuple[int, int, int, int], ...]
     replica: int = 0
+    lines: int = 1  # gather lines of a gathered hand-off, a multicast color each (`gather_lines`)
 
     @property
     def cycles(self) -> int:
@@ -306,6 +307,7 @@ class Plan:
                     "words": rt.words,
                     "hops": rt.hops,
                     "replica": rt.replica,
+                    "lines": rt.lines,
                     "legs": [list(leg) for leg in rt.legs],
                 }
                 for rt in self.routes
