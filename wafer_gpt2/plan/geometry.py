@@ -357,7 +357,7 @@ class Geometry:
         """The gather lines of the hand-off `name` (`gather_lines`): a hand-off on the token's way
         outside the layers that is gathered (into a layer's first strip, into ln_f) is split into as
         many as its two strips' slices allow; the residual buses beside the layers stay one line."""
-        if name.endswith(("resid_1", "resid_2", "scores")) or not self.gathered(src, dst):
+        if name.endswith(("resid_1", "resid_2")) or not self.gathered(src, dst):
             return 1
         sources, readers = self.rect(src)[2], self.rect(dst)[2]
         return gather_lines(sources, ceil_div(n_embd, sources), readers, ceil_div(n_embd, readers))
@@ -368,7 +368,7 @@ class Geometry:
         led by src's index g * (its PEs / lines) and read by dst's indices g * (its PEs / lines) on
         (the strips' indices along their axes; a reader behind dst, qkv's K-lines, in dst's columns)."""
         sx, sy, sw, _ = self.rect(src)
-        dx, _, dw, _ = self.rect(dst)
+        dw = self.rect(dst)[2]
         per_src, per_dst = sw // lines, dw // lines
         far = 0
         for g in range(lines):
