@@ -136,7 +136,6 @@ class _Return(Exception):
 class FnBuilder:
     """The Python source of one generated function, with its constants and CSL line map."""
 
-    _serial = itertools.count()
 
     def __init__(self, name: str, path: str) -> None:
         self.name = name
@@ -151,7 +150,6 @@ class FnBuilder:
         self.loops: list[dict] = []
         self.addressed: set[str] = set()  # locals whose address the function takes
         self.instructions = 0  # the code size estimate's count (csl_executor.codesize)
-        self.filename = f"<csl {path}:{name}#{next(self._serial)}>"
 
     def emit(self, code: str, line: int) -> None:
         self.lines.append("    " * self.indent + code)
@@ -1946,17 +1944,31 @@ class Compiler:
         )
         body = fb.lines or ["    pass"]
         source = "\n".join(head + setup + body) + "\n"
-        code = compile(source, fb.filename, "exec")
+        csl_lines = tuple([0] * (1 + len(setup)) + fb.csl_lines)
+        code = _function_code(source, fb.path, csl_lines)
         namespace: dict[str, Any] = dict(rt.HELPERS)
         namespace.update(_runtime_namespace())
         namespace["K"] = fb.consts
         exec(code, namespace)
         func = namespace[_pyname(fb.name)]
-        func.csl_lines = [0] * (1 + len(setup)) + fb.csl_lines
+        func.csl_lines = list(csl_lines)
         func.csl_path = fb.path
         func.csl_source = source
-        LINE_MAPS[fb.filename] = (fb.path, func.csl_lines)
         return func
+
+
+_code_serial = itertools.count()
+
+
+@functools.lru_cache(maxsize=8192)
+def _function_code(source: str, path: str, csl_lines: tuple[int, ...]) -> Any:
+    """The code object of one generated function. A layout gives most PEs the same program, so the same
+    source comes again and again: it is compiled once (compiling was a tenth of a large layout's run),
+    and the constants that differ between PEs stay out of it (the namespace's K). The line map is
+    registered under the code's own file name, which tracebacks through it carry."""
+    filename = f"<csl {path}#{next(_code_serial)}>"
+    LINE_MAPS[filename] = (path, list(csl_lines))
+    return compile(source, filename, "exec")
 
 
 LINE_MAPS: dict[str, tuple[str, list[int]]] = {}

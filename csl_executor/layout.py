@@ -383,11 +383,13 @@ def check_layout(c: CompiledLayout) -> None:
     # WSE-2: colors and task IDs share one ID space; a color that reaches a PE's RAMP must not be the ID
     # of a local or control task on that PE.
     if rules.name == "wse2":
+        memcpy_colors = set(c.layout.memcpy_colors.values())
+        to_ramp: dict[tuple[int, int], set[int]] = {}  # each PE's colors that reach its RAMP
+        for (px, py, cid), cfg in c.routes.items():
+            if "RAMP" in cfg.tx:
+                to_ramp.setdefault((px, py), set()).add(cid)
         for (x, y), prog in c.pe_program.items():
-            ramp_colors = {
-                cid for (px, py, cid), cfg in c.routes.items() if (px, py) == (x, y) and "RAMP" in cfg.tx
-            }
-            ramp_colors |= set(c.layout.memcpy_colors.values())
+            ramp_colors = to_ramp.get((x, y), set()) | memcpy_colors
             for tid, b in prog.tasks.items():
                 if b.kind in ("local", "control") and tid in ramp_colors:
                     raise CslCompileError(
