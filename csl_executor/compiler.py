@@ -136,7 +136,6 @@ class _Return(Exception):
 class FnBuilder:
     """The Python source of one generated function, with its constants and CSL line map."""
 
-
     def __init__(self, name: str, path: str) -> None:
         self.name = name
         self.path = path

@@ -142,12 +142,12 @@ def test_a_shared_epilogue_by_hand() -> None:
         == cost.epilogue_cycles(16, 4, g)
         < cost.epilogue_cycles(16, 1, g) * 2 / 3
     )
-    with pytest.raises(ValueError, match="do not split 16 outputs"):
+    with pytest.raises(ValueError, match="do not split 16 outputs"):  # relayed slices are equal
         cost.epilogue_cycles(16, 3, g)
-    # offered only where there is per-output work, on divisors of tile_n that the K-line can hold
+    # offered only where there is per-output work, on as many PEs as the K-line holds, each an output
     assert cost.epilogue_options(shared, 0) == [1]
-    assert cost.epilogue_options(shared, g) == [1, 2, 4, 8, 16]
-    assert cost.epilogue_options(GemvTiling(768, 3072, 4, 192, "k_along_x"), g) == [1, 2, 4]
+    assert cost.epilogue_options(shared, g) == list(range(1, 17))
+    assert cost.epilogue_options(GemvTiling(768, 3072, 4, 192, "k_along_x"), g) == [1, 2, 3, 4]
 
 
 def test_a_multicast_epilogue_by_hand() -> None:
@@ -166,16 +166,33 @@ def test_a_multicast_epilogue_by_hand() -> None:
     # the multicast's sum at every width (both are offered)
     for pes in (2, 4, 8, 16):
         assert cost.epilogue_cycles(32, pes, g, False, True) < cost.epilogue_cycles(32, pes, g, False)
+    # 16 outputs on 3 PEs: the farthest takes 6, the others 5; the multicast carries the 11 before the
+    # root's, the farthest is 2 links away and the chain has 2 steps
+    assert cost.epilogue_slices(16, 3) == [6, 5, 5]
+    far = S + 16 + S + (2 * H + R + 11) + T + 6 * g + S
+    assert cost.epilogue_cycles(16, 3, g, multicast=True) == far + 2 * STEP + 11 + T
+    # a count that does not divide the outputs is offered multicast only
     four = GemvTiling(768, 3072, 4, 192, "k_along_x")
-    assert cost.epilogue_ways(four, g) == [(1, False), (2, False), (2, True), (4, False), (4, True)]
+    assert cost.epilogue_ways(four, g) == [
+        (1, False),
+        (2, False),
+        (2, True),
+        (3, True),
+        (4, False),
+        (4, True),
+    ]
     assert cost.epilogue_ways(four, 0) == [(1, False)]
     fc = cost.best_gemv_reduction(
         GemvTiling(768, 3072, 64, 96, "k_along_x", norm_fold=True), "wse2", "fp16", g
     )
-    assert (fc.epilogue_pes, fc.epilogue_multicast) == (8, True)
+    # 11 PEs (slices of 3 and 2) edge out 8 (of 4): a GELU less on the farthest, three chain steps more
+    assert (fc.epilogue_pes, fc.epilogue_multicast) == (11, True)
+    assert cost.epilogue_cycles(32, 11, g, False, True, True) < cost.epilogue_cycles(
+        32, 8, g, False, True, True
+    )
     # fc has its LayerNorm folded in: the multicast carries all 32 raw sums and the 2 statistics, and
     # every PE applies the LayerNorm to its 4 (rsqrt and 2 operations per output) before its GELUs
-    phases = cost.gemv_cost(fc, "wse2", "fp16", g).phases
+    phases = cost.gemv_cost(replace(fc, epilogue_pes=8), "wse2", "fp16", g).phases
     assert "LayerNorm (mean, rstd) + bias" not in phases
     far = S + (7 * H + R + 34) + T + (cost.RSQRT_CYCLES + 2 * 4) + 4 * g + S
     assert phases["LayerNorm + epilogue (shared by 8 PEs, multicast)"] == far + 7 * STEP + 28 + T

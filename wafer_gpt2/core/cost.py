@@ -556,10 +556,14 @@ def epilogue_cycles(
     added = tile_n * FP32_OPS_PER_CYCLE + DSD_OP_START_CYCLES if bias else 0
     if pes <= 1:  # the bias one operation, the epilogue one more (lib/gelu.csl's @map)
         return added + (DSD_OP_START_CYCLES + tile_n * per_output if per_output else 0)
-    if tile_n % pes:
-        raise ValueError(f"{pes} epilogue PEs do not split {tile_n} outputs evenly")
+    if pes > tile_n:
+        raise ValueError(f"{pes} epilogue PEs for {tile_n} outputs leave a PE without one")
     if multicast:
         return multicast_epilogue_cycles(tile_n, pes, per_output, 0 if norm else added, norm)
+    if tile_n % pes:
+        raise ValueError(
+            f"{pes} epilogue PEs do not split {tile_n} outputs evenly, as a relayed sharing needs"
+        )
     part = tile_n // pes
     work = part * per_output
     sent = added + DSD_OP_START_CYCLES  # the slices' stream leaves the last PE
@@ -575,12 +579,21 @@ def epilogue_cycles(
     return end - lane
 
 
+def epilogue_slices(tile_n: int, pes: int) -> list[int]:
+    """The outputs of each of `pes` PEs sharing an epilogue through comm/spread.csl (the farthest
+    first, the root last), as wafer_gpt2/kernels/pe/gemv.csl cuts them: tile_n // pes each, and one more
+    for each of the farthest tile_n % pes, so that the root, which also sends the multicast, has the
+    fewest."""
+    base, extra = divmod(tile_n, pes)
+    return [base + (1 if j < extra else 0) for j in range(pes)]
+
+
 def multicast_epilogue_cycles(tile_n: int, pes: int, per_output: int, added: int, norm: bool = False) -> int:
     """The epilogue shared by the last `pes` PEs as wafer_gpt2/kernels/comm/spread.csl takes it, after
-    `added` cycles of bias on the root:
-    - the root starts one multicast of the others' (pes - 1) * part sums back along the line (`norm`:
-      all tile_n raw sums and the LayerNorm's two statistics) and applies the epilogue to its own
-      slice (the last) meanwhile, then starts its read of the sum;
+    `added` cycles of bias on the root, the outputs cut as `epilogue_slices` cuts them:
+    - the root starts one multicast of the others' sums (all but its own slice, the last) back along
+      the line (`norm`: all tile_n raw sums and the LayerNorm's two statistics) and applies the
+      epilogue to its own slice meanwhile, then starts its read of the sum;
     - PE j (0 the farthest) reads every word of the multicast (one operation set up long before), a
       task activation later (`norm`: applies the LayerNorm to its slice, priced as the root's phase
       prices it for all outputs) applies the epilogue to its slice, writing it into a vector of the same
@@ -588,16 +601,23 @@ def multicast_epilogue_cycles(tile_n: int, pes: int, per_output: int, added: int
       towards the root (comm/chain.csl's links: the windows side by side, every word one nonzero
       term), which the root reads into its sums' place;
     - a task activation on the root when the sum is in, which starts the lane as an unshared root does."""
-    part = tile_n // pes
-    words = (pes - 1) * part
+    parts = epilogue_slices(tile_n, pes)
+    words = tile_n - parts[-1]
     sent_words = tile_n + NORM_STAT_WORDS if norm else words
-    work = part * per_output + (RSQRT_CYCLES + 2 * part if norm else 0)
+
+    def work(part: int) -> int:
+        return part * per_output + (RSQRT_CYCLES + 2 * part if norm else 0)
+
     sent = added + DSD_OP_START_CYCLES  # the multicast leaves the root
     ready = [
-        sent + stream_cycles(sent_words, pes - 1 - j) + TASK_ACTIVATION_CYCLES + work + DSD_OP_START_CYCLES
+        sent
+        + stream_cycles(sent_words, pes - 1 - j)
+        + TASK_ACTIVATION_CYCLES
+        + work(parts[j])
+        + DSD_OP_START_CYCLES
         for j in range(pes - 1)
     ]
-    ready.append(sent + work + DSD_OP_START_CYCLES)  # the root's read of the sum
+    ready.append(sent + work(parts[-1]) + DSD_OP_START_CYCLES)  # the root's read of the sum
     return chain_times(ready) + words + TASK_ACTIVATION_CYCLES
 
 
@@ -634,26 +654,28 @@ def _scattered(pes: int, part: int, sent: int) -> list[int]:
     ]
 
 
-def _sharing_options(tile_n: int, rows: int) -> list[int]:
-    """The PEs at the end of a K-line that can share a column's work: every divisor of tile_n up to
-    the line's length (every PE gets at least one value, all the same number)."""
-    return [p for p in range(1, min(tile_n, rows) + 1) if tile_n % p == 0]
-
-
 def epilogue_options(tiling: GemvTiling, per_output: int) -> list[int]:
     """The epilogue_pes the program implements for a tiling: 1, and where there is per-output work,
-    every divisor of tile_n up to the K-line's length that leaves every PE at least one output."""
+    every count up to the K-line's length that leaves every PE at least one output (a count that does
+    not divide tile_n only multicast: `epilogue_ways`)."""
     if per_output <= 0:
         return [1]
-    return _sharing_options(tiling.tile_n, tiling.rows)
+    return list(range(1, min(tiling.tile_n, tiling.rows) + 1))
 
 
 def epilogue_ways(tiling: GemvTiling, per_output: int) -> list[tuple[int, bool]]:
     """(epilogue_pes, epilogue_multicast) of every way the program shares an epilogue: alone, and
-    each sharing relayed (comm/scatter.csl, comm/gather.csl) or multicast (comm/spread.csl)."""
-    return [
-        (p, m) for p in epilogue_options(tiling, per_output) for m in ((False,) if p == 1 else (False, True))
-    ]
+    each sharing relayed (comm/scatter.csl, comm/gather.csl: equal slices, so a divisor of tile_n) or
+    multicast (comm/spread.csl: any count, the slices cut by `epilogue_slices`)."""
+    ways = []
+    for p in epilogue_options(tiling, per_output):
+        if p == 1:
+            ways.append((1, False))
+            continue
+        if tiling.tile_n % p == 0:
+            ways.append((p, False))
+        ways.append((p, True))
+    return ways
 
 
 @lru_cache(maxsize=8192)

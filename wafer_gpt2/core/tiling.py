@@ -137,7 +137,8 @@ class GemvTiling:
     end_group: int = 0  # three_level only: first-level runs per second-level run
     # PEs at the end of every K-line that share the epilogue (fc's GELU): the last one scatters
     # slices back along the line, each applies the epilogue to its slice, a gather line sends them out
-    # (epilogue_pes divides tile_n)
+    # (relayed, epilogue_pes divides tile_n; multicast, the farthest PEs take one output more where
+    # it does not: wafer_gpt2.core.cost.epilogue_slices)
     epilogue_pes: int = 1
     # how they share it: False, the slices relayed back along the line and gathered (comm/scatter.csl,
     # comm/gather.csl); True, the root multicasts the others' sums in one stream and their results

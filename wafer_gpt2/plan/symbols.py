@@ -68,7 +68,7 @@ def gemv_symbols(t: GemvTiling, dtype: str, multicast: int = 0) -> dict[str, Sym
         **reduction_symbols(t.reduction),
         # comm/spread.csl: a PE sharing the epilogue writes its slice into a vector zero elsewhere
         **(
-            {"epi": Symbol("f32", (t.epilogue_pes - 1) * (t.tile_n // t.epilogue_pes))}
+            {"epi": Symbol("f32", t.tile_n - t.tile_n // t.epilogue_pes)}
             if t.epilogue_multicast and t.epilogue_pes > 1
             else {}
         ),
