@@ -12,6 +12,7 @@ import pytest
 
 from wafer_gpt2.cli.main import main
 from wafer_gpt2.codegen import LAYOUT_HEADER, build_program
+from wafer_gpt2.errors import ProgramError
 from wafer_gpt2.host.compile import CompileError, compile_program, prepare_sources
 from wafer_gpt2.model.config import GPT2Config
 from wafer_gpt2.plan import build_plan
@@ -138,6 +139,23 @@ def test_a_plan_whose_layers_normalise_in_their_strips_is_refused(tiny_plan):
     ):
         build_program(plan)
     build_program(tiny_plan)  # the plan as the planner made it lays out
+
+
+def test_an_epilogue_shared_in_a_way_the_kernel_lacks_is_refused(tiny_plan):
+    """pe/gemv.csl cuts unequal slices only for the multicast sharing (comm/spread.csl); relayed
+    (comm/scatter.csl, comm/gather.csl) the slices are equal, so a count that does not divide the
+    column's outputs is refused by name, as is one longer than the K-line."""
+    plan = copy.deepcopy(tiny_plan)
+    fc = plan.region("L1.fc")
+    assert fc.tiling.tile_n == 4 and fc.tiling.rows == 8
+    fc.tiling = dataclasses.replace(fc.tiling, epilogue_pes=3, epilogue_multicast=False)
+    with pytest.raises(ProgramError, match=r"L1\.fc: 3 PEs cannot share its epilogue relayed"):
+        build_program(plan)
+    fc.tiling = dataclasses.replace(fc.tiling, epilogue_pes=5, epilogue_multicast=True)
+    with pytest.raises(ProgramError, match=r"L1\.fc: 5 PEs cannot share its epilogue multicast"):
+        build_program(plan)
+    fc.tiling = dataclasses.replace(fc.tiling, epilogue_pes=3, epilogue_multicast=True)
+    build_program(plan)  # unequal slices, multicast: laid out
 
 
 def test_sdk_backends_explain_a_missing_sdk():

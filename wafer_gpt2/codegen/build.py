@@ -550,6 +550,12 @@ class _Builder:
         pes = t.epilogue_pes
         if pes <= 1:
             return
+        if pes > min(t.tile_n, t.rows) or (not t.epilogue_multicast and t.tile_n % pes):
+            how = "multicast" if t.epilogue_multicast else "relayed (equal slices)"
+            raise ProgramError(
+                f"{region.name}: {pes} PEs cannot share its epilogue {how}: its K-lines have {t.rows} PEs "
+                f"and its columns {t.tile_n} outputs"
+            )
         name = f"{region.name}@{region.replica}"
         for c in range(t.cols):
             members = [f.pe(r, c) for r in range(t.rows - pes, t.rows)]  # the farthest first, the root last
