@@ -573,6 +573,30 @@ def test_a_shared_gelu_and_the_heads_workers_equal_the_simulator(arch, vocab, ge
 @pytest.mark.parametrize(
     "arch", ["wse2", pytest.param("wse3", marks=pytest.mark.executor_full)]
 )  # CI time: WSE-3's with -m executor_full
+def test_ragged_fc_and_proj_tiles_equal_the_simulator(arch):
+    """fc's outputs and proj's K cut in tiles that do not divide 4 n_embd (5 rows of 13 for 64: the
+    last tile's last output is padding), as a throughput plan's fc filling the rows the kernel leaves
+    takes them: the padded output's weights and bias are zero, so its GELU is 0 and proj's padded row
+    adds nothing; fc's GELU is shared multicast by a count of PEs that divides neither 13 nor 12."""
+    from dataclasses import replace
+
+    from wafer_gpt2.plan import build_plan, plan_for_knobs
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32, name="tiny-ragged")
+    base = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="latency")
+    plan = plan_for_knobs(
+        config, replace(base.knobs, fc_cols=5), arch=arch, dtype="fp32", slots=1, context=32, top_k=8
+    )
+    fc, proj = plan.layers[0].fc, plan.layers[0].proj
+    assert (fc.cols, fc.tile_n, proj.rows, proj.tile_k) == (5, 13, 5, 13)
+    assert fc.epilogue_multicast and 13 % fc.epilogue_pes and 12 % fc.epilogue_pes
+    two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=5))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "arch", ["wse2", pytest.param("wse3", marks=pytest.mark.executor_full)]
+)  # CI time: WSE-3's with -m executor_full
 def test_the_heads_tree_in_two_levels_equals_the_simulator(arch):
     """The head's rounds over a tree of 19 roots: on either side of the centre a line of 9 in runs of 3
     (the latency plan's on WSE-2; set on WSE-3), whose runs' ends fold their run into their own before

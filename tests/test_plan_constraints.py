@@ -237,7 +237,7 @@ def test_fp32_and_throughput_replicas() -> None:
 def test_throughput_plans_take_the_rows_and_columns_their_replicas_leave(shape, monkeypatch) -> None:
     """A small replica's footprint is often larger than its layers need: its height is its head
     strip's, or the kernel's over the replicas it stacks, and its width the kernel's over the replicas
-    side by side. FC and proj grow into the rows (whole tiles), the west strip into the columns; as
+    side by side. FC and proj grow into the rows, the west strip into the columns; as
     many replicas fit, and the wafer's modeled tokens/s is higher than the search without either finds
     (the head's rounds apart and interlocked bands left out of both: in two sets the rounds would stand
     in for part of the wider strip, and interlocked bands take FC's rows and part of the strip's
@@ -247,15 +247,38 @@ def test_throughput_plans_take_the_rows_and_columns_their_replicas_leave(shape, 
     forget_kept_plans()
     plan = build_plan(PRESETS["gpt2"], "wse2", objective="throughput", replicas="auto")
     check_plan(plan)
-    assert (4 * plan.config.n_embd) % plan.knobs.fc_cols == 0
     assert plan.knobs.strip > plan.knobs.stream_pes == plan.layers[0].ln_1.pes
     assert plan.region("head").w == plan.region("ln_f").w == plan.head.gemv.rows == plan.knobs.strip
     assert not plan.head.apart
-    monkeypatch.setattr(search_module, shape, lambda *args: None)
+    none = [] if shape == "_fc_filled" else None
+    monkeypatch.setattr(search_module, shape, lambda *args: none)
     forget_kept_plans()
     without = build_plan(PRESETS["gpt2"], "wse2", objective="throughput", replicas="auto")
     forget_kept_plans()
     assert plan.modeled()["tokens_per_s_total"] > 1.04 * without.modeled()["tokens_per_s_total"]
+
+
+def test_fc_fills_its_rows_in_ragged_tiles_where_they_are_shorter(monkeypatch) -> None:
+    """At 32 slots gpt2's replica leaves FC and proj rows that no divisor of 3072 fills: they take them
+    in tiles that do not divide it (the last one zero-padded), the tiles shorter than whole ones allow,
+    as many replicas fit, and the wafer's modeled tokens/s is above the search's with whole tiles only."""
+    plan = build_plan(PRESETS["gpt2"], "wse2", slots=32, objective="throughput", replicas="auto")
+    check_plan(plan)
+    fc, proj, hidden = plan.layers[0].fc, plan.layers[0].proj, 4 * plan.config.n_embd
+    assert hidden % fc.cols and fc.cols == plan.knobs.fc_cols == proj.rows
+    assert (fc.cols - 1) * fc.tile_n < hidden <= fc.cols * fc.tile_n and proj.tile_k == fc.tile_n
+    whole_only = search_module._fc_filled
+
+    def whole_tiles(*args):
+        return [k for k in whole_only(*args) if hidden % k.fc_cols == 0]
+
+    monkeypatch.setattr(search_module, "_fc_filled", whole_tiles)
+    forget_kept_plans()
+    whole = build_plan(PRESETS["gpt2"], "wse2", slots=32, objective="throughput", replicas="auto")
+    forget_kept_plans()
+    assert hidden % whole.knobs.fc_cols == 0 and whole.replicas == plan.replicas
+    assert whole.layers[0].fc.tile_n > fc.tile_n and whole.decode_cycles > plan.decode_cycles
+    assert plan.modeled()["tokens_per_s_total"] > 1.01 * whole.modeled()["tokens_per_s_total"]
 
 
 def test_throughput_plans_interlock_their_bands(monkeypatch) -> None:

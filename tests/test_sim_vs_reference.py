@@ -168,6 +168,30 @@ def test_replicas_serve_their_own_slots(small_params):
         sim.close()
 
 
+def test_ragged_fc_and_proj_tiles_equal_the_reference(small_params):
+    """fc's outputs and proj's K cut in tiles that do not divide 4 n_embd (7 rows of 37 for 256, the
+    last three words padding), as a throughput plan's fc filling the rows the kernel leaves takes them:
+    the padded weights are zero, so the scores are the reference's."""
+    from dataclasses import replace
+
+    from wafer_gpt2.host.program import start_model
+    from wafer_gpt2.plan import build_plan, plan_for_knobs
+    from wafer_gpt2.sim import SimRuntime
+
+    config = small_params.config
+    base = build_plan(config, dtype="fp32", slots=1, context=32)
+    plan = plan_for_knobs(config, replace(base.knobs, fc_cols=7), dtype="fp32", slots=1, context=32)
+    fc, proj = plan.layers[0].fc, plan.layers[0].proj
+    assert (fc.cols, fc.tile_n, proj.rows, proj.tile_k) == (7, 37, 7, 37)
+    sim = start_model(plan, SimRuntime(plan), small_params)
+    try:
+        ref = ReferenceBackend(small_params, slots=1, context=32)
+        prefill = [StepItem(0, i, t) for i, t in enumerate([464, 3290, 318, 257, 1332])]
+        check_prefill_then_decode(sim, ref, prefill, first_token=13, decode_steps=3, target=198)
+    finally:
+        sim.close()
+
+
 def test_fp16_error_is_bounded(small_params):
     """fp16 weights, fp16 GEMV inputs and an fp16 KV cache, fp32 accumulation: logits stay within a few
     1e-3 of fp32 on this model (docs/simulator.md has the measured figures for the demo model)."""

@@ -16,12 +16,12 @@ The modules, in reading order:
 - placement.py: the Region and Route objects of one replica at its corner of the kernel.
 - checks.py: the request's arguments and every limit (memory, kernel area, overlaps, colors).
 - stages.py: the modeled stages of one layer and the critical path of one token.
-- search.py: the candidates and their prices, `build_plan` and `largest_slots`.
+- search.py: the candidates and their prices, `build_plan`, `plan_for_knobs` and `largest_slots`.
 """
 
 from wafer_gpt2.core.abi import LAYER_OPS
 from wafer_gpt2.plan.geometry import exit_dirs
-from wafer_gpt2.plan.search import build_plan, largest_slots, price_candidates
+from wafer_gpt2.plan.search import build_plan, largest_slots, plan_for_knobs, price_candidates
 from wafer_gpt2.plan.structure import (
     DTYPES,
     KINDS,
@@ -50,5 +50,6 @@ __all__ = [
     "build_plan",
     "exit_dirs",
     "largest_slots",
+    "plan_for_knobs",
     "price_candidates",
 ]

@@ -247,21 +247,22 @@ def _search(
             # plan the search has found better)
             shapes = _interlocked(config, knobs, geo, arch, dtype, dirs) or shapes
             shapes += _packed(config, *shapes[-1], arch, dtype, dirs)
-            # the shape that fits the most replicas (the last) also with FC into the rows they leave,
-            # that one also with the west strip as wide as the columns they leave, and that one also
-            # with the head's rounds on PEs of their own, in one set and in two (two take items more
-            # often, one leaves more weighted PEs for a faster token: each is priced)
-            for grow in (_fc_filled, _strip_widened):
-                grown = grow(config, *shapes[-1], arch)
-                if grown is not None:
-                    shapes += _as_many_replicas(
-                        config, grown, shapes[-1][1], slots, context, arch, dtype, top_k
-                    )
-            base = shapes[-1]
-            for sets in HEAD_SETS:
-                grown = _head_apart(config, *base, arch, dtype, top_k, sets)
-                if grown is not None:
-                    shapes += _as_many_replicas(config, grown, base[1], slots, context, arch, dtype, top_k)
+            # the shape that fits the most replicas (the last) also with FC into the rows they leave
+            # (whole tiles, and ragged ones where shorter: each is priced), each of those (or that
+            # shape, where none fits) also with the west strip as wide as the columns they leave, and
+            # that one also with the head's rounds on PEs of their own, in one set and in two (two take
+            # items more often, one leaves more weighted PEs for a faster token: each is priced)
+            packed = shapes[-1]
+            filled = [
+                shape
+                for fc_knobs in _fc_filled(config, *packed, arch)
+                for shape in _as_many_replicas(
+                    config, fc_knobs, packed[1], slots, context, arch, dtype, top_k
+                )
+            ]
+            shapes += filled
+            for start in filled or [packed]:
+                shapes += _widened_and_apart(config, start, slots, context, arch, dtype, top_k)
         for k, g in shapes:
             tilings = _layer_tilings(
                 config, k.stream_pes, k.fold, k.attn_chain, k.fc_cols, slots, context, arch, dtype
@@ -275,6 +276,29 @@ def _search(
 
 def _replicas_fit(geo: Geometry, arch: Arch) -> int:
     return (arch.kernel_w // geo.width) * (arch.kernel_h // geo.height)
+
+
+def _widened_and_apart(
+    config: GPT2Config,
+    start: tuple[Knobs, Geometry],
+    slots: int,
+    context: int,
+    arch: Arch,
+    dtype: str,
+    top_k: int,
+) -> list[tuple[Knobs, Geometry]]:
+    """The shapes grown from `start` that fit as many replicas: its west strip widened
+    (`_strip_widened`), then that shape (or `start`) with the head's rounds apart in each of HEAD_SETS."""
+    shapes = [start]
+    widened = _strip_widened(config, *start, arch)
+    if widened is not None:
+        shapes += _as_many_replicas(config, widened, start[1], slots, context, arch, dtype, top_k)
+    base = shapes[-1]
+    for sets in HEAD_SETS:
+        grown = _head_apart(config, *base, arch, dtype, top_k, sets)
+        if grown is not None:
+            shapes += _as_many_replicas(config, grown, base[1], slots, context, arch, dtype, top_k)
+    return shapes[1:]
 
 
 def _packed(
@@ -307,20 +331,30 @@ def _interlocked(
     return []
 
 
-def _fc_filled(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) -> Knobs | None:
+def _fc_filled(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) -> list[Knobs]:
     """The same knobs with FC and proj taller, into the rows the kernel leaves each replica of its
     column of replicas (the head strip, or the kernel's height over the replicas it stacks, is often
     taller than the bands): FC's and proj's tile FMACs, which a small replica's latency is mostly made
-    of, shrink with every row they take. The tallest whose tiles are whole (4 n_embd a multiple of
-    it): a ragged tile's outputs seldom divide among fc's epilogue PEs, and few heights keep the
-    search's tilings few. None where none is taller."""
+    of, shrink with every row they take. The tallest count whose tiles are whole (4 n_embd a multiple
+    of it), and the tallest count at all where its tiles are shorter still: a count that does not
+    divide 4 n_embd leaves the last row's tile ragged (zero-padded, `GemvTiling`), which fc's epilogue
+    shares multicast (pe/gemv.csl's slices); proj's K-lines over such a count can reduce slower, so
+    both are priced. Each is the fewest rows with its tile (the least padding); none taller than the
+    knobs' own: []."""
     hidden = 4 * config.n_embd  # fc's outputs
     tallest = arch.kernel_h // (arch.kernel_h // geo.height)  # as many replicas stacked
     # FC's rows are in every band's height, or in every pair's and an odd band's where they interlock
     stacked = geo.bands // 2 + geo.bands % 2 if geo.interlocked else geo.bands
     rows = min((tallest - (geo.bands_h - stacked * geo.f)) // stacked, hidden)
-    fc_cols = next((f for f in range(rows, knobs.fc_cols, -1) if hidden % f == 0), None)
-    return None if fc_cols is None else replace(knobs, fc_cols=fc_cols)
+    tile = ceil_div(hidden, knobs.fc_cols)
+    options = []
+    whole = next((f for f in range(rows, knobs.fc_cols, -1) if hidden % f == 0), None)
+    if whole is not None:
+        options.append(whole)
+        tile = hidden // whole
+    if ceil_div(hidden, rows) < tile:
+        options.append(ceil_div(hidden, ceil_div(hidden, rows)))
+    return [replace(knobs, fc_cols=f) for f in options]
 
 
 def _strip_widened(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) -> Knobs | None:
@@ -457,6 +491,43 @@ def build_plan(
         return _search_plan(*request)
     plan = _kept_plan(*request)
     return copy.deepcopy(plan, {id(plan.config): plan.config, id(plan.arch): plan.arch})
+
+
+def plan_for_knobs(
+    config: GPT2Config,
+    knobs: Knobs,
+    arch: str | Arch = "wse2",
+    dtype: str = "fp16",
+    slots: int = 16,
+    context: int | None = None,
+    objective: str = DEFAULT_OBJECTIVE,
+    replicas: int = DEFAULT_REPLICAS,
+    top_k: int = DEFAULT_TOP_K,
+) -> Plan:
+    """The plan of one candidate size, `knobs`, placed and checked as `build_plan` places its pick
+    (what-ifs, and tests of a size the search would not pick); PlanError naming the limit it misses."""
+    arch = resolve_arch(arch)
+    context = check_request(config, dtype, slots, context, top_k, objective)
+    lt = _layer_tilings(
+        config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
+    )
+    head = _head_tiling(
+        config, knobs.strip, knobs.head_cols, top_k, arch, dtype, knobs.head_workers, knobs.head_sets
+    )
+    over = memory_over(lt, head, dtype, arch)
+    if over is not None:
+        raise PlanError(f"{knobs}: {over[1]}")
+    geo = replica_geometry(config, knobs, arch, dtype, Dirs.of(lt, head))
+    if not isinstance(geo, Geometry):
+        raise PlanError(f"{knobs}: kernel area: {geo[1]}")
+    cand = _priced(0, config, knobs, lt, head, geo, arch, dtype)
+    if cand.replicas_fit < replicas:
+        raise PlanError(f"{knobs}: kernel area: at most {cand.replicas_fit} replicas fit, {replicas} asked")
+    plan = _assemble(config, arch, dtype, slots, context, objective, replicas, top_k, cand)
+    if isinstance(plan, str):
+        raise PlanError(f"{knobs}: {plan}")
+    plan.candidates_explored = 1
+    return plan
 
 
 @lru_cache(maxsize=32, typed=True)  # typed: slots=True is refused, not taken for slots=1
