@@ -16,7 +16,16 @@ from wafer_gpt2.core.arch import ARCHS, Arch
 from wafer_gpt2.core.code_bytes import program_of
 from wafer_gpt2.core.tiling import AttentionTiling, GemvTiling, HeadTiling, NormTiling
 from wafer_gpt2.model.config import PRESETS, GPT2Config
-from wafer_gpt2.plan import LAYER_OPS, Plan, PlanError, Region, build_plan, exit_dirs, price_candidates
+from wafer_gpt2.plan import (
+    LAYER_OPS,
+    Plan,
+    PlanError,
+    Region,
+    build_plan,
+    exit_dirs,
+    plan_for_knobs,
+    price_candidates,
+)
 from wafer_gpt2.plan import search as search_module
 from wafer_gpt2.plan.checks import check_input_queues, check_memory, head_embedding, input_queue_roles
 from wafer_gpt2.plan.search import forget_kept_plans
@@ -258,25 +267,24 @@ def test_throughput_plans_take_the_rows_and_columns_their_replicas_leave(shape, 
     assert plan.modeled()["tokens_per_s_total"] > 1.04 * without.modeled()["tokens_per_s_total"]
 
 
-def test_fc_fills_its_rows_in_ragged_tiles_where_they_are_shorter(monkeypatch) -> None:
+def test_fc_fills_its_rows_in_ragged_tiles_where_they_are_shorter() -> None:
     """At 32 slots gpt2's replica leaves FC and proj rows that no divisor of 3072 fills: they take them
-    in tiles that do not divide it (the last one zero-padded), the tiles shorter than whole ones allow,
-    as many replicas fit, and the wafer's modeled tokens/s is above the search's with whole tiles only."""
+    in tiles that do not divide it (the last one zero-padded), shorter than whole tiles allow, and the
+    wafer's modeled tokens/s is above that of the same size with the tallest whole tiles (48 rows)."""
     plan = build_plan(PRESETS["gpt2"], "wse2", slots=32, objective="throughput", replicas="auto")
     check_plan(plan)
     fc, proj, hidden = plan.layers[0].fc, plan.layers[0].proj, 4 * plan.config.n_embd
     assert hidden % fc.cols and fc.cols == plan.knobs.fc_cols == proj.rows
     assert (fc.cols - 1) * fc.tile_n < hidden <= fc.cols * fc.tile_n and proj.tile_k == fc.tile_n
-    whole_only = search_module._fc_filled
-
-    def whole_tiles(*args):
-        return [k for k in whole_only(*args) if hidden % k.fc_cols == 0]
-
-    monkeypatch.setattr(search_module, "_fc_filled", whole_tiles)
-    forget_kept_plans()
-    whole = build_plan(PRESETS["gpt2"], "wse2", slots=32, objective="throughput", replicas="auto")
-    forget_kept_plans()
-    assert hidden % whole.knobs.fc_cols == 0 and whole.replicas == plan.replicas
+    tallest_whole = max(f for f in range(1, fc.cols) if hidden % f == 0)
+    whole = plan_for_knobs(
+        plan.config,
+        replace(plan.knobs, fc_cols=tallest_whole),
+        "wse2",
+        slots=32,
+        objective="throughput",
+        replicas=plan.replicas,
+    )
     assert whole.layers[0].fc.tile_n > fc.tile_n and whole.decode_cycles > plan.decode_cycles
     assert plan.modeled()["tokens_per_s_total"] > 1.01 * whole.modeled()["tokens_per_s_total"]
 
