@@ -16,6 +16,7 @@ between the same two moments (the stage without its input phase, any route after
 stage's input phase). Its rows add up to the path from the first region with counters to io.out.
 
     python tools/bench/csl_cycles.py [--arch wse2] [--vocab 50257] [--objective compact] [--position 32] [--idle]
+                                     [--fc-cols F]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,7 @@ from wafer_gpt2.core.steps import StepInputs, StepItem  # noqa: E402
 from wafer_gpt2.host.program import CYCLES_SYMBOL, WaferGPT2  # noqa: E402
 from wafer_gpt2.model.config import GPT2Config  # noqa: E402
 from wafer_gpt2.model.params import GPT2Params  # noqa: E402
-from wafer_gpt2.plan import Plan, build_plan  # noqa: E402
+from wafer_gpt2.plan import Plan, build_plan, plan_for_knobs  # noqa: E402
 
 INPUT_PHASES = (
     "input",
@@ -184,6 +186,16 @@ def tiny_plan(args: argparse.Namespace) -> tuple[Plan, GPT2Params]:
         objective=args.objective,
         replicas=1,
     )
+    if getattr(args, "fc_cols", None):  # the same size with FC and proj over this many rows
+        plan = plan_for_knobs(
+            config,
+            replace(plan.knobs, fc_cols=args.fc_cols),
+            arch=args.arch,
+            dtype=args.dtype,
+            slots=args.slots,
+            context=64,
+            objective=args.objective,
+        )
     return plan, GPT2Params.random(config, seed=3)
 
 
@@ -205,6 +217,12 @@ def main() -> int:
         action="store_true",
         help="score the prompt's last item first, so that the decode item runs on an idle wafer (a "
         "chained region's PEs then start it together, not as each finishes the prompt's items)",
+    )
+    p.add_argument(
+        "--fc-cols",
+        type=int,
+        help="FC's and proj's rows (F) instead of the plan's: one that does not divide 4 n_embd makes "
+        "their tiles ragged",
     )
     p.add_argument("--json", help="write the table here")
     add_pacing_argument(p)
