@@ -691,13 +691,20 @@ def test_a_head_that_embeds_equals_the_simulator(arch):
 
 
 @pytest.mark.parametrize(
-    ("embeds", "arch"),
-    [(True, "wse2"), (False, "wse2"), pytest.param(True, "wse3", marks=pytest.mark.executor_full)],
+    ("embeds", "arch", "strip"),
+    [
+        (True, "wse2", 4),
+        (False, "wse2", 3),
+        pytest.param(True, "wse3", 3, marks=pytest.mark.executor_full),
+        pytest.param(False, "wse3", 4, marks=pytest.mark.executor_full),
+    ],
 )  # CI time: WSE-3's with -m executor_full
-def test_a_west_strip_wider_than_the_stream_equals_the_simulator(embeds, arch, monkeypatch):
+def test_a_west_strip_wider_than_the_stream_equals_the_simulator(embeds, arch, strip, monkeypatch):
     """The west strip (the head's K-lines, ln_f, the embedding where the head serves it) wider than
     the layers' strips (`Knobs.strip_pes`): the stream re-cut by the gather lines into ln_f and, where
-    the embedding lies in the strip, out of it into layer 0; the head's tiles shorter along K."""
+    the embedding lies in the strip, out of it into layer 0; the head's tiles shorter along K. A strip
+    of 3 PEs does not divide the 32 channels: its chunks are ragged (11, 11 and 10), the head's K
+    zero-padded, as a throughput plan's strip of any width that fits has them."""
     from dataclasses import replace
 
     from wafer_gpt2.plan import build_plan
@@ -708,14 +715,14 @@ def test_a_west_strip_wider_than_the_stream_equals_the_simulator(embeds, arch, m
     knobs = search_module._candidate_knobs
 
     def wider(*args, **kwargs):
-        return [replace(k, strip_pes=4) for k in knobs(*args, **kwargs) if k.stream_pes == 2]
+        return [replace(k, strip_pes=strip) for k in knobs(*args, **kwargs) if k.stream_pes == 2]
 
     monkeypatch.setattr(search_module, "_candidate_knobs", wider)
     search_module.forget_kept_plans()
     plan = build_plan(config, arch=arch, dtype="fp32", slots=1, context=32, top_k=8, objective="compact")
     search_module.forget_kept_plans()
     head, ln_f, embed = plan.region("head"), plan.region("ln_f"), plan.region("embed")
-    assert head.w == ln_f.w == head.tiling.gemv.rows == 4 and plan.layers[0].ln_1.pes == 2
+    assert head.w == ln_f.w == head.tiling.gemv.rows == strip and plan.layers[0].ln_1.pes == 2
     assert ("wte" not in embed.symbols) == embeds and (embed.w == head.w) == embeds
     two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=5))
 
