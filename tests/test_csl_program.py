@@ -704,7 +704,7 @@ def test_a_west_strip_wider_than_the_stream_equals_the_simulator(embeds, arch, s
     the layers' strips (`Knobs.strip_pes`): the stream re-cut by the gather lines into ln_f and, where
     the embedding lies in the strip, out of it into layer 0; the head's tiles shorter along K. A strip
     of 3 PEs does not divide the 32 channels: its chunks are ragged (11, 11 and 10), the head's K
-    zero-padded, as a throughput plan's strip of any width that fits has them."""
+    zero-padded, as a head with its rounds apart often has its weighted PEs."""
     from dataclasses import replace
 
     from wafer_gpt2.plan import build_plan

@@ -67,11 +67,6 @@ DEFAULT_REPLICAS = 1
 DEFAULT_TOP_K = 64  # candidates the head returns per token
 
 STREAM_WIDTHS = (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128)
-# Widths a throughput plan's west strip may take into the columns its replicas leave, besides the
-# stream's: the head's K-lines need not divide n_embd (their tiles are zero-padded), but a width of
-# its own for every candidate would leave the head's pricing (cached per strip) nothing to share,
-# about ten times the search; a few dozen widths cost it about half again.
-STRIP_WIDTHS = tuple(sorted({*range(8, 17), *STREAM_WIDTHS, 18, 22, 26, 30, 36, 44, 52, 60}))
 # Logits per head column (the head has vocab / tile columns, one strip row each): between 128 and 256
 # the steps let the strip grow to the height the layers' bands give a replica, whose tile FMACs are
 # what limits a throughput plan's head.
@@ -293,20 +288,17 @@ def _widened_and_apart(
     top_k: int,
 ) -> list[tuple[Knobs, Geometry]]:
     """The shapes grown from `start` that fit as many replicas: its west strip widened
-    (`_strip_widened`, each width), then each of those (or `start`, where none fits) with the head's
-    rounds apart in each of HEAD_SETS."""
-    widened = [
-        shape
-        for knobs in _strip_widened(config, *start, arch)
-        for shape in _as_many_replicas(config, knobs, start[1], slots, context, arch, dtype, top_k)
-    ]
-    shapes = list(widened)
-    for base in widened or [start]:
-        for sets in HEAD_SETS:
-            grown = _head_apart(config, *base, arch, dtype, top_k, sets)
-            if grown is not None:
-                shapes += _as_many_replicas(config, grown, base[1], slots, context, arch, dtype, top_k)
-    return shapes
+    (`_strip_widened`), then that shape (or `start`) with the head's rounds apart in each of HEAD_SETS."""
+    shapes = [start]
+    widened = _strip_widened(config, *start, arch)
+    if widened is not None:
+        shapes += _as_many_replicas(config, widened, start[1], slots, context, arch, dtype, top_k)
+    base = shapes[-1]
+    for sets in HEAD_SETS:
+        grown = _head_apart(config, *base, arch, dtype, top_k, sets)
+        if grown is not None:
+            shapes += _as_many_replicas(config, grown, base[1], slots, context, arch, dtype, top_k)
+    return shapes[1:]
 
 
 def _packed(
@@ -365,19 +357,15 @@ def _fc_filled(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) -> l
     return [replace(knobs, fc_cols=f) for f in options]
 
 
-def _strip_widened(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) -> list[Knobs]:
+def _strip_widened(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) -> Knobs | None:
     """The same knobs with the west strip wider, into the columns the kernel leaves each replica of
     its row of replicas: the head's K-lines longer and its tiles shorter, whose FMACs are half of the
     stage that caps a small replica's tokens/s. The widest of the stream's widths (`STREAM_WIDTHS`)
-    that fits, and the widest of `STRIP_WIDTHS` where wider still (its weighted PEs need not divide
-    n_embd): each is priced, since a head's workers and sets fit one width better than another; []
-    where none is wider."""
+    that fits; None where none is wider."""
     # as many replicas side by side, their layers (and an interlock's shift) as wide as before
-    widest = min(arch.kernel_w // (arch.kernel_w // geo.width) - (geo.width - geo.s), config.n_embd)
-    options = {
-        max((w for w in widths if geo.s < w <= widest), default=0) for widths in (STREAM_WIDTHS, STRIP_WIDTHS)
-    }
-    return [replace(knobs, strip_pes=w) for w in sorted(options) if w]
+    widest = arch.kernel_w // (arch.kernel_w // geo.width) - (geo.width - geo.s)
+    strip = max((w for w in STREAM_WIDTHS if geo.s < w <= min(widest, config.n_embd)), default=None)
+    return None if strip is None else replace(knobs, strip_pes=strip)
 
 
 def _head_apart(
