@@ -225,12 +225,7 @@ def _search(
     area: tuple[float, str] | None = None  # the closest of those that fit the memory
     knobs_list = _candidate_knobs(config, arch, dtype, slots, context, compact)
     for knobs in knobs_list:
-        lt = _layer_tilings(
-            config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
-        )
-        head = _head_tiling(
-            config, knobs.strip, knobs.head_cols, top_k, arch, dtype, knobs.head_workers, knobs.head_sets
-        )
+        lt, head = _tilings(config, knobs, slots, context, arch, dtype, top_k)
         over = memory_over(lt, head, dtype, arch)
         if over is not None:
             closest = _closer(closest, over)
@@ -264,12 +259,7 @@ def _search(
             for start in filled or [packed]:
                 shapes += _widened_and_apart(config, start, slots, context, arch, dtype, top_k)
         for k, g in shapes:
-            tilings = _layer_tilings(
-                config, k.stream_pes, k.fold, k.attn_chain, k.fc_cols, slots, context, arch, dtype
-            )
-            strip_head = _head_tiling(
-                config, k.strip, k.head_cols, top_k, arch, dtype, k.head_workers, k.head_sets
-            )
+            tilings, strip_head = _tilings(config, k, slots, context, arch, dtype, top_k)
             priced.append(_priced(len(priced), config, k, tilings, strip_head, g, arch, dtype))
     return CandidateSearch(len(knobs_list), priced, area or closest)
 
@@ -425,12 +415,7 @@ def _as_many_replicas(
 ) -> list[tuple[Knobs, Geometry]]:
     """[(knobs, their geometry)] where their tilings fit the per-PE memory and as many replicas fit
     the kernel as of `geo`; [] otherwise."""
-    lt = _layer_tilings(
-        config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
-    )
-    head = _head_tiling(
-        config, knobs.strip, knobs.head_cols, top_k, arch, dtype, knobs.head_workers, knobs.head_sets
-    )
+    lt, head = _tilings(config, knobs, slots, context, arch, dtype, top_k)
     if memory_over(lt, head, dtype, arch) is not None:
         return []
     shape = replica_geometry(config, knobs, arch, dtype, Dirs.of(lt, head))
@@ -508,12 +493,7 @@ def plan_for_knobs(
     (what-ifs, and tests of a size the search would not pick); PlanError naming the limit it misses."""
     arch = resolve_arch(arch)
     context = check_request(config, dtype, slots, context, top_k, objective)
-    lt = _layer_tilings(
-        config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
-    )
-    head = _head_tiling(
-        config, knobs.strip, knobs.head_cols, top_k, arch, dtype, knobs.head_workers, knobs.head_sets
-    )
+    lt, head = _tilings(config, knobs, slots, context, arch, dtype, top_k)
     over = memory_over(lt, head, dtype, arch)
     if over is not None:
         raise PlanError(f"{knobs}: {over[1]}")
@@ -635,6 +615,19 @@ def _ranked(
             objective, slots, wanted, cand.footprint_pes, cand.decode_cycles, cand.bottleneck_cycles
         )
         heapq.heappush(heap, (score, index, True, wanted, cand))
+
+
+def _tilings(
+    config: GPT2Config, knobs: Knobs, slots: int, context: int, arch: Arch, dtype: str, top_k: int
+) -> tuple[LayerTilings, HeadTiling]:
+    """A candidate size's layer tilings and head tiling (each cached by the knobs it depends on)."""
+    lt = _layer_tilings(
+        config, knobs.stream_pes, knobs.fold, knobs.attn_chain, knobs.fc_cols, slots, context, arch, dtype
+    )
+    head = _head_tiling(
+        config, knobs.strip, knobs.head_cols, top_k, arch, dtype, knobs.head_workers, knobs.head_sets
+    )
+    return lt, head
 
 
 @lru_cache(maxsize=4096)  # keyed by the knobs a layer's tilings depend on: many candidates share them
