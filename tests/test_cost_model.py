@@ -397,20 +397,27 @@ def test_head_cost_adds_up_and_the_planner_takes_the_cheapest() -> None:
 
 def test_a_head_with_its_rounds_apart_takes_an_item_as_often_as_its_slower_role() -> None:
     """HeadTiling.apart: the workers and the root after the K-line's weighted PEs. The span grows by
-    the header's way and the sum's through them (each a task, the header's send and the pass's start,
-    a hop); the stage's occupancy is the slower of its two roles, which run different items: a
+    the header's and the sum's way to them (one multicast: the hops to the last worker, a task on the
+    header and the sum's read), and loses the root's scatter (each worker's slice is in the sum it
+    read); the stage's occupancy is the slower of its two roles, which run different items: a
     weighted PE's window read, FMACs and chain, and the rounds' PEs' everything after the chain."""
     gemv = GemvTiling(768, 50257, 24, 262, "k_along_x")
     head = HeadTiling(vocab=50257, dim=768, gemv=gemv, top_k=64, workers=8, apart=True)
     assert head.line == 24 + 8 + 1 and head.pes == 33 * 262
     c = cost.head_cost(head, "wse2", "fp16")
-    hop = STEP + cost.TASK_ACTIVATION_CYCLES + 2 * cost.DSD_OP_START_CYCLES + 5
-    assert c.phases["the chain through the rounds' PEs"] == 9 * hop
+    assert c.phases["the sum to the rounds' PEs"] == (
+        8 * H + R + cost.TASK_ACTIVATION_CYCLES + cost.DSD_OP_START_CYCLES
+    )
+    # the same head with its slices scattered back from the root (the rounds on weighted PEs) waits
+    # for the scatter: apart, a worker's slice is ready a task after its sum
+    scattered = cost.head_cost(replace(head, apart=False), "wse2", "fp16")
+    round_a = "round A: slice max and min reduced to the centre"
+    assert c.phases[round_a] < scattered.phases[round_a]
     assert c.phases["chain reduction"] == cost.chain_reduce_cycles(23, 192) + cost.DSD_OP_START_CYCLES + 5
     weighted, rounds = cost.head_role_cycles(head, c)
     fmac, chain = c.phases["tile FMAC"], c.phases["chain reduction"]
     assert weighted == 5 + 32 + cost.TASK_ACTIVATION_CYCLES + fmac + chain
-    # the sum's 192 words stream through the rounds' PEs on every item (in the span they overlap the
+    # every PE of the rounds reads the sum's 192 words on every item (in the span they overlap the
     # weighted chain's hops)
     assert (
         rounds

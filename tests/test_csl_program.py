@@ -802,22 +802,24 @@ def test_lanes_that_turn_share_no_router(west: bool, north: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    ("embeds", "arch", "sets"),
+    ("embeds", "arch", "sets", "rows"),
     [
-        (True, "wse2", 1),
-        (False, "wse2", 1),
-        (True, "wse2", 2),
-        pytest.param(True, "wse3", 1, marks=pytest.mark.executor_full),
-        pytest.param(False, "wse3", 2, marks=pytest.mark.executor_full),
+        (True, "wse2", 1, 2),
+        (False, "wse2", 1, 2),
+        (True, "wse2", 2, 2),
+        pytest.param(False, "wse2", 2, 1, marks=pytest.mark.executor_full),
+        pytest.param(True, "wse3", 1, 2, marks=pytest.mark.executor_full),
+        pytest.param(False, "wse3", 2, 2, marks=pytest.mark.executor_full),
     ],
-)  # CI time: WSE-3's with -m executor_full
-def test_the_heads_rounds_apart_equal_the_simulator(embeds, arch, sets, monkeypatch):
+)  # CI time: WSE-3's and a K-line of one weighted PE with -m executor_full
+def test_the_heads_rounds_apart_equal_the_simulator(embeds, arch, sets, rows, monkeypatch):
     """The head's workers and root on PEs of their own after each K-line (`Knobs.head_workers`,
-    HeadTiling.apart): the header ahead of the sum on the K chain, the sum passed through them, the
-    weighted PEs on to the next item during the rounds (two of the prompt's items are scored); ln_f
-    and an embedding in the strip span the weighted PEs alone. In two sets (`Knobs.head_sets`) the
-    three scored items go to the first set, the second and the first again (the turn holds across
-    steps), and io.out reads their records in that turn."""
+    HeadTiling.apart): the header and the sum multicast from the last weighted PE to all of them, each
+    worker's slice kept from it, the weighted PEs on to the next item during the rounds (two of the
+    prompt's items are scored); ln_f and an embedding in the strip span the weighted PEs alone. In two
+    sets (`Knobs.head_sets`) the three scored items go to the first set, the second and the first again
+    (the turn holds across steps), and io.out reads their records in that turn. A K-line of one
+    weighted PE multicasts its own logits."""
     from dataclasses import replace
 
     from wafer_gpt2.plan import build_plan
@@ -829,7 +831,7 @@ def test_the_heads_rounds_apart_equal_the_simulator(embeds, arch, sets, monkeypa
 
     def apart(*args, **kwargs):
         return [
-            replace(k, strip_pes=2 + 3 * sets, head_workers=2, head_sets=sets)
+            replace(k, strip_pes=rows + 3 * sets, head_workers=2, head_sets=sets)
             for k in knobs(*args, **kwargs)
             if k.stream_pes == 2
         ]
@@ -840,8 +842,8 @@ def test_the_heads_rounds_apart_equal_the_simulator(embeds, arch, sets, monkeypa
     search_module.forget_kept_plans()
     head, ln_f, embed = plan.region("head"), plan.region("ln_f"), plan.region("embed")
     assert head.tiling.apart and head.tiling.workers == 2 and head.tiling.sets == sets
-    assert head.w == head.tiling.line == 2 + 3 * sets
-    assert ln_f.w == head.tiling.gemv.rows == 2
+    assert head.w == head.tiling.line == rows + 3 * sets
+    assert ln_f.w == head.tiling.gemv.rows == rows
     assert ("wte" not in embed.symbols) == embeds and (embed.x == head.x and embed.w == 2) == embeds
     two_steps_equal_the_simulator(plan, GPT2Params.random(config, seed=5))
 

@@ -261,10 +261,31 @@ def test_throughput_plans_take_the_rows_and_columns_their_replicas_leave(shape, 
     assert not plan.head.apart
     none = [] if shape == "_fc_filled" else None
     monkeypatch.setattr(search_module, shape, lambda *args: none)
+    if shape == "_strip_widened":  # nor the second pass's widths
+        monkeypatch.setattr(search_module, "WIDER_STRIP_STARTS", 0)
     forget_kept_plans()
     without = build_plan(PRESETS["gpt2"], "wse2", objective="throughput", replicas="auto")
     forget_kept_plans()
     assert plan.modeled()["tokens_per_s_total"] > 1.04 * without.modeled()["tokens_per_s_total"]
+
+
+def test_the_best_shapes_take_a_strip_of_any_width_the_columns_leave(monkeypatch) -> None:
+    """The second pass of a throughput search (`_wider_strips`): the shapes the best candidates grew
+    from, with the west strip at a width that is no stream's (the head's K-lines need not divide
+    n_embd), as many replicas fitting; gpt2 at 16 slots on WSE-2 takes one, and the wafer's modeled
+    tokens/s is above the search's without the second pass."""
+    plan = plan_for("gpt2", "wse2", objective="throughput", replicas="auto")
+    assert (
+        plan.knobs.strip in search_module.STRIP_WIDTHS and plan.knobs.strip not in search_module.STREAM_WIDTHS
+    )
+    assert plan.region("head").w == plan.head.line == plan.knobs.strip
+    monkeypatch.setattr(search_module, "WIDER_STRIP_STARTS", 0)
+    forget_kept_plans()
+    without = build_plan(PRESETS["gpt2"], "wse2", objective="throughput", replicas="auto")
+    forget_kept_plans()
+    assert without.knobs.strip in search_module.STREAM_WIDTHS or without.knobs.strip == 0
+    assert plan.replicas == without.replicas
+    assert plan.modeled()["tokens_per_s_total"] > without.modeled()["tokens_per_s_total"]
 
 
 def test_fc_fills_its_rows_in_ragged_tiles_where_they_are_shorter() -> None:
@@ -338,7 +359,7 @@ def test_a_throughput_plan_capped_by_the_head_runs_its_rounds_apart(monkeypatch)
     one_set = build_plan(PRESETS["gpt2"], "wse2", slots=32, objective="throughput", replicas="auto")
     assert one_set.head.apart and one_set.head.sets == 1
     assert one_set.occupancy_cycles == {s.name: s for s in one_set.stage_costs}["head"].busy
-    monkeypatch.setattr(search_module, "_head_apart", lambda *args, **kwargs: None)
+    monkeypatch.setattr(search_module, "_head_apart", lambda *args, **kwargs: [])
     forget_kept_plans()
     without = build_plan(PRESETS["gpt2"], "wse2", slots=32, objective="throughput", replicas="auto")
     forget_kept_plans()

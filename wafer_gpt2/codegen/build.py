@@ -369,8 +369,9 @@ class _Builder:
         a line from the root back to the farthest); the two halves of the roots' column on either
         side of the centre each a reduction line towards it (`HeadTiling.tree_halves`), whose ends
         join the centre; one broadcast from the centre to every worker. Apart in `sets`, each set
-        has its workers, roots, tree and centre; the K chain's last weighted PE reaches a later set
-        over a link of its own. Returns the centres, one per set."""
+        has its workers, roots, tree and centre, and the K chain's last weighted PE multicasts each
+        item's header and sum to every PE of its set (a later set's over the routers of the sets
+        before it), whose workers keep their slices of it. Returns the centres, one per set."""
         t = head.tiling
         g = t.gemv
         most = t.workers if t.apart else g.rows - 1
@@ -387,33 +388,37 @@ class _Builder:
                 members = [f.pe(r, c) for r in range(g.rows)]
                 self.reduction(f"{tag}.red{c}", members, "red", "chain", 0)
             return [self.head_set(t, f, tag, g.rows - 1 - t.workers)]
-        # apart: the rounds' PEs (no weights, no lane) after the weighted ones, each set after the last
+        # apart: the rounds' PEs (no weights, no lane) after the weighted ones, each set after the last.
+        # The last weighted PE's K chain add streams [header | sum] onto a multicast to every PE of a
+        # set (the later sets' over the routers of those before); each set's rounds chain along it.
         for c in range(g.cols):
             last = f.pe(g.rows - 1, c)
-            first_set = [f.pe(r, c) for r in range(t.set_start(0), t.set_start(1))]
-            self.reduction(
-                f"{tag}.red{c}", [f.pe(r, c) for r in range(g.rows)] + first_set, "red", "chain", 0
-            )
-            self.params[last]["header_out"] = True
-            for s in range(1, t.sets):
-                # the last weighted PE's link to this set, over the routers of the sets before it; the
-                # set's PEs chain as the first set's do (their roles as in a line that begins there)
+            self.reduction(f"{tag}.red{c}", [f.pe(r, c) for r in range(g.rows)], "red", "chain", 0)
+            self.params[last].update(header_out=True, red_role=FIRST if g.rows == 1 else MIDDLE)
+            for s in range(t.sets):
                 members = [f.pe(r, c) for r in range(t.set_start(s), t.set_start(s + 1))]
-                kept = {k: self.params[last][k] for k in ("red_role", "red_rx", "red_tx")}
-                self.reduction(f"{tag}.red{c}.set{s}", [last, *members], "red", "chain", 0)
-                self.params[last].update(kept, alternates=True, second_tx=self.params[last]["red_tx"])
-            for r in range(g.rows, t.line):
-                self.params[f.pe(r, c)].update(weighted=False, embeds=False)
+                sums = self.flow(f"{tag}.sums{c}" + (f".set{s}" if s else ""), last, members)
+                self.params[last]["second_tx" if s else "red_tx"] = sums
+                for pos in members:
+                    self.params.setdefault(pos, {}).update(weighted=False, embeds=False, sums_rx=sums)
+            self.params[last]["alternates"] = t.sets > 1
         return [self.head_set(t, f, f"{tag}.set{s}" if s else tag, t.set_start(s)) for s in range(t.sets)]
 
     def head_set(self, t: Any, f: Frame, tag: str, start: int) -> Pos:
         """One set of the head's workers and roots, its workers along each K-line from index `start`
-        and its root after them: the scatters, the tree of the roots, the broadcast. Returns its
+        and its root after them: the slices (the root's scatter back along them, or apart the sum read
+        whole), the rounds' chain to the root apart, the tree of the roots, the broadcast. Returns its
         centre."""
         cols = t.gemv.cols
         root = start + t.workers
         for c in range(cols):
-            self.scatter_line(f"{tag}.slices{c}", [f.pe(r, c) for r in range(start, root + 1)], "worker_slot")
+            members = [f.pe(r, c) for r in range(start, root + 1)]
+            if t.apart:
+                self.reduction(f"{tag}.rounds{c}", members, "red", "chain", 0)
+                for slot, pos in enumerate(members):
+                    self.params[pos]["worker_slot"] = slot
+            else:
+                self.scatter_line(f"{tag}.slices{c}", members, "worker_slot")
         roots = [f.pe(root, c) for c in range(cols)]
         centre = roots[t.centre]
         left, right = t.tree_halves()
@@ -765,7 +770,7 @@ def _tiles(b: _Builder, plan: Plan) -> dict[Pos, Tile]:
             own.update(tile_k=t.gemv.tile_k, tile_n=t.gemv.tile_n, vocab=cfg.vocab_size, top_k=plan.top_k,
                        topk_bins=TOPK_BINS, chunk=HEAD_CHUNK, use_fp16=fp16, workers=t.workers,
                        worker_slot=t.workers, use_col_max=t.gemv.cols >= plan.top_k, weighted=True,
-                       header_out=False, alternates=False, second_tx=None)  # fmt: skip
+                       header_out=False, alternates=False, second_tx=None, sums_rx=None)  # fmt: skip
         elif kind == "embed":
             ppp, tile_k = embed_geometry(region, "wpe", cfg.n_embd)
             tpp = embed_geometry(region, "wte", cfg.n_embd)[0] if "wte" in region.symbols else 0

@@ -1163,11 +1163,12 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     chain = chain_reduce_cycles(g.rows - 1, g.tile_n)
     through = 0
     if tiling.apart:
-        # the last weighted PE sends the item's header ahead of its sum; every PE of the rounds takes
-        # the header in a task, sends it on and passes the sum through (the vector streams behind)
+        # the last weighted PE sends the item's header ahead of its sum, multicast to every PE of the
+        # rounds: the last worker takes the header in a task and reads the sum whole (the vector
+        # streams behind, over the links to it)
         chain += DSD_OP_START_CYCLES + ITEM_HEADER_WORDS
-        hop = _RELAY + TASK_ACTIVATION_CYCLES + 2 * DSD_OP_START_CYCLES + ITEM_HEADER_WORDS
-        through = (e + 1) * hop + (g.tile_n if g.rows == 1 else 0)
+        through = e * HOP_CYCLES + ROUTER_TO_PE_CYCLES + TASK_ACTIVATION_CYCLES + DSD_OP_START_CYCLES
+        through += g.tile_n if g.rows == 1 else 0
         # the last set's items cross the routers of the sets before it (no task there): priced for it
         through += (tiling.sets - 1) * tiling.rounds_pes * HOP_CYCLES
     # The columns' times are arrays (one element per column): the rounds' per-column arithmetic is the
@@ -1177,9 +1178,13 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     cost.add("tile FMAC", window)
     cost.add("chain reduction", chain)
     if tiling.apart:
-        cost.add("the chain through the rounds' PEs", through)
-    # 2. the slices (the root's scatter, its first DSD operation; a task on the worker)
-    slices = [t + TASK_ACTIVATION_CYCLES for t in _scattered(e + 1, part, DSD_OP_START_CYCLES)]
+        cost.add("the sum to the rounds' PEs", through)
+    # 2. the slices: the root's scatter (its first DSD operation; a task on the worker), or apart each
+    # worker's in the sum it read (a task)
+    if tiling.apart:
+        slices = [TASK_ACTIVATION_CYCLES] * e
+    else:
+        slices = [t + TASK_ACTIVATION_CYCLES for t in _scattered(e + 1, part, DSD_OP_START_CYCLES)]
     # 3. round A: a worker's scan, then its part of the K chain's links (a synchronous operation)
     scan = part * TOPK_SCAN_CYCLES + 4 + DSD_OP_START_CYCLES
     worker_a = [s + scan for s in slices]
@@ -1259,10 +1264,10 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
 def head_role_cycles(tiling: HeadTiling, cost: StageCost) -> tuple[int, int]:
     """(a weighted PE, the rounds' PEs): the cycles each role of a head with its rounds apart is
     taken per item, from its `head_cost`. A weighted PE from its window's read to its sum's send
-    (which waits until the rounds' first PE takes the sum); the rounds' PEs from the sum's way
-    through them to the record, all columns at once (the next item's sums wait at every column, so
-    the columns' skew of the input is gone), the sum's words streaming through them included (the
-    span has them in the weighted chain's phase, where they overlap its hops). With `sets` of the
+    (which waits until every PE of the rounds reads the sum); the rounds' PEs from the sum's way to
+    them to the record, all columns at once (the next item's sums wait at every column, so the
+    columns' skew of the input is gone), their read of the sum's words included (the span has them
+    in the weighted chain's phase, where they overlap its hops). With `sets` of the
     rounds taking the items in turn, each set's PEs are taken once every `sets` items."""
     g = tiling.gemv
     window, chain = cost.phases["tile FMAC"], cost.phases["chain reduction"]

@@ -67,6 +67,12 @@ DEFAULT_REPLICAS = 1
 DEFAULT_TOP_K = 64  # candidates the head returns per token
 
 STREAM_WIDTHS = (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128)
+# Widths a throughput plan's west strip may take into the columns its replicas leave, besides the
+# stream's: the head's K-lines need not divide n_embd (their tiles are zero-padded). Each width is a
+# head of its own to price (cached per strip), so they are offered only to the shapes that the first
+# pass ranks best (`WIDER_STRIP_STARTS`).
+STRIP_WIDTHS = tuple(sorted({*range(8, 17), *STREAM_WIDTHS, 18, 22, 26, 30, 36, 44, 52, 60}))
+WIDER_STRIP_STARTS = 20
 # Logits per head column (the head has vocab / tile columns, one strip row each): between 128 and 256
 # the steps let the strip grow to the height the layers' bands give a replica, whose tile FMACs are
 # what limits a throughput plan's head.
@@ -221,6 +227,7 @@ def _search(
     pack: bool,
 ) -> CandidateSearch:
     priced: list[PricedCandidate] = []
+    starts: list[tuple[Knobs, Geometry]] = []  # pack: the shape each priced one grew from
     closest: tuple[float, str] | None = None
     area: tuple[float, str] | None = None  # the closest of those that fit the memory
     knobs_list = _candidate_knobs(config, arch, dtype, slots, context, compact)
@@ -255,13 +262,70 @@ def _search(
                     config, fc_knobs, packed[1], slots, context, arch, dtype, top_k
                 )
             ]
+            origins = [packed] * len(shapes) + filled  # the shape each grew from (a filled one: itself)
             shapes += filled
             for start in filled or [packed]:
-                shapes += _widened_and_apart(config, start, slots, context, arch, dtype, top_k)
+                grown = _widened_and_apart(config, start, slots, context, arch, dtype, top_k)
+                shapes += grown
+                origins += [start] * len(grown)
+            starts += origins
         for k, g in shapes:
             tilings, strip_head = _tilings(config, k, slots, context, arch, dtype, top_k)
             priced.append(_priced(len(priced), config, k, tilings, strip_head, g, arch, dtype))
+    if pack:
+        priced += _wider_strips(config, priced, starts, slots, context, arch, dtype, top_k)
     return CandidateSearch(len(knobs_list), priced, area or closest)
+
+
+def _wider_strips(
+    config: GPT2Config,
+    priced: list[PricedCandidate],
+    starts: list[tuple[Knobs, Geometry]],
+    slots: int,
+    context: int,
+    arch: Arch,
+    dtype: str,
+    top_k: int,
+) -> list[PricedCandidate]:
+    """The second pass of a throughput search: the shapes that the best-ranked candidates (by their
+    floors, as many replicas as fit) grew from, each with its west strip at the widest of
+    `STRIP_WIDTHS` that fits where that is wider than the stream's widths allowed, then with the
+    head's rounds apart (`_widened_and_apart`'s growth with a width of its own), priced."""
+    ranked = sorted(
+        range(len(priced)),
+        key=lambda i: _score(
+            "throughput", slots, priced[i].replicas_fit, priced[i].footprint_pes,
+            priced[i].decode_floor, priced[i].bottleneck_floor,
+        ) + (priced[i].index,),
+    )  # fmt: skip
+    tried: list[tuple[Knobs, Geometry]] = []
+    out: list[PricedCandidate] = []
+    for i in ranked:
+        start = starts[i]
+        if start in tried:
+            continue
+        if len(tried) == WIDER_STRIP_STARTS:
+            break
+        tried.append(start)
+        knobs, geo = start
+        widest = min(arch.kernel_w // (arch.kernel_w // geo.width) - (geo.width - geo.s), config.n_embd)
+        stream = max((w for w in STREAM_WIDTHS if geo.s < w <= widest), default=0)
+        strip = max((w for w in STRIP_WIDTHS if max(geo.s, stream) < w <= widest), default=0)
+        if strip:
+            widened = _as_many_replicas(
+                config, replace(knobs, strip_pes=strip), geo, slots, context, arch, dtype, top_k
+            )
+            shapes = list(widened)
+            for base in widened:
+                for sets in HEAD_SETS:
+                    for grown in _head_apart(config, *base, arch, dtype, top_k, sets):
+                        shapes += _as_many_replicas(
+                            config, grown, base[1], slots, context, arch, dtype, top_k
+                        )
+            for k, g in shapes:
+                tilings, strip_head = _tilings(config, k, slots, context, arch, dtype, top_k)
+                out.append(_priced(len(priced) + len(out), config, k, tilings, strip_head, g, arch, dtype))
+    return out
 
 
 def _replicas_fit(geo: Geometry, arch: Arch) -> int:
@@ -285,8 +349,7 @@ def _widened_and_apart(
         shapes += _as_many_replicas(config, widened, start[1], slots, context, arch, dtype, top_k)
     base = shapes[-1]
     for sets in HEAD_SETS:
-        grown = _head_apart(config, *base, arch, dtype, top_k, sets)
-        if grown is not None:
+        for grown in _head_apart(config, *base, arch, dtype, top_k, sets):
             shapes += _as_many_replicas(config, grown, base[1], slots, context, arch, dtype, top_k)
     return shapes[1:]
 
@@ -366,13 +429,14 @@ def _head_apart(
     dtype: str,
     top_k: int,
     sets: int,
-) -> Knobs | None:
+) -> list[Knobs]:
     """The same knobs with the head's workers and root on PEs of their own after its K-lines, in the
-    same strip (HeadTiling.apart), in `sets` sets taking the items in turn: the K-lines take the next item while the rounds run, so the stage that caps a small
-    replica takes an item about as often as its rounds allow. None where no count of workers makes
-    the head faster per item."""
-    workers = _apart_workers(config, knobs.strip, knobs.head_cols, top_k, arch, dtype, sets)
-    return replace(knobs, head_workers=workers, head_sets=sets) if workers else None
+    same strip (HeadTiling.apart), in `sets` sets taking the items in turn: the K-lines take the next
+    item while the rounds run, so the stage that caps a small replica takes an item about as often as
+    its rounds allow. One per count of workers `_apart_workers` offers; [] where none makes the head
+    faster per item."""
+    counts = _apart_workers(config, knobs.strip, knobs.head_cols, top_k, arch, dtype, sets)
+    return [replace(knobs, head_workers=w, head_sets=sets) for w in counts]
 
 
 # Sets of the rounds apart the search offers: a second set halves the rounds' share of the interval;
@@ -381,10 +445,13 @@ HEAD_SETS = (1, 2)
 
 
 @lru_cache(maxsize=256)  # many candidates share a strip and a head
-def _apart_workers(config, strip_pes, head_cols, top_k, arch, dtype, sets) -> int:
-    """The workers of each of `sets` sets of the rounds apart that the model finds fastest per item
-    (then per token) for this strip and head, of those whose weighted PEs (and ln_f across them) still
-    fit a PE; 0 where none is faster per item than the head with its rounds on its weighted PEs."""
+def _apart_workers(config, strip_pes, head_cols, top_k, arch, dtype, sets) -> tuple[int, ...]:
+    """The counts of workers of each of `sets` sets of the rounds apart worth pricing for this strip
+    and head, of those whose weighted PEs (and ln_f across them) still fit a PE and whose head is
+    faster per item than with its rounds on its weighted PEs: the fastest per item (then per token),
+    and the fastest per token. More workers shorten the rounds but take weighted rows (longer tiles):
+    a replica capped by its head wants the first, one capped by its token's latency the second.
+    () where none is faster per item."""
     head = _head_tiling(config, strip_pes, head_cols, top_k, arch, dtype)
     tile_n = head.gemv.tile_n
     priced = []
@@ -398,9 +465,13 @@ def _apart_workers(config, strip_pes, head_cols, top_k, arch, dtype, sets) -> in
             continue
         cost = head_cost(apart, arch, dtype)
         priced.append((cost.busy, cost.cycles, w))
-    if not priced or min(priced)[0] >= head_cost(head, arch, dtype).busy:
-        return 0
-    return min(priced)[2]
+    together = head_cost(head, arch, dtype).busy
+    faster = [p for p in priced if p[0] < together]
+    if not faster:
+        return ()
+    per_item = min(faster)[2]
+    per_token = min(faster, key=lambda p: (p[1], p[0]))[2]
+    return (per_item,) if per_token == per_item else (per_item, per_token)
 
 
 def _as_many_replicas(
