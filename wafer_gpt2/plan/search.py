@@ -290,7 +290,7 @@ def _wider_strips(
     """The second pass of a throughput search: the shapes that the best-ranked candidates (by their
     floors, as many replicas as fit) grew from, each with its west strip at the widest of
     `STRIP_WIDTHS` that fits where that is wider than the stream's widths allowed, then with the
-    head's rounds apart (`_widened_and_apart`'s growth with a width of its own), priced."""
+    head's rounds apart (`_apart_shapes`), priced."""
     ranked = sorted(
         range(len(priced)),
         key=lambda i: _score(
@@ -308,7 +308,7 @@ def _wider_strips(
             break
         tried.append(start)
         knobs, geo = start
-        widest = min(arch.kernel_w // (arch.kernel_w // geo.width) - (geo.width - geo.s), config.n_embd)
+        widest = _widest_strip(config, geo, arch)
         stream = max((w for w in STREAM_WIDTHS if geo.s < w <= widest), default=0)
         strip = max((w for w in STRIP_WIDTHS if max(geo.s, stream) < w <= widest), default=0)
         if strip:
@@ -317,11 +317,7 @@ def _wider_strips(
             )
             shapes = list(widened)
             for base in widened:
-                for sets in HEAD_SETS:
-                    for grown in _head_apart(config, *base, arch, dtype, top_k, sets):
-                        shapes += _as_many_replicas(
-                            config, grown, base[1], slots, context, arch, dtype, top_k
-                        )
+                shapes += _apart_shapes(config, base, slots, context, arch, dtype, top_k)
             for k, g in shapes:
                 tilings, strip_head = _tilings(config, k, slots, context, arch, dtype, top_k)
                 out.append(_priced(len(priced) + len(out), config, k, tilings, strip_head, g, arch, dtype))
@@ -347,11 +343,26 @@ def _widened_and_apart(
     widened = _strip_widened(config, *start, arch)
     if widened is not None:
         shapes += _as_many_replicas(config, widened, start[1], slots, context, arch, dtype, top_k)
-    base = shapes[-1]
-    for sets in HEAD_SETS:
-        for grown in _head_apart(config, *base, arch, dtype, top_k, sets):
-            shapes += _as_many_replicas(config, grown, base[1], slots, context, arch, dtype, top_k)
-    return shapes[1:]
+    return shapes[1:] + _apart_shapes(config, shapes[-1], slots, context, arch, dtype, top_k)
+
+
+def _apart_shapes(
+    config: GPT2Config,
+    base: tuple[Knobs, Geometry],
+    slots: int,
+    context: int,
+    arch: Arch,
+    dtype: str,
+    top_k: int,
+) -> list[tuple[Knobs, Geometry]]:
+    """`base` with the head's rounds apart in each of HEAD_SETS (`_head_apart`'s counts of workers),
+    those that fit as many replicas."""
+    return [
+        shape
+        for sets in HEAD_SETS
+        for grown in _head_apart(config, *base, arch, dtype, top_k, sets)
+        for shape in _as_many_replicas(config, grown, base[1], slots, context, arch, dtype, top_k)
+    ]
 
 
 def _packed(
@@ -415,10 +426,15 @@ def _strip_widened(config: GPT2Config, knobs: Knobs, geo: Geometry, arch: Arch) 
     its row of replicas: the head's K-lines longer and its tiles shorter, whose FMACs are half of the
     stage that caps a small replica's tokens/s. The widest of the stream's widths (`STREAM_WIDTHS`)
     that fits; None where none is wider."""
-    # as many replicas side by side, their layers (and an interlock's shift) as wide as before
-    widest = arch.kernel_w // (arch.kernel_w // geo.width) - (geo.width - geo.s)
-    strip = max((w for w in STREAM_WIDTHS if geo.s < w <= min(widest, config.n_embd)), default=None)
+    widest = _widest_strip(config, geo, arch)
+    strip = max((w for w in STREAM_WIDTHS if geo.s < w <= widest), default=None)
     return None if strip is None else replace(knobs, strip_pes=strip)
+
+
+def _widest_strip(config: GPT2Config, geo: Geometry, arch: Arch) -> int:
+    """The widest west strip a shape can take with as many replicas side by side, their layers (and an
+    interlock's shift) as wide as before; no wider than n_embd (a K-line's row a channel at least)."""
+    return min(arch.kernel_w // (arch.kernel_w // geo.width) - (geo.width - geo.s), config.n_embd)
 
 
 def _head_apart(
