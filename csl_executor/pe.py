@@ -964,7 +964,9 @@ class StreamOp:
             )
             for kind, ch in blockers:
                 (ch.wait_data if kind == "data" else ch.wait_space)(self.kick)
-            if later is not None:
+            # a wavelet in the input queue that is not yet ready wakes nothing: look again when it is,
+            # unless room in an output is missing too (the queue's pop wakes the operation then)
+            if later is not None and all(kind == "data" for kind, _ in blockers):
                 self.kick(later)
             return
         self.blocked_on = ""
