@@ -96,7 +96,8 @@ def greedy(backend, prompt: list[int], new_tokens: int, slot: int = 0) -> list[i
 
 
 @pytest.mark.slow  # among the slowest tests (make test-fast leaves it out)
-@pytest.mark.parametrize("arch", ["wse2", "wse3"])
+# CI time: WSE-3 with -m executor_full (its seeded-schedule run below stays in `make test`)
+@pytest.mark.parametrize("arch", ["wse2", pytest.param("wse3", marks=pytest.mark.executor_full)])
 def test_fp32_scores_equal_the_simulator(tiny_params, arch):
     csl, sim = backends(tiny_params, arch, "fp32")
     try:
@@ -431,7 +432,7 @@ def test_multi_level_reductions_equal_the_simulator():
 @pytest.mark.slow
 def test_two_level_attention_merge_equals_the_simulator():
     """Attention's two merge rounds (the max, then the rescaled sums) over runs of 3 and their ends,
-    the last run shorter, on the plan's folded snake, M multicast back from the chain's last PE; 22
+    the last run shorter, on the plan's folded snake, M multicast back from the chain's last PE; 14
     positions fill only some of the PEs, so the others take part with (-inf, 0, 0). On WSE-2 only:
     the two-level test above runs a two-level merge on WSE-3 (CI time)."""
     from dataclasses import replace
@@ -448,13 +449,13 @@ def test_two_level_attention_merge_equals_the_simulator():
     for region in plan.regions:
         if region.kind == "attention":
             t = region.tiling
-            assert t.fold > 1 and t.chain % 3 and t.chain > 6 and -(-22 // t.positions_per_pe) < t.chain, t
+            assert t.fold > 1 and t.chain % 3 and t.chain > 6 and -(-14 // t.positions_per_pe) < t.chain, t
             region.tiling = replace(region.tiling, reduction="two_level", group=3)
     params = GPT2Params.random(config, seed=7)
     csl = start_model(plan, CslExecutorRuntime(compile_plan(plan)), params)
     sim = start_model(plan, SimRuntime(plan), params)
     try:
-        items = [StepItem(0, p, (5 * p + 2) % 100, want_scores=p in (3, 11, 21)) for p in range(22)]
+        items = [StepItem(0, p, (5 * p + 2) % 100, want_scores=p in (3, 8, 13)) for p in range(14)]
         assert (
             worst_difference(
                 csl.step(StepInputs.of_items(items)), sim.step(StepInputs.of_items(items)), same_ids=True
@@ -804,14 +805,14 @@ def test_lanes_that_turn_share_no_router(west: bool, north: bool) -> None:
 @pytest.mark.parametrize(
     ("embeds", "arch", "sets", "rows"),
     [
-        (True, "wse2", 1, 2),
+        pytest.param(True, "wse2", 1, 2, marks=pytest.mark.executor_full),
         (False, "wse2", 1, 2),
         (True, "wse2", 2, 2),
         pytest.param(False, "wse2", 2, 1, marks=pytest.mark.executor_full),
         pytest.param(True, "wse3", 1, 2, marks=pytest.mark.executor_full),
         pytest.param(False, "wse3", 2, 2, marks=pytest.mark.executor_full),
     ],
-)  # CI time: WSE-3's and a K-line of one weighted PE with -m executor_full
+)  # CI time: WSE-3's, a K-line of one weighted PE and one set with the embedding with -m executor_full
 def test_the_heads_rounds_apart_equal_the_simulator(embeds, arch, sets, rows, monkeypatch):
     """The head's workers and root on PEs of their own after each K-line (`Knobs.head_workers`,
     HeadTiling.apart): the header and the sum multicast from the last weighted PE to all of them, each
