@@ -46,10 +46,10 @@ generate: $(RUN_STAMP)
 # Everything CI runs: lint, the type checker (mypy on wafer_gpt2/, csl_executor/ and tools/, pyproject's
 # [tool.mypy]), the import contracts (layers, the CSL executor's independence, no cycles: pyproject's
 # [tool.importlinter]), then every test, the slow ones included, on one pytest-xdist worker per core (the
-# tests are single-threaded and CPU-bound; a worker that runs out of tests takes some queued for the other,
-# so that a few long ones at the end do not leave a core idle). mypy (one thread, about half a minute without its cache)
-# runs beside the tests, in the time their waits on servers and subprocesses leave a core idle; either
-# failing fails the target.
+# tests are single-threaded and CPU-bound; a worker that runs out of tests takes some queued for the
+# other, so that a few long ones at the end do not leave a core idle). mypy (one thread, about half a
+# minute without its cache) runs beside the tests, in the time their waits on servers and subprocesses
+# leave a core idle; either failing fails the target.
 test: installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
