@@ -7,12 +7,13 @@ it); each step reads one element of every source and writes one of the destinati
 operations round to nearest even after every arithmetic step (an fmac rounds its product, then its
 sum); 16-bit results leave on the fabric with the upper half of the wavelet zero. Where a destination
 in memory is read again by a later step of the same operation (a stride-0 accumulator, `@fmaxs(&m,
-m, v)`), the steps run one after another; otherwise they are done as one NumPy operation.
+m, v)`), the steps run one after another; otherwise they are done as one NumPy operation (over views
+of the memory where the operands' addresses step evenly: `mem_span`, `span_view`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -82,7 +83,7 @@ def mem4d(elem: CslType, base: int, dims: tuple, wio: bool, where: str) -> Dsd:
 
 
 def with_length(d: Dsd, length: int, where: str) -> Dsd:
-    return _checked(replace(d, length=length), where)
+    return _checked(d.changed(length=length), where)
 
 
 def increment_dsd_offset(d: Dsd, n: int, words: int, where: str) -> Dsd:
@@ -90,25 +91,25 @@ def increment_dsd_offset(d: Dsd, n: int, words: int, where: str) -> Dsd:
         raise CslRuntimeError(f"{where}: @increment_dsd_offset by {n} does not fit its i16 offset")
     if d.kind not in ("mem1d", "mem4d"):
         raise CslRuntimeError(f"{where}: @increment_dsd_offset needs a memory DSD, found {d.kind}")
-    return replace(d, base=d.base + n * words)
+    return d.changed(base=d.base + n * words)
 
 
 def set_dsd_base_addr(d: Dsd, addr: int, where: str) -> Dsd:
     if d.kind not in ("mem1d", "mem4d"):
         raise CslRuntimeError(f"{where}: @set_dsd_base_addr needs a memory DSD, found {d.kind}")
-    return replace(d, base=addr, offset=0)
+    return d.changed(base=addr, offset=0)
 
 
 def set_dsd_length(d: Dsd, n: int, where: str) -> Dsd:
     if d.kind == "mem4d":
         raise CslRuntimeError(f"{where}: @set_dsd_length does not apply to a mem4d_dsd")
-    return _checked(replace(d, length=n), where)
+    return _checked(d.changed(length=n), where)
 
 
 def set_dsd_stride(d: Dsd, s: int, where: str) -> Dsd:
     if d.kind != "mem1d":
         raise CslRuntimeError(f"{where}: @set_dsd_stride applies to a mem1d_dsd only")
-    return _checked(replace(d, stride=s), where)
+    return _checked(d.changed(stride=s), where)
 
 
 class DsdModule:
@@ -223,6 +224,53 @@ def mem_indices(d: Dsd | ScalarPtr, n: int, op_words: int, where: str) -> np.nda
     for extent, stride in d.dims:
         idx = (idx[:, None] + np.arange(extent, dtype=np.int64)[None, :] * (stride * words)).reshape(-1)
     return d.base + idx[:n]
+
+
+def mem_span(d: Dsd | ScalarPtr, op_words: int) -> tuple[int, int] | None:
+    """(first word, words from one element to the next) of an operand whose addresses step evenly: a
+    mem1d DSD, or a scalar pointer (step 0); None for a mem4d DSD."""
+    if isinstance(d, ScalarPtr):
+        return d.addr, 0
+    if d.kind == "mem1d":
+        return d.base + d.offset * op_words, d.stride * op_words
+    return None
+
+
+def typed_views(mem16: np.ndarray) -> dict[str, np.ndarray]:
+    """A PE's memory as an array of each element type (32-bit types at even word addresses)."""
+    return {t: mem16.view(NP[t]) for t in NP}
+
+
+def span_view(views: dict[str, np.ndarray], etype: str, start: int, step: int, n: int) -> np.ndarray | None:
+    """The n elements at words start, start + step, ... as a view of the memory (a step of 0 repeats
+    one element, read-only); None where a 32-bit element is not word-pair aligned (the indexed path
+    reports that). The caller has checked that every element lies in the memory."""
+    words = WORDS[etype]
+    if words == 2 and (start | step) & 1:
+        return None
+    first, every = start // words, step // words
+    view = views[etype]
+    if every == 0:
+        return np.broadcast_to(view[first : first + 1], (n,))
+    return view[first::every][:n]
+
+
+def span_in_memory(start: int, step: int, n: int, etype: str, size: int) -> bool:
+    """Do the n elements of a span lie in a memory of `size` words?"""
+    last = start + (n - 1) * step
+    return min(start, last) >= 0 and max(start, last) + WORDS[etype] - 1 < size
+
+
+def spans_apart(a: tuple[int, int, str], b: tuple[int, int, str], n: int) -> bool:
+    """Do two spans of n elements ((start, step, element type)) touch no word in common?"""
+    lo_a, hi_a = _word_range(*a, n)
+    lo_b, hi_b = _word_range(*b, n)
+    return hi_a < lo_b or hi_b < lo_a
+
+
+def _word_range(start: int, step: int, etype: str, n: int) -> tuple[int, int]:
+    last = start + (n - 1) * step
+    return min(start, last), max(start, last) + WORDS[etype] - 1
 
 
 def op_length(operands: tuple) -> int:

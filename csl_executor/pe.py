@@ -74,6 +74,7 @@ class PE:
         self.arch = rules(program.arch)
         self.mem = bytearray(program.memory_image)
         self.mem16 = np.frombuffer(self.mem, dtype=np.uint16)
+        self.views = D.typed_views(self.mem16)
         mv = memoryview(self.mem)
         self.mF, self.mI, self.mi = mv.cast("f"), mv.cast("I"), mv.cast("i")
         self.mH, self.mh = mv.cast("H"), mv.cast("h")
@@ -461,7 +462,7 @@ class PE:
         for o, position in saved:
             dsd, opts = self.dsrs[(o.kind, o.id)]
             if dsd.kind == "mem1d":
-                dsd = replace(dsd, base=dsd.base + n * dsd.stride * words[position])
+                dsd = dsd.changed(base=dsd.base + n * dsd.stride * words[position])
                 self.dsrs[(o.kind, o.id)] = (dsd, opts)
 
     def dsd_op(self, spec: D.OpSpec, operands: tuple, index: int | None = None) -> None:
@@ -472,7 +473,7 @@ class PE:
             spec, operands, saved = self._resolve_dsrs(spec, operands)
         if index is not None:
             operands = tuple(
-                replace(o, base=o.base + index) if isinstance(o, Dsd) and o.wavelet_index_offset else o
+                o.changed(base=o.base + index) if isinstance(o, Dsd) and o.wavelet_index_offset else o
                 for o in operands
             )
         n = D.op_length(operands)
@@ -522,6 +523,11 @@ class PE:
             self.t += cycles
 
     def _mem_compute(self, spec: D.OpSpec, dest: Any, srcs: tuple, stypes: list[str], n: int) -> None:
+        if not self._strided_compute(spec, dest, srcs, stypes, n):
+            self._indexed_compute(spec, dest, srcs, stypes, n)
+
+    def _indexed_compute(self, spec: D.OpSpec, dest: Any, srcs: tuple, stypes: list[str], n: int) -> None:
+        """Any operation over memory, through the word addresses of its operands' elements."""
         where = spec.where
         didx = D.mem_indices(dest, n, D.WORDS[spec.dtype], where)
         src_idx = [
@@ -554,6 +560,39 @@ class PE:
                 values.append(D.scalar_array(s, n, st))
         out = D.compute(spec.name, values, spec.dtype, spec.stype)
         D.write_mem(self.mem16, didx, out, spec.dtype, where)
+
+    def _strided_compute(self, spec: D.OpSpec, dest: Any, srcs: tuple, stypes: list[str], n: int) -> bool:
+        """The common operation as one NumPy step over views of the memory: a mem1d destination that no
+        step reads back, sources that are mem1d DSDs, scalar pointers or values. False, with nothing
+        done, for everything else (a mem4d operand, a source overlapping the destination other than in
+        place, an operand out of bounds or misaligned): the indexed path does those and reports errors."""
+        if not isinstance(dest, Dsd):
+            return False
+        size = len(self.mem16)
+        dspan = D.mem_span(dest, D.WORDS[spec.dtype])
+        if dspan is None or dspan[1] == 0 or not D.span_in_memory(*dspan, n, spec.dtype, size):
+            return False
+        out_view = D.span_view(self.views, spec.dtype, *dspan, n)
+        if out_view is None:
+            return False
+        dkey = (*dspan, spec.dtype)
+        values = []
+        for s, st in zip(srcs, stypes, strict=True):
+            if isinstance(s, D.Scalar):
+                values.append(D.scalar_array(s, n, st))
+                continue
+            span = D.mem_span(s, D.WORDS[st]) if isinstance(s, (Dsd, D.ScalarPtr)) else None
+            if span is None or not D.span_in_memory(*span, n, st, size):
+                return False
+            in_place = span == dspan and D.WORDS[st] == D.WORDS[spec.dtype]
+            if not in_place and not D.spans_apart((*span, st), dkey, n):
+                return False
+            view = D.span_view(self.views, st, *span, n)
+            if view is None:
+                return False
+            values.append(view)
+        out_view[...] = D.compute(spec.name, values, spec.dtype, spec.stype)
+        return True
 
     def _sequential(self, spec, didx, srcs, src_idx, stypes, n) -> None:
         """Element by element: a later step reads what an earlier one wrote (an accumulator)."""
@@ -829,17 +868,26 @@ class StreamOp:
         self.blocked_on = ""
         self.didx: np.ndarray | None = None
         self.sidx: list[np.ndarray | None] = [None] * len(self.srcs)
+        # The same operands as views of the memory where their addresses step evenly (the fast path)
+        self.dview: np.ndarray | None = None
+        self.sview: list[np.ndarray | None] = [None] * len(self.srcs)
         where = spec.where
         if isinstance(self.dest, (Dsd, D.ScalarPtr)) and not (
             isinstance(self.dest, Dsd) and self.dest.kind == "fabout"
         ):
             self.didx = D.mem_indices(self.dest, n, D.WORDS[spec.dtype], where)
             pe._bounds(self.didx, spec.dtype, where)
+            span = D.mem_span(self.dest, D.WORDS[spec.dtype])
+            if span is not None and span[1] != 0:
+                self.dview = D.span_view(pe.views, spec.dtype, *span, n)
         for k, (s, st) in enumerate(zip(self.srcs, self.stypes, strict=True)):
             if isinstance(s, D.ScalarPtr) or (isinstance(s, Dsd) and s.kind in ("mem1d", "mem4d")):
                 sidx = D.mem_indices(s, n, D.WORDS[st], where)
                 self.sidx[k] = sidx
                 pe._bounds(sidx, st, where)
+                span = D.mem_span(s, D.WORDS[st])
+                if span is not None:
+                    self.sview[k] = D.span_view(pe.views, st, *span, n)
         if isinstance(self.dest, Dsd) and self.dest.kind == "fabout":
             pe.output_queue(self.dest.queue if self.dest.queue is not None else 0, self.dest.fabric_color.id)
         for s in self.srcs:
@@ -995,7 +1043,10 @@ class StreamOp:
         values = []
         for idx_k, (s, st) in enumerate(zip(self.srcs, self.stypes, strict=True)):
             idx = self.sidx[idx_k]
-            if idx is not None:
+            view = self.sview[idx_k]
+            if view is not None:
+                values.append(view[self.pos : self.pos + k])
+            elif idx is not None:
                 values.append(D.read_mem(pe.mem16, idx[self.pos : self.pos + k], st, where))
             elif isinstance(s, D.Scalar):
                 values.append(D.scalar_array(s, k, st))
@@ -1020,6 +1071,8 @@ class StreamOp:
             ch = pe.fifos[d.index]
             for i, p in enumerate(D.to_wavelets(out, spec.dtype)):
                 ch.push(t + 1 + i, p)
+        elif self.dview is not None:
+            self.dview[self.pos : self.pos + k] = out
         else:
             assert self.didx is not None  # set in __init__ for every memory destination
             D.write_mem(pe.mem16, self.didx[self.pos : self.pos + k], out, spec.dtype, where)

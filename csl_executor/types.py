@@ -445,6 +445,14 @@ class Dsd:
     symbol: str = ""
     extras: tuple[tuple[str, Any], ...] = field(default=())
 
+    def changed(self, **fields: Any) -> Dsd:
+        """A copy with `fields` changed: `dataclasses.replace` without its walk over every field, since
+        the running program rebuilds DSDs at every step of a @map."""
+        new = object.__new__(Dsd)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(fields)
+        return new
+
     @property
     def fabric_color(self) -> Color:
         """The color of a fabin/fabout DSD, which always has one (mem1d/mem4d have none)."""
