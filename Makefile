@@ -24,8 +24,13 @@ LOADTEST_USERS ?= 16
 .PHONY: serve test installed test-fast typecheck lint lint-imports format generate clean appliance-venv loadtest haproxy \
 	bench-sim bench-service bench-host report
 
+# A fresh venv's pip is the one Python bundles (23.2 with 3.11): a current one resolves the test extras'
+# 180 packages in less than half the time (about 80 -> 35 s of CPU here), so each install takes it first.
+PIP_FLOOR := pip>=25.1
+
 $(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U '$(PIP_FLOOR)'
 	$(PY) -m pip install -q -e .
 	touch $@
 
@@ -34,6 +39,7 @@ $(RUN_STAMP): pyproject.toml
 # pyarrow) took more than half of the install's CPU; Python compiles what the tests import as they do.
 $(TEST_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U '$(PIP_FLOOR)'
 	$(PY) -m pip install -q --no-compile -e '.[test]'
 	touch $(RUN_STAMP) $@
 

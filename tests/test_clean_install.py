@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import venv
 from pathlib import Path
@@ -67,11 +68,14 @@ def installed_top_level(env_dir: Path) -> set[str]:
 def test_run_dependencies_alone_serve_a_generation(tmp_path):
     source, env_dir = tmp_path / "src", tmp_path / "venv"
     tracked_copy(image_sources(), source)
-    venv.create(env_dir, with_pip=True)
+    # The test environment's pip installs into the fresh one (`--python`): no second pip to bootstrap,
+    # and the current resolver, which `make` installs, instead of the one Python bundles.
+    venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
     clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    pip = [sys.executable, "-m", "pip", "--python", str(python)]
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check", "."],
+        [*pip, "install", "-q", "--no-compile", "--disable-pip-version-check", "."],
         cwd=source,
         env=clean_env,
         capture_output=True,

@@ -19,7 +19,7 @@ memcpy's fabric offsets), and Cerebras' published CS-2 / CS-3 specifications.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from wafer_gpt2.core.code_bytes import CODE_BYTES, STACK_BYTES
 from wafer_gpt2.errors import InvalidInput
@@ -49,6 +49,19 @@ class Arch:
     input_queue_ids: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
     local_task_ids: range = range(0, 31)
     memcpy_task_ids: tuple[int, ...] = MEMCPY_TASK_IDS
+
+    def __hash__(self) -> int:
+        # The planner's caches key on the architecture at every lookup, and its code table is long: the
+        # hash of the fields is kept (and left out of a pickle, since another process hashes strings
+        # differently).
+        kept = self.__dict__.get("_hash")
+        if kept is None:
+            kept = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", kept)
+        return kept
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def program_code_bytes(self, program: str) -> int:
         """The code of one PE program (`wafer_gpt2.core.code_bytes.program_of`), memcpy's component included."""
