@@ -25,7 +25,8 @@ LOADTEST_USERS ?= 16
 	bench-sim bench-service bench-host report
 
 # A fresh venv's pip is the one Python bundles (23.2 with 3.11): a current one resolves the test extras'
-# 180 packages in less than half the time (about 80 -> 35 s of CPU here), so each install takes it first.
+# 180 packages in a third of the CPU (about 70 -> 25 s here; the test install 2:07 -> 1:05), so each
+# install takes it first.
 PIP_FLOOR := pip>=25.1
 
 $(RUN_STAMP): pyproject.toml
