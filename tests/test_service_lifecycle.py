@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -17,6 +18,9 @@ import pytest
 from service_harness import SlowBackend, backend_factory, running_server, sse_events, wait_until
 
 from wafer_gpt2.cli.main import main
+from wafer_gpt2.engine import worker
+from wafer_gpt2.engine.core import gpt2_tokenizer_hooks
+from wafer_gpt2.engine.metrics import ServiceMetrics
 from wafer_gpt2.engine.worker import EngineState
 from wafer_gpt2.settings import ServerSettings
 
@@ -207,6 +211,54 @@ def test_shutdown_timeout_ends_what_is_still_running(small_params):
         assert "shut down before this request finished" in events[-1]["error"]
         running.thread.join(10)
         assert not running.thread.is_alive()
+
+
+class _CountedClose(SlowBackend):
+    """A backend that counts its closes."""
+
+    def __init__(self, inner, closes: list[int]):
+        super().__init__(inner, 0.0)
+        self.closes = closes
+
+    def close(self) -> None:
+        self.closes.append(1)
+        super().close()
+
+
+@pytest.mark.parametrize("load_outlasts_the_wait", [False, True])
+def test_a_model_loaded_after_shutdown_is_closed_not_served(
+    small_params, monkeypatch, caplog, load_outlasts_the_wait
+):
+    # Shut down while the model uploads. Where the upload ends within shutdown's wait for the worker, or
+    # only after shutdown gave up on it, the backend it builds is closed once, the engine never reports
+    # "model ready", and it stays stopped.
+    monkeypatch.setattr(worker, "SHUTDOWN_JOIN_S", 0.2 if load_outlasts_the_wait else 10.0)
+    gate, building, closes = threading.Event(), threading.Event(), []
+
+    def build():
+        building.set()
+        assert gate.wait(30)
+        return _CountedClose(backend_factory("reference", small_params, slots=2)(), closes)
+
+    engine = worker.Engine(
+        build, gpt2_tokenizer_hooks(), ServiceMetrics("test"), max_queue=4, step_token_budget=64
+    )
+    caplog.set_level(logging.INFO, logger=worker.__name__)
+    engine.start()
+    assert building.wait(10)
+    if load_outlasts_the_wait:
+        engine.shutdown(timeout=0.0)
+        assert "still loading at shutdown" in caplog.text
+        gate.set()
+    else:
+        threading.Timer(0.2, gate.set).start()
+        engine.shutdown(timeout=0.0)
+    wait_until(lambda: closes, timeout=10)
+    time.sleep(0.1)  # a second close, if any, comes at once
+    assert closes == [1]
+    assert engine.state is EngineState.STOPPED
+    assert "model ready" not in caplog.text
+    assert "finished loading after the engine was shut down" in caplog.text
 
 
 # ----- the `serve` command -------------------------------------------------------------------------

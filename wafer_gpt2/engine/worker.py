@@ -73,6 +73,9 @@ RELOAD_ATTEMPTS = 3
 # wafer's wait.
 OVERLAP_MIN_WAIT_S = 0.1e-3
 OVERLAP_STEPS_IN_A_ROW = 3
+# How long `shutdown` waits for the worker after asking it to stop: one step boundary. A worker still
+# busy by then (a hung step, a model still loading) is abandoned.
+SHUTDOWN_JOIN_S = 5.0
 
 
 class HelperThread:
@@ -207,6 +210,7 @@ class Engine:
         self._parked = False
         self._helper_cpu_s = 0.0  # CPU time of the helper's jobs (under the lock): not the backend's wait
         self._waits_in_a_row = 0  # steps in a row that left the GIL free for OVERLAP_MIN_WAIT_S or more
+        self._loading = False  # the worker is building a backend (read by `shutdown`'s report)
 
     # ----- lifecycle -------------------------------------------------------------------------------
 
@@ -268,9 +272,12 @@ class Engine:
             self._watch.notify_all()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5.0)  # one step boundary; a step still running by then is hung
+            thread.join(timeout=SHUTDOWN_JOIN_S)
             if thread.is_alive():
-                log.error("a step is still running at shutdown: its worker is abandoned")
+                if self._loading:
+                    log.error("the model is still loading at shutdown: the backend is closed once built")
+                else:
+                    log.error("a step is still running at shutdown: its worker is abandoned")
                 with self._cond:
                     self._generation += 1
                     self._set_state(EngineState.STOPPED)
@@ -403,7 +410,7 @@ class Engine:
         death: BaseException | None = None  # what ended the worker when nobody asked it to stop
         helper = HelperThread()
         try:
-            if not self._load(first=first):
+            if not self._load(generation, first=first):
                 return
             depth = self._steps_in_flight()
             while True:
@@ -458,7 +465,7 @@ class Engine:
                         self._step = None
                     ids = ",".join(dict.fromkeys(state.id for state in batch.owners))
                     log.exception("engine step failed (requests %s)", ids, extra={"request_id": ids})
-                    if not self._recover(exc):
+                    if not self._recover(generation, exc):
                         return
                     depth = self._steps_in_flight()
         except BaseException as exc:  # the worker itself cannot go on: never leave a silent engine
@@ -610,7 +617,7 @@ class Engine:
                 owners = [state for batch, _ in in_flight for state in batch.owners]
                 ids = ",".join(dict.fromkeys(state.id for state in owners)) or "-"
                 log.exception("engine step failed (requests %s)", ids, extra={"request_id": ids})
-                return self._recover(exc)
+                return self._recover(generation, exc)
 
     def _complete_chosen(self, generation: int) -> bool:
         """The chosen tokens' text, events and ends (`complete_deferred`); False when this worker was
@@ -659,12 +666,15 @@ class Engine:
                 self._parked = False
                 self.idle_seconds += time.monotonic() - waited
 
-    def _load(self, first: bool) -> bool:
-        """Build the backend (upload the model); on failure retry, then give up (FAILED)."""
+    def _load(self, generation: int, first: bool) -> bool:
+        """Build the backend (upload the model); on failure retry, then give up (FAILED). A backend
+        that is built after the engine was shut down, or after `shutdown` abandoned this worker, is
+        closed at once: nothing would serve from it or close it later."""
         attempts = 1 if first else RELOAD_ATTEMPTS
         for attempt in range(1, attempts + 1):
             started = time.monotonic()
             log.info("uploading the model to the wafer backend%s", "" if first else f" (attempt {attempt})")
+            self._loading = True
             try:
                 if self._injected_load_faults:
                     raise self._injected_load_faults.pop(0)
@@ -673,17 +683,25 @@ class Engine:
                 log.error("could not build the backend: %s", exc)
                 self.error = f"{type(exc).__name__}: {exc}"
                 continue
+            finally:
+                self._loading = False
             with self._cond:
-                if self._core is None:
-                    self._core = EngineCore(
-                        backend, self._tokenizer, self._max_queue, self._step_token_budget, self.metrics
-                    )
-                else:
-                    self._core.attach(backend)  # fresh slots, the queue kept
-                self.load_seconds = time.monotonic() - started
-                self.error = None
-                if self._state in (EngineState.LOADING, EngineState.RELOADING):
-                    self._set_state(EngineState.READY)
+                stopped = self._stop or self._generation != generation
+                if not stopped:
+                    if self._core is None:
+                        self._core = EngineCore(
+                            backend, self._tokenizer, self._max_queue, self._step_token_budget, self.metrics
+                        )
+                    else:
+                        self._core.attach(backend)  # fresh slots, the queue kept
+                    self.load_seconds = time.monotonic() - started
+                    self.error = None
+                    if self._state in (EngineState.LOADING, EngineState.RELOADING):
+                        self._set_state(EngineState.READY)
+            if stopped:
+                log.info("the model finished loading after the engine was shut down: its backend is closed")
+                close_quietly(backend)
+                return False
             log.info(
                 "model ready in %.2f s: %d KV slots x %d positions, top-%d",
                 self.load_seconds,
@@ -699,7 +717,7 @@ class Engine:
             self._on_fatal(f"the model could not be loaded: {self.error or 'the backend could not be built'}")
         return False
 
-    def _recover(self, exc: BaseException) -> bool:
+    def _recover(self, generation: int, exc: BaseException) -> bool:
         """A step failed: fail the requests in flight, rebuild the backend, keep the queue."""
         with self._cond:
             if self._state is EngineState.READY:
@@ -717,7 +735,7 @@ class Engine:
             self.restarts += 1
             self.metrics.wafer_engine_restarts_total.inc()
         self._close_backend()
-        return self._load(first=False)
+        return self._load(generation, first=False)
 
     def _close_backend(self) -> None:
         backend = self._core.detach() if self._core is not None else None
