@@ -4,6 +4,7 @@ PE, S per DSD operation started, T per task activation, 20 per exp, fp16 SIMD 4 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -458,6 +459,37 @@ def test_the_records_sort_is_priced_on_io_out_not_in_the_head() -> None:
     stages = {s.name: s for s in plan.stage_costs}
     assert stages["io.out"].phases[RECORD_SORT_PHASE] == cost.record_sort_cycles(plan.region("head").tiling)
     assert plan.occupancy_cycles == stages["head"].busy > stages["io.out"].busy
+
+
+def test_the_centres_scalar_counts_are_the_executors_count_of_its_csl() -> None:
+    """The centre's take of round C's entries (lib/topk.csl `take`) is priced at the CSL executor's rule,
+    a cycle per operator, memory access and call of each statement: an entry of a bin before t, one of
+    bin t (its insertion's tests and count besides), and a pass of the insertion loop (an inversion)
+    are each counted here from the parsed CSL, as the executor charges them."""
+    from csl_executor import ast
+    from csl_executor.compiler import operations, statement_operations
+    from csl_executor.parse import parse_file
+
+    source = parse_file(str(Path(cost.__file__).parents[1] / "kernels" / "lib" / "topk.csl"))
+    take = next(d for d in source.decls if getattr(d, "name", None) == "take")
+    loop = next(s for s in take.body.stmts if isinstance(s, ast.For))
+    *reads, branch = loop.body.stmts  # the entry's loads and its bin, then the branch on it
+    entry = 1 + sum(map(statement_operations, reads)) + operations(branch.cond)  # 1: the loop's test
+    earlier = entry + sum(map(statement_operations, branch.then.stmts))
+    in_bin_t = branch.other  # the test for a place among bin t's places, and the insertion
+    start, insertion, *after = in_bin_t.then.stmts
+    moves = operations(insertion.cond) + sum(map(statement_operations, insertion.body.stmts))
+    inserted = (
+        entry
+        + operations(in_bin_t.cond)
+        + statement_operations(start)
+        + operations(insertion.cond)  # its last test, which ends it
+        + sum(operations(s.cond) + sum(map(statement_operations, s.then.stmts)) if isinstance(s, ast.If)
+              else statement_operations(s) for s in after)
+    )  # fmt: skip
+    assert earlier == 2 + cost.TOPK_TAKE_CYCLES
+    assert inserted - earlier == cost.TOPK_BIN_T_CYCLES
+    assert moves == cost.TOPK_INVERSION_CYCLES
 
 
 def test_threshold_bins() -> None:

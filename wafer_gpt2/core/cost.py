@@ -76,7 +76,8 @@ RSQRT_CYCLES = 10
 # A worker's slice: its max and min (a load, two compares); in the histogram pass and again in the
 # selection pass a logit's bin (a compare with L, subtract, multiply, clamp, convert) and its count;
 # a kept entry's two stores and its count. The centre per entry of round C: its loads, its bin, the
-# place it takes (or its insertion among bin t's); per inversion (logits out of order inside a bin,
+# place it takes; an entry of bin t more: the test for a place among bin t's, the insertion's start,
+# its last test and the count of bin t's places; per inversion (logits out of order inside a bin,
 # sorted on io.out) one pass of the insertion loop: its test (the index, its decrement, a load, two
 # compares and their `and`) and the move (two loads, two stores, the index twice, the decrement); per
 # entry of that sort its look at the one before (the loop's test and count, two loads, the index, a
@@ -86,6 +87,7 @@ TOPK_SCAN_CYCLES = 4
 TOPK_BIN_CYCLES = 6
 TOPK_ENTRY_CYCLES = 5
 TOPK_TAKE_CYCLES = 12
+TOPK_BIN_T_CYCLES = 13
 TOPK_INVERSION_CYCLES = 12
 TOPK_SORT_PASS_CYCLES = 6
 TOPK_SORT_MOVER_CYCLES = 9
@@ -1244,14 +1246,15 @@ def head_cost(tiling: HeadTiling, arch: Arch | str, dtype: str, name: str = "hea
     cost.add("round C: the lists merged to the centre (their counts)", counts - b_out)
     # The centre takes the entries as they come (slower than their words), a chunk at a time from
     # each of its three inputs, the right half's first chunk read while it takes the others and then
-    # taken by a task of its own; bin t's are inserted among its remaining places (about a move each).
+    # taken by a task of its own; bin t's are inserted among its remaining places (about a move each,
+    # beyond the tests and the count an insertion takes).
     # The record leaves ordered by bin: io.out sorts inside the bins (`record_sort_cycles`).
     chunks = 3 + int(kept // HEAD_CHUNK)
     take = (
         kept * (2 + TOPK_TAKE_CYCLES)
         + chunks * DSD_OP_START_CYCLES
         + TASK_ACTIVATION_CYCLES
-        + bin_t * TOPK_INVERSION_CYCLES
+        + bin_t * (TOPK_BIN_T_CYCLES + TOPK_INVERSION_CYCLES)
     )
     cost.add("round C: the entries taken by the centre", int(take))
     record = 2 * (DSD_OP_START_CYCLES + k)  # the ids and the logits into the record
